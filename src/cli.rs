@@ -1,0 +1,110 @@
+//! The command line: `coli [--model ENGINE] [KEY=VALUE ...] [CAP [EBITS [DBITS]]]` and the
+//! subcommands. This module parses and dispatches; it holds no model logic.
+
+use std::ffi::OsString;
+use std::process::ExitCode;
+
+use anyhow::{bail, Result};
+use clap::{Parser, Subcommand};
+
+use crate::run::{self, Positionals};
+use crate::settings::{self, Settings};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "coli",
+    version,
+    about = "Run mixture-of-experts models over memory-mapped expert shards",
+    args_conflicts_with_subcommands = true,
+    after_help = "Examples:\n  coli --model olmoe SNAP=fixtures/olmoe_tiny 64 16 16       greedy oracle check, exact f32\n  coli SNAP=fixtures/olmoe_tiny TF=1 ORACLE_STRICT=1 1 16 16  teacher-forced, one slot per layer\n  coli SNAP=fixtures/olmoe_tiny IDS=\"1 2 3\" NGEN=8            generate token ids\n  coli settings                                              every KEY with its default"
+)]
+pub struct Cli {
+    /// Engine to run (olmoe); defaults to model_type in SNAP/config.json.
+    #[arg(long, value_name = "ENGINE")]
+    pub model: Option<String>,
+
+    /// KEY=VALUE settings, then up to three numbers: CAP (expert slots per MoE layer,
+    /// 0 = auto), EBITS (bits for float experts, >=16 = f32), DBITS (dense, default EBITS).
+    #[arg(
+        value_name = "KEY=VALUE | CAP [EBITS [DBITS]]",
+        allow_hyphen_values = true
+    )]
+    pub args: Vec<String>,
+
+    #[command(subcommand)]
+    pub command: Option<Command>,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Print every setting with its type, default and description.
+    Settings,
+}
+
+/// Parse `argv` and run; errors are reported by the caller with exit code 2.
+pub fn run(argv: impl IntoIterator<Item = OsString>) -> Result<ExitCode> {
+    let cli = match Cli::try_parse_from(argv) {
+        Ok(cli) => cli,
+        Err(err) => {
+            // clap prints help/version to stdout (exit 0) and usage errors to stderr (exit 2).
+            let code = if err.use_stderr() { 2 } else { 0 };
+            let _ = err.print();
+            return Ok(ExitCode::from(code));
+        }
+    };
+    if let Some(Command::Settings) = cli.command {
+        print!("{}", settings::table());
+        return Ok(ExitCode::SUCCESS);
+    }
+    let (pairs, numbers) = split_args(&cli.args)?;
+    let settings = Settings::resolve(&pairs, |name| std::env::var(name).ok())?;
+    let positionals = Positionals::from_numbers(&numbers);
+    run::main_job(cli.model.as_deref(), &settings, positionals)
+}
+
+/// Separate `KEY=VALUE` arguments from the numeric positionals.
+fn split_args(args: &[String]) -> Result<(Vec<(String, String)>, Vec<u32>)> {
+    let mut pairs = Vec::new();
+    let mut numbers = Vec::new();
+    for arg in args {
+        if let Some((key, value)) = arg.split_once('=') {
+            if key.is_empty() || !key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+                bail!(
+                    "argument {arg:?}: expected KEY=VALUE with KEY made of letters, digits and _"
+                );
+            }
+            pairs.push((key.to_string(), value.to_string()));
+        } else {
+            let Ok(number) = arg.parse::<u32>() else {
+                bail!("argument {arg:?}: expected KEY=VALUE or a number (CAP [EBITS [DBITS]])");
+            };
+            numbers.push(number);
+        }
+    }
+    if numbers.len() > 3 {
+        bail!("too many numbers {numbers:?}: expected at most CAP EBITS DBITS");
+    }
+    Ok((pairs, numbers))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_pairs_and_positionals() {
+        let args: Vec<String> = ["SNAP=/m", "64", "TF=1", "16"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let (pairs, numbers) = split_args(&args).unwrap();
+        assert_eq!(
+            pairs,
+            vec![("SNAP".into(), "/m".into()), ("TF".into(), "1".into())]
+        );
+        assert_eq!(numbers, vec![64, 16]);
+        assert!(split_args(&["x".to_string()]).is_err());
+        assert!(split_args(&["1".into(), "2".into(), "3".into(), "4".into()]).is_err());
+        assert!(split_args(&["A-B=1".into()]).is_err());
+    }
+}

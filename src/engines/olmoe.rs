@@ -1,0 +1,450 @@
+//! OLMoE (`OlmoeForCausalLM`): every layer is grouped-query attention with RMSNorm over the
+//! whole q and k projections and rotate-half RoPE, then a softmax-routed top-k MoE of
+//! SwiGLU experts. No dense layers, no shared experts, no router bias.
+
+use anyhow::{bail, Result};
+use serde::Deserialize;
+
+use super::layers::{causal_attention, rms_norm, rms_norm_in_place, AttentionShape, KvCache, Rope};
+use super::moe::{run_experts, softmax_top_k, Route};
+use super::{Engine, LoadOptions};
+use crate::experts::{auto_capacity, CacheStats, ExpertStore, ExpertTensors};
+use crate::quant::{load_vector, Matrix, Width};
+use crate::snapshot::Snapshot;
+
+pub const NAME: &str = "olmoe";
+
+/// The keys of `config.json` this engine reads.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Config {
+    pub hidden_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: Option<usize>,
+    pub head_dim: Option<usize>,
+    pub num_experts: usize,
+    pub num_experts_per_tok: usize,
+    pub intermediate_size: usize,
+    pub vocab_size: usize,
+    #[serde(default = "default_eps")]
+    pub rms_norm_eps: f64,
+    pub rope_theta: Option<f64>,
+    pub rope_parameters: Option<RopeParameters>,
+    #[serde(default)]
+    pub norm_topk_prob: bool,
+    pub clip_qkv: Option<f32>,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    pub hidden_act: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct RopeParameters {
+    pub rope_type: Option<String>,
+    pub rope_theta: Option<f64>,
+}
+
+fn default_eps() -> f64 {
+    1e-5
+}
+
+impl Config {
+    fn head_dim(&self) -> usize {
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads)
+    }
+
+    fn kv_heads(&self) -> usize {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+
+    /// `rope_parameters.rope_theta` (transformers 5) or the top-level `rope_theta`.
+    fn rope_theta(&self) -> f64 {
+        self.rope_parameters
+            .as_ref()
+            .and_then(|p| p.rope_theta)
+            .or(self.rope_theta)
+            .unwrap_or(10000.0)
+    }
+
+    fn validate(&self) -> Result<()> {
+        let heads = self.num_attention_heads;
+        let kv_heads = self.kv_heads();
+        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
+            bail!("config.json: num_attention_heads ({heads}) must be a positive multiple of num_key_value_heads ({kv_heads})");
+        }
+        if self.num_experts_per_tok == 0 || self.num_experts_per_tok > self.num_experts {
+            bail!(
+                "config.json: num_experts_per_tok ({}) must be between 1 and num_experts ({})",
+                self.num_experts_per_tok,
+                self.num_experts
+            );
+        }
+        if let Some(kind) = self
+            .rope_parameters
+            .as_ref()
+            .and_then(|p| p.rope_type.as_deref())
+        {
+            if kind != "default" {
+                bail!(
+                    "config.json: rope_type {kind:?} is not supported by olmoe (only \"default\")"
+                );
+            }
+        }
+        if let Some(act) = self.hidden_act.as_deref() {
+            if act != "silu" {
+                bail!("config.json: hidden_act {act:?} is not supported by olmoe (only \"silu\")");
+            }
+        }
+        if self.head_dim() % 2 != 0 {
+            bail!(
+                "config.json: head dimension {} must be even for RoPE",
+                self.head_dim()
+            );
+        }
+        Ok(())
+    }
+}
+
+struct Attention {
+    q_proj: Matrix,
+    k_proj: Matrix,
+    v_proj: Matrix,
+    o_proj: Matrix,
+    q_norm: Vec<f32>,
+    k_norm: Vec<f32>,
+}
+
+struct Layer {
+    input_norm: Vec<f32>,
+    post_attention_norm: Vec<f32>,
+    attention: Attention,
+    router: Matrix,
+}
+
+pub struct Olmoe {
+    config: Config,
+    embed: Matrix,
+    final_norm: Vec<f32>,
+    lm_head: Matrix,
+    layers: Vec<Layer>,
+    kv_caches: Vec<KvCache>,
+    rope: Rope,
+    shape: AttentionShape,
+    experts: ExpertStore,
+}
+
+impl Olmoe {
+    pub fn load(snapshot: &Snapshot, options: LoadOptions) -> Result<Olmoe> {
+        let config: Config = snapshot.config()?;
+        config.validate()?;
+        let (d, hd) = (config.hidden_size, config.head_dim());
+        let (heads, kv_heads) = (config.num_attention_heads, config.kv_heads());
+        let dense = options.dense_width;
+        let matrix = |name: &str, shape: [usize; 2], width: Width| -> Result<Matrix> {
+            Matrix::load(&snapshot.tensor_shaped(name, &shape)?, width)
+        };
+        let vector = |name: &str, len: usize| load_vector(&snapshot.tensor(name)?, len);
+        // Embeddings and head stay f32 unless dense weights go below 8 bits, as in colibri.
+        let io_width = if dense.bits() >= 8 { Width::F32 } else { dense };
+
+        let mut layers = Vec::with_capacity(config.num_hidden_layers);
+        let mut expert_tensors = Vec::with_capacity(config.num_hidden_layers);
+        for l in 0..config.num_hidden_layers {
+            let p = format!("model.layers.{l}");
+            layers.push(Layer {
+                input_norm: vector(&format!("{p}.input_layernorm.weight"), d)?,
+                post_attention_norm: vector(&format!("{p}.post_attention_layernorm.weight"), d)?,
+                attention: Attention {
+                    q_proj: matrix(
+                        &format!("{p}.self_attn.q_proj.weight"),
+                        [heads * hd, d],
+                        dense,
+                    )?,
+                    k_proj: matrix(
+                        &format!("{p}.self_attn.k_proj.weight"),
+                        [kv_heads * hd, d],
+                        dense,
+                    )?,
+                    v_proj: matrix(
+                        &format!("{p}.self_attn.v_proj.weight"),
+                        [kv_heads * hd, d],
+                        dense,
+                    )?,
+                    o_proj: matrix(
+                        &format!("{p}.self_attn.o_proj.weight"),
+                        [d, heads * hd],
+                        dense,
+                    )?,
+                    q_norm: vector(&format!("{p}.self_attn.q_norm.weight"), heads * hd)?,
+                    k_norm: vector(&format!("{p}.self_attn.k_norm.weight"), kv_heads * hd)?,
+                },
+                router: matrix(
+                    &format!("{p}.mlp.gate.weight"),
+                    [config.num_experts, d],
+                    Width::F32,
+                )?,
+            });
+            expert_tensors.push(layer_experts(snapshot, &config, l)?);
+        }
+        let embed = matrix(
+            "model.embed_tokens.weight",
+            [config.vocab_size, d],
+            io_width,
+        )?;
+        let lm_head = if snapshot.contains("lm_head.weight") || !config.tie_word_embeddings {
+            matrix("lm_head.weight", [config.vocab_size, d], io_width)?
+        } else {
+            matrix(
+                "model.embed_tokens.weight",
+                [config.vocab_size, d],
+                io_width,
+            )?
+        };
+        let final_norm = vector("model.norm.weight", d)?;
+
+        let mut olmoe = Olmoe {
+            rope: Rope::new(hd, config.rope_theta()),
+            shape: AttentionShape {
+                heads,
+                kv_heads,
+                head_dim: hd,
+                scale: (hd as f32).powf(-0.5),
+            },
+            kv_caches: (0..config.num_hidden_layers)
+                .map(|_| KvCache::new(kv_heads * hd))
+                .collect(),
+            experts: ExpertStore::new(Vec::new(), 1, options.expert_width),
+            embed,
+            final_norm,
+            lm_head,
+            layers,
+            config,
+        };
+        let capacity = match options.cap {
+            0 => {
+                let expert_bytes = 3
+                    * olmoe.config.intermediate_size
+                    * d
+                    * if options.expert_width == Width::F32 {
+                        4
+                    } else {
+                        1
+                    };
+                auto_capacity(
+                    options.ram_budget,
+                    olmoe.resident_bytes() as u64,
+                    olmoe.config.num_hidden_layers,
+                    expert_bytes as u64,
+                    olmoe.config.num_experts,
+                )
+            }
+            cap => cap.min(olmoe.config.num_experts),
+        };
+        olmoe.experts = ExpertStore::new(expert_tensors, capacity, options.expert_width);
+        Ok(olmoe)
+    }
+
+    fn attention(&mut self, l: usize, x: &[f32], n: usize, start: usize) -> Vec<f32> {
+        let (d, hd) = (self.config.hidden_size, self.shape.head_dim);
+        let layer = &self.layers[l];
+        let attn = &layer.attention;
+        let q_width = self.shape.heads * hd;
+        let kv_width = self.shape.kv_heads * hd;
+        let mut h = vec![0f32; n * d];
+        rms_norm(x, &layer.input_norm, self.config.rms_norm_eps, &mut h);
+        let mut q = vec![0f32; n * q_width];
+        let mut k = vec![0f32; n * kv_width];
+        let mut v = vec![0f32; n * kv_width];
+        attn.q_proj.matmul(&h, n, &mut q);
+        attn.k_proj.matmul(&h, n, &mut k);
+        attn.v_proj.matmul(&h, n, &mut v);
+        rms_norm_in_place(&mut q, &attn.q_norm, self.config.rms_norm_eps);
+        rms_norm_in_place(&mut k, &attn.k_norm, self.config.rms_norm_eps);
+        if let Some(clip) = self.config.clip_qkv {
+            for value in q.iter_mut().chain(k.iter_mut()).chain(v.iter_mut()) {
+                *value = value.clamp(-clip, clip);
+            }
+        }
+        for t in 0..n {
+            self.rope
+                .apply(&mut q[t * q_width..][..q_width], hd, start + t);
+            self.rope
+                .apply(&mut k[t * kv_width..][..kv_width], hd, start + t);
+        }
+        let cache = &mut self.kv_caches[l];
+        cache.push(&k, &v);
+        let mut context = vec![0f32; n * q_width];
+        causal_attention(self.shape, &q, n, cache, &mut context);
+        let mut out = vec![0f32; n * d];
+        attn.o_proj.matmul(&context, n, &mut out);
+        out
+    }
+
+    fn moe(&mut self, l: usize, x: &[f32], n: usize) -> Result<Vec<f32>> {
+        let d = self.config.hidden_size;
+        let layer = &self.layers[l];
+        let mut h = vec![0f32; n * d];
+        rms_norm(
+            x,
+            &layer.post_attention_norm,
+            self.config.rms_norm_eps,
+            &mut h,
+        );
+        let mut logits = vec![0f32; n * self.config.num_experts];
+        layer.router.matmul(&h, n, &mut logits);
+        let routes: Vec<Route> = logits
+            .chunks_exact(self.config.num_experts)
+            .map(|row| {
+                softmax_top_k(
+                    row,
+                    self.config.num_experts_per_tok,
+                    self.config.norm_topk_prob,
+                )
+            })
+            .collect();
+        let mut out = vec![0f32; n * d];
+        run_experts(&mut self.experts, l, &h, &routes, d, &mut out)?;
+        Ok(out)
+    }
+}
+
+/// The expert tensors of layer `l`: per-expert matrices as published, or the fused
+/// `experts.gate_up_proj [E, 2I, D]` / `experts.down_proj [E, D, I]` of transformers 5.
+fn layer_experts(snapshot: &Snapshot, config: &Config, l: usize) -> Result<Vec<ExpertTensors>> {
+    let (d, inter, n) = (
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_experts,
+    );
+    let p = format!("model.layers.{l}.mlp.experts");
+    let fused = format!("{p}.gate_up_proj");
+    if !snapshot.contains(&format!("{p}.0.gate_proj.weight")) && snapshot.contains(&fused) {
+        let gate_up = snapshot.tensor_shaped(&fused, &[n, 2 * inter, d])?;
+        let down = snapshot.tensor_shaped(&format!("{p}.down_proj"), &[n, d, inter])?;
+        return (0..n)
+            .map(|e| {
+                let pair = gate_up.select(e)?;
+                ExpertTensors {
+                    gate: pair.part(0, 2)?,
+                    up: pair.part(1, 2)?,
+                    down: down.select(e)?,
+                }
+                .checked(d, inter)
+            })
+            .collect();
+    }
+    (0..n)
+        .map(|e| {
+            ExpertTensors {
+                gate: snapshot.tensor(&format!("{p}.{e}.gate_proj.weight"))?,
+                up: snapshot.tensor(&format!("{p}.{e}.up_proj.weight"))?,
+                down: snapshot.tensor(&format!("{p}.{e}.down_proj.weight"))?,
+            }
+            .checked(d, inter)
+        })
+        .collect()
+}
+
+impl Engine for Olmoe {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.config.vocab_size
+    }
+
+    fn position(&self) -> usize {
+        self.kv_caches.first().map_or(0, KvCache::len)
+    }
+
+    fn forward(&mut self, tokens: &[u32], all_positions: bool) -> Result<Vec<f32>> {
+        let (n, d, vocab) = (
+            tokens.len(),
+            self.config.hidden_size,
+            self.config.vocab_size,
+        );
+        if n == 0 {
+            bail!("forward needs at least one token");
+        }
+        let start = self.position();
+        let mut x = vec![0f32; n * d];
+        for (row, &token) in x.chunks_exact_mut(d).zip(tokens) {
+            if token as usize >= vocab {
+                bail!("token id {token} is outside the vocabulary (vocab_size {vocab})");
+            }
+            self.embed.row_into(token as usize, row);
+        }
+        for l in 0..self.layers.len() {
+            let attention = self.attention(l, &x, n, start);
+            add(&mut x, &attention);
+            let moe = self.moe(l, &x, n)?;
+            add(&mut x, &moe);
+        }
+        let rows = if all_positions {
+            &x[..]
+        } else {
+            &x[(n - 1) * d..]
+        };
+        let m = rows.len() / d;
+        let mut normed = vec![0f32; m * d];
+        rms_norm(
+            rows,
+            &self.final_norm,
+            self.config.rms_norm_eps,
+            &mut normed,
+        );
+        let mut logits = vec![0f32; m * vocab];
+        self.lm_head.matmul(&normed, m, &mut logits);
+        Ok(logits)
+    }
+
+    fn reset(&mut self) {
+        self.kv_caches.iter_mut().for_each(KvCache::clear);
+    }
+
+    fn cache_stats(&self) -> CacheStats {
+        self.experts.stats()
+    }
+
+    fn cache_capacity(&self) -> usize {
+        self.experts.capacity()
+    }
+
+    fn resident_bytes(&self) -> usize {
+        let vectors: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                4 * (l.input_norm.len()
+                    + l.post_attention_norm.len()
+                    + l.attention.q_norm.len()
+                    + l.attention.k_norm.len())
+            })
+            .sum();
+        let matrices: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                let a = &l.attention;
+                a.q_proj.size_bytes()
+                    + a.k_proj.size_bytes()
+                    + a.v_proj.size_bytes()
+                    + a.o_proj.size_bytes()
+                    + l.router.size_bytes()
+            })
+            .sum();
+        vectors
+            + matrices
+            + self.embed.size_bytes()
+            + self.lm_head.size_bytes()
+            + 4 * self.final_norm.len()
+    }
+}
+
+fn add(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}

@@ -1,0 +1,353 @@
+//! The one registry of settings. Every `KEY` the program reads is declared here with its
+//! type, default and a one-line description; a value comes from a `KEY=VALUE` argument,
+//! else from the environment variable of the same name, else the default.
+//!
+//! Values are parsed and checked when the settings are resolved, so a typo or a malformed
+//! number stops the run before anything is loaded; the accessors cannot fail.
+
+use std::collections::HashMap;
+use std::fmt;
+
+use thiserror::Error;
+
+/// What a setting holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// `1/0`, `true/false`, `on/off`, `yes/no`.
+    Bool,
+    /// A non-negative integer.
+    Count,
+    /// A non-negative decimal number.
+    Number,
+    /// A file or directory path.
+    Path,
+    /// Whitespace- or comma-separated token ids.
+    Ids,
+}
+
+impl fmt::Display for Kind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Kind::Bool => "a boolean (1/0, true/false, on/off, yes/no)",
+            Kind::Count => "a non-negative integer",
+            Kind::Number => "a non-negative number",
+            Kind::Path => "a path",
+            Kind::Ids => "token ids separated by spaces or commas",
+        })
+    }
+}
+
+/// One declared setting.
+pub struct Key {
+    pub name: &'static str,
+    pub kind: Kind,
+    /// The default as it would be typed; empty when the setting is unset by default.
+    pub default: &'static str,
+    pub doc: &'static str,
+}
+
+/// Every setting, in the order `coli settings` prints them.
+pub const KEYS: &[Key] = &[
+    Key {
+        name: "SNAP",
+        kind: Kind::Path,
+        default: "",
+        doc: "model directory: config.json, *.safetensors, ref.json (required)",
+    },
+    Key {
+        name: "CAP",
+        kind: Kind::Count,
+        default: "0",
+        doc: "expert-cache slots per MoE layer; 0 = size from RAM_GB (the first positional wins)",
+    },
+    Key {
+        name: "RAM_GB",
+        kind: Kind::Number,
+        default: "0",
+        doc: "RAM budget for CAP=0 in GB; 0 = 88% of MemAvailable",
+    },
+    Key {
+        name: "THREADS",
+        kind: Kind::Count,
+        default: "0",
+        doc: "CPU worker threads; 0 = one per core",
+    },
+    Key {
+        name: "REF",
+        kind: Kind::Path,
+        default: "",
+        doc: "oracle reference JSON (default SNAP/ref.json)",
+    },
+    Key {
+        name: "TF",
+        kind: Kind::Bool,
+        default: "0",
+        doc: "oracle: teacher-forced comparison of every position instead of greedy generation",
+    },
+    Key {
+        name: "ORACLE_STRICT",
+        kind: Kind::Bool,
+        default: "0",
+        doc: "oracle: exit 1 on any mismatch or non-finite logit",
+    },
+    Key {
+        name: "IDS",
+        kind: Kind::Ids,
+        default: "",
+        doc: "generate NGEN tokens greedily from these token ids and print the ids",
+    },
+    Key {
+        name: "NGEN",
+        kind: Kind::Count,
+        default: "32",
+        doc: "tokens to generate in IDS mode",
+    },
+];
+
+/// A setting's parsed value.
+#[derive(Debug, Clone, PartialEq)]
+enum Value {
+    Bool(bool),
+    Count(u64),
+    Number(f64),
+    Text(String),
+    Ids(Vec<u32>),
+}
+
+/// Where a value came from, for messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    Argument,
+    Environment,
+}
+
+#[derive(Debug, Error, PartialEq)]
+pub enum SettingsError {
+    #[error("unknown setting {key}; did you mean {suggestion}? (`coli settings` lists them all)")]
+    UnknownKey {
+        key: String,
+        suggestion: &'static str,
+    },
+    #[error("{origin} {key}={value:?}: expected {kind}")]
+    BadValue {
+        origin: String,
+        key: &'static str,
+        value: String,
+        kind: Kind,
+    },
+}
+
+/// The resolved settings of one run.
+pub struct Settings {
+    values: HashMap<&'static str, Value>,
+}
+
+impl Settings {
+    /// Resolve `arguments` (`KEY`, `VALUE` pairs) over the environment `env` over defaults.
+    pub fn resolve(
+        arguments: &[(String, String)],
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Settings, SettingsError> {
+        let mut given: HashMap<&'static str, (String, Source)> = HashMap::new();
+        for (name, value) in arguments {
+            let key = find(name).ok_or_else(|| SettingsError::UnknownKey {
+                key: name.clone(),
+                suggestion: nearest(name),
+            })?;
+            given.insert(key.name, (value.clone(), Source::Argument));
+        }
+        let mut values = HashMap::new();
+        for key in KEYS {
+            let (raw, source) = match given.remove(key.name) {
+                Some(found) => found,
+                None => match env(key.name) {
+                    Some(value) => (value, Source::Environment),
+                    None if key.default.is_empty() => continue,
+                    None => (key.default.to_string(), Source::Argument),
+                },
+            };
+            let value = parse(key.kind, &raw).ok_or_else(|| SettingsError::BadValue {
+                origin: match source {
+                    Source::Argument => "setting".to_string(),
+                    Source::Environment => "environment variable".to_string(),
+                },
+                key: key.name,
+                value: raw.clone(),
+                kind: key.kind,
+            })?;
+            values.insert(key.name, value);
+        }
+        Ok(Settings { values })
+    }
+
+    pub fn flag(&self, name: &str) -> bool {
+        matches!(self.values.get(name), Some(Value::Bool(true)))
+    }
+
+    pub fn count(&self, name: &str) -> u64 {
+        match self.values.get(name) {
+            Some(Value::Count(n)) => *n,
+            _ => 0,
+        }
+    }
+
+    pub fn number(&self, name: &str) -> f64 {
+        match self.values.get(name) {
+            Some(Value::Number(x)) => *x,
+            _ => 0.0,
+        }
+    }
+
+    pub fn text(&self, name: &str) -> Option<&str> {
+        match self.values.get(name) {
+            Some(Value::Text(s)) => Some(s),
+            _ => None,
+        }
+    }
+
+    pub fn ids(&self, name: &str) -> Option<&[u32]> {
+        match self.values.get(name) {
+            Some(Value::Ids(ids)) => Some(ids),
+            _ => None,
+        }
+    }
+}
+
+fn find(name: &str) -> Option<&'static Key> {
+    KEYS.iter().find(|key| key.name == name)
+}
+
+fn parse(kind: Kind, raw: &str) -> Option<Value> {
+    let trimmed = raw.trim();
+    match kind {
+        Kind::Bool => match trimmed.to_ascii_lowercase().as_str() {
+            "1" | "true" | "on" | "yes" => Some(Value::Bool(true)),
+            "0" | "false" | "off" | "no" => Some(Value::Bool(false)),
+            _ => None,
+        },
+        Kind::Count => trimmed.parse().ok().map(Value::Count),
+        Kind::Number => trimmed
+            .parse::<f64>()
+            .ok()
+            .filter(|x| x.is_finite() && *x >= 0.0)
+            .map(Value::Number),
+        Kind::Path => (!trimmed.is_empty()).then(|| Value::Text(raw.to_string())),
+        Kind::Ids => {
+            let ids: Option<Vec<u32>> = trimmed
+                .split(|c: char| c.is_whitespace() || c == ',')
+                .filter(|s| !s.is_empty())
+                .map(|s| s.parse().ok())
+                .collect();
+            ids.filter(|ids| !ids.is_empty()).map(Value::Ids)
+        }
+    }
+}
+
+/// The declared key closest to `name` by edit distance (case-insensitive).
+fn nearest(name: &str) -> &'static str {
+    let upper = name.to_ascii_uppercase();
+    KEYS.iter()
+        .min_by_key(|key| edit_distance(&upper, key.name))
+        .map_or("SNAP", |key| key.name)
+}
+
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut previous = row[0];
+        row[0] = i + 1;
+        for (j, &cb) in b.iter().enumerate() {
+            let substitution = previous + usize::from(ca != cb);
+            previous = row[j + 1];
+            row[j + 1] = substitution.min(row[j] + 1).min(row[j + 1] + 1);
+        }
+    }
+    row[b.len()]
+}
+
+/// The table `coli settings` prints.
+pub fn table() -> String {
+    let mut out = format!(
+        "{:<14} {:<7} {:<8} {}\n",
+        "KEY", "TYPE", "DEFAULT", "DESCRIPTION"
+    );
+    for key in KEYS {
+        let kind = match key.kind {
+            Kind::Bool => "bool",
+            Kind::Count => "integer",
+            Kind::Number => "number",
+            Kind::Path => "path",
+            Kind::Ids => "ids",
+        };
+        let default = if key.default.is_empty() {
+            "-"
+        } else {
+            key.default
+        };
+        out.push_str(&format!(
+            "{:<14} {:<7} {:<8} {}\n",
+            key.name, kind, default, key.doc
+        ));
+    }
+    out.push_str("\nEvery KEY may be given as a KEY=VALUE argument or as an environment variable; the argument wins.\n");
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn no_env(_: &str) -> Option<String> {
+        None
+    }
+
+    #[test]
+    fn every_default_parses() {
+        for key in KEYS.iter().filter(|k| !k.default.is_empty()) {
+            assert!(parse(key.kind, key.default).is_some(), "{}", key.name);
+        }
+    }
+
+    #[test]
+    fn argument_beats_environment_beats_default() {
+        let env = |name: &str| (name == "NGEN" || name == "TF").then(|| "7".to_string());
+        let args = vec![("NGEN".to_string(), "3".to_string())];
+        let err = Settings::resolve(&args, env).err();
+        // TF=7 from the environment is not a boolean.
+        assert!(matches!(
+            err,
+            Some(SettingsError::BadValue { key: "TF", .. })
+        ));
+        let env = |name: &str| (name == "NGEN" || name == "TF").then(|| "1".to_string());
+        let settings = Settings::resolve(&args, env).unwrap();
+        assert_eq!(settings.count("NGEN"), 3);
+        assert!(settings.flag("TF"));
+        let defaults = Settings::resolve(&[], no_env).unwrap();
+        assert_eq!(defaults.count("NGEN"), 32);
+        assert!(defaults.text("SNAP").is_none());
+    }
+
+    #[test]
+    fn unknown_key_names_the_nearest() {
+        let args = vec![("NGNE".to_string(), "3".to_string())];
+        let err = Settings::resolve(&args, no_env).err().unwrap();
+        assert_eq!(
+            err,
+            SettingsError::UnknownKey {
+                key: "NGNE".into(),
+                suggestion: "NGEN"
+            }
+        );
+        assert_eq!(nearest("snap"), "SNAP");
+    }
+
+    #[test]
+    fn ids_and_numbers_parse_strictly() {
+        assert_eq!(parse(Kind::Ids, "1, 2 3"), Some(Value::Ids(vec![1, 2, 3])));
+        assert_eq!(parse(Kind::Ids, "1 x"), None);
+        assert_eq!(parse(Kind::Count, "-1"), None);
+        assert_eq!(parse(Kind::Number, "nan"), None);
+        assert_eq!(parse(Kind::Number, "2.5"), Some(Value::Number(2.5)));
+    }
+}

@@ -1,0 +1,202 @@
+//! One mapped safetensors file and the views into it.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{anyhow, bail, Context, Result};
+use memmap2::Mmap;
+use safetensors::{SafeTensorError, SafeTensors};
+
+pub use safetensors::Dtype;
+
+/// A tensor's entry in a shard header, with offsets relative to the start of the file.
+pub struct ShardEntry {
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    pub start: usize,
+    pub end: usize,
+}
+
+pub struct Shard {
+    path: PathBuf,
+    mapping: Arc<Mmap>,
+    entries: Vec<(String, ShardEntry)>,
+}
+
+impl Shard {
+    pub fn open(path: &Path) -> Result<Shard> {
+        let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+        // SAFETY: the mapping is read-only; a shard rewritten underneath a running process is
+        // outside what any reader of memory-mapped weights can defend against.
+        let mapping = unsafe { Mmap::map(&file) }
+            .with_context(|| format!("cannot memory-map {}", path.display()))?;
+        let (header_len, metadata) =
+            SafeTensors::read_metadata(&mapping).map_err(|err| describe(path, &mapping, err))?;
+        let data_start = 8 + header_len;
+        let entries = metadata
+            .tensors()
+            .into_iter()
+            .map(|(name, info)| {
+                let (begin, end) = info.data_offsets;
+                let entry = ShardEntry {
+                    dtype: info.dtype,
+                    shape: info.shape.clone(),
+                    start: data_start + begin,
+                    end: data_start + end,
+                };
+                (name, entry)
+            })
+            .collect();
+        Ok(Shard {
+            path: path.to_path_buf(),
+            mapping: Arc::new(mapping),
+            entries,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn mapping(&self) -> Arc<Mmap> {
+        Arc::clone(&self.mapping)
+    }
+
+    pub fn entries(&self) -> impl Iterator<Item = (&String, &ShardEntry)> {
+        self.entries.iter().map(|(name, entry)| (name, entry))
+    }
+}
+
+/// Turn a safetensors parse error into a message that tells the user what is wrong with
+/// which file; a truncated download is by far the most common cause.
+fn describe(path: &Path, bytes: &[u8], err: SafeTensorError) -> anyhow::Error {
+    match err {
+        SafeTensorError::MetadataIncompleteBuffer => {
+            let declared = declared_data_len(bytes);
+            match declared {
+                Some((header_len, data_len)) => anyhow!(
+                    "{}: shard is truncated or has trailing bytes: its header declares {} bytes \
+                     ({} header + {} data), the file has {} bytes; re-download or re-convert it",
+                    path.display(),
+                    8 + header_len + data_len,
+                    8 + header_len,
+                    data_len,
+                    bytes.len()
+                ),
+                None => anyhow!("{}: shard size does not match its header", path.display()),
+            }
+        }
+        SafeTensorError::HeaderTooSmall | SafeTensorError::InvalidHeaderLength => anyhow!(
+            "{}: not a safetensors file, or truncated inside its header ({} bytes)",
+            path.display(),
+            bytes.len()
+        ),
+        other => anyhow!("{}: invalid safetensors header: {other:?}", path.display()),
+    }
+}
+
+/// The header length and the data length a header declares, read without validation.
+fn declared_data_len(bytes: &[u8]) -> Option<(usize, usize)> {
+    let header_len = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?) as usize;
+    let header: serde_json::Value =
+        serde_json::from_slice(bytes.get(8..8usize.checked_add(header_len)?)?).ok()?;
+    let data_len = header
+        .as_object()?
+        .iter()
+        .filter(|(name, _)| name.as_str() != "__metadata__")
+        .filter_map(|(_, info)| info.get("data_offsets")?.get(1)?.as_u64())
+        .max()
+        .unwrap_or(0) as usize;
+    Some((header_len, data_len))
+}
+
+/// A window into a mapped shard; cloning it shares the mapping.
+#[derive(Clone)]
+pub struct MappedBytes {
+    mapping: Arc<Mmap>,
+    start: usize,
+    end: usize,
+}
+
+impl MappedBytes {
+    pub fn new(mapping: Arc<Mmap>, start: usize, end: usize) -> MappedBytes {
+        MappedBytes {
+            mapping,
+            start,
+            end,
+        }
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        &self.mapping[self.start..self.end]
+    }
+
+    pub fn len(&self) -> usize {
+        self.end - self.start
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.start == self.end
+    }
+
+    /// A sub-window `[offset, offset + len)` of this window.
+    pub fn slice(&self, offset: usize, len: usize) -> MappedBytes {
+        debug_assert!(offset + len <= self.len());
+        MappedBytes {
+            mapping: Arc::clone(&self.mapping),
+            start: self.start + offset,
+            end: self.start + offset + len,
+        }
+    }
+}
+
+/// A tensor in a shard: its name, dtype, shape and bytes.
+#[derive(Clone)]
+pub struct TensorView {
+    pub name: String,
+    pub file: PathBuf,
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    pub bytes: MappedBytes,
+}
+
+impl TensorView {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Split the leading dimension: the `index`-th of `count` equal parts, e.g. one expert of
+    /// a fused `[experts, rows, cols]` tensor, or the gate half of a fused gate/up matrix.
+    pub fn part(&self, index: usize, count: usize) -> Result<TensorView> {
+        let Some(&lead) = self.shape.first() else {
+            bail!("{}: tensor {} is a scalar", self.file.display(), self.name);
+        };
+        if count == 0 || lead % count != 0 || index >= count {
+            bail!(
+                "{}: tensor {} with shape {:?} cannot be split into {count} parts",
+                self.file.display(),
+                self.name,
+                self.shape
+            );
+        }
+        let part_bytes = self.bytes.len() / count;
+        let mut shape = self.shape.clone();
+        shape[0] = lead / count;
+        Ok(TensorView {
+            name: format!("{}[{index}/{count}]", self.name),
+            file: self.file.clone(),
+            dtype: self.dtype,
+            shape,
+            bytes: self.bytes.slice(index * part_bytes, part_bytes),
+        })
+    }
+
+    /// `[a, b, c]` viewed as `[b, c]` after taking part `index` of `a`.
+    pub fn select(&self, index: usize) -> Result<TensorView> {
+        let count = self.shape.first().copied().unwrap_or(0);
+        let mut view = self.part(index, count)?;
+        view.shape.remove(0);
+        Ok(view)
+    }
+}
