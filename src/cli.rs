@@ -62,8 +62,11 @@ pub fn run(argv: impl IntoIterator<Item = OsString>) -> Result<ExitCode> {
     run::main_job(cli.model.as_deref(), &settings, positionals)
 }
 
+/// `KEY=VALUE` pairs, in order.
+type Pairs = Vec<(String, String)>;
+
 /// Separate `KEY=VALUE` arguments from the numeric positionals.
-fn split_args(args: &[String]) -> Result<(Vec<(String, String)>, Vec<u32>)> {
+fn split_args(args: &[String]) -> Result<(Pairs, Vec<u32>)> {
     let mut pairs = Vec::new();
     let mut numbers = Vec::new();
     for arg in args {

@@ -12,9 +12,17 @@ fn snap_arg(path: &std::path::Path) -> String {
 fn assert_refused(args: &[&str], env: &[(&str, &str)], needles: &[&str]) {
     let out = coli(args, env);
     let message = stderr(&out);
-    assert_eq!(out.status.code(), Some(2), "{args:?}: {}{message}", stdout(&out));
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{args:?}: {}{message}",
+        stdout(&out)
+    );
     for needle in needles {
-        assert!(message.contains(needle), "{args:?}: {message:?} lacks {needle:?}");
+        assert!(
+            message.contains(needle),
+            "{args:?}: {message:?} lacks {needle:?}"
+        );
     }
     assert!(!message.contains("panicked"), "{message}");
 }
@@ -22,33 +30,55 @@ fn assert_refused(args: &[&str], env: &[(&str, &str)], needles: &[&str]) {
 #[test]
 fn unknown_key_names_the_nearest_known_key() {
     let snap = snap_arg(&fixture("olmoe_tiny"));
-    assert_refused(&[&snap, "NGNE=3"], &[], &["unknown setting NGNE", "did you mean NGEN"]);
+    assert_refused(
+        &[&snap, "NGNE=3"],
+        &[],
+        &["unknown setting NGNE", "did you mean NGEN"],
+    );
 }
 
 #[test]
 fn malformed_values_name_the_key_and_type() {
     let snap = snap_arg(&fixture("olmoe_tiny"));
-    assert_refused(&[&snap, "NGEN=many"], &[], &["NGEN", "non-negative integer"]);
+    assert_refused(
+        &[&snap, "NGEN=many"],
+        &[],
+        &["NGEN", "non-negative integer"],
+    );
     assert_refused(&[&snap, "TF=maybe"], &[], &["TF", "boolean"]);
     assert_refused(&[&snap, "sixty"], &[], &["\"sixty\"", "CAP"]);
     assert_refused(&[&snap, "64", "3", "16"], &[], &["EBITS", "3-bit"]);
     assert_refused(&[&snap, "1", "2", "3", "4"], &[], &["too many numbers"]);
-    assert_refused(&[&snap], &[("NGEN", "-1")], &["environment variable NGEN", "non-negative integer"]);
+    assert_refused(
+        &[&snap],
+        &[("NGEN", "-1")],
+        &["environment variable NGEN", "non-negative integer"],
+    );
 }
 
 #[test]
 fn a_setting_may_come_from_the_environment_and_the_argument_wins() {
     let snap = fixture("olmoe_tiny").display().to_string();
-    let out = coli(&["IDS=1 2 3", "NGEN=2", "2", "16"], &[("SNAP", &snap), ("NGEN", "7")]);
+    let out = coli(
+        &["IDS=1 2 3", "NGEN=2", "2", "16"],
+        &[("SNAP", &snap), ("NGEN", "7")],
+    );
     assert!(out.status.success(), "{}", stderr(&out));
-    let ids_line = stdout(&out).lines().find(|l| l.chars().all(|c| c.is_ascii_digit() || c == ' ')).map(str::to_string);
+    let ids_line = stdout(&out)
+        .lines()
+        .find(|l| l.chars().all(|c| c.is_ascii_digit() || c == ' '))
+        .map(str::to_string);
     assert_eq!(ids_line.map(|l| l.split(' ').count()), Some(2));
 }
 
 #[test]
 fn missing_snap_is_explained() {
     assert_refused(&["64", "16", "16"], &[], &["SNAP is not set"]);
-    assert_refused(&["SNAP=/nonexistent/model", "64", "16", "16"], &[], &["/nonexistent/model", "not a directory"]);
+    assert_refused(
+        &["SNAP=/nonexistent/model", "64", "16", "16"],
+        &[],
+        &["/nonexistent/model", "not a directory"],
+    );
 }
 
 #[test]
@@ -67,17 +97,28 @@ fn truncated_shard_names_the_file_and_sizes() {
     let dir = copy_fixture("olmoe_tiny");
     let shard = dir.path().join("model.safetensors");
     let full = std::fs::metadata(&shard).unwrap().len();
-    let file = std::fs::OpenOptions::new().write(true).open(&shard).unwrap();
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&shard)
+        .unwrap();
     file.set_len(full - 1000).unwrap();
     drop(file);
     assert_refused(
         &[&snap_arg(dir.path()), "64", "16", "16"],
         &[],
-        &["model.safetensors", "truncated", &format!("declares {full} bytes")],
+        &[
+            "model.safetensors",
+            "truncated",
+            &format!("declares {full} bytes"),
+        ],
     );
     assert_eq!(std::fs::metadata(&shard).unwrap().len(), full - 1000);
     std::fs::write(&shard, b"short").unwrap();
-    assert_refused(&[&snap_arg(dir.path())], &[], &["model.safetensors", "not a safetensors file"]);
+    assert_refused(
+        &[&snap_arg(dir.path())],
+        &[],
+        &["model.safetensors", "not a safetensors file"],
+    );
 }
 
 #[test]
@@ -89,12 +130,20 @@ fn config_errors_name_the_key() {
 
     config.as_object_mut().unwrap().remove("num_experts");
     std::fs::write(&path, config.to_string()).unwrap();
-    assert_refused(&[&snap_arg(dir.path()), "64", "16", "16"], &[], &["config.json", "num_experts"]);
+    assert_refused(
+        &[&snap_arg(dir.path()), "64", "16", "16"],
+        &[],
+        &["config.json", "num_experts"],
+    );
 
     let mut config: serde_json::Value = serde_json::from_str(&original).unwrap();
     config["hidden_size"] = "wide".into();
     std::fs::write(&path, config.to_string()).unwrap();
-    assert_refused(&[&snap_arg(dir.path()), "64", "16", "16"], &[], &["config.json", "invalid type"]);
+    assert_refused(
+        &[&snap_arg(dir.path()), "64", "16", "16"],
+        &[],
+        &["config.json", "invalid type"],
+    );
 
     // A shape that disagrees with the weights names the tensor and both shapes.
     let mut config: serde_json::Value = serde_json::from_str(&original).unwrap();
@@ -107,7 +156,11 @@ fn config_errors_name_the_key() {
     );
 
     std::fs::write(&path, "{ not json").unwrap();
-    assert_refused(&[&snap_arg(dir.path())], &[], &["config.json", "not valid JSON"]);
+    assert_refused(
+        &[&snap_arg(dir.path())],
+        &[],
+        &["config.json", "not valid JSON"],
+    );
 }
 
 #[test]
@@ -117,15 +170,28 @@ fn malformed_reference_names_the_problem() {
     let snap = snap_arg(dir.path());
     for (text, needle) in [
         (r#"{"full_ids": [1, 2]}"#, "missing key prompt_ids"),
-        (r#"{"prompt_ids": [1], "full_ids": [1, "two"]}"#, "full_ids[1]"),
-        (r#"{"prompt_ids": [1], "full_ids": [1, 4096]}"#, "outside the vocabulary"),
-        (r#"{"prompt_ids": [-1], "full_ids": [1, 2]}"#, "prompt_ids[0] = -1"),
+        (
+            r#"{"prompt_ids": [1], "full_ids": [1, "two"]}"#,
+            "full_ids[1]",
+        ),
+        (
+            r#"{"prompt_ids": [1], "full_ids": [1, 4096]}"#,
+            "outside the vocabulary",
+        ),
+        (
+            r#"{"prompt_ids": [-1], "full_ids": [1, 2]}"#,
+            "prompt_ids[0] = -1",
+        ),
         ("[1, 2", "not valid JSON"),
     ] {
         std::fs::write(&path, text).unwrap();
         assert_refused(&[&snap, "64", "16", "16"], &[], &["ref.json", needle]);
     }
-    assert_refused(&[&snap, "REF=/nonexistent/ref.json"], &[], &["/nonexistent/ref.json"]);
+    assert_refused(
+        &[&snap, "REF=/nonexistent/ref.json"],
+        &[],
+        &["/nonexistent/ref.json"],
+    );
 }
 
 #[test]
@@ -139,20 +205,33 @@ fn settings_subcommand_lists_every_key() {
 }
 
 /// Rewrite the fixture's shard with `edit` applied to its tensor list.
-fn rewrite_shard(dir: &std::path::Path, edit: impl FnOnce(&mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>)) {
+fn rewrite_shard(
+    dir: &std::path::Path,
+    edit: impl FnOnce(&mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>),
+) {
     let path = dir.join("model.safetensors");
     let bytes = std::fs::read(&path).unwrap();
     let parsed = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let mut tensors: Vec<_> = parsed
         .tensors()
         .into_iter()
-        .map(|(name, view)| (name, view.dtype(), view.shape().to_vec(), view.data().to_vec()))
+        .map(|(name, view)| {
+            (
+                name,
+                view.dtype(),
+                view.shape().to_vec(),
+                view.data().to_vec(),
+            )
+        })
         .collect();
     edit(&mut tensors);
     let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
         .iter()
         .map(|(name, dtype, shape, data)| {
-            (name.clone(), safetensors::tensor::TensorView::new(*dtype, shape.clone(), data).unwrap())
+            (
+                name.clone(),
+                safetensors::tensor::TensorView::new(*dtype, shape.clone(), data).unwrap(),
+            )
         })
         .collect();
     safetensors::serialize_to_file(views, None, &path).unwrap();
@@ -161,7 +240,9 @@ fn rewrite_shard(dir: &std::path::Path, edit: impl FnOnce(&mut Vec<(String, safe
 #[test]
 fn missing_tensor_and_wrong_dtype_are_named() {
     let dir = copy_fixture("olmoe_tiny");
-    rewrite_shard(dir.path(), |tensors| tensors.retain(|t| t.0 != "model.layers.1.mlp.experts.5.up_proj.weight"));
+    rewrite_shard(dir.path(), |tensors| {
+        tensors.retain(|t| t.0 != "model.layers.1.mlp.experts.5.up_proj.weight")
+    });
     assert_refused(
         &[&snap_arg(dir.path()), "64", "16", "16"],
         &[],
@@ -174,7 +255,11 @@ fn missing_tensor_and_wrong_dtype_are_named() {
             tensor.1 = safetensors::Dtype::I32;
         }
     });
-    assert_refused(&[&snap_arg(dir.path()), "64", "16", "16"], &[], &["model.norm.weight", "I32", "expected F32, BF16 or F16"]);
+    assert_refused(
+        &[&snap_arg(dir.path()), "64", "16", "16"],
+        &[],
+        &["model.norm.weight", "I32", "expected F32, BF16 or F16"],
+    );
 }
 
 #[test]
@@ -188,7 +273,9 @@ fn bf16_weights_run_widened_to_f32() {
             tensor.3 = tensor
                 .3
                 .chunks_exact(4)
-                .flat_map(|b| half::bf16::from_f32(f32::from_le_bytes([b[0], b[1], b[2], b[3]])).to_le_bytes())
+                .flat_map(|b| {
+                    half::bf16::from_f32(f32::from_le_bytes([b[0], b[1], b[2], b[3]])).to_le_bytes()
+                })
                 .collect();
         }
     });

@@ -24,11 +24,29 @@ fn teacher_forced_is_exact_at_every_cache_size() {
         let snap = format!("SNAP={}", fixture(name).display());
         for cap in [1, 2, experts] {
             let cap = cap.to_string();
-            let out = coli(&["--model", "olmoe", &snap, "TF=1", "ORACLE_STRICT=1", &cap, "16", "16"], &[]);
+            let out = coli(
+                &[
+                    "--model",
+                    "olmoe",
+                    &snap,
+                    "TF=1",
+                    "ORACLE_STRICT=1",
+                    &cap,
+                    "16",
+                    "16",
+                ],
+                &[],
+            );
             let text = stdout(&out);
-            assert!(out.status.success(), "{name} cap {cap}: {text}{}", stderr(&out));
             assert!(
-                text.contains(&format!("PREFILL (teacher-forcing) vs oracle: {full}/{full} positions")),
+                out.status.success(),
+                "{name} cap {cap}: {text}{}",
+                stderr(&out)
+            );
+            assert!(
+                text.contains(&format!(
+                    "PREFILL (teacher-forcing) vs oracle: {full}/{full} positions"
+                )),
                 "{name} cap {cap}: {text}"
             );
             assert!(!stderr(&out).contains("[ORACLE] mismatch"));
@@ -45,7 +63,11 @@ fn greedy_is_exact_at_every_cache_size() {
             let cap = cap.to_string();
             let out = coli(&[&snap, "ORACLE_STRICT=1", &cap, "16", "16"], &[]);
             let text = stdout(&out);
-            assert!(out.status.success(), "{name} cap {cap}: {text}{}", stderr(&out));
+            assert!(
+                out.status.success(),
+                "{name} cap {cap}: {text}{}",
+                stderr(&out)
+            );
             assert!(
                 text.contains(&format!("Matching tokens: {generated}/{generated}")),
                 "{name} cap {cap}: {text}"
@@ -59,7 +81,8 @@ fn greedy_is_exact_at_every_cache_size() {
 fn strict_mode_fails_on_a_wrong_reference() {
     let dir = common::copy_fixture("olmoe_tiny");
     let path = dir.path().join("ref.json");
-    let mut reference: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let mut reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     let last = reference["full_ids"].as_array().unwrap().len() - 1;
     let wrong = (reference["full_ids"][last].as_u64().unwrap() + 1) % 128;
     reference["full_ids"][last] = wrong.into();
@@ -69,10 +92,17 @@ fn strict_mode_fails_on_a_wrong_reference() {
 
     let out = coli(&[&snap, "TF=1", "ORACLE_STRICT=1", "64", "16", "16"], &[]);
     assert_eq!(out.status.code(), Some(1), "{}", stdout(&out));
-    assert!(stderr(&out).contains(&format!("[ORACLE] mismatch pos={} expected={wrong}", last - 1)));
+    assert!(stderr(&out).contains(&format!(
+        "[ORACLE] mismatch pos={} expected={wrong}",
+        last - 1
+    )));
     let out = coli(&[&snap, "ORACLE_STRICT=1", "64", "16", "16"], &[]);
     assert_eq!(out.status.code(), Some(1));
-    assert!(stdout(&out).contains("Matching tokens: 19/20"), "{}", stdout(&out));
+    assert!(
+        stdout(&out).contains("Matching tokens: 19/20"),
+        "{}",
+        stdout(&out)
+    );
     // Without ORACLE_STRICT a mismatch is reported, not fatal.
     let out = coli(&[&snap, "64", "16", "16"], &[]);
     assert_eq!(out.status.code(), Some(0));
@@ -83,12 +113,21 @@ fn ids_mode_continues_the_reference() {
     let text = std::fs::read_to_string(fixture("olmoe_tiny").join("ref.json")).unwrap();
     let reference: serde_json::Value = serde_json::from_str(&text).unwrap();
     let ids = |key: &str| -> Vec<String> {
-        reference[key].as_array().unwrap().iter().map(|v| v.to_string()).collect()
+        reference[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_string())
+            .collect()
     };
     let prompt = ids("prompt_ids").join(" ");
     let expected = ids("full_ids")[12..17].join(" ");
     let snap = format!("SNAP={}", fixture("olmoe_tiny").display());
     let out = coli(&[&snap, &format!("IDS={prompt}"), "NGEN=5", "2", "16"], &[]);
     assert!(out.status.success(), "{}", stderr(&out));
-    assert!(stdout(&out).lines().any(|line| line == expected), "{}", stdout(&out));
+    assert!(
+        stdout(&out).lines().any(|line| line == expected),
+        "{}",
+        stdout(&out)
+    );
 }

@@ -70,7 +70,7 @@ impl Config {
     fn validate(&self) -> Result<()> {
         let heads = self.num_attention_heads;
         let kv_heads = self.kv_heads();
-        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
+        if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
             bail!("config.json: num_attention_heads ({heads}) must be a positive multiple of num_key_value_heads ({kv_heads})");
         }
         if self.num_experts_per_tok == 0 || self.num_experts_per_tok > self.num_experts {
@@ -96,7 +96,7 @@ impl Config {
                 bail!("config.json: hidden_act {act:?} is not supported by olmoe (only \"silu\")");
             }
         }
-        if self.head_dim() % 2 != 0 {
+        if !self.head_dim().is_multiple_of(2) {
             bail!(
                 "config.json: head dimension {} must be even for RoPE",
                 self.head_dim()

@@ -91,6 +91,24 @@ impl Matrix {
         })
     }
 
+    /// Build from row-major f32 values already in memory (tests, benchmarks, converted
+    /// weights).
+    pub fn from_f32(rows: usize, cols: usize, values: Vec<f32>, width: Width) -> Matrix {
+        assert_eq!(values.len(), rows * cols, "matrix shape");
+        let storage = match width {
+            Width::F32 => Storage::F32(values),
+            Width::Int8Row => {
+                let (values, scales) = kernels::quantize_int8_rows(&values, cols);
+                Storage::Int8Row { values, scales }
+            }
+        };
+        Matrix {
+            rows,
+            cols,
+            storage,
+        }
+    }
+
     pub fn rows(&self) -> usize {
         self.rows
     }
