@@ -1,36 +1,73 @@
-//! Matrix-vector throughput per weight format, next to the machine's memory read bandwidth.
-//! Decode reads every weight once per token, so bytes of weights per second is the figure
-//! that matters; criterion reports it as throughput.
+//! Matrix-vector throughput per weight format at real shapes, next to the machine's memory
+//! read bandwidth. Decode reads every weight once per token, so bytes of weights (scales
+//! included) per second is the figure that matters; criterion reports it as throughput.
 //!
-//! `cargo bench --bench matvec`
+//! Each case cycles through enough copies of the matrix to fill 512 MiB, so the weights
+//! come from memory and not from cache, as they do in decode.
+//!
+//! `cargo bench --bench matvec` (all), `cargo bench --bench matvec -- 'int8-row'` (one
+//! format), `COLI_SIMD=scalar` for the reference kernels.
 
 use std::hint::black_box;
+use std::time::Duration;
 
-use coli::quant::{Matrix, Width};
+use coli::quant::{Format, Matrix};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use rayon::prelude::*;
 
-const ROWS: usize = 4096;
-const COLS: usize = 4096;
+/// Shapes `[rows, cols]`: an OLMoE expert's gate/up, a GLM-5.2 attention projection, a
+/// Kimi-style wide projection.
+const SHAPES: [(usize, usize); 3] = [(2048, 1024), (6144, 2048), (7168, 3584)];
 
-fn weights() -> Vec<f32> {
-    // A cheap deterministic pattern; values do not affect the speed of these kernels.
-    (0..ROWS * COLS)
-        .map(|i| ((i * 2654435761) % 1000) as f32 / 1000.0 - 0.5)
+const WORKING_SET: usize = 512 << 20;
+
+const FORMATS: [Format; 8] = [
+    Format::F32,
+    Format::Bf16,
+    Format::F16,
+    Format::Int8Row,
+    Format::Int4Row,
+    Format::Int4Grouped { group: 64 },
+    Format::Fp8E4m3B128,
+    Format::Mxfp4,
+];
+
+fn weights(rows: usize, cols: usize, seed: usize) -> Vec<f32> {
+    // A cheap deterministic spread; values do not change the speed of these kernels.
+    (0..rows * cols)
+        .map(|i| (((i + seed) * 2654435761) % 2001) as f32 / 1000.0 - 1.0)
         .collect()
 }
 
+fn label(format: Format) -> String {
+    match format {
+        Format::Int4Grouped { group } => format!("int4-g{group}"),
+        other => other.name().to_string(),
+    }
+}
+
+/// Sum a buffer far larger than the caches, on every thread: the read bandwidth the
+/// kernels are measured against.
 fn memory_bandwidth(c: &mut Criterion) {
-    let buffer = vec![1u64; 256 << 20 >> 3];
+    let buffer: Vec<u64> = (0..(1usize << 30) / 8).map(|i| i as u64).collect();
     let mut group = c.benchmark_group("memory");
     group.throughput(Throughput::Bytes((buffer.len() * 8) as u64));
-    group.bench_function("read 256 MiB", |b| {
+    group.bench_function("read 1 GiB", |b| {
         b.iter(|| {
-            use rayon::prelude::*;
             black_box(
                 buffer
                     .par_chunks(1 << 16)
-                    .map(|c| c.iter().fold(0u64, |a, &v| a ^ v))
-                    .reduce(|| 0, |a, b| a ^ b),
+                    .map(|chunk| {
+                        // Four independent sums so the adds keep up with the loads.
+                        let mut acc = [0u64; 4];
+                        for quad in chunk.chunks_exact(4) {
+                            for lane in 0..4 {
+                                acc[lane] = acc[lane].wrapping_add(quad[lane]);
+                            }
+                        }
+                        acc.iter().fold(0u64, |a, &v| a.wrapping_add(v))
+                    })
+                    .reduce(|| 0, u64::wrapping_add),
             )
         })
     });
@@ -38,18 +75,61 @@ fn memory_bandwidth(c: &mut Criterion) {
 }
 
 fn matvec(c: &mut Criterion) {
-    let x: Vec<f32> = (0..COLS).map(|i| (i % 7) as f32 * 0.1).collect();
-    let mut y = vec![0f32; ROWS];
-    let mut group = c.benchmark_group("matvec 4096x4096");
-    for (label, width) in [("f32", Width::F32), ("int8-row", Width::Int8Row)] {
-        let matrix = Matrix::from_f32(ROWS, COLS, weights(), width);
-        group.throughput(Throughput::Bytes(matrix.size_bytes() as u64));
-        group.bench_function(label, |b| {
-            b.iter(|| matrix.matmul(black_box(&x), 1, &mut y))
+    for (rows, cols) in SHAPES {
+        let x: Vec<f32> = (0..cols).map(|i| (i % 7) as f32 * 0.1 - 0.3).collect();
+        let mut y = vec![0f32; rows];
+        let mut group = c.benchmark_group(format!("matvec {rows}x{cols}"));
+        for format in FORMATS {
+            let first = Matrix::from_f32_as(rows, cols, &weights(rows, cols, 0), format)
+                .expect("every listed format encodes");
+            let copies = WORKING_SET.div_ceil(first.size_bytes()).max(2);
+            let mut matrices = vec![first];
+            for seed in 1..copies {
+                matrices.push(
+                    Matrix::from_f32_as(rows, cols, &weights(rows, cols, seed), format)
+                        .expect("every listed format encodes"),
+                );
+            }
+            group.throughput(Throughput::Bytes(matrices[0].size_bytes() as u64));
+            let mut next = 0;
+            group.bench_function(label(format), |b| {
+                b.iter(|| {
+                    matrices[next].matmul(black_box(&x), 1, &mut y);
+                    next = (next + 1) % matrices.len();
+                })
+            });
+        }
+        group.finish();
+    }
+}
+
+/// A 32-row batch (a prompt) against one matrix: the weights are read once for all rows.
+fn batched(c: &mut Criterion) {
+    let (rows, cols, n) = (2048, 1024, 32);
+    let x: Vec<f32> = (0..n * cols).map(|i| (i % 7) as f32 * 0.1 - 0.3).collect();
+    let mut y = vec![0f32; n * rows];
+    let mut group = c.benchmark_group(format!("matmul {rows}x{cols} x{n} rows"));
+    for format in [Format::F32, Format::Int8Row, Format::Int4Grouped { group: 64 }] {
+        let matrix = Matrix::from_f32_as(rows, cols, &weights(rows, cols, 0), format)
+            .expect("every listed format encodes");
+        group.throughput(Throughput::Elements((n * rows * cols) as u64));
+        group.bench_function(label(format), |b| {
+            b.iter(|| matrix.matmul(black_box(&x), n, &mut y))
         });
     }
     group.finish();
 }
 
-criterion_group!(benches, memory_bandwidth, matvec);
+fn config() -> Criterion {
+    Criterion::default()
+        .sample_size(20)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3))
+}
+
+criterion_group! {
+    name = benches;
+    config = config();
+    targets = memory_bandwidth, matvec, batched
+}
 criterion_main!(benches);

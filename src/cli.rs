@@ -39,6 +39,36 @@ pub struct Cli {
 pub enum Command {
     /// Print every setting with its type, default and description.
     Settings,
+    /// Convert a Hugging Face checkpoint (f32/bf16/f16, or FP8 with block scales) into a
+    /// quantised container that every engine reads: int8 per row or int4 per group, norms,
+    /// routers and biases kept f32. Resumable: rerun the same command after an interruption.
+    Convert(ConvertArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct ConvertArgs {
+    /// Checkpoint directory: config.json, *.safetensors, tokenizer files.
+    pub src: std::path::PathBuf,
+    /// Output directory (new, empty, or an interrupted conversion of the same source).
+    pub dst: std::path::PathBuf,
+    /// Bits for every class not given below: >=16 keeps float, 5..8 int8 per row, 4 int4.
+    #[arg(long, default_value_t = 8)]
+    pub bits: u32,
+    /// Bits for routed experts (default: --bits).
+    #[arg(long)]
+    pub expert_bits: Option<u32>,
+    /// Bits for other matrices: attention, shared experts, dense MLPs (default: --bits).
+    #[arg(long)]
+    pub dense_bits: Option<u32>,
+    /// Bits for the embedding and LM head (default: --dense-bits, but at least 8).
+    #[arg(long)]
+    pub io_bits: Option<u32>,
+    /// Columns per int4 scale: 16, 32, 48, 64, 96, 128, 192 or 256; 0 = one per row.
+    #[arg(long, default_value_t = crate::quant::DEFAULT_INT4_GROUP)]
+    pub group_size: usize,
+    /// Largest output shard in GB.
+    #[arg(long, default_value_t = 4.0)]
+    pub shard_gb: f64,
 }
 
 /// Parse `argv` and run; errors are reported by the caller with exit code 2.
@@ -52,6 +82,19 @@ pub fn run(argv: impl IntoIterator<Item = OsString>) -> Result<ExitCode> {
             return Ok(ExitCode::from(code));
         }
     };
+    if let Some(Command::Convert(args)) = &cli.command {
+        let dense_bits = args.dense_bits.unwrap_or(args.bits);
+        let options = crate::convert::Options {
+            expert_bits: args.expert_bits.unwrap_or(args.bits),
+            dense_bits,
+            io_bits: args.io_bits.unwrap_or(dense_bits.max(8)),
+            group_size: args.group_size,
+            shard_bytes: (args.shard_gb.max(0.0) * 1e9) as u64,
+        };
+        let summary = crate::convert::convert(&args.src, &args.dst, &options)?;
+        println!("{}", crate::convert::report(&summary, &args.dst));
+        return Ok(ExitCode::SUCCESS);
+    }
     if let Some(Command::Settings) = cli.command {
         print!("{}", settings::table());
         return Ok(ExitCode::SUCCESS);

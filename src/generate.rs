@@ -1,11 +1,18 @@
 //! The prefill/decode loop: the prompt in one batched forward, then one token at a time,
-//! greedy (the first maximum wins, as `torch.argmax`).
+//! greedy (the first maximum wins, as `torch.argmax`); with an engine that drafts, several
+//! tokens per forward by speculative decoding, which gives the same tokens.
 
+use std::fmt;
 use std::time::Instant;
 
 use anyhow::Result;
 
 use crate::engines::Engine;
+use crate::interrupt;
+
+/// Called after each forward that emitted tokens, with how many it emitted (placement
+/// passes such as `REPIN` run here).
+pub type OnTokens<'a> = &'a mut dyn FnMut(&mut dyn Engine, u64) -> Result<()>;
 
 /// What a generation produced and what it cost.
 pub struct Generation {
@@ -14,6 +21,37 @@ pub struct Generation {
     pub decode_seconds: f64,
     /// Whether any logit along the way was NaN or infinite.
     pub non_finite: bool,
+    /// How speculative decoding went, when the engine drafted.
+    pub speculation: Option<Speculation>,
+}
+
+/// Speculative decoding's bookkeeping: verifying forwards after the prefill, the tokens
+/// they produced, and the draft tokens proposed and accepted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Speculation {
+    pub depth: usize,
+    pub forwards: usize,
+    pub tokens: usize,
+    pub drafted: usize,
+    pub accepted: usize,
+}
+
+impl fmt::Display for Speculation {
+    /// `speculation (DRAFT=d): T tokens/forward (F forwards per N tokens) | MTP acceptance P% (A/D)`
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let ratio = |a: usize, b: usize| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+        write!(
+            f,
+            "speculation (DRAFT={}): {:.2} tokens/forward ({} forwards per {} tokens) | MTP acceptance {:.0}% ({}/{})",
+            self.depth,
+            ratio(self.tokens, self.forwards),
+            self.forwards,
+            self.tokens,
+            100.0 * ratio(self.accepted, self.drafted),
+            self.accepted,
+            self.drafted
+        )
+    }
 }
 
 impl Generation {
@@ -28,8 +66,24 @@ impl Generation {
     }
 }
 
-/// Greedily generate `count` tokens after `prompt`, starting from an empty KV cache.
+/// Greedily generate `count` tokens after `prompt`, starting from an empty KV cache; through
+/// [`greedy_speculative`] when the engine drafts.
 pub fn greedy(engine: &mut dyn Engine, prompt: &[u32], count: usize) -> Result<Generation> {
+    greedy_with(engine, prompt, count, &mut |_, _| Ok(()))
+}
+
+/// [`greedy`], calling `on_tokens` as tokens come out. A Ctrl-C stops it after the current
+/// forward with the tokens so far.
+pub fn greedy_with(
+    engine: &mut dyn Engine,
+    prompt: &[u32],
+    count: usize,
+    on_tokens: OnTokens,
+) -> Result<Generation> {
+    let depth = engine.draft_depth();
+    if depth > 0 {
+        return greedy_speculative(engine, prompt, count, depth, on_tokens);
+    }
     engine.reset();
     let started = Instant::now();
     let mut logits = engine.forward(prompt, false)?;
@@ -41,8 +95,11 @@ pub fn greedy(engine: &mut dyn Engine, prompt: &[u32], count: usize) -> Result<G
         non_finite |= logits.iter().any(|v| !v.is_finite());
         let token = argmax(&logits);
         tokens.push(token);
-        if step + 1 < count {
+        on_tokens(engine, 1)?;
+        if step + 1 < count && !interrupt::requested() {
             logits = engine.forward(&[token], false)?;
+        } else {
+            break;
         }
     }
     Ok(Generation {
@@ -50,6 +107,75 @@ pub fn greedy(engine: &mut dyn Engine, prompt: &[u32], count: usize) -> Result<G
         prefill_seconds,
         decode_seconds: started.elapsed().as_secs_f64(),
         non_finite,
+        speculation: None,
+    })
+}
+
+/// Greedy generation with the engine's draft head: each forward feeds the token chosen last
+/// plus up to `depth` drafted ones, keeps the drafts while they equal the argmax of the
+/// position before them, adds the argmax after the last kept one, and drops the rejected
+/// positions from the cache. The tokens are exactly those of [`greedy`] whenever a forward
+/// over several positions computes what single-position forwards would.
+pub fn greedy_speculative(
+    engine: &mut dyn Engine,
+    prompt: &[u32],
+    count: usize,
+    depth: usize,
+    on_tokens: OnTokens,
+) -> Result<Generation> {
+    engine.reset();
+    let started = Instant::now();
+    let logits = engine.forward(prompt, false)?;
+    let prefill_seconds = started.elapsed().as_secs_f64();
+    let started = Instant::now();
+    let mut non_finite = logits.iter().any(|v| !v.is_finite());
+    let mut tokens = Vec::with_capacity(count);
+    let mut stats = Speculation {
+        depth,
+        ..Speculation::default()
+    };
+    if count > 0 {
+        tokens.push(argmax(&logits));
+        on_tokens(engine, 1)?;
+    }
+    let vocab = engine.vocab_size();
+    while tokens.len() < count && !interrupt::requested() {
+        let next = tokens[tokens.len() - 1];
+        // No draft beyond the last token asked for.
+        let drafts = engine.propose(next, depth.min(count - tokens.len() - 1))?;
+        let start = engine.position();
+        let mut feed = Vec::with_capacity(drafts.len() + 1);
+        feed.push(next);
+        feed.extend_from_slice(&drafts);
+        let rows = engine.forward(&feed, true)?;
+        stats.forwards += 1;
+        stats.drafted += drafts.len();
+        let mut kept = 0;
+        for (j, row) in rows.chunks_exact(vocab).enumerate() {
+            non_finite |= row.iter().any(|v| !v.is_finite());
+            let token = argmax(row);
+            tokens.push(token);
+            let hit = drafts.get(j) == Some(&token);
+            if hit {
+                kept += 1;
+            }
+            if !hit || tokens.len() == count {
+                break;
+            }
+        }
+        stats.accepted += kept;
+        if kept < drafts.len() {
+            engine.truncate(start + kept + 1)?;
+        }
+        on_tokens(engine, (kept + 1) as u64)?;
+    }
+    stats.tokens = tokens.len().saturating_sub(1);
+    Ok(Generation {
+        tokens,
+        prefill_seconds,
+        decode_seconds: started.elapsed().as_secs_f64(),
+        non_finite,
+        speculation: Some(stats),
     })
 }
 

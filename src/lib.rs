@@ -8,12 +8,17 @@
 //!   the engine from [`engines`], whose weights are [`quant`] matrices and whose routed
 //!   experts live in the [`experts`] store;
 //! - [`generate`] runs prefill and decode; [`oracle`] compares against a reference;
+//! - [`route_trace`] counts every routing decision and keeps the usage history.
 pub mod cli;
+pub mod convert;
 pub mod engines;
 pub mod experts;
 pub mod generate;
+pub mod interrupt;
 pub mod oracle;
 pub mod quant;
+pub mod route_trace;
 pub mod run;
+pub mod session;
 pub mod settings;
 pub mod snapshot;

@@ -127,6 +127,9 @@ pub fn compare_greedy(engine: &mut dyn Engine, reference: &Reference) -> Result<
         .collect();
     println!("\ncoli ({:<6})     : {}", engine.name(), join(&produced));
     println!("\nMatching tokens: {matching}/{}", expected.len());
+    if let Some(speculation) = &generation.speculation {
+        println!("{speculation}");
+    }
     if generation.non_finite {
         eprintln!("[ORACLE] non-finite logits during greedy generation");
     }

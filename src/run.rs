@@ -8,9 +8,11 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 
 use crate::engines::{self, Engine, LoadOptions};
-use crate::generate::greedy;
+use crate::generate::greedy_with;
+use crate::interrupt;
 use crate::oracle::{self, Reference};
 use crate::quant::Width;
+use crate::session::{RunKind, Session};
 use crate::settings::Settings;
 use crate::snapshot::Snapshot;
 
@@ -57,11 +59,16 @@ pub fn main_job(
     };
     let expert_width = Width::from_bits(positionals.expert_bits).context("EBITS")?;
     let dense_width = Width::from_bits(positionals.dense_bits).context("DBITS")?;
+    crate::quant::select_simd(crate::quant::Isa::from_setting(
+        settings.text("COLI_SIMD").unwrap_or("auto"),
+    )?);
     let options = LoadOptions {
         cap,
         expert_width,
         dense_width,
         ram_budget: ram_budget(settings.number("RAM_GB")),
+        draft: settings.count_if_set("DRAFT").map(|depth| depth as usize),
+        dsa_force: settings.flag("DSA_FORCE"),
     };
 
     let started = Instant::now();
@@ -77,15 +84,45 @@ pub fn main_job(
         started.elapsed().as_secs_f64(),
         engine.resident_bytes() as f64 / 1e6
     );
+    for note in engine.notes() {
+        eprintln!("{note}");
+    }
+    let stops = engine.stop_tokens();
+    if !stops.is_empty() {
+        eprintln!(
+            "[stop] {} stop tokens: {}",
+            stops.len(),
+            oracle::join(stops)
+        );
+    }
+
+    interrupt::install();
+    let mut session = Session::start(
+        settings,
+        snapshot.dir(),
+        engine.as_mut(),
+        options.ram_budget,
+    )?;
 
     if let Some(ids) = settings.ids("IDS") {
         let vocab = engine.vocab_size();
         if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
             bail!("IDS: token id {bad} is outside the vocabulary (vocab_size {vocab})");
         }
-        let generation = greedy(engine.as_mut(), ids, settings.count("NGEN") as usize)?;
+        let mut on_tokens =
+            |engine: &mut dyn Engine, emitted: u64| session.after_tokens(engine, emitted);
+        let generation = greedy_with(
+            engine.as_mut(),
+            ids,
+            settings.count("NGEN") as usize,
+            &mut on_tokens,
+        )?;
         println!("{}", oracle::join(&generation.tokens));
+        if let Some(speculation) = &generation.speculation {
+            println!("{speculation}");
+        }
         report(engine.as_ref(), generation.decode_tokens_per_second());
+        session.finish(engine.as_mut(), RunKind::Generating)?;
         return Ok(ExitCode::SUCCESS);
     }
 
@@ -100,6 +137,8 @@ pub fn main_job(
         oracle::compare_greedy(engine.as_mut(), &reference)?
     };
     report(engine.as_ref(), outcome.rate);
+    // An oracle run scores the reference's tokens: its routing is traced but not learned.
+    session.finish(engine.as_mut(), RunKind::Scoring)?;
     if settings.flag("ORACLE_STRICT") && !outcome.passed() {
         eprintln!(
             "ORACLE_STRICT: {}/{} matching{}",

@@ -23,6 +23,8 @@ pub enum Kind {
     Path,
     /// Whitespace- or comma-separated token ids.
     Ids,
+    /// Free text whose meaning the consumer checks (e.g. `PIN=auto|off|<path>`).
+    Text,
 }
 
 impl fmt::Display for Kind {
@@ -33,6 +35,7 @@ impl fmt::Display for Kind {
             Kind::Number => "a non-negative number",
             Kind::Path => "a path",
             Kind::Ids => "token ids separated by spaces or commas",
+            Kind::Text => "text",
         })
     }
 }
@@ -101,6 +104,84 @@ pub const KEYS: &[Key] = &[
         kind: Kind::Count,
         default: "32",
         doc: "tokens to generate in IDS mode",
+    },
+    Key {
+        name: "DRAFT",
+        kind: Kind::Count,
+        default: "",
+        doc: "speculative draft depth with a model's MTP head; unset = 1 when the model has one, 0 = off",
+    },
+    Key {
+        name: "DSA_FORCE",
+        kind: Kind::Bool,
+        default: "0",
+        doc: "glm_moe_dsa: run the DSA indexer on every query but keep every key (must equal dense attention)",
+    },
+    Key {
+        name: "COLI_USAGE",
+        kind: Kind::Path,
+        default: "",
+        doc: "expert-usage history to load and save (default SNAP/.coli_usage)",
+    },
+    Key {
+        name: "USAGE_SAVE",
+        kind: Kind::Bool,
+        default: "1",
+        doc: "save the usage history at the end of a generating run; 0 = read-only",
+    },
+    Key {
+        name: "COLI_USAGE_DECAY",
+        kind: Kind::Number,
+        default: "1",
+        doc: "multiply every history count by this factor in (0, 1] at each save",
+    },
+    Key {
+        name: "STATS",
+        kind: Kind::Path,
+        default: "",
+        doc: "write this run's expert counts (history included) to this file at exit",
+    },
+    Key {
+        name: "ROUTE_TRACE",
+        kind: Kind::Path,
+        default: "",
+        doc: "write every routing decision to this file: `<call> <row> <layer> <id>:<gate> ...`",
+    },
+    Key {
+        name: "PIN",
+        kind: Kind::Text,
+        default: "",
+        doc: "pin experts: auto (from the history), off, or a history file to rank from",
+    },
+    Key {
+        name: "PIN_N",
+        kind: Kind::Count,
+        default: "",
+        doc: "pins per MoE layer (instead of PIN_GB), at most CAP-8",
+    },
+    Key {
+        name: "PIN_GB",
+        kind: Kind::Text,
+        default: "10",
+        doc: "memory for pinned experts in GB, or `all` for the whole RAM budget",
+    },
+    Key {
+        name: "AUTOPIN",
+        kind: Kind::Bool,
+        default: "1",
+        doc: "without PIN, pin the hottest experts once the history holds 5000+ selections",
+    },
+    Key {
+        name: "REPIN",
+        kind: Kind::Count,
+        default: "0",
+        doc: "every N generated tokens swap cold pins for hot experts; 0 = never",
+    },
+    Key {
+        name: "COLI_SIMD",
+        kind: Kind::Text,
+        default: "auto",
+        doc: "CPU kernels: auto (best detected), scalar (the reference), avx2, neon; results are identical",
     },
 ];
 
@@ -191,6 +272,15 @@ impl Settings {
         }
     }
 
+    /// A count that may be unset (no default): `None` when neither argument nor environment
+    /// gives it.
+    pub fn count_if_set(&self, name: &str) -> Option<u64> {
+        match self.values.get(name) {
+            Some(Value::Count(n)) => Some(*n),
+            _ => None,
+        }
+    }
+
     pub fn number(&self, name: &str) -> f64 {
         match self.values.get(name) {
             Some(Value::Number(x)) => *x,
@@ -232,6 +322,7 @@ fn parse(kind: Kind, raw: &str) -> Option<Value> {
             .filter(|x| x.is_finite() && *x >= 0.0)
             .map(Value::Number),
         Kind::Path => (!trimmed.is_empty()).then(|| Value::Text(raw.to_string())),
+        Kind::Text => Some(Value::Text(raw.to_string())),
         Kind::Ids => {
             let ids: Option<Vec<u32>> = trimmed
                 .split(|c: char| c.is_whitespace() || c == ',')
@@ -279,6 +370,7 @@ pub fn table() -> String {
             Kind::Number => "number",
             Kind::Path => "path",
             Kind::Ids => "ids",
+            Kind::Text => "text",
         };
         let default = if key.default.is_empty() {
             "-"

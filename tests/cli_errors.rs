@@ -60,7 +60,7 @@ fn malformed_values_name_the_key_and_type() {
 fn a_setting_may_come_from_the_environment_and_the_argument_wins() {
     let snap = fixture("olmoe_tiny").display().to_string();
     let out = coli(
-        &["IDS=1 2 3", "NGEN=2", "2", "16"],
+        &["IDS=1 2 3", "NGEN=2", "USAGE_SAVE=0", "2", "16"],
         &[("SNAP", &snap), ("NGEN", "7")],
     );
     assert!(out.status.success(), "{}", stderr(&out));

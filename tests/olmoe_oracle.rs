@@ -123,7 +123,17 @@ fn ids_mode_continues_the_reference() {
     let prompt = ids("prompt_ids").join(" ");
     let expected = ids("full_ids")[12..17].join(" ");
     let snap = format!("SNAP={}", fixture("olmoe_tiny").display());
-    let out = coli(&[&snap, &format!("IDS={prompt}"), "NGEN=5", "2", "16"], &[]);
+    let out = coli(
+        &[
+            &snap,
+            &format!("IDS={prompt}"),
+            "NGEN=5",
+            "USAGE_SAVE=0",
+            "2",
+            "16",
+        ],
+        &[],
+    );
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(
         stdout(&out).lines().any(|line| line == expected),

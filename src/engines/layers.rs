@@ -4,7 +4,10 @@
 //! Each function computes what the transformers reference computes for that block, in
 //! f32 over rows of a row-major batch. Nothing here knows which model calls it.
 
-use rayon::prelude::*;
+use anyhow::Result;
+
+use crate::quant::{Matrix, Width};
+use crate::snapshot::Snapshot;
 
 /// `out = x / sqrt(mean(x^2) + eps) * weight`, for each row of `x` (`weight.len()` wide).
 /// The mean square is accumulated in f64 so the result does not depend on the row length's
@@ -65,6 +68,47 @@ impl Rope {
             }
         }
     }
+
+    /// Rotate one vector `x` (exactly the rotated width) in the interleaved layout for
+    /// absolute position `pos`: pair `(x[2i], x[2i+1])` turns by frequency `i`, and the result
+    /// is written de-interleaved (`out[i]`, `out[i + d/2]`), as DeepSeek-style checkpoints
+    /// and transformers' `apply_rotary_pos_emb_interleave` lay it out. Queries and keys both
+    /// go through it, so their dot products are those of the interleaved rotation.
+    pub fn apply_interleaved(&self, x: &mut [f32], pos: usize) {
+        let half = self.inv_freq.len();
+        let pairs: Vec<(f32, f32)> = x.chunks_exact(2).map(|p| (p[0], p[1])).collect();
+        for (i, (&(a, b), &f)) in pairs.iter().zip(&self.inv_freq).enumerate() {
+            let angle = pos as f32 * f;
+            let (cos, sin) = (angle.cos(), angle.sin());
+            x[i] = a * cos - b * sin;
+            x[half + i] = b * cos + a * sin;
+        }
+    }
+}
+
+/// `out = (x - mean) / sqrt(var + eps) * weight + bias` for each row of `x` (`weight.len()`
+/// wide), the biased variance as `nn.LayerNorm` takes it; moments accumulate in f64.
+pub fn layer_norm(x: &[f32], weight: &[f32], bias: &[f32], eps: f64, out: &mut [f32]) {
+    let width = weight.len();
+    for (row, out) in x.chunks_exact(width).zip(out.chunks_exact_mut(width)) {
+        let mean = row.iter().map(|&v| f64::from(v)).sum::<f64>() / width as f64;
+        let var = row
+            .iter()
+            .map(|&v| (f64::from(v) - mean).powi(2))
+            .sum::<f64>()
+            / width as f64;
+        let inv = 1.0 / (var + eps).sqrt();
+        for (((y, &v), &w), &b) in out.iter_mut().zip(row).zip(weight).zip(bias) {
+            *y = ((f64::from(v) - mean) * inv) as f32 * w + b;
+        }
+    }
+}
+
+/// `x += y`, element-wise (a residual connection).
+pub fn add_in_place(x: &mut [f32], y: &[f32]) {
+    for (a, &b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
 }
 
 /// Numerically stable softmax in place.
@@ -107,39 +151,59 @@ pub fn swiglu(gate: &mut [f32], up: &[f32]) {
     }
 }
 
-/// Keys and values of one attention layer for every position seen so far.
-pub struct KvCache {
-    width: usize,
-    keys: Vec<f32>,
-    values: Vec<f32>,
+/// `down(silu(gate x) * up x)` for `n` rows of `input`.
+pub fn swiglu_ffn(gate: &Matrix, up: &Matrix, down: &Matrix, input: &[f32], n: usize) -> Vec<f32> {
+    let inter = gate.rows();
+    let mut gated = vec![0f32; n * inter];
+    let mut upped = vec![0f32; n * inter];
+    gate.matmul(input, n, &mut gated);
+    up.matmul(input, n, &mut upped);
+    swiglu(&mut gated, &upped);
+    let mut out = vec![0f32; n * down.rows()];
+    down.matmul(&gated, n, &mut out);
+    out
 }
 
-impl KvCache {
-    /// A cache for `kv_heads * head_dim` wide keys and values.
-    pub fn new(width: usize) -> KvCache {
-        KvCache {
-            width,
-            keys: Vec::new(),
-            values: Vec::new(),
-        }
+/// A dense SwiGLU MLP (`{prefix}.{gate,up,down}_proj.weight`): dense layers and shared
+/// experts.
+pub struct SwigluMlp {
+    gate: Matrix,
+    up: Matrix,
+    down: Matrix,
+}
+
+impl SwigluMlp {
+    /// From matrices already loaded, e.g. one expert sliced from a stacked tensor.
+    pub fn from_matrices(gate: Matrix, up: Matrix, down: Matrix) -> SwigluMlp {
+        SwigluMlp { gate, up, down }
     }
 
-    pub fn len(&self) -> usize {
-        self.keys.len() / self.width
+    pub fn load(
+        snapshot: &Snapshot,
+        prefix: &str,
+        hidden: usize,
+        inter: usize,
+        width: Width,
+    ) -> Result<SwigluMlp> {
+        let load = |name: &str, shape: [usize; 2]| -> Result<Matrix> {
+            Matrix::load(
+                &snapshot.tensor_shaped(&format!("{prefix}.{name}.weight"), &shape)?,
+                width,
+            )
+        };
+        Ok(SwigluMlp {
+            gate: load("gate_proj", [inter, hidden])?,
+            up: load("up_proj", [inter, hidden])?,
+            down: load("down_proj", [hidden, inter])?,
+        })
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.keys.is_empty()
+    pub fn forward(&self, input: &[f32], n: usize) -> Vec<f32> {
+        swiglu_ffn(&self.gate, &self.up, &self.down, input, n)
     }
 
-    pub fn clear(&mut self) {
-        self.keys.clear();
-        self.values.clear();
-    }
-
-    pub fn push(&mut self, keys: &[f32], values: &[f32]) {
-        self.keys.extend_from_slice(keys);
-        self.values.extend_from_slice(values);
+    pub fn size_bytes(&self) -> usize {
+        self.gate.size_bytes() + self.up.size_bytes() + self.down.size_bytes()
     }
 }
 
@@ -150,49 +214,6 @@ pub struct AttentionShape {
     pub kv_heads: usize,
     pub head_dim: usize,
     pub scale: f32,
-}
-
-/// Causal attention of `n` new queries (`n x heads*head_dim`) against `cache`, whose last
-/// `n` positions are those queries' own keys. Query head `h` reads key/value head
-/// `h / (heads / kv_heads)`, as `repeat_kv` lays them out.
-pub fn causal_attention(
-    shape: AttentionShape,
-    queries: &[f32],
-    n: usize,
-    cache: &KvCache,
-    out: &mut [f32],
-) {
-    let AttentionShape {
-        heads,
-        kv_heads,
-        head_dim,
-        scale,
-    } = shape;
-    let group = heads / kv_heads;
-    let first = cache.len() - n;
-    let q_width = heads * head_dim;
-    out.par_chunks_mut(head_dim)
-        .enumerate()
-        .for_each(|(index, out)| {
-            let (token, head) = (index / heads, index % heads);
-            let query = &queries[token * q_width + head * head_dim..][..head_dim];
-            let kv_offset = (head / group) * head_dim;
-            let visible = first + token + 1;
-            let mut scores: Vec<f32> = (0..visible)
-                .map(|pos| {
-                    let key = &cache.keys[pos * cache.width + kv_offset..][..head_dim];
-                    query.iter().zip(key).map(|(a, b)| a * b).sum::<f32>() * scale
-                })
-                .collect();
-            softmax(&mut scores);
-            out.fill(0.0);
-            for (pos, &p) in scores.iter().enumerate() {
-                let value = &cache.values[pos * cache.width + kv_offset..][..head_dim];
-                for (y, &v) in out.iter_mut().zip(value) {
-                    *y += p * v;
-                }
-            }
-        });
 }
 
 #[cfg(test)]
@@ -246,33 +267,21 @@ mod tests {
     }
 
     #[test]
-    fn grouped_attention_reads_the_shared_head() {
-        // Two query heads share one kv head of dim 2; two positions.
-        let mut cache = KvCache::new(2);
-        cache.push(&[1.0, 0.0], &[10.0, 0.0]);
-        cache.push(&[0.0, 1.0], &[0.0, 20.0]);
-        let shape = AttentionShape {
-            heads: 2,
-            kv_heads: 1,
-            head_dim: 2,
-            scale: 1.0,
-        };
-        // Only the second position's query (n = 1): head 0 looks along key 0, head 1 along key 1.
-        let queries = [2.0, 0.0, 0.0, 2.0];
-        let mut out = [0f32; 4];
-        causal_attention(shape, &queries, 1, &cache, &mut out);
-        let (hi, lo) = (2f32.exp() / (2f32.exp() + 1.0), 1.0 / (2f32.exp() + 1.0));
-        close(&out, &[10.0 * hi, 20.0 * lo, 10.0 * lo, 20.0 * hi]);
-        // With n = 2 the first query sees only the first position.
-        let mut both = [0f32; 8];
-        causal_attention(
-            shape,
-            &[1.0, 1.0, 1.0, 1.0, 2.0, 0.0, 0.0, 2.0],
-            2,
-            &cache,
-            &mut both,
-        );
-        close(&both[..4], &[10.0, 0.0, 10.0, 0.0]);
-        close(&both[4..], &out);
+    fn interleaved_rope_turns_adjacent_pairs_and_splits_the_halves() {
+        let rope = Rope::new(4, 10000.0);
+        // Pairs (x0, x1) at frequency 1 and (x2, x3) at 0.01; position 1.
+        let mut x = [1.0, 0.0, 0.0, 1.0];
+        rope.apply_interleaved(&mut x, 1);
+        let (c1, s1, c2, s2) = (1f32.cos(), 1f32.sin(), 0.01f32.cos(), 0.01f32.sin());
+        // Out: [a0 cos - b0 sin, a1 cos - b1 sin, b0 cos + a0 sin, b1 cos + a1 sin].
+        close(&x, &[c1, -s2, s1, c2]);
+    }
+
+    #[test]
+    fn layer_norm_by_hand() {
+        // mean 2, biased variance 1 for [1, 3]: normalised [-1, 1].
+        let mut out = [0f32; 2];
+        layer_norm(&[1.0, 3.0], &[2.0, 1.0], &[0.5, -0.5], 0.0, &mut out);
+        close(&out, &[-1.5, 0.5]);
     }
 }

@@ -5,15 +5,23 @@
 //! An engine decides what a model computes; it owns no file format, no counters of its own
 //! and no caching policy (those are `snapshot`, `route_trace` and `experts`).
 
+pub mod dsa;
+pub mod glm_moe_dsa;
+pub mod inkling;
 pub mod layers;
+pub mod mla;
 pub mod moe;
 pub mod olmoe;
+pub mod short_conv;
+pub mod window_attention;
 
 use anyhow::{bail, Result};
 
-use crate::experts::CacheStats;
+use crate::experts::{CacheStats, ExpertStore};
 use crate::quant::Width;
+use crate::route_trace::RouteTrace;
 use crate::snapshot::Snapshot;
+use moe::RoutedExperts;
 
 /// How to build an engine from a snapshot.
 #[derive(Debug, Clone, Copy)]
@@ -26,6 +34,24 @@ pub struct LoadOptions {
     pub dense_width: Width,
     /// RAM budget in bytes for `cap == 0`.
     pub ram_budget: u64,
+    /// `DRAFT`: speculative draft depth; `None` lets an engine with a draft head pick.
+    pub draft: Option<usize>,
+    /// `DSA_FORCE`: sparse-attention engines select on every query but keep every key.
+    pub dsa_force: bool,
+}
+
+impl LoadOptions {
+    /// Everything in f32 (the oracle setting) with `cap` slots per layer and no drafting.
+    pub fn exact(cap: usize) -> LoadOptions {
+        LoadOptions {
+            cap,
+            expert_width: Width::F32,
+            dense_width: Width::F32,
+            ram_budget: 1 << 30,
+            draft: None,
+            dsa_force: false,
+        }
+    }
 }
 
 /// A loaded model that turns token ids into logits.
@@ -46,22 +72,93 @@ pub trait Engine {
     /// Forget every cached position (the expert cache stays warm).
     fn reset(&mut self);
 
-    fn cache_stats(&self) -> CacheStats;
+    /// The routed experts and their telemetry.
+    fn routed(&self) -> &RoutedExperts;
+
+    fn routed_mut(&mut self) -> &mut RoutedExperts;
+
+    fn cache_stats(&self) -> CacheStats {
+        self.routed().store.stats()
+    }
+
+    /// The run's routing telemetry, which the engine's router loops feed.
+    fn telemetry(&mut self) -> &mut RouteTrace {
+        &mut self.routed_mut().telemetry
+    }
+
+    /// The routed experts' store, for placement (pins) decided outside the engine.
+    fn expert_store(&mut self) -> &mut ExpertStore {
+        &mut self.routed_mut().store
+    }
 
     /// Expert-cache slots per MoE layer actually in use.
-    fn cache_capacity(&self) -> usize;
+    fn cache_capacity(&self) -> usize {
+        self.routed().store.capacity()
+    }
 
     /// Bytes of weights resident outside the expert cache.
     fn resident_bytes(&self) -> usize;
+
+    /// Token ids that end a generation (the model's `eos_token_id`s).
+    fn stop_tokens(&self) -> &[u32] {
+        &[]
+    }
+
+    /// Lines describing what the loaded model will do beyond its shapes (e.g. an active
+    /// draft head or sparse attention), for the start of a run.
+    fn notes(&self) -> Vec<String> {
+        Vec::new()
+    }
+
+    /// Draft depth for speculative greedy decoding; 0 when the engine has no draft head or
+    /// drafting is off.
+    fn draft_depth(&self) -> usize {
+        0
+    }
+
+    /// Up to `depth` tokens the engine's draft head expects after `next`, the token chosen
+    /// from the last forward's logits (which `forward` has not seen yet). Empty when the
+    /// engine has no draft head.
+    fn propose(&mut self, next: u32, depth: usize) -> Result<Vec<u32>> {
+        let _ = (next, depth);
+        Ok(Vec::new())
+    }
+
+    /// Keep the first `len` cached positions, dropping rejected draft tokens: only positions
+    /// the last forward added can go, and at least one of them stays.
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        bail!(
+            "{} cannot drop cached positions (asked to keep {len} of {})",
+            self.name(),
+            self.position()
+        )
+    }
 }
 
 /// Every engine this build can run.
-pub const ENGINES: &[&str] = &[olmoe::NAME];
+pub const ENGINES: &[&str] = &[olmoe::NAME, inkling::NAME, glm_moe_dsa::NAME];
+
+/// `model_type` values that name an engine differently: Inkling's text config, and its
+/// multimodal release config whose text part this engine runs.
+const MODEL_TYPES: &[(&str, &str)] = &[
+    ("inkling_text", inkling::NAME),
+    ("inkling_mm_model", inkling::NAME),
+];
+
+/// The engine a `model_type` from `config.json` names.
+fn engine_of_model_type(model_type: &str) -> &str {
+    MODEL_TYPES
+        .iter()
+        .find(|(known, _)| *known == model_type)
+        .map_or(model_type, |(_, engine)| engine)
+}
 
 /// Build the engine `name` from `snapshot`.
 pub fn load(name: &str, snapshot: &Snapshot, options: LoadOptions) -> Result<Box<dyn Engine>> {
     match name {
         olmoe::NAME => Ok(Box::new(olmoe::Olmoe::load(snapshot, options)?)),
+        inkling::NAME => Ok(Box::new(inkling::Inkling::load(snapshot, options)?)),
+        glm_moe_dsa::NAME => Ok(Box::new(glm_moe_dsa::GlmMoeDsa::load(snapshot, options)?)),
         other => bail!(
             "unknown engine {other:?}; this build runs: {}",
             ENGINES.join(", ")
@@ -73,11 +170,12 @@ pub fn load(name: &str, snapshot: &Snapshot, options: LoadOptions) -> Result<Box
 /// when both are present and disagree.
 pub fn resolve(requested: Option<&str>, snapshot: &Snapshot) -> Result<&'static str> {
     let config_path = snapshot.dir().join("config.json");
-    let from_config = snapshot.model_type();
+    let from_config = snapshot.model_type().map(engine_of_model_type);
     let name = match (requested, from_config) {
         (Some(asked), Some(found)) if asked != found => bail!(
-            "--model {asked} but {} says model_type {found:?}; drop --model or point SNAP at a {asked} model",
-            config_path.display()
+            "--model {asked} but {} says model_type {:?}; drop --model or point SNAP at a {asked} model",
+            config_path.display(),
+            snapshot.model_type().unwrap_or(found)
         ),
         (Some(asked), _) => asked,
         (None, Some(found)) => found,

@@ -4,8 +4,9 @@
 
 use anyhow::Result;
 
-use super::layers::{softmax, swiglu, top_k};
+use super::layers::{softmax, swiglu_ffn, top_k};
 use crate::experts::ExpertStore;
+use crate::route_trace::RouteTrace;
 
 /// The experts one row of the batch routes to, with the gates the layer applies.
 pub type Route = Vec<(usize, f32)>;
@@ -24,17 +25,118 @@ pub fn softmax_top_k(logits: &[f32], k: usize, normalise: bool) -> Route {
     route
 }
 
+/// The experts with the highest `score + bias`, in descending order of that sum (ties to
+/// the lower index). With `n_group > 1`, only experts in the `topk_group` groups whose two
+/// best biased scores sum highest are eligible, as DeepSeek-style routers limit them.
+pub fn biased_top_k(
+    scores: &[f32],
+    bias: &[f32],
+    k: usize,
+    n_group: usize,
+    topk_group: usize,
+) -> Vec<usize> {
+    let mut choice: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
+    if n_group > 1 {
+        let per_group = choice.len() / n_group;
+        let group_scores: Vec<f32> = choice
+            .chunks(per_group)
+            .map(|group| top_k(group, 2).iter().map(|&(_, s)| s).sum())
+            .collect();
+        let kept: Vec<usize> = top_k(&group_scores, topk_group)
+            .iter()
+            .map(|&(g, _)| g)
+            .collect();
+        for (g, group) in choice.chunks_mut(per_group).enumerate() {
+            if !kept.contains(&g) {
+                group.fill(f32::NEG_INFINITY);
+            }
+        }
+    }
+    top_k(&choice, k).into_iter().map(|(i, _)| i).collect()
+}
+
+/// The sigmoid router with a score-correction bias: choose by `sigmoid(logit) + bias`
+/// (optionally group-limited), weigh by the unbiased sigmoid, optionally renormalise over
+/// the chosen experts, then scale.
+pub struct SigmoidRouter {
+    pub bias: Vec<f32>,
+    pub top_k: usize,
+    pub n_group: usize,
+    pub topk_group: usize,
+    pub normalise: bool,
+    pub scale: f32,
+}
+
+impl SigmoidRouter {
+    pub fn route(&self, logits: &[f32]) -> Route {
+        let scores: Vec<f32> = logits.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect();
+        let ids = biased_top_k(
+            &scores,
+            &self.bias,
+            self.top_k,
+            self.n_group,
+            self.topk_group,
+        );
+        let mut route: Route = ids.into_iter().map(|e| (e, scores[e])).collect();
+        if self.normalise {
+            let sum: f32 = route.iter().map(|&(_, w)| w).sum::<f32>() + 1e-20;
+            route.iter_mut().for_each(|(_, w)| *w /= sum);
+        }
+        route.iter_mut().for_each(|(_, w)| *w *= self.scale);
+        route
+    }
+}
+
+/// The routed half of a MoE model: the expert store and the telemetry its routing feeds.
+pub struct RoutedExperts {
+    pub store: ExpertStore,
+    pub telemetry: RouteTrace,
+}
+
+impl RoutedExperts {
+    /// See [`run_experts`].
+    pub fn run(
+        &mut self,
+        layer: usize,
+        input: &[f32],
+        routes: &[Route],
+        hidden: usize,
+        out: &mut [f32],
+    ) -> Result<()> {
+        run_experts(
+            &mut self.store,
+            &mut self.telemetry,
+            layer,
+            input,
+            routes,
+            hidden,
+            out,
+        )
+    }
+}
+
 /// `out[row] = Σ gate · down(silu(gate_proj x) * up_proj x)` over each row's route.
+///
+/// This is the one place every router loop ends: each row's final choice is reported to
+/// `telemetry` (one MoE call, one routing decision per row) before any expert runs.
 /// Experts run in ascending id order, each once over all its rows, so a distinct expert is
 /// looked up once per call and the sum order matches the reference's expert loop.
 pub fn run_experts(
     store: &mut ExpertStore,
+    telemetry: &mut RouteTrace,
     layer: usize,
     input: &[f32],
     routes: &[Route],
     hidden: usize,
     out: &mut [f32],
 ) -> Result<()> {
+    {
+        let mut call = telemetry.moe_call(layer);
+        for (row, route) in routes.iter().enumerate() {
+            let (ids, gates): (Vec<usize>, Vec<f32>) = route.iter().copied().unzip();
+            call.route(row, &ids, &gates);
+        }
+    }
     out.fill(0.0);
     let mut experts: Vec<usize> = routes.iter().flatten().map(|&(e, _)| e).collect();
     experts.sort_unstable();
@@ -56,15 +158,7 @@ pub fn run_experts(
             batch.extend_from_slice(&input[row * hidden..][..hidden]);
         }
         let result = store.with_expert(layer, expert, |weights| {
-            let inter = weights.gate.rows();
-            let mut gate = vec![0f32; n * inter];
-            let mut up = vec![0f32; n * inter];
-            weights.gate.matmul(&batch, n, &mut gate);
-            weights.up.matmul(&batch, n, &mut up);
-            swiglu(&mut gate, &up);
-            let mut down = vec![0f32; n * hidden];
-            weights.down.matmul(&gate, n, &mut down);
-            down
+            swiglu_ffn(&weights.gate, &weights.up, &weights.down, &batch, n)
         })?;
         for (&(row, weight), y) in rows.iter().zip(result.chunks_exact(hidden)) {
             for (o, &v) in out[row * hidden..][..hidden].iter_mut().zip(y) {
@@ -78,6 +172,34 @@ pub fn run_experts(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn biased_choice_weighs_by_unbiased_scores() {
+        let router = SigmoidRouter {
+            bias: vec![0.0, 0.0, 1.0, 0.0],
+            top_k: 2,
+            n_group: 1,
+            topk_group: 1,
+            normalise: true,
+            scale: 2.0,
+        };
+        // sigmoid(0) = 0.5 for expert 2, but its bias makes it the first choice.
+        let route = router.route(&[3.0, 1.0, 0.0, -1.0]);
+        assert_eq!(route.iter().map(|r| r.0).collect::<Vec<_>>(), vec![2, 0]);
+        let s0 = 1.0 / (1.0 + (-3f32).exp());
+        assert!((route[0].1 - 2.0 * 0.5 / (0.5 + s0)).abs() < 1e-6);
+        assert!((route[1].1 - 2.0 * s0 / (0.5 + s0)).abs() < 1e-6);
+    }
+
+    #[test]
+    fn group_limit_excludes_weak_groups() {
+        // Groups {0,1} (best two sum 1.0), {2,3} (1.3), {4,5} (0.7); keep two groups.
+        let scores = [0.9, 0.1, 0.65, 0.65, 0.6, 0.1];
+        let ids = biased_top_k(&scores, &[0.0; 6], 3, 3, 2);
+        assert_eq!(ids, vec![0, 2, 3]);
+        // Without the limit expert 4 (0.6) would beat nothing in group {0,1} but is excluded.
+        assert_eq!(biased_top_k(&scores, &[0.0; 6], 4, 3, 2), vec![0, 2, 3, 1]);
+    }
 
     #[test]
     fn softmax_top_k_renormalises_only_when_asked() {

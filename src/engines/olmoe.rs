@@ -5,11 +5,13 @@
 use anyhow::{bail, Result};
 use serde::Deserialize;
 
-use super::layers::{causal_attention, rms_norm, rms_norm_in_place, AttentionShape, KvCache, Rope};
-use super::moe::{run_experts, softmax_top_k, Route};
+use super::layers::{rms_norm, rms_norm_in_place, AttentionShape, Rope};
+use super::moe::{softmax_top_k, Route, RoutedExperts};
+use super::window_attention::{windowed_attention, WindowKvCache};
 use super::{Engine, LoadOptions};
-use crate::experts::{auto_capacity, CacheStats, ExpertStore, ExpertTensors};
+use crate::experts::{ExpertStore, ExpertTensors};
 use crate::quant::{load_vector, Matrix, Width};
+use crate::route_trace::RouteTrace;
 use crate::snapshot::Snapshot;
 
 pub const NAME: &str = "olmoe";
@@ -128,10 +130,10 @@ pub struct Olmoe {
     final_norm: Vec<f32>,
     lm_head: Matrix,
     layers: Vec<Layer>,
-    kv_caches: Vec<KvCache>,
+    kv_caches: Vec<WindowKvCache>,
     rope: Rope,
     shape: AttentionShape,
-    experts: ExpertStore,
+    routed: RoutedExperts,
 }
 
 impl Olmoe {
@@ -212,36 +214,33 @@ impl Olmoe {
                 scale: (hd as f32).powf(-0.5),
             },
             kv_caches: (0..config.num_hidden_layers)
-                .map(|_| KvCache::new(kv_heads * hd))
+                .map(|_| WindowKvCache::new(kv_heads * hd, None))
                 .collect(),
-            experts: ExpertStore::new(Vec::new(), 1, options.expert_width),
+            // Every layer routes; the row after the last layer (an MTP head in other
+            // models) does not exist here.
+            routed: RoutedExperts {
+                store: ExpertStore::new(Vec::new(), 1, options.expert_width),
+                telemetry: {
+                    let mut telemetry =
+                        RouteTrace::new(NAME, config.num_hidden_layers, config.num_experts)?;
+                    telemetry.drop_row(config.num_hidden_layers);
+                    telemetry
+                },
+            },
             embed,
             final_norm,
             lm_head,
             layers,
             config,
         };
-        let capacity = match options.cap {
-            0 => {
-                let expert_bytes = 3
-                    * olmoe.config.intermediate_size
-                    * d
-                    * if options.expert_width == Width::F32 {
-                        4
-                    } else {
-                        1
-                    };
-                auto_capacity(
-                    options.ram_budget,
-                    olmoe.resident_bytes() as u64,
-                    olmoe.config.num_hidden_layers,
-                    expert_bytes as u64,
-                    olmoe.config.num_experts,
-                )
-            }
-            cap => cap.min(olmoe.config.num_experts),
-        };
-        olmoe.experts = ExpertStore::new(expert_tensors, capacity, options.expert_width);
+        let resident = olmoe.resident_bytes() as u64;
+        olmoe.routed.store = ExpertStore::provision(
+            expert_tensors,
+            options.cap,
+            options.expert_width,
+            options.ram_budget,
+            resident,
+        );
         Ok(olmoe)
     }
 
@@ -275,7 +274,7 @@ impl Olmoe {
         let cache = &mut self.kv_caches[l];
         cache.push(&k, &v);
         let mut context = vec![0f32; n * q_width];
-        causal_attention(self.shape, &q, n, cache, &mut context);
+        windowed_attention(self.shape, None, &q, n, cache, None, &mut context);
         let mut out = vec![0f32; n * d];
         attn.o_proj.matmul(&context, n, &mut out);
         out
@@ -304,7 +303,7 @@ impl Olmoe {
             })
             .collect();
         let mut out = vec![0f32; n * d];
-        run_experts(&mut self.experts, l, &h, &routes, d, &mut out)?;
+        self.routed.run(l, &h, &routes, d, &mut out)?;
         Ok(out)
     }
 }
@@ -356,7 +355,7 @@ impl Engine for Olmoe {
     }
 
     fn position(&self) -> usize {
-        self.kv_caches.first().map_or(0, KvCache::len)
+        self.kv_caches.first().map_or(0, WindowKvCache::positions)
     }
 
     fn forward(&mut self, tokens: &[u32], all_positions: bool) -> Result<Vec<f32>> {
@@ -401,15 +400,15 @@ impl Engine for Olmoe {
     }
 
     fn reset(&mut self) {
-        self.kv_caches.iter_mut().for_each(KvCache::clear);
+        self.kv_caches.iter_mut().for_each(WindowKvCache::clear);
     }
 
-    fn cache_stats(&self) -> CacheStats {
-        self.experts.stats()
+    fn routed(&self) -> &RoutedExperts {
+        &self.routed
     }
 
-    fn cache_capacity(&self) -> usize {
-        self.experts.capacity()
+    fn routed_mut(&mut self) -> &mut RoutedExperts {
+        &mut self.routed
     }
 
     fn resident_bytes(&self) -> usize {

@@ -20,24 +20,30 @@ pub struct ExpertTensors {
 }
 
 impl ExpertTensors {
+    /// Expert `expert` of the fused transformers 5 layout: `gate_up [E, 2I, D]` with the
+    /// gate rows first, and `down [E, D, I]`.
+    pub fn from_fused(
+        gate_up: &TensorView,
+        down: &TensorView,
+        expert: usize,
+    ) -> Result<ExpertTensors> {
+        let pair = gate_up.select(expert)?;
+        Ok(ExpertTensors {
+            gate: pair.part(0, 2)?,
+            up: pair.part(1, 2)?,
+            down: down.select(expert)?,
+        })
+    }
+
     /// Check the three shapes against the configuration.
     pub fn checked(self, hidden: usize, inter: usize) -> Result<ExpertTensors> {
-        for (view, shape) in [
-            (&self.gate, [inter, hidden]),
-            (&self.up, [inter, hidden]),
-            (&self.down, [hidden, inter]),
-        ] {
-            if view.shape != shape {
-                bail!(
-                    "{}: tensor {} has shape {:?}, expected {:?} from config.json",
-                    view.file.display(),
-                    view.name,
-                    view.shape,
-                    shape
-                );
-            }
-        }
-        Ok(self)
+        // A pre-quantised expert is checked by its byte counts and takes the logical shape.
+        let shaped = crate::quant::format::shaped;
+        Ok(ExpertTensors {
+            gate: shaped(self.gate, &[inter, hidden])?,
+            up: shaped(self.up, &[inter, hidden])?,
+            down: shaped(self.down, &[hidden, inter])?,
+        })
     }
 
     fn source_bytes(&self) -> usize {
@@ -97,6 +103,8 @@ struct Slot {
 
 struct LayerCache {
     tensors: Vec<ExpertTensors>,
+    /// Experts placed by the pin plan: loaded once, never evicted, outside `CAP`.
+    pinned: Vec<(usize, Expert)>,
     slots: Vec<Slot>,
 }
 
@@ -120,6 +128,7 @@ impl ExpertStore {
                 .into_iter()
                 .map(|tensors| LayerCache {
                     tensors,
+                    pinned: Vec::new(),
                     slots: Vec::new(),
                 })
                 .collect(),
@@ -128,12 +137,100 @@ impl ExpertStore {
         }
     }
 
+    /// Number of layers the store was built with.
+    pub fn layers(&self) -> usize {
+        self.layers.len()
+    }
+
     pub fn capacity(&self) -> usize {
         self.capacity
     }
 
     pub fn stats(&self) -> CacheStats {
         self.stats
+    }
+
+    /// Load expert `expert` of layer `layer` into the pinned tier (a no-op when it is
+    /// already pinned). Returns the bytes it occupies.
+    pub fn pin(&mut self, layer: usize, expert: usize) -> Result<usize> {
+        let Some(cache) = self.layers.get_mut(layer) else {
+            bail!(
+                "cannot pin expert {expert} of layer {layer}: the model has {} layers",
+                self.layers.len()
+            );
+        };
+        if let Some((_, weights)) = cache.pinned.iter().find(|(e, _)| *e == expert) {
+            return Ok(weights.size_bytes());
+        }
+        let Some(tensors) = cache.tensors.get(expert) else {
+            bail!(
+                "cannot pin expert {expert} of layer {layer}: the layer has {} experts",
+                cache.tensors.len()
+            );
+        };
+        let weights = match cache.slots.iter().position(|s| s.expert == expert) {
+            Some(slot) => cache.slots.swap_remove(slot).weights,
+            None => {
+                self.stats.bytes_loaded += tensors.source_bytes() as u64;
+                Expert::load(tensors, self.width)?
+            }
+        };
+        let bytes = weights.size_bytes();
+        cache.pinned.push((expert, weights));
+        Ok(bytes)
+    }
+
+    /// Take expert `expert` of layer `layer` out of the pinned tier; it stays cached as the
+    /// most recently used slot when the layer has room. Returns whether it was pinned.
+    pub fn unpin(&mut self, layer: usize, expert: usize) -> bool {
+        let Some(cache) = self.layers.get_mut(layer) else {
+            return false;
+        };
+        let Some(index) = cache.pinned.iter().position(|(e, _)| *e == expert) else {
+            return false;
+        };
+        let (_, weights) = cache.pinned.swap_remove(index);
+        if cache.slots.len() < self.capacity {
+            self.clock += 1;
+            cache.slots.push(Slot {
+                expert,
+                last_used: self.clock,
+                weights,
+            });
+        }
+        true
+    }
+
+    /// Bytes one expert of layer `layer` takes once loaded (0 for a layer without experts),
+    /// for placement budgets such as `PIN_GB`.
+    pub fn expert_bytes(&self, layer: usize) -> u64 {
+        let Some(tensors) = self
+            .layers
+            .get(layer)
+            .and_then(|cache| cache.tensors.first())
+        else {
+            return 0;
+        };
+        let elements: usize = [&tensors.gate, &tensors.up, &tensors.down]
+            .iter()
+            .map(|view| view.numel())
+            .sum();
+        (elements as u64 * u64::from(self.width.bits())).div_ceil(8)
+    }
+
+    /// The experts pinned in each layer.
+    pub fn pinned(&self) -> Vec<Vec<usize>> {
+        self.layers
+            .iter()
+            .map(|cache| cache.pinned.iter().map(|(e, _)| *e).collect())
+            .collect()
+    }
+
+    /// Whether expert `expert` of layer `layer` is pinned.
+    pub fn is_pinned(&self, layer: usize, expert: usize) -> bool {
+        self.layers
+            .get(layer)
+            .is_some_and(|cache| cache.pinned.iter().any(|(e, _)| *e == expert))
     }
 
     /// Run `compute` with expert `expert` of MoE layer `layer`, loading it on a miss. A
@@ -147,6 +244,10 @@ impl ExpertStore {
     ) -> Result<R> {
         self.clock += 1;
         let cache = &mut self.layers[layer];
+        if let Some((_, weights)) = cache.pinned.iter().find(|(e, _)| *e == expert) {
+            self.stats.pin_hits += 1;
+            return Ok(compute(weights));
+        }
         if let Some(slot) = cache.slots.iter_mut().find(|s| s.expert == expert) {
             slot.last_used = self.clock;
             self.stats.lru_hits += 1;
@@ -173,6 +274,41 @@ impl ExpertStore {
             *victim = slot;
         }
         Ok(result)
+    }
+}
+
+impl ExpertStore {
+    /// A store sized by the `CAP` setting: `cap` slots per layer (at most the number of
+    /// experts), or with `cap == 0` as many as [`auto_capacity`] finds room for in
+    /// `ram_budget` next to `resident_bytes` of other weights.
+    pub fn provision(
+        layers: Vec<Vec<ExpertTensors>>,
+        cap: usize,
+        width: Width,
+        ram_budget: u64,
+        resident_bytes: u64,
+    ) -> ExpertStore {
+        let n_experts = layers.iter().map(Vec::len).max().unwrap_or(0);
+        let capacity = match cap {
+            0 => {
+                let moe_layers = layers.iter().filter(|layer| !layer.is_empty()).count();
+                let probe = ExpertStore::new(layers, 1, width);
+                let expert_bytes = (0..probe.layers())
+                    .map(|l| probe.expert_bytes(l))
+                    .max()
+                    .unwrap_or(0);
+                let capacity = auto_capacity(
+                    ram_budget,
+                    resident_bytes,
+                    moe_layers,
+                    expert_bytes,
+                    n_experts,
+                );
+                return ExpertStore { capacity, ..probe };
+            }
+            cap => cap.min(n_experts),
+        };
+        ExpertStore::new(layers, capacity, width)
     }
 }
 

@@ -1,85 +1,703 @@
-//! Scalar CPU kernels, written so the compiler vectorises them: eight independent
-//! accumulators break the dependency chain of a naive sum.
+//! The matrix kernels, written once over an 8-lane vector type ([`Lanes`]) and an element
+//! decoder ([`Decode`]), and instantiated for the scalar reference, AVX2/FMA (x86-64) and
+//! NEON (aarch64).
+//!
+//! The arithmetic is fixed so that every instantiation gives the same bits: a row's
+//! elements are decoded exactly (an int8, a nibble, an e4m3 or e2m1 code, a bf16/f16 to its
+//! f32 value, without its scale), element `8c + l` goes to lane `l` with one fused
+//! multiply-add per element in column order (a row that ends inside a chunk is padded with
+//! zeros), and the eight lanes are summed as `((l0+l4)+(l2+l6))+((l1+l5)+(l3+l7))`. Formats
+//! with group scales keep one lane accumulator per group and fold it in with
+//! `acc = fma(group, scale, acc)` at the end of each group; per-row formats multiply the
+//! reduced sum by the row scale. Because decoding is exact, the batched path (decode a
+//! block of rows to f32 once, then run it against every input row) computes the same bits
+//! as the one-row path, so prefill and decode agree and `COLI_SIMD=scalar` changes nothing.
+//!
+//! Work is split across rayon threads by blocks of output rows; each output element is
+//! computed by one thread in one fixed order, so results do not depend on the thread count.
 
-const LANES: usize = 8;
+use std::sync::atomic::{AtomicU8, Ordering};
 
-pub fn dot_f32(weights: &[f32], x: &[f32]) -> f32 {
-    let mut acc = [0f32; LANES];
-    let chunks = weights.len() / LANES * LANES;
-    for (w, v) in weights[..chunks]
-        .chunks_exact(LANES)
-        .zip(x[..chunks].chunks_exact(LANES))
-    {
-        for lane in 0..LANES {
-            acc[lane] += w[lane] * v[lane];
+use anyhow::{bail, Result};
+use half::f16;
+use rayon::prelude::*;
+
+use super::codec;
+
+/// An 8-lane f32 vector.
+pub trait Lanes: Copy {
+    /// # Safety
+    /// The CPU must support the instruction set of the implementation.
+    unsafe fn zero() -> Self;
+    /// # Safety
+    /// As [`Lanes::zero`].
+    unsafe fn splat(value: f32) -> Self;
+    /// # Safety
+    /// `ptr` must be valid for reading 8 f32 (no alignment needed).
+    unsafe fn load(ptr: *const f32) -> Self;
+    /// # Safety
+    /// `ptr` must be valid for writing 8 f32.
+    unsafe fn store(self, ptr: *mut f32);
+    /// `a * b + c`, rounded once.
+    /// # Safety
+    /// As [`Lanes::zero`].
+    unsafe fn fma(a: Self, b: Self, c: Self) -> Self;
+    /// `((l0+l4)+(l2+l6))+((l1+l5)+(l3+l7))`.
+    /// # Safety
+    /// As [`Lanes::zero`].
+    unsafe fn sum(self) -> f32;
+}
+
+/// How a format stores the elements of one row.
+pub trait Codes: Copy + Send + Sync + 'static {
+    type Elem: Copy + Send + Sync;
+    /// Storage units per row of `cols` elements.
+    fn stride(cols: usize) -> usize;
+    /// The exact value of element `i`, without its scale.
+    fn value(row: &[Self::Elem], i: usize) -> f32;
+}
+
+/// Decoding eight consecutive elements into lanes.
+pub trait Decode<V: Lanes>: Codes {
+    /// Elements `8c .. 8c + 8` of `row`.
+    /// # Safety
+    /// `8c + 8` must not exceed the row's element count, and the CPU must support `V`.
+    unsafe fn chunk(row: &[Self::Elem], c: usize) -> V;
+}
+
+/// f32 elements.
+#[derive(Clone, Copy)]
+pub struct F32Codes;
+/// bf16 bit patterns.
+#[derive(Clone, Copy)]
+pub struct Bf16Codes;
+/// IEEE f16 bit patterns.
+#[derive(Clone, Copy)]
+pub struct F16Codes;
+/// int8 values.
+#[derive(Clone, Copy)]
+pub struct I8Codes;
+/// Offset-binary int4 nibbles, low nibble first.
+#[derive(Clone, Copy)]
+pub struct Int4Codes;
+/// FP8 E4M3 bytes.
+#[derive(Clone, Copy)]
+pub struct E4m3Codes;
+/// e2m1 nibbles, low nibble first, decoded doubled.
+#[derive(Clone, Copy)]
+pub struct E2m1Codes;
+
+impl Codes for F32Codes {
+    type Elem = f32;
+    fn stride(cols: usize) -> usize {
+        cols
+    }
+    #[inline(always)]
+    fn value(row: &[f32], i: usize) -> f32 {
+        row[i]
+    }
+}
+
+impl Codes for Bf16Codes {
+    type Elem = u16;
+    fn stride(cols: usize) -> usize {
+        cols
+    }
+    #[inline(always)]
+    fn value(row: &[u16], i: usize) -> f32 {
+        f32::from_bits(u32::from(row[i]) << 16)
+    }
+}
+
+impl Codes for F16Codes {
+    type Elem = u16;
+    fn stride(cols: usize) -> usize {
+        cols
+    }
+    #[inline(always)]
+    fn value(row: &[u16], i: usize) -> f32 {
+        f16::from_bits(row[i]).to_f32()
+    }
+}
+
+impl Codes for I8Codes {
+    type Elem = i8;
+    fn stride(cols: usize) -> usize {
+        cols
+    }
+    #[inline(always)]
+    fn value(row: &[i8], i: usize) -> f32 {
+        f32::from(row[i])
+    }
+}
+
+impl Codes for Int4Codes {
+    type Elem = u8;
+    fn stride(cols: usize) -> usize {
+        cols.div_ceil(2)
+    }
+    #[inline(always)]
+    fn value(row: &[u8], i: usize) -> f32 {
+        codec::int4_value(row, i)
+    }
+}
+
+impl Codes for E4m3Codes {
+    type Elem = u8;
+    fn stride(cols: usize) -> usize {
+        cols
+    }
+    #[inline(always)]
+    fn value(row: &[u8], i: usize) -> f32 {
+        codec::e4m3_table()[row[i] as usize]
+    }
+}
+
+impl Codes for E2m1Codes {
+    type Elem = u8;
+    fn stride(cols: usize) -> usize {
+        cols.div_ceil(2)
+    }
+    #[inline(always)]
+    fn value(row: &[u8], i: usize) -> f32 {
+        codec::e2m1_doubled_value(row, i)
+    }
+}
+
+/// How a row's partial sums are scaled.
+#[derive(Clone, Copy)]
+pub enum Scaling<'a> {
+    /// Float formats: the sum is the result.
+    None,
+    /// One scale per row, applied to the reduced sum.
+    Row(&'a [f32]),
+    /// One scale per `size` columns (a multiple of 8); row `r`, group `g` uses
+    /// `scales[(r / row_div) * per_row + g]` (`row_div` 128 for FP8 blocks, else 1).
+    Groups {
+        size: usize,
+        scales: &'a [f32],
+        per_row: usize,
+        row_div: usize,
+    },
+    /// MXFP4: one E8M0 byte per 32 columns, `scales[r * per_row + g]`.
+    E8m0 { scales: &'a [u8], per_row: usize },
+}
+
+impl Scaling<'_> {
+    fn group_size(&self) -> Option<usize> {
+        match *self {
+            Scaling::None | Scaling::Row(_) => None,
+            Scaling::Groups { size, .. } => Some(size),
+            Scaling::E8m0 { .. } => Some(32),
         }
     }
-    let mut sum = reduce(acc);
-    for (w, v) in weights[chunks..].iter().zip(&x[chunks..]) {
-        sum += w * v;
-    }
-    sum
-}
 
-pub fn dot_i8(weights: &[i8], x: &[f32]) -> f32 {
-    let mut acc = [0f32; LANES];
-    let chunks = weights.len() / LANES * LANES;
-    for (w, v) in weights[..chunks]
-        .chunks_exact(LANES)
-        .zip(x[..chunks].chunks_exact(LANES))
-    {
-        for lane in 0..LANES {
-            acc[lane] += f32::from(w[lane]) * v[lane];
+    #[inline(always)]
+    fn group_scale(&self, row: usize, group: usize) -> f32 {
+        match *self {
+            Scaling::None | Scaling::Row(_) => 1.0,
+            Scaling::Groups {
+                scales,
+                per_row,
+                row_div,
+                ..
+            } => scales[(row / row_div) * per_row + group],
+            Scaling::E8m0 { scales, per_row } => {
+                codec::mxfp4_group_scale(scales[row * per_row + group])
+            }
         }
     }
-    let mut sum = reduce(acc);
-    for (w, v) in weights[chunks..].iter().zip(&x[chunks..]) {
-        sum += f32::from(*w) * v;
+
+    /// The scale that multiplies element `i` of row `row` when the row is written out.
+    pub fn element_scale(&self, row: usize, i: usize) -> f32 {
+        match *self {
+            Scaling::None => 1.0,
+            Scaling::Row(scales) => scales[row],
+            _ => self.group_scale(row, i / self.group_size().unwrap_or(usize::MAX)),
+        }
     }
-    sum
 }
 
-fn reduce(acc: [f32; LANES]) -> f32 {
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+/// Elements `start..cols` of a row (fewer than 8) padded with zeros.
+#[inline(always)]
+unsafe fn tail<V: Lanes, D: Codes>(row: &[D::Elem], start: usize, cols: usize) -> V {
+    let mut lanes = [0f32; 8];
+    for (lane, i) in lanes.iter_mut().zip(start..cols) {
+        *lane = D::value(row, i);
+    }
+    V::load(lanes.as_ptr())
 }
 
-/// Symmetric per-row int8: `scale = max|row| / 127`, values rounded half to even, as the
-/// reference converters do (`np.rint`, `torch.round`).
-pub fn quantize_int8_rows(values: &[f32], cols: usize) -> (Vec<i8>, Vec<f32>) {
-    let rows = values.len() / cols.max(1);
-    let mut quantised = Vec::with_capacity(values.len());
-    let mut scales = Vec::with_capacity(rows);
-    for row in values.chunks_exact(cols) {
-        let max = row.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let scale = (max / 127.0).max(1e-12);
-        scales.push(scale);
-        quantised.extend(
-            row.iter()
-                .map(|v| (v / scale).round_ties_even().clamp(-128.0, 127.0) as i8),
-        );
+/// The dot products of `R` rows with `x`; `scale_row` is the index of the first row in the
+/// matrix (for its scales).
+#[inline(always)]
+unsafe fn dot_rows<V: Lanes, D: Decode<V>, const R: usize>(
+    rows: [&[D::Elem]; R],
+    scale_row: usize,
+    x: &[f32],
+    cols: usize,
+    scaling: Scaling,
+) -> [f32; R] {
+    let full = cols / 8;
+    let mut x_tail = [0f32; 8];
+    x_tail[..cols - full * 8].copy_from_slice(&x[full * 8..cols]);
+    let mut acc = [V::zero(); R];
+    let mut out = [0f32; R];
+    match scaling.group_size() {
+        None => {
+            for c in 0..full {
+                let xv = V::load(x.as_ptr().add(c * 8));
+                for r in 0..R {
+                    acc[r] = V::fma(D::chunk(rows[r], c), xv, acc[r]);
+                }
+            }
+            if full * 8 < cols {
+                let xv = V::load(x_tail.as_ptr());
+                for r in 0..R {
+                    acc[r] = V::fma(tail::<V, D>(rows[r], full * 8, cols), xv, acc[r]);
+                }
+            }
+            for r in 0..R {
+                out[r] = acc[r].sum();
+                if let Scaling::Row(scales) = scaling {
+                    out[r] *= scales[scale_row + r];
+                }
+            }
+        }
+        Some(size) => {
+            let per_group = size / 8;
+            let chunks = cols.div_ceil(8);
+            let mut group = 0;
+            let mut c = 0;
+            while c < chunks {
+                let end = (c + per_group).min(chunks);
+                let mut partial = [V::zero(); R];
+                while c < end.min(full) {
+                    let xv = V::load(x.as_ptr().add(c * 8));
+                    for r in 0..R {
+                        partial[r] = V::fma(D::chunk(rows[r], c), xv, partial[r]);
+                    }
+                    c += 1;
+                }
+                if c < end {
+                    let xv = V::load(x_tail.as_ptr());
+                    for r in 0..R {
+                        partial[r] = V::fma(tail::<V, D>(rows[r], full * 8, cols), xv, partial[r]);
+                    }
+                    c += 1;
+                }
+                for r in 0..R {
+                    let scale = V::splat(scaling.group_scale(scale_row + r, group));
+                    acc[r] = V::fma(partial[r], scale, acc[r]);
+                }
+                group += 1;
+            }
+            for r in 0..R {
+                out[r] = acc[r].sum();
+            }
+        }
     }
-    (quantised, scales)
+    out
+}
+
+/// Row `row` of a matrix stored as `data` with `D::stride(cols)` units per row.
+#[inline(always)]
+fn row_of<D: Codes>(data: &[D::Elem], cols: usize, row: usize) -> &[D::Elem] {
+    let stride = D::stride(cols);
+    &data[row * stride..(row + 1) * stride]
+}
+
+/// `out[i] = row(first + i) · x` for every `i`.
+#[inline(always)]
+pub(super) unsafe fn rows_into<V: Lanes, D: Decode<V>>(
+    data: &[D::Elem],
+    cols: usize,
+    scaling: Scaling,
+    first: usize,
+    x: &[f32],
+    out: &mut [f32],
+) {
+    let mut i = 0;
+    while i + 4 <= out.len() {
+        let r = first + i;
+        let rows = [0, 1, 2, 3].map(|k| row_of::<D>(data, cols, r + k));
+        out[i..i + 4].copy_from_slice(&dot_rows::<V, D, 4>(rows, r, x, cols, scaling));
+        i += 4;
+    }
+    while i < out.len() {
+        let r = first + i;
+        out[i] = dot_rows::<V, D, 1>([row_of::<D>(data, cols, r)], r, x, cols, scaling)[0];
+        i += 1;
+    }
+}
+
+/// Rows `first..first + count` against every one of the `n` inputs, written as
+/// `out[(row - first) * n + t]`: each block of four rows is decoded to f32 once and then
+/// reused for every input row.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn rows_batched<V: Lanes, D: Decode<V>>(
+    data: &[D::Elem],
+    cols: usize,
+    scaling: Scaling,
+    first: usize,
+    count: usize,
+    input: &[f32],
+    n: usize,
+    out: &mut [f32],
+) where
+    F32Codes: Decode<V>,
+{
+    let mut scratch = vec![0f32; 4 * cols];
+    let full = cols / 8;
+    let mut i = 0;
+    while i < count {
+        let block = (count - i).min(4);
+        for k in 0..block {
+            let row = row_of::<D>(data, cols, first + i + k);
+            let decoded = &mut scratch[k * cols..(k + 1) * cols];
+            for c in 0..full {
+                D::chunk(row, c).store(decoded.as_mut_ptr().add(c * 8));
+            }
+            for (j, value) in decoded.iter_mut().enumerate().skip(full * 8) {
+                *value = D::value(row, j);
+            }
+        }
+        let decoded = |k: usize| &scratch[k * cols..(k + 1) * cols];
+        let r = first + i;
+        for (t, x) in input.chunks_exact(cols).enumerate() {
+            if block == 4 {
+                let sums = dot_rows::<V, F32Codes, 4>(
+                    [decoded(0), decoded(1), decoded(2), decoded(3)],
+                    r,
+                    x,
+                    cols,
+                    scaling,
+                );
+                for (k, sum) in sums.into_iter().enumerate() {
+                    out[(i + k) * n + t] = sum;
+                }
+            } else {
+                for k in 0..block {
+                    out[(i + k) * n + t] =
+                        dot_rows::<V, F32Codes, 1>([decoded(k)], r + k, x, cols, scaling)[0];
+                }
+            }
+        }
+        i += block;
+    }
+}
+
+/// The scalar reference: eight lanes in an array, `f32::mul_add` for the fused step.
+#[derive(Clone, Copy)]
+pub struct Scalar([f32; 8]);
+
+impl Lanes for Scalar {
+    #[inline(always)]
+    unsafe fn zero() -> Self {
+        Scalar([0.0; 8])
+    }
+    #[inline(always)]
+    unsafe fn splat(value: f32) -> Self {
+        Scalar([value; 8])
+    }
+    #[inline(always)]
+    unsafe fn load(ptr: *const f32) -> Self {
+        Scalar(std::ptr::read_unaligned(ptr as *const [f32; 8]))
+    }
+    #[inline(always)]
+    unsafe fn store(self, ptr: *mut f32) {
+        std::ptr::write_unaligned(ptr as *mut [f32; 8], self.0)
+    }
+    #[inline(always)]
+    unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
+        Scalar(std::array::from_fn(|l| a.0[l].mul_add(b.0[l], c.0[l])))
+    }
+    #[inline(always)]
+    unsafe fn sum(self) -> f32 {
+        let a = self.0;
+        ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
+    }
+}
+
+/// The scalar reference decodes element by element.
+macro_rules! scalar_decode {
+    ($($codes:ty),*) => {$(
+        impl Decode<Scalar> for $codes {
+            #[inline(always)]
+            unsafe fn chunk(row: &[Self::Elem], c: usize) -> Scalar {
+                Scalar(std::array::from_fn(|l| Self::value(row, c * 8 + l)))
+            }
+        }
+    )*};
+}
+scalar_decode!(F32Codes, Bf16Codes, F16Codes, I8Codes, Int4Codes, E4m3Codes, E2m1Codes);
+
+/// The instruction set the kernels use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    /// The portable reference.
+    Scalar,
+    /// x86-64 AVX2 + FMA + F16C.
+    Avx2,
+    /// aarch64 Advanced SIMD.
+    Neon,
+}
+
+impl Isa {
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+            Isa::Neon => "neon",
+        }
+    }
+
+    /// The best instruction set this CPU supports.
+    pub fn detect() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
+        {
+            return Isa::Avx2;
+        }
+        #[cfg(target_arch = "aarch64")]
+        if std::arch::is_aarch64_feature_detected!("neon") {
+            return Isa::Neon;
+        }
+        Isa::Scalar
+    }
+
+    /// Every instruction set usable on this CPU, the reference first.
+    pub fn available() -> Vec<Isa> {
+        let mut isas = vec![Isa::Scalar];
+        if Isa::detect() != Isa::Scalar {
+            isas.push(Isa::detect());
+        }
+        isas
+    }
+
+    /// Parse a `COLI_SIMD` value: `auto`, or an instruction set this CPU supports.
+    pub fn from_setting(value: &str) -> Result<Isa> {
+        let wanted = match value.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" => return Ok(Isa::detect()),
+            "scalar" => Isa::Scalar,
+            "avx2" => Isa::Avx2,
+            "neon" => Isa::Neon,
+            other => bail!("COLI_SIMD={other:?}: expected auto, scalar, avx2 or neon"),
+        };
+        if !Isa::available().contains(&wanted) {
+            bail!(
+                "COLI_SIMD={}: this CPU does not support it (available: {})",
+                wanted.name(),
+                Isa::available()
+                    .iter()
+                    .map(|isa| isa.name())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
+        Ok(wanted)
+    }
+}
+
+const UNSET: u8 = u8::MAX;
+static SELECTED: AtomicU8 = AtomicU8::new(UNSET);
+
+fn encode(isa: Isa) -> u8 {
+    match isa {
+        Isa::Scalar => 0,
+        Isa::Avx2 => 1,
+        Isa::Neon => 2,
+    }
+}
+
+/// Use `isa` for every kernel from now on.
+pub fn select(isa: Isa) {
+    SELECTED.store(encode(isa), Ordering::Relaxed);
+}
+
+/// The instruction set in use: the one selected, else `COLI_SIMD` from the environment
+/// when it names a supported one, else the best detected.
+pub fn selected() -> Isa {
+    match SELECTED.load(Ordering::Relaxed) {
+        0 => Isa::Scalar,
+        1 => Isa::Avx2,
+        2 => Isa::Neon,
+        _ => {
+            let isa = std::env::var("COLI_SIMD")
+                .ok()
+                .and_then(|value| Isa::from_setting(&value).ok())
+                .unwrap_or_else(Isa::detect);
+            select(isa);
+            isa
+        }
+    }
+}
+
+/// A matrix as the kernels see it: storage, shape and scaling.
+#[derive(Clone, Copy)]
+pub struct View<'a, T> {
+    pub data: &'a [T],
+    pub rows: usize,
+    pub cols: usize,
+    pub scaling: Scaling<'a>,
+}
+
+/// The work of one block of output rows, for one instruction set and format.
+pub(super) trait Block: Sync {
+    /// `out[i] = row(first + i) · x`.
+    fn rows(&self, first: usize, x: &[f32], out: &mut [f32]);
+    /// Rows `first..first + count` against `n` inputs, `out[(row - first) * n + t]`.
+    fn batched(&self, first: usize, count: usize, input: &[f32], n: usize, out: &mut [f32]);
+}
+
+struct ScalarBlock<'a, D: Codes>(View<'a, D::Elem>);
+
+impl<D: Decode<Scalar>> Block for ScalarBlock<'_, D> {
+    fn rows(&self, first: usize, x: &[f32], out: &mut [f32]) {
+        let v = &self.0;
+        // SAFETY: the scalar lanes need no CPU feature; bounds are the view's.
+        unsafe { rows_into::<Scalar, D>(v.data, v.cols, v.scaling, first, x, out) }
+    }
+    fn batched(&self, first: usize, count: usize, input: &[f32], n: usize, out: &mut [f32]) {
+        let v = &self.0;
+        // SAFETY: as above.
+        unsafe { rows_batched::<Scalar, D>(v.data, v.cols, v.scaling, first, count, input, n, out) }
+    }
+}
+
+/// `out[t] = W · input[t]` for `n` input rows, with `isa`.
+pub fn matmul<D>(isa: Isa, view: View<'_, D::Elem>, input: &[f32], n: usize, out: &mut [f32])
+where
+    D: Decode<Scalar> + SimdDecode,
+{
+    let isa = if isa == Isa::detect() { isa } else { Isa::Scalar };
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => drive(&super::x86::Avx2Block::<D>(view), view, input, n, out),
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => drive(&super::neon::NeonBlock::<D>(view), view, input, n, out),
+        _ => drive(&ScalarBlock::<D>(view), view, input, n, out),
+    }
+}
+
+/// Row `row` dotted with `x`, with `isa`.
+pub fn row_dot<D>(isa: Isa, view: View<'_, D::Elem>, row: usize, x: &[f32]) -> f32
+where
+    D: Decode<Scalar> + SimdDecode,
+{
+    assert_eq!(x.len(), view.cols, "row_dot input width");
+    assert!(row < view.rows, "row {row} of {}", view.rows);
+    let mut out = [0f32];
+    let isa = if isa == Isa::detect() { isa } else { Isa::Scalar };
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => super::x86::Avx2Block::<D>(view).rows(row, x, &mut out),
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => super::neon::NeonBlock::<D>(view).rows(row, x, &mut out),
+        _ => ScalarBlock::<D>(view).rows(row, x, &mut out),
+    }
+    out[0]
+}
+
+/// The decoders every compiled instruction set provides.
+#[cfg(target_arch = "x86_64")]
+pub trait SimdDecode: Decode<super::x86::Avx2> {}
+#[cfg(target_arch = "x86_64")]
+impl<T: Decode<super::x86::Avx2>> SimdDecode for T {}
+#[cfg(target_arch = "aarch64")]
+pub trait SimdDecode: Decode<super::neon::Neon> {}
+#[cfg(target_arch = "aarch64")]
+impl<T: Decode<super::neon::Neon>> SimdDecode for T {}
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+pub trait SimdDecode {}
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+impl<T> SimdDecode for T {}
+
+fn drive<T>(block: &dyn Block, view: View<'_, T>, input: &[f32], n: usize, out: &mut [f32]) {
+    let (rows, cols) = (view.rows, view.cols);
+    assert_eq!(input.len(), n * cols, "matmul input shape");
+    assert_eq!(out.len(), n * rows, "matmul output shape");
+    if rows == 0 || n == 0 {
+        return;
+    }
+    let parallel = n * rows * cols >= 1 << 16 && rayon::current_num_threads() > 1;
+    // Blocks of whole 4-row groups, a few per thread so uneven rows balance out.
+    let chunk = if parallel {
+        rows.div_ceil(rayon::current_num_threads() * 4).next_multiple_of(4).max(16)
+    } else {
+        rows
+    };
+    if n == 1 {
+        let run = |(b, out): (usize, &mut [f32])| block.rows(b * chunk, input, out);
+        if parallel {
+            out.par_chunks_mut(chunk).enumerate().for_each(run);
+        } else {
+            out.chunks_mut(chunk).enumerate().for_each(run);
+        }
+        return;
+    }
+    let mut by_row = vec![0f32; rows * n];
+    let run = |(b, block_out): (usize, &mut [f32])| {
+        block.batched(b * chunk, block_out.len() / n, input, n, block_out)
+    };
+    if parallel {
+        by_row.par_chunks_mut(chunk * n).enumerate().for_each(run);
+    } else {
+        by_row.chunks_mut(chunk * n).enumerate().for_each(run);
+    }
+    for (r, sums) in by_row.chunks_exact(n).enumerate() {
+        for (t, &sum) in sums.iter().enumerate() {
+            out[t * rows + r] = sum;
+        }
+    }
+}
+
+/// Row `row` dequantised (`value · scale`) into `out`.
+pub fn dequantize_row<D: Codes>(view: View<'_, D::Elem>, row: usize, out: &mut [f32]) {
+    let data = row_of::<D>(view.data, view.cols, row);
+    for (i, y) in out.iter_mut().enumerate() {
+        *y = D::value(data, i) * view.scaling.element_scale(row, i);
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn dot_matches_naive_sum_on_odd_lengths() {
-        let w: Vec<f32> = (0..19).map(|i| i as f32 * 0.5 - 3.0).collect();
-        let x: Vec<f32> = (0..19).map(|i| (i % 5) as f32 - 2.0).collect();
-        let naive: f32 = w.iter().zip(&x).map(|(a, b)| a * b).sum();
-        assert_eq!(dot_f32(&w, &x), naive);
+    fn reference_dot(w: &[f32], x: &[f32]) -> f32 {
+        let mut acc = [0f32; 8];
+        for (i, (a, b)) in w.iter().zip(x).enumerate() {
+            acc[i % 8] = a.mul_add(*b, acc[i % 8]);
+        }
+        ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
     }
 
     #[test]
-    fn int8_rows_round_half_to_even_and_reconstruct() {
-        let row = [127.0f32, 0.5, 1.5, -2.5, -127.0];
-        let (q, scales) = quantize_int8_rows(&row, 5);
-        assert_eq!(scales, vec![1.0]);
-        assert_eq!(q, vec![127, 0, 2, -2, -127]);
-        let x = [1.0f32, 1.0, 1.0, 1.0, 1.0];
-        assert_eq!(dot_i8(&q, &x) * scales[0], 0.0);
+    fn lane_order_is_the_documented_one() {
+        for cols in [1, 7, 8, 9, 19, 64] {
+            let w: Vec<f32> = (0..cols).map(|i| i as f32 * 0.37 - 3.0).collect();
+            let x: Vec<f32> = (0..cols).map(|i| (i % 5) as f32 * 1.3 - 2.0).collect();
+            let view = View {
+                data: &w[..],
+                rows: 1,
+                cols,
+                scaling: Scaling::None,
+            };
+            for isa in Isa::available() {
+                let mut y = [0f32];
+                matmul::<F32Codes>(isa, view, &x, 1, &mut y);
+                assert_eq!(y[0], reference_dot(&w, &x), "{isa:?} cols {cols}");
+            }
+        }
+    }
+
+    #[test]
+    fn settings_values_parse() {
+        assert_eq!(Isa::from_setting("scalar").unwrap(), Isa::Scalar);
+        assert_eq!(Isa::from_setting("auto").unwrap(), Isa::detect());
+        assert!(Isa::from_setting("sse9").is_err());
     }
 }

@@ -1,30 +1,59 @@
 //! Weight formats and their CPU kernels.
 //!
 //! A [`Matrix`] is a 2-D weight `[rows, cols]` (the `nn.Linear` layout: `y = W x`) in one of
-//! the compute formats, built from a tensor of the snapshot at the width the command line
-//! asked for (`EBITS`/`DBITS`). An f32 tensor that is suitably aligned stays a view into the
-//! mapped shard; any conversion (bf16/f16 widening, int8 quantisation) produces an owned copy
-//! at load. Every kernel accumulates in f32 over f32 activations, so the oracle setting
-//! (`>= 16` bits) computes exactly what a float reference computes, up to summation order.
+//! the compute formats: f32, bf16, f16, int8-row, int4-row, int4-grouped, fp8-e4m3-b128 and
+//! MXFP4 ([`Format`]). A tensor stored in float is kept in its float dtype at the oracle
+//! width (`>= 16` bits: widening bf16/f16 to f32 is exact, so keeping the narrow dtype
+//! computes the same values from half the bytes) or quantised at load to the width
+//! `EBITS`/`DBITS` ask for ([`Width`]). A pre-quantised tensor (`name` + a scale tensor,
+//! see [`format`]) keeps its own format whatever the width, as colibri's containers do.
+//! Weights stay views into the mapped shard whenever their bytes are suitably aligned; only
+//! scales and converted tensors are owned.
+//!
+//! Every kernel accumulates in f32 over f32 activations, with one summation order shared
+//! by the scalar reference and every SIMD path ([`kernels`]), so the oracle setting computes
+//! what a float reference computes up to summation order, and `COLI_SIMD` never changes a
+//! result.
 //!
 //! This module does not know about models, experts or caching.
 
+mod codec;
+pub mod format;
 mod kernels;
+#[cfg(target_arch = "aarch64")]
+mod neon;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+use std::marker::PhantomData;
 
 use anyhow::{bail, Result};
+use bytemuck::Pod;
 use half::{bf16, f16};
-use rayon::prelude::*;
+
+pub use codec::{
+    e4m3_to_f32, f32_to_e4m3, quantize_fp8_blocks, quantize_int4_groups, quantize_int8_rows,
+    quantize_mxfp4,
+};
+pub use format::{Format, DEFAULT_INT4_GROUP};
+pub use kernels::{select as select_simd, selected as selected_simd, Isa};
 
 use crate::snapshot::{Dtype, MappedBytes, TensorView};
+use kernels::{
+    Bf16Codes, Codes, Decode, E2m1Codes, E4m3Codes, F16Codes, F32Codes, I8Codes, Int4Codes,
+    Scaling, SimdDecode, View,
+};
 
 /// The storage width a bit-count selects for float tensors, as colibri maps its
 /// `EBITS`/`DBITS` positionals.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Width {
-    /// `>= 16`: f32, the exact oracle setting.
+    /// `>= 16`: float as stored (f32, or bf16/f16 used exactly), the oracle setting.
     F32,
     /// `5..=15`: int8 with one f32 scale per row.
     Int8Row,
+    /// `4`: int4 with one f32 scale per group of 64 columns.
+    Int4Group64,
 }
 
 impl Width {
@@ -32,8 +61,9 @@ impl Width {
         match bits {
             16.. => Ok(Width::F32),
             5..=15 => Ok(Width::Int8Row),
+            4 => Ok(Width::Int4Group64),
             _ => bail!(
-                "{bits}-bit weights are not supported: use 16 or more for f32 (exact) or 5..8 for int8 per-row"
+                "{bits}-bit weights are not supported: use 16 or more for f32 (exact), 5..8 for int8 per-row or 4 for int4 in groups of 64"
             ),
         }
     }
@@ -42,17 +72,76 @@ impl Width {
         match self {
             Width::F32 => 32,
             Width::Int8Row => 8,
+            Width::Int4Group64 => 4,
+        }
+    }
+
+    /// The format a float tensor is stored in at this width.
+    pub fn format(self) -> Format {
+        match self {
+            Width::F32 => Format::F32,
+            Width::Int8Row => Format::Int8Row,
+            Width::Int4Group64 => Format::Int4Grouped {
+                group: DEFAULT_INT4_GROUP,
+            },
         }
     }
 }
 
+/// Elements of type `T`: a window into the mapped shard when its bytes are aligned for
+/// `T`, else an owned copy.
+enum Data<T> {
+    Mapped(MappedBytes, PhantomData<T>),
+    Owned(Vec<T>),
+}
+
+impl<T: Pod> Data<T> {
+    fn from_mapped(bytes: &MappedBytes) -> Data<T> {
+        match bytemuck::try_cast_slice::<u8, T>(bytes.as_slice()) {
+            Ok(_) => Data::Mapped(bytes.clone(), PhantomData),
+            Err(_) => Data::Owned(
+                bytes
+                    .as_slice()
+                    .chunks_exact(std::mem::size_of::<T>())
+                    .map(bytemuck::pod_read_unaligned)
+                    .collect(),
+            ),
+        }
+    }
+
+    fn as_slice(&self) -> &[T] {
+        match self {
+            Data::Mapped(bytes, _) => bytemuck::cast_slice(bytes.as_slice()),
+            Data::Owned(values) => values,
+        }
+    }
+
+    fn size_bytes(&self) -> usize {
+        std::mem::size_of_val(self.as_slice())
+    }
+}
+
 enum Storage {
-    /// f32 little-endian bytes in the mapped shard, 4-byte aligned.
-    MappedF32(MappedBytes),
-    F32(Vec<f32>),
+    F32(Data<f32>),
+    Bf16(Data<u16>),
+    F16(Data<u16>),
     Int8Row {
-        values: Vec<i8>,
+        values: Data<i8>,
         scales: Vec<f32>,
+    },
+    /// int4-row (`group == cols`, one scale per row) and int4-grouped.
+    Int4 {
+        packed: Data<u8>,
+        scales: Vec<f32>,
+        group: usize,
+    },
+    Fp8 {
+        codes: Data<u8>,
+        scales: Vec<f32>,
+    },
+    Mxfp4 {
+        packed: Data<u8>,
+        scales: Data<u8>,
     },
 }
 
@@ -60,11 +149,91 @@ enum Storage {
 pub struct Matrix {
     rows: usize,
     cols: usize,
+    format: Format,
     storage: Storage,
 }
 
+/// A format's kernel view and codec, for one generic call.
+macro_rules! with_view {
+    ($matrix:expr, |$view:ident, $codes:ident| $body:expr) => {{
+        let m = $matrix;
+        let (rows, cols) = (m.rows, m.cols);
+        fn view<'a, T>(data: &'a [T], rows: usize, cols: usize, scaling: Scaling<'a>) -> View<'a, T> {
+            View {
+                data,
+                rows,
+                cols,
+                scaling,
+            }
+        }
+        match &m.storage {
+            Storage::F32(data) => {
+                type $codes = F32Codes;
+                let $view = view(data.as_slice(), rows, cols, Scaling::None);
+                $body
+            }
+            Storage::Bf16(data) => {
+                type $codes = Bf16Codes;
+                let $view = view(data.as_slice(), rows, cols, Scaling::None);
+                $body
+            }
+            Storage::F16(data) => {
+                type $codes = F16Codes;
+                let $view = view(data.as_slice(), rows, cols, Scaling::None);
+                $body
+            }
+            Storage::Int8Row { values, scales } => {
+                type $codes = I8Codes;
+                let $view = view(values.as_slice(), rows, cols, Scaling::Row(scales));
+                $body
+            }
+            Storage::Int4 {
+                packed,
+                scales,
+                group,
+            } => {
+                type $codes = Int4Codes;
+                let scaling = if *group >= cols {
+                    Scaling::Row(scales)
+                } else {
+                    Scaling::Groups {
+                        size: *group,
+                        scales,
+                        per_row: cols.div_ceil(*group),
+                        row_div: 1,
+                    }
+                };
+                let $view = view(packed.as_slice(), rows, cols, scaling);
+                $body
+            }
+            Storage::Fp8 { codes, scales } => {
+                type $codes = E4m3Codes;
+                let scaling = Scaling::Groups {
+                    size: 128,
+                    scales,
+                    per_row: cols.div_ceil(128),
+                    row_div: 128,
+                };
+                let $view = view(codes.as_slice(), rows, cols, scaling);
+                $body
+            }
+            Storage::Mxfp4 { packed, scales } => {
+                type $codes = E2m1Codes;
+                let scaling = Scaling::E8m0 {
+                    scales: scales.as_slice(),
+                    per_row: cols.div_ceil(32),
+                };
+                let $view = view(packed.as_slice(), rows, cols, scaling);
+                $body
+            }
+        }
+    }};
+}
+
 impl Matrix {
-    /// Build from a 2-D float tensor at `width`.
+    /// Build from a 2-D tensor: a float tensor at `width`, a pre-quantised one (it carries
+    /// `scales`) in its own format. The format is checked against the byte counts and the
+    /// container stamp ([`format::infer`]).
     pub fn load(view: &TensorView, width: Width) -> Result<Matrix> {
         let [rows, cols] = view.shape[..] else {
             bail!(
@@ -74,19 +243,54 @@ impl Matrix {
                 view.shape
             );
         };
-        let storage = match width {
-            Width::F32 if view.dtype == Dtype::F32 && aligned_f32(&view.bytes).is_some() => {
-                Storage::MappedF32(view.bytes.clone())
+        let format = format::infer(view, rows, cols)?;
+        let storage = match format {
+            Format::F32 | Format::Bf16 | Format::F16 if width != Width::F32 => {
+                return Ok(Matrix::encode(rows, cols, &read_f32(view)?, width.format()));
             }
-            Width::F32 => Storage::F32(read_f32(view)?),
-            Width::Int8Row => {
-                let (values, scales) = kernels::quantize_int8_rows(&read_f32(view)?, cols);
-                Storage::Int8Row { values, scales }
+            Format::F32 => Storage::F32(Data::from_mapped(&view.bytes)),
+            Format::Bf16 => Storage::Bf16(Data::from_mapped(&view.bytes)),
+            Format::F16 => Storage::F16(Data::from_mapped(&view.bytes)),
+            _ => {
+                let Some(scales) = view.scales.as_deref() else {
+                    bail!("{}: tensor {} has no scales", view.file.display(), view.name);
+                };
+                let bytes = &view.bytes;
+                match format {
+                    Format::Int8Row => Storage::Int8Row {
+                        values: Data::from_mapped(bytes),
+                        scales: read_f32(scales)?,
+                    },
+                    Format::Int4Row => Storage::Int4 {
+                        packed: Data::from_mapped(bytes),
+                        scales: read_f32(scales)?,
+                        group: cols,
+                    },
+                    Format::Int4Grouped { group } => Storage::Int4 {
+                        packed: Data::from_mapped(bytes),
+                        scales: read_f32(scales)?,
+                        group,
+                    },
+                    Format::Fp8E4m3B128 => Storage::Fp8 {
+                        codes: Data::from_mapped(bytes),
+                        scales: read_f32(scales)?,
+                    },
+                    Format::Mxfp4 => Storage::Mxfp4 {
+                        packed: Data::from_mapped(bytes),
+                        scales: Data::from_mapped(&scales.bytes),
+                    },
+                    other => bail!(
+                        "{}: tensor {} is {other}, which coli cannot compute with",
+                        view.file.display(),
+                        view.name
+                    ),
+                }
             }
         };
         Ok(Matrix {
             rows,
             cols,
+            format,
             storage,
         })
     }
@@ -95,16 +299,86 @@ impl Matrix {
     /// weights).
     pub fn from_f32(rows: usize, cols: usize, values: Vec<f32>, width: Width) -> Matrix {
         assert_eq!(values.len(), rows * cols, "matrix shape");
-        let storage = match width {
-            Width::F32 => Storage::F32(values),
-            Width::Int8Row => {
-                let (values, scales) = kernels::quantize_int8_rows(&values, cols);
-                Storage::Int8Row { values, scales }
+        match width {
+            Width::F32 => Matrix {
+                rows,
+                cols,
+                format: Format::F32,
+                storage: Storage::F32(Data::Owned(values)),
+            },
+            other => Matrix::encode(rows, cols, &values, other.format()),
+        }
+    }
+
+    /// Encode row-major f32 values in any supported format (an int4-grouped group size
+    /// must be a multiple of 8).
+    pub fn from_f32_as(rows: usize, cols: usize, values: &[f32], format: Format) -> Result<Matrix> {
+        if values.len() != rows * cols {
+            bail!("{} values for a {rows}x{cols} matrix", values.len());
+        }
+        match format {
+            Format::Int4Grouped { group } if group == 0 || group % 8 != 0 => {
+                bail!("int4-grouped needs a group size that is a positive multiple of 8, not {group}")
             }
+            other if !other.supported() => bail!("{other} has no kernel"),
+            other => Ok(Matrix::encode(rows, cols, values, other)),
+        }
+    }
+
+    fn encode(rows: usize, cols: usize, values: &[f32], format: Format) -> Matrix {
+        let storage = match format {
+            Format::Bf16 => Storage::Bf16(Data::Owned(
+                values.iter().map(|&v| bf16::from_f32(v).to_bits()).collect(),
+            )),
+            Format::F16 => Storage::F16(Data::Owned(
+                values.iter().map(|&v| f16::from_f32(v).to_bits()).collect(),
+            )),
+            Format::Int8Row => {
+                let (values, scales) = quantize_int8_rows(values, cols);
+                Storage::Int8Row {
+                    values: Data::Owned(values),
+                    scales,
+                }
+            }
+            Format::Int4Row | Format::Int4Grouped { .. } => {
+                let group = match format {
+                    Format::Int4Grouped { group } => group,
+                    _ => cols,
+                };
+                let (packed, scales) = quantize_int4_groups(values, cols, group);
+                Storage::Int4 {
+                    packed: Data::Owned(packed),
+                    scales,
+                    group: group.min(cols),
+                }
+            }
+            Format::Fp8E4m3B128 => {
+                let (codes, scales) = quantize_fp8_blocks(values, cols);
+                Storage::Fp8 {
+                    codes: Data::Owned(codes),
+                    scales,
+                }
+            }
+            Format::Mxfp4 => {
+                let (packed, scales) = quantize_mxfp4(values, cols);
+                Storage::Mxfp4 {
+                    packed: Data::Owned(packed),
+                    scales: Data::Owned(scales),
+                }
+            }
+            _ => Storage::F32(Data::Owned(values.to_vec())),
+        };
+        let format = match (format, &storage) {
+            (Format::Int4Grouped { .. }, Storage::Int4 { group, .. }) if *group >= cols => {
+                Format::Int4Row
+            }
+            (format, Storage::F32(_)) if !format.is_float() => Format::F32,
+            (format, _) => format,
         };
         Matrix {
             rows,
             cols,
+            format,
             storage,
         }
     }
@@ -117,75 +391,77 @@ impl Matrix {
         self.cols
     }
 
-    /// Bytes this matrix occupies in its compute format.
+    /// The format the matrix computes in.
+    pub fn format(&self) -> Format {
+        self.format
+    }
+
+    /// Bytes this matrix occupies in its compute format, scales included: what one pass
+    /// over it reads.
     pub fn size_bytes(&self) -> usize {
         match &self.storage {
-            Storage::MappedF32(bytes) => bytes.len(),
-            Storage::F32(values) => values.len() * 4,
-            Storage::Int8Row { values, scales } => values.len() + scales.len() * 4,
+            Storage::F32(data) => data.size_bytes(),
+            Storage::Bf16(data) | Storage::F16(data) => data.size_bytes(),
+            Storage::Int8Row { values, scales } => values.size_bytes() + scales.len() * 4,
+            Storage::Int4 { packed, scales, .. } => packed.size_bytes() + scales.len() * 4,
+            Storage::Fp8 { codes, scales } => codes.size_bytes() + scales.len() * 4,
+            Storage::Mxfp4 { packed, scales } => packed.size_bytes() + scales.size_bytes(),
         }
     }
 
     /// `out[t] = W · input[t]` for `n` rows of input (`input` is `n x cols`, `out` is
-    /// `n x rows`). Each output element is one independent dot product, so the result does
-    /// not depend on how the work is split across threads.
+    /// `n x rows`), with the instruction set `COLI_SIMD` selects. Each output element is
+    /// one dot product in a fixed order, so the result does not depend on how the work is
+    /// split across threads, nor on `n`: a batch computes what `n` single rows compute,
+    /// reading each weight row once for the whole batch.
     pub fn matmul(&self, input: &[f32], n: usize, out: &mut [f32]) {
-        assert_eq!(input.len(), n * self.cols, "matmul input shape");
-        assert_eq!(out.len(), n * self.rows, "matmul output shape");
-        let parallel = n * self.rows * self.cols >= 1 << 16;
-        if n == 1 {
-            let chunk = self.rows.div_ceil(rayon::current_num_threads() * 4).max(16);
-            let run = |(block, out): (usize, &mut [f32])| {
-                for (offset, y) in out.iter_mut().enumerate() {
-                    *y = self.dot_row(block * chunk + offset, input);
-                }
-            };
-            if parallel {
-                out.par_chunks_mut(chunk).enumerate().for_each(run);
-            } else {
-                out.chunks_mut(chunk).enumerate().for_each(run);
-            }
-        } else {
-            let run = |(x, out): (&[f32], &mut [f32])| {
-                for (row, y) in out.iter_mut().enumerate() {
-                    *y = self.dot_row(row, x);
-                }
-            };
-            if parallel {
-                input
-                    .par_chunks(self.cols)
-                    .zip(out.par_chunks_mut(self.rows))
-                    .for_each(run);
-            } else {
-                input
-                    .chunks(self.cols)
-                    .zip(out.chunks_mut(self.rows))
-                    .for_each(run);
-            }
-        }
+        self.matmul_with(kernels::selected(), input, n, out)
     }
 
-    /// Row `row` as f32 (an embedding lookup).
+    /// [`Matrix::matmul`] with an explicit instruction set (an unsupported one falls back
+    /// to the scalar reference).
+    pub fn matmul_with(&self, isa: Isa, input: &[f32], n: usize, out: &mut [f32]) {
+        fn run<D: Decode<kernels::Scalar> + SimdDecode>(
+            isa: Isa,
+            view: View<'_, D::Elem>,
+            input: &[f32],
+            n: usize,
+            out: &mut [f32],
+        ) {
+            kernels::matmul::<D>(isa, view, input, n, out)
+        }
+        with_view!(self, |view, C| run::<C>(isa, view, input, n, out))
+    }
+
+    /// Row `row` as f32, scale applied (an embedding lookup).
     pub fn row_into(&self, row: usize, out: &mut [f32]) {
-        let range = row * self.cols..(row + 1) * self.cols;
-        match &self.storage {
-            Storage::MappedF32(bytes) => out.copy_from_slice(&as_f32(bytes)[range]),
-            Storage::F32(values) => out.copy_from_slice(&values[range]),
-            Storage::Int8Row { values, scales } => {
-                for (y, &q) in out.iter_mut().zip(&values[range]) {
-                    *y = f32::from(q) * scales[row];
-                }
-            }
+        assert_eq!(out.len(), self.cols, "row width");
+        fn run<D: Codes>(view: View<'_, D::Elem>, row: usize, out: &mut [f32]) {
+            kernels::dequantize_row::<D>(view, row, out)
         }
+        with_view!(self, |view, C| run::<C>(view, row, out))
     }
 
-    fn dot_row(&self, row: usize, x: &[f32]) -> f32 {
-        let range = row * self.cols..(row + 1) * self.cols;
-        match &self.storage {
-            Storage::MappedF32(bytes) => kernels::dot_f32(&as_f32(bytes)[range], x),
-            Storage::F32(values) => kernels::dot_f32(&values[range], x),
-            Storage::Int8Row { values, scales } => kernels::dot_i8(&values[range], x) * scales[row],
+    /// Row `row` of the matrix dotted with `x` (`cols` wide): one output element of
+    /// [`Matrix::matmul`], for callers that need only some rows (e.g. one head's slice).
+    pub fn row_dot(&self, row: usize, x: &[f32]) -> f32 {
+        fn run<D: Decode<kernels::Scalar> + SimdDecode>(
+            view: View<'_, D::Elem>,
+            row: usize,
+            x: &[f32],
+        ) -> f32 {
+            kernels::row_dot::<D>(kernels::selected(), view, row, x)
         }
+        with_view!(self, |view, C| run::<C>(view, row, x))
+    }
+
+    /// Every element as f32 (scales applied), row-major.
+    pub fn to_f32(&self) -> Vec<f32> {
+        let mut values = vec![0f32; self.rows * self.cols];
+        for (row, out) in values.chunks_exact_mut(self.cols.max(1)).enumerate() {
+            self.row_into(row, out);
+        }
+        values
     }
 }
 
@@ -203,7 +479,7 @@ pub fn load_vector(view: &TensorView, len: usize) -> Result<Vec<f32>> {
 }
 
 /// The elements of a float tensor widened to f32.
-fn read_f32(view: &TensorView) -> Result<Vec<f32>> {
+pub fn read_f32(view: &TensorView) -> Result<Vec<f32>> {
     let bytes = view.bytes.as_slice();
     let values = match view.dtype {
         Dtype::F32 => bytes
@@ -225,12 +501,4 @@ fn read_f32(view: &TensorView) -> Result<Vec<f32>> {
         ),
     };
     Ok(values)
-}
-
-fn aligned_f32(bytes: &MappedBytes) -> Option<&[f32]> {
-    bytemuck::try_cast_slice(bytes.as_slice()).ok()
-}
-
-fn as_f32(bytes: &MappedBytes) -> &[f32] {
-    aligned_f32(bytes).expect("mapped f32 storage is checked for alignment at load")
 }

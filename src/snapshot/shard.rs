@@ -22,6 +22,8 @@ pub struct Shard {
     path: PathBuf,
     mapping: Arc<Mmap>,
     entries: Vec<(String, ShardEntry)>,
+    /// The header's `__metadata__` strings (e.g. the `colibri.fmt` container stamp).
+    metadata: std::collections::HashMap<String, String>,
 }
 
 impl Shard {
@@ -50,6 +52,7 @@ impl Shard {
             .collect();
         Ok(Shard {
             path: path.to_path_buf(),
+            metadata: metadata.metadata().clone().unwrap_or_default(),
             mapping: Arc::new(mapping),
             entries,
         })
@@ -65,6 +68,11 @@ impl Shard {
 
     pub fn entries(&self) -> impl Iterator<Item = (&String, &ShardEntry)> {
         self.entries.iter().map(|(name, entry)| (name, entry))
+    }
+
+    /// A `__metadata__` value of the header.
+    pub fn metadata(&self, key: &str) -> Option<&str> {
+        self.metadata.get(key).map(String::as_str)
     }
 }
 
@@ -159,6 +167,11 @@ pub struct TensorView {
     pub dtype: Dtype,
     pub shape: Vec<usize>,
     pub bytes: MappedBytes,
+    /// For a pre-quantised weight, its scale tensor (`name.qs`, an FP8 `name_scale_inv`,
+    /// an MXFP4 `*.weight_scale`); `quant` reads the pair.
+    pub scales: Option<Box<TensorView>>,
+    /// The format the container's `colibri.fmt` stamp claims for this tensor.
+    pub stamp: Option<String>,
 }
 
 impl TensorView {
@@ -183,12 +196,36 @@ impl TensorView {
         let part_bytes = self.bytes.len() / count;
         let mut shape = self.shape.clone();
         shape[0] = lead / count;
+        // A quantised weight's scales split with its rows.
+        let scales = match &self.scales {
+            Some(scales) if scales.bytes.len() % count != 0 || self.bytes.len() % count != 0 => {
+                bail!(
+                    "{}: quantised tensor {} ({} bytes, {} scale bytes) cannot be split into {count} parts",
+                    self.file.display(),
+                    self.name,
+                    self.bytes.len(),
+                    scales.bytes.len()
+                )
+            }
+            Some(scales) => {
+                let len = scales.bytes.len() / count;
+                Some(Box::new(TensorView {
+                    name: format!("{}[{index}/{count}]", scales.name),
+                    shape: vec![len / (scales.dtype.bitsize() / 8).max(1)],
+                    bytes: scales.bytes.slice(index * len, len),
+                    ..(**scales).clone()
+                }))
+            }
+            None => None,
+        };
         Ok(TensorView {
             name: format!("{}[{index}/{count}]", self.name),
             file: self.file.clone(),
             dtype: self.dtype,
             shape,
             bytes: self.bytes.slice(index * part_bytes, part_bytes),
+            scales,
+            stamp: self.stamp.clone(),
         })
     }
 

@@ -37,6 +37,10 @@ pub fn copy_fixture(name: &str) -> tempfile::TempDir {
     let dir = tempfile::tempdir().expect("temporary directory");
     for entry in std::fs::read_dir(fixture(name)).expect("fixture exists") {
         let entry = entry.expect("fixture entry");
+        // Histories a run left next to the committed fixture are not part of it.
+        if entry.file_name().to_string_lossy().starts_with('.') {
+            continue;
+        }
         std::fs::copy(entry.path(), dir.path().join(entry.file_name())).expect("copy fixture file");
     }
     dir

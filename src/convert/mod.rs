@@ -1,0 +1,714 @@
+//! `coli convert SRC DST`: a Hugging Face checkpoint (f32/bf16/f16, or FP8 with
+//! `weight_scale_inv` 128x128 block scales) to a colibri-style container, the format every
+//! engine reads with no change (see [`crate::quant::format`]).
+//!
+//! Each tensor falls into a class: norms, routers, biases, conv taps and every other
+//! non-matrix tensor are kept in f32; the embedding and LM head (`io`) take `--io-bits`;
+//! routed experts `--expert-bits`; every other matrix `--dense-bits`. A class at `>= 16`
+//! bits keeps the source float dtype (FP8 is dequantised to f32), `5..8` bits is int8 with
+//! one scale per row, `4` is int4 in groups of `--group-size` columns (0: one scale per row).
+//! A quantised weight is written as colibri writes it: a flat U8 `name` and a flat F32
+//! `name.qs`; each shard's `__metadata__` carries the `colibri.fmt` stamp naming every
+//! matrix's format. Tensors already quantised in the source (an MXFP4 `weight_packed` with
+//! its `weight_scale`, a container's `.qs` pair) are copied byte for byte.
+//!
+//! Layout: float tensors first (widest dtype first, so every one stays aligned), then the
+//! quantised ones in name order, with each routed expert's three matrices written
+//! back to back and followed by their three scale tensors, so an expert is one contiguous
+//! read. The plan (which tensor goes to which shard, at which offset) is fixed before any
+//! byte is written and recorded in `DST/.coli-convert.json`; a rerun with the same source
+//! and options skips every shard already complete, so an interrupted conversion resumes.
+//! Shards are written under a hidden temporary name and renamed when complete.
+
+mod writer;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use rayon::prelude::*;
+
+use crate::quant::{self, Format, Matrix, Width};
+use crate::snapshot::{Dtype, Snapshot, TensorView};
+use writer::{Entry, ShardWriter};
+
+/// The group sizes a reader can detect from the scale count.
+const GROUP_SIZES: [usize; 8] = quant::format::INT4_GROUP_SIZES;
+
+/// What `coli convert` was asked for.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Options {
+    /// Bits for routed experts.
+    pub expert_bits: u32,
+    /// Bits for every other matrix except the embedding and LM head.
+    pub dense_bits: u32,
+    /// Bits for the embedding and LM head.
+    pub io_bits: u32,
+    /// Columns per int4 scale; 0 for one scale per row.
+    pub group_size: usize,
+    /// Largest shard, in bytes (a routed expert is never split across shards).
+    pub shard_bytes: u64,
+}
+
+/// Where a tensor class goes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Target {
+    /// Keep the source float dtype (FP8 becomes f32).
+    Float,
+    Quantised(Format),
+}
+
+impl Options {
+    fn target(&self, bits: u32, what: &str) -> Result<Target> {
+        Ok(match bits {
+            16.. => Target::Float,
+            5..=15 => Target::Quantised(Format::Int8Row),
+            4 if self.group_size == 0 => Target::Quantised(Format::Int4Row),
+            4 if GROUP_SIZES.contains(&self.group_size) => {
+                Target::Quantised(Format::Int4Grouped {
+                    group: self.group_size,
+                })
+            }
+            4 => bail!(
+                "--group-size {}: readers find the group size from the scale count, so it must be 0 (per row) or one of {GROUP_SIZES:?}",
+                self.group_size
+            ),
+            _ => bail!("{what} {bits}: use 16 or more (float), 5..8 (int8 per row) or 4 (int4)"),
+        })
+    }
+}
+
+/// The format a matrix of `cols` columns is written in for `target`. Readers find an int4
+/// group size from the scale count, trying the listed sizes from the smallest, so a group
+/// count that a smaller size also gives is written with that smaller size (e.g. 96 columns
+/// at `--group-size 64` become two groups of 48: the same bytes and scale count, and what
+/// a reader infers), and one group per row is int4-row.
+fn effective(target: Target, cols: usize) -> Format {
+    match target {
+        Target::Quantised(Format::Int4Grouped { group }) if cols <= group => Format::Int4Row,
+        Target::Quantised(Format::Int4Grouped { group }) => {
+            let detected = GROUP_SIZES
+                .iter()
+                .copied()
+                .find(|&gs| cols.div_ceil(gs) == cols.div_ceil(group))
+                .unwrap_or(group);
+            Format::Int4Grouped { group: detected }
+        }
+        Target::Quantised(format) => format,
+        Target::Float => unreachable!("only quantised targets have a format"),
+    }
+}
+
+/// A tensor's role, which decides its width.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Class {
+    /// Norms, routers, biases, conv taps, scalars: f32 always.
+    Keep,
+    Io,
+    Expert,
+    Dense,
+}
+
+fn classify(name: &str, rank: usize) -> Class {
+    let keep = rank < 2
+        || name.contains("norm")
+        || name.ends_with("mlp.gate.weight")
+        || name.contains(".router.")
+        || name.ends_with(".bias")
+        || name.contains("e_score_correction")
+        || name.contains("conv")
+        || name.ends_with("weights_proj.weight");
+    let matrix = name.ends_with(".weight") || name.ends_with("_proj");
+    if keep || !matrix {
+        Class::Keep
+    } else if name.ends_with("embed_tokens.weight") || name.ends_with("lm_head.weight") {
+        Class::Io
+    } else if name.contains(".experts.") && !name.contains("shared_experts") {
+        Class::Expert
+    } else {
+        Class::Dense
+    }
+}
+
+/// One unit of writing.
+#[derive(Debug, Clone)]
+enum Job {
+    /// Bytes copied verbatim: the tensor and, for a pre-quantised weight, its scales.
+    Copy { names: Vec<String> },
+    /// A float tensor widened (or an FP8 one dequantised) to f32.
+    Widen { name: String },
+    /// Matrices quantised, each to its format: each weight in order, then each `.qs`.
+    Quantise { names: Vec<String>, formats: Vec<Format> },
+}
+
+/// A job with the shard entries it produces and the source bytes it reads.
+struct Planned {
+    job: Job,
+    entries: Vec<Entry>,
+    source_bytes: u64,
+    stamps: Vec<(String, &'static str)>,
+}
+
+/// `[rows, cols]` of a tensor read as a matrix: leading dimensions folded into rows.
+fn matrix_shape(shape: &[usize]) -> (usize, usize) {
+    match shape.split_last() {
+        Some((&cols, leading)) => (leading.iter().product(), cols),
+        None => (1, 1),
+    }
+}
+
+fn quantised_entries(name: &str, format: Format, rows: usize, cols: usize) -> (Entry, Entry) {
+    let (weight_bytes, scales) = match format {
+        Format::Int8Row => (rows * cols, rows),
+        Format::Int4Row => (rows * cols.div_ceil(2), rows),
+        Format::Int4Grouped { group } => (rows * cols.div_ceil(2), rows * cols.div_ceil(group)),
+        other => unreachable!("the converter never writes {other}"),
+    };
+    (
+        Entry {
+            name: name.to_string(),
+            dtype: Dtype::U8,
+            shape: vec![weight_bytes],
+            bytes: weight_bytes,
+        },
+        Entry {
+            name: format!("{name}.qs"),
+            dtype: Dtype::F32,
+            shape: vec![scales],
+            bytes: scales * 4,
+        },
+    )
+}
+
+fn is_float(dtype: Dtype) -> bool {
+    matches!(dtype, Dtype::F32 | Dtype::BF16 | Dtype::F16)
+}
+
+/// The jobs for every tensor of `snapshot`, in write order.
+fn plan(snapshot: &Snapshot, options: &Options) -> Result<Vec<Planned>> {
+    let mut names: Vec<&str> = snapshot.names().collect();
+    names.sort_unstable();
+    let mut views = HashMap::new();
+    let mut sidecars = HashSet::new();
+    for &name in &names {
+        let view = snapshot.tensor(name)?;
+        if let Some(scales) = &view.scales {
+            sidecars.insert(scales.name.clone());
+        }
+        views.insert(name, view);
+    }
+    let expert_target = options.target(options.expert_bits, "--expert-bits")?;
+    let dense_target = options.target(options.dense_bits, "--dense-bits")?;
+    let io_target = options.target(options.io_bits, "--io-bits")?;
+
+    let mut floats = Vec::new();
+    let mut quantised: Vec<(String, Planned)> = Vec::new();
+    let mut experts: BTreeMap<String, Vec<&str>> = BTreeMap::new();
+    for &name in names.iter().filter(|n| !sidecars.contains(**n)) {
+        let view = &views[name];
+        let source_bytes = (view.bytes.len() + view.scales.as_ref().map_or(0, |s| s.bytes.len())) as u64;
+        let fp8 = view.dtype == Dtype::F8_E4M3 && view.scales.is_some();
+        if view.scales.is_some() && !fp8 {
+            let scales = view.scales.as_deref().map(|s| s.name.clone()).unwrap_or_default();
+            let entries = [view, &views[scales.as_str()]]
+                .iter()
+                .map(|v| Entry {
+                    name: v.name.clone(),
+                    dtype: v.dtype,
+                    shape: v.shape.clone(),
+                    bytes: v.bytes.len(),
+                })
+                .collect();
+            let planned = Planned {
+                job: Job::Copy {
+                    names: vec![name.to_string(), scales],
+                },
+                entries,
+                source_bytes,
+                stamps: Vec::new(),
+            };
+            quantised.push((name.to_string(), planned));
+            continue;
+        }
+        if !is_float(view.dtype) && !fp8 {
+            if view.dtype == Dtype::F8_E4M3 {
+                bail!(
+                    "{}: tensor {name} is F8_E4M3 without its {name}_scale_inv block scales",
+                    view.file.display()
+                );
+            }
+            floats.push(Planned {
+                job: Job::Copy {
+                    names: vec![name.to_string()],
+                },
+                entries: vec![Entry {
+                    name: name.to_string(),
+                    dtype: view.dtype,
+                    shape: view.shape.clone(),
+                    bytes: view.bytes.len(),
+                }],
+                source_bytes,
+                stamps: Vec::new(),
+            });
+            continue;
+        }
+        let class = classify(name, view.shape.len());
+        let target = match class {
+            Class::Keep => Target::Float,
+            Class::Io => io_target,
+            Class::Expert => expert_target,
+            Class::Dense => dense_target,
+        };
+        let matrix_stamp = if class == Class::Keep {
+            Vec::new()
+        } else {
+            vec![(name.to_string(), "f32")]
+        };
+        let numel: usize = view.shape.iter().product();
+        match target {
+            Target::Float if view.dtype == Dtype::F32 || (class != Class::Keep && !fp8) => {
+                floats.push(Planned {
+                    job: Job::Copy {
+                        names: vec![name.to_string()],
+                    },
+                    entries: vec![Entry {
+                        name: name.to_string(),
+                        dtype: view.dtype,
+                        shape: view.shape.clone(),
+                        bytes: view.bytes.len(),
+                    }],
+                    source_bytes,
+                    stamps: matrix_stamp,
+                })
+            }
+            Target::Float => floats.push(Planned {
+                job: Job::Widen {
+                    name: name.to_string(),
+                },
+                entries: vec![Entry {
+                    name: name.to_string(),
+                    dtype: Dtype::F32,
+                    shape: view.shape.clone(),
+                    bytes: numel * 4,
+                }],
+                source_bytes,
+                stamps: matrix_stamp,
+            }),
+            Target::Quantised(_) => {
+                if class == Class::Expert {
+                    if let Some(prefix) = expert_prefix(name) {
+                        experts.entry(prefix.to_string()).or_default().push(name);
+                        continue;
+                    }
+                }
+                let (rows, cols) = matrix_shape(&view.shape);
+                let format = effective(target, cols);
+                let (weights, scales) = quantised_entries(name, format, rows, cols);
+                quantised.push((
+                    name.to_string(),
+                    Planned {
+                        job: Job::Quantise {
+                            names: vec![name.to_string()],
+                            formats: vec![format],
+                        },
+                        entries: vec![weights, scales],
+                        source_bytes,
+                        stamps: vec![(name.to_string(), format.name())],
+                    },
+                ));
+            }
+        }
+    }
+    for (prefix, mut members) in experts {
+        // gate, up, down: the order an expert's FFN reads them.
+        members.sort_by_key(|name| ["gate_proj", "up_proj", "down_proj"].iter().position(|p| name.contains(p)));
+        let mut weights = Vec::new();
+        let mut scales = Vec::new();
+        let mut formats = Vec::new();
+        let mut source_bytes = 0;
+        for &name in &members {
+            let view = &views[name];
+            let (rows, cols) = matrix_shape(&view.shape);
+            let format = effective(expert_target, cols);
+            let (w, s) = quantised_entries(name, format, rows, cols);
+            weights.push(w);
+            scales.push(s);
+            formats.push(format);
+            source_bytes += (view.bytes.len() + view.scales.as_ref().map_or(0, |s| s.bytes.len())) as u64;
+        }
+        weights.extend(scales);
+        quantised.push((
+            prefix,
+            Planned {
+                stamps: members.iter().zip(&formats).map(|(n, f)| (n.to_string(), f.name())).collect(),
+                job: Job::Quantise {
+                    names: members.iter().map(|n| n.to_string()).collect(),
+                    formats,
+                },
+                entries: weights,
+                source_bytes,
+            },
+        ));
+    }
+    // Widest float dtype first keeps every float tensor aligned after the 8-aligned header.
+    floats.sort_by_key(|p| {
+        let entry = &p.entries[0];
+        (std::cmp::Reverse(entry.dtype.bitsize()), entry.name.clone())
+    });
+    quantised.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(floats.into_iter().chain(quantised.into_iter().map(|(_, p)| p)).collect())
+}
+
+/// `model.layers.3.mlp.experts.17` for `model.layers.3.mlp.experts.17.up_proj.weight`.
+fn expert_prefix(name: &str) -> Option<&str> {
+    let stem = ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]
+        .iter()
+        .find_map(|suffix| name.strip_suffix(suffix))?
+        .strip_suffix('.')?;
+    let (parent, id) = stem.rsplit_once('.')?;
+    (parent.ends_with(".experts") && id.parse::<usize>().is_ok()).then_some(stem)
+}
+
+/// Jobs grouped into shards of at most `shard_bytes` (a job is never split).
+fn shards(jobs: Vec<Planned>, shard_bytes: u64) -> Vec<Vec<Planned>> {
+    let mut shards: Vec<Vec<Planned>> = Vec::new();
+    let mut size = 0u64;
+    for job in jobs {
+        let bytes: u64 = job.entries.iter().map(|e| e.bytes as u64).sum();
+        if shards.is_empty() || (size > 0 && size + bytes > shard_bytes) {
+            shards.push(Vec::new());
+            size = 0;
+        }
+        size += bytes;
+        shards.last_mut().expect("a shard was just pushed").push(job);
+    }
+    shards
+}
+
+fn shard_name(index: usize, count: usize) -> String {
+    format!("model-{:05}-of-{:05}.safetensors", index + 1, count)
+}
+
+const MANIFEST: &str = ".coli-convert.json";
+
+/// FNV-1a over the source's tensor list, so a resume can tell it is the same source.
+fn fingerprint(snapshot: &Snapshot) -> String {
+    let mut names: Vec<&str> = snapshot.names().collect();
+    names.sort_unstable();
+    let mut hash = 0xcbf2_9ce4_8422_2325u64;
+    for name in names {
+        let line = match snapshot.tensor(name) {
+            Ok(view) => format!("{name} {:?} {:?} {}\n", view.dtype, view.shape, view.bytes.len()),
+            Err(_) => format!("{name}\n"),
+        };
+        for byte in line.bytes() {
+            hash = (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    format!("{hash:016x}")
+}
+
+/// Whether `path` is a complete shard holding exactly `entries`.
+fn shard_complete(path: &Path, entries: &[Entry]) -> bool {
+    let Ok(bytes) = std::fs::read(path).map(|b| b.get(..8).map(|h| h.to_vec()).unwrap_or_default()) else {
+        return false;
+    };
+    let Ok(len) = bytes.as_slice().try_into().map(u64::from_le_bytes) else {
+        return false;
+    };
+    let read_header = || -> Option<serde_json::Value> {
+        use std::io::{Read, Seek, SeekFrom};
+        let mut file = std::fs::File::open(path).ok()?;
+        file.seek(SeekFrom::Start(8)).ok()?;
+        let mut header = vec![0u8; usize::try_from(len).ok()?];
+        file.read_exact(&mut header).ok()?;
+        serde_json::from_slice(&header).ok()
+    };
+    let Some(header) = read_header() else {
+        return false;
+    };
+    let data: usize = entries.iter().map(|e| e.bytes).sum();
+    let size_ok = std::fs::metadata(path).is_ok_and(|m| m.len() == 8 + len + data as u64);
+    let names: HashSet<&str> = header
+        .as_object()
+        .map(|o| o.keys().map(String::as_str).filter(|k| *k != "__metadata__").collect())
+        .unwrap_or_default();
+    size_ok && names.len() == entries.len() && entries.iter().all(|e| names.contains(e.name.as_str()))
+}
+
+/// Files beside the weights that a model directory needs (config, tokenizer, templates).
+fn is_side_file(name: &str) -> bool {
+    !name.starts_with('.')
+        && !name.ends_with(".safetensors.index.json")
+        && [".json", ".model", ".tiktoken", ".jinja", ".txt"]
+            .iter()
+            .any(|ext| name.ends_with(ext))
+}
+
+/// What a finished conversion did.
+#[derive(Debug)]
+pub struct Summary {
+    pub shards: usize,
+    pub shards_skipped: usize,
+    pub tensors: usize,
+    pub source_bytes: u64,
+    pub written_bytes: u64,
+    pub seconds: f64,
+}
+
+/// Convert the checkpoint in `src` to a container in `dst`.
+pub fn convert(src: &Path, dst: &Path, options: &Options) -> Result<Summary> {
+    let started = Instant::now();
+    if src.canonicalize().ok() == dst.canonicalize().ok() {
+        bail!("convert: source and destination are both {}", src.display());
+    }
+    let snapshot = Snapshot::open(src)?;
+    let shard_plan = shards(plan(&snapshot, options)?, options.shard_bytes.max(1));
+    let count = shard_plan.len();
+    let manifest = serde_json::json!({
+        "source": fingerprint(&snapshot),
+        "expert_bits": options.expert_bits,
+        "dense_bits": options.dense_bits,
+        "io_bits": options.io_bits,
+        "group_size": options.group_size,
+        "shards": shard_plan.iter().enumerate().map(|(i, jobs)| {
+            serde_json::json!({
+                "file": shard_name(i, count),
+                "tensors": jobs.iter().flat_map(|j| j.entries.iter().map(|e| e.name.clone())).collect::<Vec<_>>(),
+            })
+        }).collect::<Vec<_>>(),
+    });
+    prepare_destination(dst, &manifest)?;
+
+    let total: u64 = shard_plan.iter().flatten().map(|j| j.source_bytes).sum();
+    let bar = progress_bar(total);
+    let mut summary = Summary {
+        shards: count,
+        shards_skipped: 0,
+        tensors: 0,
+        source_bytes: total,
+        written_bytes: 0,
+        seconds: 0.0,
+    };
+    for (index, jobs) in shard_plan.iter().enumerate() {
+        let path = dst.join(shard_name(index, count));
+        let entries: Vec<Entry> = jobs.iter().flat_map(|j| j.entries.iter().cloned()).collect();
+        summary.tensors += entries.len();
+        summary.written_bytes += entries.iter().map(|e| e.bytes as u64).sum::<u64>();
+        if shard_complete(&path, &entries) {
+            summary.shards_skipped += 1;
+            bar.inc(jobs.iter().map(|j| j.source_bytes).sum());
+            continue;
+        }
+        let mut metadata = BTreeMap::new();
+        metadata.insert("format".to_string(), "pt".to_string());
+        let stamps: BTreeMap<&str, &str> = jobs
+            .iter()
+            .flat_map(|j| j.stamps.iter().map(|(n, f)| (n.as_str(), *f)))
+            .collect();
+        if !stamps.is_empty() {
+            let formats: std::collections::BTreeSet<&str> = stamps.values().copied().collect();
+            metadata.insert("colibri.fmt".to_string(), serde_json::to_string(&stamps)?);
+            metadata.insert("colibri.container.formats".to_string(), serde_json::to_string(&formats)?);
+        }
+        let mut writer = ShardWriter::create(&path, entries, &metadata)?;
+        for job in jobs {
+            run_job(&snapshot, &job.job, &mut writer)?;
+            bar.inc(job.source_bytes);
+        }
+        writer.finish()?;
+    }
+    bar.finish_and_clear();
+    for entry in std::fs::read_dir(src).with_context(|| format!("cannot list {}", src.display()))? {
+        let entry = entry.with_context(|| format!("cannot list {}", src.display()))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if entry.path().is_file() && is_side_file(&name) {
+            let bytes = std::fs::read(entry.path())
+                .with_context(|| format!("cannot read {}", entry.path().display()))?;
+            writer::write_atomic(&dst.join(&name), &bytes)?;
+        }
+    }
+    summary.seconds = started.elapsed().as_secs_f64();
+    Ok(summary)
+}
+
+/// Make `dst` ready: create it, or check that what it holds is this conversion's earlier,
+/// interrupted run (its manifest matches), and clear stale temporary files.
+fn prepare_destination(dst: &Path, manifest: &serde_json::Value) -> Result<()> {
+    let manifest_path = dst.join(MANIFEST);
+    if dst.exists() {
+        let has_files = std::fs::read_dir(dst)
+            .with_context(|| format!("cannot list {}", dst.display()))?
+            .next()
+            .is_some();
+        if manifest_path.exists() {
+            let previous: serde_json::Value = std::fs::read_to_string(&manifest_path)
+                .ok()
+                .and_then(|text| serde_json::from_str(&text).ok())
+                .unwrap_or(serde_json::Value::Null);
+            if previous != *manifest {
+                bail!(
+                    "{} holds a conversion from another source or with other options ({}); remove it or choose another destination",
+                    dst.display(),
+                    manifest_path.display()
+                );
+            }
+        } else if has_files {
+            bail!(
+                "{} exists and is not empty; convert writes into a new or empty directory (or resumes its own unfinished run)",
+                dst.display()
+            );
+        }
+        for entry in std::fs::read_dir(dst).with_context(|| format!("cannot list {}", dst.display()))? {
+            let path = entry.with_context(|| format!("cannot list {}", dst.display()))?.path();
+            if path.file_name().is_some_and(|n| n.to_string_lossy().ends_with(".partial")) {
+                std::fs::remove_file(&path)
+                    .with_context(|| format!("cannot remove {}", path.display()))?;
+            }
+        }
+    } else {
+        std::fs::create_dir_all(dst).with_context(|| format!("cannot create {}", dst.display()))?;
+    }
+    writer::write_atomic(&manifest_path, serde_json::to_string_pretty(manifest)?.as_bytes())
+}
+
+fn progress_bar(total: u64) -> ProgressBar {
+    let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+    if let Ok(style) = ProgressStyle::with_template(
+        "convert [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}",
+    ) {
+        bar.set_style(style);
+    }
+    bar
+}
+
+/// The matrix a float or FP8 source tensor holds, read as `[rows, cols]`.
+fn source_matrix(snapshot: &Snapshot, name: &str) -> Result<Matrix> {
+    let view = snapshot.tensor(name)?;
+    let (rows, cols) = matrix_shape(&view.shape);
+    let shaped = quant::format::shaped(
+        TensorView {
+            shape: if view.scales.is_some() {
+                view.shape.clone()
+            } else {
+                vec![rows, cols]
+            },
+            ..view
+        },
+        &[rows, cols],
+    )?;
+    Matrix::load(&shaped, Width::F32)
+}
+
+fn run_job(snapshot: &Snapshot, job: &Job, writer: &mut ShardWriter) -> Result<()> {
+    match job {
+        Job::Copy { names } => {
+            for name in names {
+                let view = snapshot.tensor(name)?;
+                for chunk in view.bytes.as_slice().chunks(64 << 20) {
+                    writer.write(name, chunk)?;
+                }
+            }
+        }
+        Job::Widen { name } => {
+            let view = snapshot.tensor(name)?;
+            let values = if view.dtype == Dtype::F8_E4M3 {
+                source_matrix(snapshot, name)?.to_f32()
+            } else {
+                quant::read_f32(&view)?
+            };
+            writer.write(name, bytemuck::cast_slice(&values))?;
+        }
+        Job::Quantise { names, formats } => {
+            let mut all_scales = Vec::with_capacity(names.len());
+            for (name, format) in names.iter().zip(formats) {
+                let matrix = source_matrix(snapshot, name)?;
+                all_scales.push(quantise_into(&matrix, *format, name, writer)?);
+            }
+            for (name, scales) in names.iter().zip(all_scales) {
+                writer.write(&format!("{name}.qs"), bytemuck::cast_slice(&scales))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Quantise `matrix` block by block (rows in parallel), streaming the weight bytes to
+/// `writer`; returns the scales.
+fn quantise_into(matrix: &Matrix, format: Format, name: &str, writer: &mut ShardWriter) -> Result<Vec<f32>> {
+    let (rows, cols) = (matrix.rows(), matrix.cols());
+    let block = ((16 << 20) / cols.max(1)).clamp(1, rows.max(1));
+    let mut scales = Vec::new();
+    for first in (0..rows).step_by(block) {
+        let last = (first + block).min(rows);
+        let quantised: Vec<(Vec<u8>, Vec<f32>)> = (first..last)
+            .into_par_iter()
+            .map(|row| {
+                let mut values = vec![0f32; cols];
+                matrix.row_into(row, &mut values);
+                match format {
+                    Format::Int8Row => {
+                        let (q, s) = quant::quantize_int8_rows(&values, cols);
+                        (bytemuck::cast_slice(&q).to_vec(), s)
+                    }
+                    Format::Int4Grouped { group } => quant::quantize_int4_groups(&values, cols, group),
+                    _ => quant::quantize_int4_groups(&values, cols, cols),
+                }
+            })
+            .collect();
+        let mut bytes = Vec::with_capacity(quantised.iter().map(|(b, _)| b.len()).sum());
+        for (b, s) in quantised {
+            bytes.extend_from_slice(&b);
+            scales.extend_from_slice(&s);
+        }
+        writer.write(name, &bytes)?;
+    }
+    Ok(scales)
+}
+
+/// `coli convert` output lines.
+pub fn report(summary: &Summary, dst: &Path) -> String {
+    format!(
+        "converted {} tensors into {} shards ({} already complete) in {}: {:.2} GB read, {:.2} GB written, {:.1} s",
+        summary.tensors,
+        summary.shards,
+        summary.shards_skipped,
+        dst.display(),
+        summary.source_bytes as f64 / 1e9,
+        summary.written_bytes as f64 / 1e9,
+        summary.seconds
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classes() {
+        assert_eq!(classify("model.layers.0.input_layernorm.weight", 1), Class::Keep);
+        assert_eq!(classify("model.layers.0.mlp.gate.weight", 2), Class::Keep);
+        assert_eq!(classify("model.layers.0.self_attn.q_a_layernorm.weight", 1), Class::Keep);
+        assert_eq!(classify("model.layers.0.attn_sconv.conv1d.weight", 3), Class::Keep);
+        assert_eq!(classify("model.layers.0.self_attn.rel_logits_proj.proj", 2), Class::Keep);
+        assert_eq!(classify("model.embed_tokens.weight", 2), Class::Io);
+        assert_eq!(classify("lm_head.weight", 2), Class::Io);
+        assert_eq!(classify("model.layers.1.mlp.experts.3.down_proj.weight", 2), Class::Expert);
+        assert_eq!(classify("model.layers.1.mlp.experts.gate_up_proj", 3), Class::Expert);
+        assert_eq!(classify("model.layers.1.mlp.shared_experts.gate_proj", 3), Class::Dense);
+        assert_eq!(classify("model.layers.1.self_attn.q_proj.weight", 2), Class::Dense);
+        assert_eq!(classify("model.layers.1.mlp.gate_proj.weight", 2), Class::Dense);
+    }
+
+    #[test]
+    fn expert_prefixes() {
+        assert_eq!(
+            expert_prefix("model.layers.3.mlp.experts.17.up_proj.weight"),
+            Some("model.layers.3.mlp.experts.17")
+        );
+        assert_eq!(expert_prefix("model.layers.3.mlp.shared_experts.up_proj.weight"), None);
+        assert_eq!(expert_prefix("model.layers.3.mlp.experts.gate_up_proj"), None);
+    }
+}

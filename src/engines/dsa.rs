@@ -1,0 +1,273 @@
+//! The DSA lightning indexer (DeepSeek sparse attention, as GLM-5.2 uses it): per query row a
+//! cheap multi-head score over every cached position picks the `top_k` positions the
+//! attention then reads; the rest of the context is skipped.
+//!
+//! For a query at position `p` and a key at `t <= p`:
+//! `score_t = Σ_h w_h · ReLU(q_h · k_t / sqrt(head_dim))`, with `q = wq_b · q_resid` (the
+//! normalised q-LoRA activation, `heads x head_dim`), `k_t = LayerNorm(wk · x_t)` (one head,
+//! cached per position), `w = weights_proj · x / sqrt(heads)`, and RoPE (interleaved) on the
+//! first `rope` dimensions of each q head and of k. A row that sees at most `top_k`
+//! positions reads them all, as a top-k over the masked scores keeps them all.
+
+use anyhow::Result;
+use rayon::prelude::*;
+
+use super::layers::{layer_norm, top_k, Rope};
+use crate::quant::{load_vector, Matrix, Width};
+use crate::snapshot::Snapshot;
+
+/// `nn.LayerNorm` epsilon of the indexer's key norm.
+const K_NORM_EPS: f64 = 1e-6;
+
+/// The indexer keys of one layer, one `head_dim` vector per position.
+pub struct IndexKeys {
+    dim: usize,
+    keys: Vec<f32>,
+}
+
+impl IndexKeys {
+    pub fn new(dim: usize) -> IndexKeys {
+        IndexKeys {
+            dim,
+            keys: Vec::new(),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.keys.len() / self.dim
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+
+    /// Keep the first `len` positions.
+    pub fn truncate(&mut self, len: usize) {
+        self.keys.truncate(len * self.dim);
+    }
+
+    fn key(&self, pos: usize) -> &[f32] {
+        &self.keys[pos * self.dim..][..self.dim]
+    }
+}
+
+/// Sizes of the indexer.
+#[derive(Debug, Clone, Copy)]
+pub struct IndexerShape {
+    pub hidden: usize,
+    pub q_lora: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    /// Leading dimensions of each head that RoPE rotates.
+    pub rope: usize,
+    /// Positions a query keeps once it sees more than this many.
+    pub top_k: usize,
+}
+
+/// The indexer weights of one layer (`{prefix}.{wq_b,wk,k_norm,weights_proj}`).
+pub struct Indexer {
+    shape: IndexerShape,
+    wq_b: Matrix,
+    wk: Matrix,
+    weights_proj: Matrix,
+    k_norm_weight: Vec<f32>,
+    k_norm_bias: Vec<f32>,
+}
+
+impl Indexer {
+    /// Whether `prefix` holds indexer tensors at all.
+    pub fn present(snapshot: &Snapshot, prefix: &str) -> bool {
+        snapshot.contains(&format!("{prefix}.wq_b.weight"))
+    }
+
+    pub fn load(
+        snapshot: &Snapshot,
+        prefix: &str,
+        shape: IndexerShape,
+        width: Width,
+    ) -> Result<Indexer> {
+        let IndexerShape {
+            hidden,
+            q_lora,
+            heads,
+            head_dim,
+            ..
+        } = shape;
+        let matrix = |name: &str, dims: [usize; 2], width: Width| -> Result<Matrix> {
+            Matrix::load(
+                &snapshot.tensor_shaped(&format!("{prefix}.{name}.weight"), &dims)?,
+                width,
+            )
+        };
+        let vector =
+            |name: &str| load_vector(&snapshot.tensor(&format!("{prefix}.{name}"))?, head_dim);
+        Ok(Indexer {
+            shape,
+            wq_b: matrix("wq_b", [heads * head_dim, q_lora], width)?,
+            wk: matrix("wk", [head_dim, hidden], width)?,
+            // The head weights decide the ranking on their own; transformers keeps them f32.
+            weights_proj: matrix("weights_proj", [heads, hidden], Width::F32)?,
+            k_norm_weight: vector("k_norm.weight")?,
+            k_norm_bias: vector("k_norm.bias")?,
+        })
+    }
+
+    pub fn size_bytes(&self) -> usize {
+        self.wq_b.size_bytes()
+            + self.wk.size_bytes()
+            + self.weights_proj.size_bytes()
+            + 4 * (self.k_norm_weight.len() + self.k_norm_bias.len())
+    }
+
+    /// Append the keys of `n` rows of the normalised layer input `x` at positions
+    /// `start..start + n` to `cache`.
+    pub fn push_keys(&self, x: &[f32], n: usize, start: usize, rope: &Rope, cache: &mut IndexKeys) {
+        let dim = self.shape.head_dim;
+        let mut projected = vec![0f32; n * dim];
+        self.wk.matmul(x, n, &mut projected);
+        let mut keys = vec![0f32; n * dim];
+        layer_norm(
+            &projected,
+            &self.k_norm_weight,
+            &self.k_norm_bias,
+            K_NORM_EPS,
+            &mut keys,
+        );
+        for (t, key) in keys.chunks_exact_mut(dim).enumerate() {
+            rope.apply_interleaved(&mut key[..self.shape.rope], start + t);
+        }
+        cache.keys.extend_from_slice(&keys);
+    }
+
+    /// The positions each of the `n` query rows (the last `n` positions of `cache`) reads,
+    /// ascending: the `top_k` best-scoring ones (ties to the earlier position), or every
+    /// visible one when the row sees no more than `top_k`, or always with `keep_all`.
+    /// `None` when no row has anything to drop and `keep_all` is off: plain causal attention.
+    pub fn select(
+        &self,
+        x: &[f32],
+        q_resid: &[f32],
+        n: usize,
+        rope: &Rope,
+        cache: &IndexKeys,
+        keep_all: bool,
+    ) -> Option<Vec<Vec<usize>>> {
+        let IndexerShape {
+            heads,
+            head_dim,
+            top_k: keep,
+            ..
+        } = self.shape;
+        let first = cache.len() - n;
+        if !keep_all && first + n <= keep {
+            return None;
+        }
+        let mut queries = vec![0f32; n * heads * head_dim];
+        self.wq_b.matmul(q_resid, n, &mut queries);
+        let mut weights = vec![0f32; n * heads];
+        self.weights_proj.matmul(x, n, &mut weights);
+        let head_scale = (heads as f32).powf(-0.5);
+        let softmax_scale = (head_dim as f32).powf(-0.5);
+        let selection = (0..n)
+            .into_par_iter()
+            .map(|row| {
+                let visible = first + row + 1;
+                if !keep_all && visible <= keep {
+                    return (0..visible).collect();
+                }
+                let mut query = queries[row * heads * head_dim..][..heads * head_dim].to_vec();
+                for head in query.chunks_exact_mut(head_dim) {
+                    rope.apply_interleaved(&mut head[..self.shape.rope], first + row);
+                }
+                let w: Vec<f32> = weights[row * heads..][..heads]
+                    .iter()
+                    .map(|&w| w * head_scale)
+                    .collect();
+                let scores: Vec<f32> = (0..visible)
+                    .map(|t| {
+                        let key = cache.key(t);
+                        query
+                            .chunks_exact(head_dim)
+                            .zip(&w)
+                            .map(|(q, &w)| {
+                                let s: f32 = q.iter().zip(key).map(|(a, b)| a * b).sum();
+                                w * (s * softmax_scale).max(0.0)
+                            })
+                            .sum()
+                    })
+                    .collect();
+                let quota = if keep_all { visible } else { keep.min(visible) };
+                let mut kept: Vec<usize> =
+                    top_k(&scores, quota).into_iter().map(|(t, _)| t).collect();
+                kept.sort_unstable();
+                kept
+            })
+            .collect();
+        Some(selection)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn indexer(top_k: usize) -> Indexer {
+        // hidden 2, q_lora 2, one head of dim 2 with no rotated dimensions; wq_b and wk are
+        // identities so query = q_resid and key = LayerNorm(x).
+        let shape = IndexerShape {
+            hidden: 2,
+            q_lora: 2,
+            heads: 1,
+            head_dim: 2,
+            rope: 0,
+            top_k,
+        };
+        let eye = || Matrix::from_f32(2, 2, vec![1.0, 0.0, 0.0, 1.0], Width::F32);
+        Indexer {
+            shape,
+            wq_b: eye(),
+            wk: eye(),
+            weights_proj: Matrix::from_f32(1, 2, vec![1.0, 0.0], Width::F32),
+            k_norm_weight: vec![1.0, 1.0],
+            k_norm_bias: vec![0.0, 0.0],
+        }
+    }
+
+    #[test]
+    fn keeps_the_best_scoring_positions_in_order() {
+        let ix = indexer(2);
+        let rope = Rope::new(0, 10000.0);
+        let mut cache = IndexKeys::new(2);
+        // LayerNorm of (a, b) with a != b is (+-1, -+1): keys alternate "up" and "down".
+        let x = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0];
+        ix.push_keys(&x, 4, 0, &rope, &mut cache);
+        assert_eq!(cache.len(), 4);
+        // A query along "up", weighted by x[0] = 1.
+        let q_resid = [1.0, -1.0];
+        let last = [1.0, 0.0];
+        let picked = ix.select(&last, &q_resid, 1, &rope, &cache, false).unwrap();
+        // Scores: up keys (0, 2) score ~2/sqrt(2), down keys (1, 3) ReLU to 0.
+        assert_eq!(picked, vec![vec![0, 2]]);
+        // Keeping every key, or seeing no more than top_k, reads all visible positions.
+        let all = ix.select(&last, &q_resid, 1, &rope, &cache, true).unwrap();
+        assert_eq!(all, vec![vec![0, 1, 2, 3]]);
+        let wide = indexer(4);
+        assert!(wide
+            .select(&last, &q_resid, 1, &rope, &cache, false)
+            .is_none());
+    }
+
+    #[test]
+    fn ties_go_to_the_earlier_position() {
+        let ix = indexer(1);
+        let rope = Rope::new(0, 10000.0);
+        let mut cache = IndexKeys::new(2);
+        ix.push_keys(&[1.0, 0.0, 1.0, 0.0, 0.0, 1.0], 3, 0, &rope, &mut cache);
+        let picked = ix
+            .select(&[1.0, 0.0], &[1.0, -1.0], 1, &rope, &cache, false)
+            .unwrap();
+        assert_eq!(picked, vec![vec![0]]);
+        cache.truncate(1);
+        assert_eq!(cache.len(), 1);
+    }
+}

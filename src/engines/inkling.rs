@@ -1,0 +1,1007 @@
+//! Inkling (`InklingForCausalLM`; config `inkling_text`, or the text part of the release's
+//! multimodal `inkling_mm_model`): hybrid sliding-window / global attention with their own
+//! head counts and dims, no RoPE but a learned relative position bias mixed per token and
+//! head from a bank of distance profiles, log-length logit scaling on the global layers,
+//! four short causal convolutions per layer (keys, values, attention output, MLP output,
+//! each with the residual inside), dense or sparse MLP per layer, and a sigmoid + bias
+//! router whose shared experts are scored alongside the routed ones and normalised jointly
+//! with them (the "shared-expert sink"). The final hidden state is divided by the muP width
+//! multiplier before the head, whose logits are cut to the unpadded vocabulary.
+
+use anyhow::{anyhow, bail, Result};
+use serde::Deserialize;
+
+use super::layers::{rms_norm, rms_norm_in_place, AttentionShape, SwigluMlp};
+use super::moe::{biased_top_k, Route, RoutedExperts};
+use super::short_conv::{ConvState, ShortConv};
+use super::window_attention::{windowed_attention, DistanceBias, WindowKvCache};
+use super::{Engine, LoadOptions};
+use crate::experts::{ExpertStore, ExpertTensors};
+use crate::quant::{load_vector, Matrix, Width};
+use crate::route_trace::RouteTrace;
+use crate::snapshot::Snapshot;
+
+pub const NAME: &str = "inkling";
+
+/// The keys of the text config this engine reads. Missing keys take `InklingTextConfig`'s
+/// defaults (the 975B model's values).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default)]
+pub struct Config {
+    pub vocab_size: usize,
+    pub unpadded_vocab_size: Option<usize>,
+    pub hidden_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub swa_num_attention_heads: usize,
+    pub swa_num_key_value_heads: usize,
+    pub swa_head_dim: usize,
+    #[serde(alias = "sliding_window")]
+    pub sliding_window_size: usize,
+    pub d_rel: usize,
+    pub rel_extent: usize,
+    pub log_scaling_n_floor: Option<f64>,
+    pub log_scaling_alpha: f64,
+    pub layer_types: Option<Vec<String>>,
+    pub local_layer_ids: Option<Vec<usize>>,
+    pub mlp_layer_types: Option<Vec<String>>,
+    pub dense_mlp_idx: Option<usize>,
+    pub intermediate_size: usize,
+    pub moe_intermediate_size: usize,
+    pub dense_intermediate_size: Option<usize>,
+    pub conv_kernel_size: Option<usize>,
+    pub sconv_kernel_size: Option<usize>,
+    pub rms_norm_eps: f64,
+    pub hidden_act: Option<String>,
+    #[serde(alias = "num_local_experts")]
+    pub n_routed_experts: usize,
+    pub num_experts_per_tok: usize,
+    pub n_shared_experts: usize,
+    pub route_scale: f64,
+    #[serde(alias = "embedding_multiplier")]
+    pub logits_mup_width_multiplier: f64,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            vocab_size: 201_024,
+            unpadded_vocab_size: None,
+            hidden_size: 6144,
+            num_hidden_layers: 66,
+            num_attention_heads: 64,
+            num_key_value_heads: 8,
+            head_dim: 128,
+            swa_num_attention_heads: 64,
+            swa_num_key_value_heads: 16,
+            swa_head_dim: 128,
+            sliding_window_size: 512,
+            d_rel: 16,
+            rel_extent: 1024,
+            log_scaling_n_floor: None,
+            log_scaling_alpha: 0.1,
+            layer_types: None,
+            local_layer_ids: None,
+            mlp_layer_types: None,
+            dense_mlp_idx: None,
+            intermediate_size: 24_576,
+            moe_intermediate_size: 3072,
+            dense_intermediate_size: None,
+            conv_kernel_size: None,
+            sconv_kernel_size: None,
+            rms_norm_eps: 1e-6,
+            hidden_act: None,
+            n_routed_experts: 256,
+            num_experts_per_tok: 6,
+            n_shared_experts: 2,
+            route_scale: 8.0,
+            logits_mup_width_multiplier: 24.0,
+        }
+    }
+}
+
+/// What the config says about one layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct LayerKind {
+    sliding: bool,
+    sparse: bool,
+}
+
+impl Config {
+    /// The text config of `snapshot`: `text_config` when the file has one (the multimodal
+    /// release schema), else the file itself.
+    pub fn read(snapshot: &Snapshot) -> Result<Config> {
+        let path = snapshot.dir().join("config.json");
+        let config = match snapshot.config_json().get("text_config") {
+            Some(text) if !text.is_null() => serde_json::from_value(text.clone())
+                .map_err(|err| anyhow!("{}: text_config: {err}", path.display()))?,
+            _ => snapshot.config()?,
+        };
+        Ok(config)
+    }
+
+    /// Per layer: sliding-window or global attention, sparse or dense MLP, as
+    /// `InklingTextConfig` derives them (`layer_types`, else `local_layer_ids`, else every
+    /// sixth layer global; `mlp_layer_types`, else the first `dense_mlp_idx` layers dense).
+    fn layer_kinds(&self) -> Result<Vec<LayerKind>> {
+        let n = self.num_hidden_layers;
+        let listed = |key: &str, len: usize| -> Result<()> {
+            if len != n {
+                bail!("config.json: {key} has {len} entries for {n} layers");
+            }
+            Ok(())
+        };
+        let sliding: Vec<bool> = match (&self.layer_types, &self.local_layer_ids) {
+            (Some(types), _) => {
+                listed("layer_types", types.len())?;
+                types
+                    .iter()
+                    .map(|t| match t.as_str() {
+                        "hybrid_sliding" => Ok(true),
+                        "hybrid" => Ok(false),
+                        other => bail!(
+                            "config.json: layer_types entry {other:?} is not \"hybrid\" or \"hybrid_sliding\""
+                        ),
+                    })
+                    .collect::<Result<_>>()?
+            }
+            (None, Some(local)) => {
+                if let Some(bad) = local.iter().find(|&&i| i >= n) {
+                    bail!(
+                        "config.json: local_layer_ids names layer {bad}, but there are {n} layers"
+                    );
+                }
+                (0..n).map(|i| local.contains(&i)).collect()
+            }
+            (None, None) => (0..n).map(|i| (i + 1) % 6 != 0).collect(),
+        };
+        let sparse: Vec<bool> = match &self.mlp_layer_types {
+            Some(types) => {
+                listed("mlp_layer_types", types.len())?;
+                types
+                    .iter()
+                    .map(|t| match t.as_str() {
+                        "sparse" => Ok(true),
+                        "dense" => Ok(false),
+                        other => bail!(
+                            "config.json: mlp_layer_types entry {other:?} is not \"dense\" or \"sparse\""
+                        ),
+                    })
+                    .collect::<Result<_>>()?
+            }
+            None => {
+                let dense = self.dense_mlp_idx.unwrap_or(0);
+                (0..n).map(|i| i >= dense).collect()
+            }
+        };
+        Ok(sliding
+            .into_iter()
+            .zip(sparse)
+            .map(|(sliding, sparse)| LayerKind { sliding, sparse })
+            .collect())
+    }
+
+    /// `(dense, moe)` intermediate widths. Release configs carry `dense_intermediate_size`
+    /// and then `intermediate_size` is the experts' width; configs saved by transformers
+    /// carry `intermediate_size` (dense) and `moe_intermediate_size`.
+    fn intermediate_sizes(&self) -> (usize, usize) {
+        match self.dense_intermediate_size {
+            Some(dense) => (dense, self.intermediate_size),
+            None => (self.intermediate_size, self.moe_intermediate_size),
+        }
+    }
+
+    /// `conv_kernel_size`, or the checkpoints' `sconv_kernel_size`, or 4.
+    fn conv_kernel(&self) -> Result<usize> {
+        match (self.conv_kernel_size, self.sconv_kernel_size) {
+            (Some(a), Some(b)) if a != b => {
+                bail!("config.json: conv_kernel_size ({a}) and sconv_kernel_size ({b}) disagree")
+            }
+            (Some(k), _) | (None, Some(k)) => Ok(k),
+            (None, None) => Ok(4),
+        }
+    }
+
+    /// Logits kept: the head's rows up to `unpadded_vocab_size`.
+    fn logit_count(&self) -> usize {
+        self.unpadded_vocab_size
+            .map_or(self.vocab_size, |u| u.min(self.vocab_size))
+    }
+
+    /// `log_scaling_n_floor` when the scaling is on. A floor of zero or below is read as
+    /// "off", as colibri reads it: transformers would divide by it.
+    fn log_floor(&self) -> Option<f64> {
+        self.log_scaling_n_floor.filter(|&f| f > 0.0)
+    }
+
+    fn validate(&self) -> Result<()> {
+        for (heads, kv, key) in [
+            (
+                self.num_attention_heads,
+                self.num_key_value_heads,
+                "num_attention_heads / num_key_value_heads",
+            ),
+            (
+                self.swa_num_attention_heads,
+                self.swa_num_key_value_heads,
+                "swa_num_attention_heads / swa_num_key_value_heads",
+            ),
+        ] {
+            if heads == 0 || kv == 0 || !heads.is_multiple_of(kv) {
+                bail!("config.json: {key} ({heads} / {kv}): query heads must be a positive multiple of key/value heads");
+            }
+        }
+        if self.head_dim == 0 || self.swa_head_dim == 0 {
+            bail!("config.json: head_dim and swa_head_dim must be positive");
+        }
+        if self.num_experts_per_tok == 0 || self.num_experts_per_tok > self.n_routed_experts {
+            bail!(
+                "config.json: num_experts_per_tok ({}) must be between 1 and n_routed_experts ({})",
+                self.num_experts_per_tok,
+                self.n_routed_experts
+            );
+        }
+        if self.n_shared_experts == 0 {
+            bail!("config.json: n_shared_experts must be at least 1 (the router scores the shared experts alongside the routed ones)");
+        }
+        if self.sliding_window_size == 0 || self.rel_extent == 0 {
+            bail!("config.json: sliding_window_size and rel_extent must be positive");
+        }
+        if self.conv_kernel()? == 0 {
+            bail!("config.json: conv_kernel_size must be positive");
+        }
+        if self.logits_mup_width_multiplier <= 0.0 {
+            bail!("config.json: logits_mup_width_multiplier must be positive");
+        }
+        if let Some(act) = self.hidden_act.as_deref() {
+            if act != "silu" {
+                bail!(
+                    "config.json: hidden_act {act:?} is not supported by inkling (only \"silu\")"
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Where the text model's tensors live: `model.` (`InklingForCausalLM`) or
+/// `model.language_model.` (`InklingForConditionalGeneration`), and the embedding norm,
+/// which transformers >= 5.18 keeps inside the embedding module.
+#[derive(Debug, PartialEq, Eq)]
+struct Names {
+    prefix: &'static str,
+    embed_norm: String,
+}
+
+impl Names {
+    fn find(contains: impl Fn(&str) -> bool) -> Result<Names> {
+        let prefix = if contains("model.language_model.embed_tokens.weight") {
+            "model.language_model."
+        } else {
+            "model."
+        };
+        let candidates = [
+            format!("{prefix}embed_tokens.embed_norm.weight"),
+            format!("{prefix}embed_norm.weight"),
+        ];
+        match candidates.iter().find(|name| contains(name)) {
+            Some(name) => Ok(Names {
+                prefix,
+                embed_norm: name.clone(),
+            }),
+            None => bail!(
+                "no embedding norm: expected tensor {} or {}",
+                candidates[0],
+                candidates[1]
+            ),
+        }
+    }
+}
+
+struct Attention {
+    shape: AttentionShape,
+    /// The window for sliding layers; `None` for global ones.
+    window: Option<usize>,
+    q_proj: Matrix,
+    k_proj: Matrix,
+    v_proj: Matrix,
+    r_proj: Matrix,
+    o_proj: Matrix,
+    q_norm: Vec<f32>,
+    k_norm: Vec<f32>,
+    /// `rel_logits_proj.proj`, `[d_rel, extent]`: bias profiles over backward distance.
+    rel_bank: Vec<f32>,
+    extent: usize,
+    k_conv: ShortConv,
+    v_conv: ShortConv,
+}
+
+/// The router and shared experts of a sparse layer; the routed experts are in the store.
+struct Moe {
+    /// `[routed + shared, hidden]`: one row per shared expert too.
+    router: Matrix,
+    bias: Vec<f32>,
+    global_scale: f32,
+    shared: Vec<SwigluMlp>,
+}
+
+enum Mlp {
+    Dense { mlp: SwigluMlp, global_scale: f32 },
+    Sparse(Moe),
+}
+
+struct Layer {
+    input_norm: Vec<f32>,
+    post_attention_norm: Vec<f32>,
+    attention: Attention,
+    attn_conv: ShortConv,
+    mlp: Mlp,
+    mlp_conv: ShortConv,
+}
+
+/// What a layer carries from one forward to the next.
+struct LayerState {
+    kv: WindowKvCache,
+    k_conv: ConvState,
+    v_conv: ConvState,
+    attn_conv: ConvState,
+    mlp_conv: ConvState,
+}
+
+pub struct Inkling {
+    config: Config,
+    embed: Matrix,
+    embed_norm: Vec<f32>,
+    final_norm: Vec<f32>,
+    lm_head: Matrix,
+    layers: Vec<Layer>,
+    states: Vec<LayerState>,
+    routed: RoutedExperts,
+}
+
+impl Inkling {
+    pub fn load(snapshot: &Snapshot, options: LoadOptions) -> Result<Inkling> {
+        let config = Config::read(snapshot)?;
+        config.validate()?;
+        let kinds = config.layer_kinds()?;
+        let names = Names::find(|name| snapshot.contains(name))
+            .map_err(|err| anyhow!("{}: {err}", snapshot.dir().display()))?;
+        let d = config.hidden_size;
+        let (dense_inter, moe_inter) = config.intermediate_sizes();
+        let kernel = config.conv_kernel()?;
+        let (n_experts, n_shared) = (config.n_routed_experts, config.n_shared_experts);
+        let dense = options.dense_width;
+        let matrix = |name: &str, shape: [usize; 2], width: Width| -> Result<Matrix> {
+            Matrix::load(&snapshot.tensor_shaped(name, &shape)?, width)
+        };
+        let vector = |name: &str, len: usize| load_vector(&snapshot.tensor(name)?, len);
+        let conv = |name: &str, channels: usize| ShortConv::load(snapshot, name, channels, kernel);
+        // Embeddings and head stay f32 unless dense weights go below 8 bits, as in colibri.
+        let io_width = if dense.bits() >= 8 { Width::F32 } else { dense };
+
+        let mut layers = Vec::with_capacity(kinds.len());
+        let mut expert_tensors = Vec::with_capacity(kinds.len());
+        for (l, kind) in kinds.iter().enumerate() {
+            let p = format!("{}layers.{l}", names.prefix);
+            let (heads, kv_heads, hd) = if kind.sliding {
+                (
+                    config.swa_num_attention_heads,
+                    config.swa_num_key_value_heads,
+                    config.swa_head_dim,
+                )
+            } else {
+                (
+                    config.num_attention_heads,
+                    config.num_key_value_heads,
+                    config.head_dim,
+                )
+            };
+            let extent = if kind.sliding {
+                config.sliding_window_size
+            } else {
+                config.rel_extent
+            };
+            let a = format!("{p}.self_attn");
+            let attention = Attention {
+                shape: AttentionShape {
+                    heads,
+                    kv_heads,
+                    head_dim: hd,
+                    // q and k are RMS-normalised per head, so the reference scales by 1/d.
+                    scale: 1.0 / hd as f32,
+                },
+                window: kind.sliding.then_some(config.sliding_window_size),
+                q_proj: matrix(&format!("{a}.q_proj.weight"), [heads * hd, d], dense)?,
+                k_proj: matrix(&format!("{a}.k_proj.weight"), [kv_heads * hd, d], dense)?,
+                v_proj: matrix(&format!("{a}.v_proj.weight"), [kv_heads * hd, d], dense)?,
+                r_proj: matrix(
+                    &format!("{a}.r_proj.weight"),
+                    [heads * config.d_rel, d],
+                    dense,
+                )?,
+                o_proj: matrix(&format!("{a}.o_proj.weight"), [d, heads * hd], dense)?,
+                q_norm: vector(&format!("{a}.q_norm.weight"), hd)?,
+                k_norm: vector(&format!("{a}.k_norm.weight"), hd)?,
+                rel_bank: {
+                    let name = format!("{a}.rel_logits_proj.proj");
+                    let mut view = snapshot.tensor_shaped(&name, &[config.d_rel, extent])?;
+                    view.shape = vec![config.d_rel * extent];
+                    load_vector(&view, config.d_rel * extent)?
+                },
+                extent,
+                k_conv: conv(&format!("{a}.k_sconv.conv1d.weight"), kv_heads * hd)?,
+                v_conv: conv(&format!("{a}.v_sconv.conv1d.weight"), kv_heads * hd)?,
+            };
+            let m = format!("{p}.mlp");
+            let (mlp, experts) = if kind.sparse {
+                let gate_up = snapshot.tensor_shaped(
+                    &format!("{m}.experts.gate_up_proj"),
+                    &[n_experts, 2 * moe_inter, d],
+                )?;
+                let down = snapshot.tensor_shaped(
+                    &format!("{m}.experts.down_proj"),
+                    &[n_experts, d, moe_inter],
+                )?;
+                let experts = (0..n_experts)
+                    .map(|e| ExpertTensors::from_fused(&gate_up, &down, e)?.checked(d, moe_inter))
+                    .collect::<Result<Vec<_>>>()?;
+                let shared = |part: &str, shape: [usize; 3]| {
+                    snapshot.tensor_shaped(&format!("{m}.shared_experts.{part}"), &shape)
+                };
+                let gate = shared("gate_proj", [n_shared, moe_inter, d])?;
+                let up = shared("up_proj", [n_shared, moe_inter, d])?;
+                let down_shared = shared("down_proj", [n_shared, d, moe_inter])?;
+                let moe = Moe {
+                    router: matrix(
+                        &format!("{m}.gate.weight"),
+                        [n_experts + n_shared, d],
+                        Width::F32,
+                    )?,
+                    bias: vector(&format!("{m}.gate.e_score_correction_bias"), n_experts)?,
+                    global_scale: scalar(snapshot, &format!("{m}.gate.global_scale"))?,
+                    shared: (0..n_shared)
+                        .map(|j| {
+                            Ok(SwigluMlp::from_matrices(
+                                Matrix::load(&gate.select(j)?, dense)?,
+                                Matrix::load(&up.select(j)?, dense)?,
+                                Matrix::load(&down_shared.select(j)?, dense)?,
+                            ))
+                        })
+                        .collect::<Result<_>>()?,
+                };
+                (Mlp::Sparse(moe), experts)
+            } else {
+                let mlp = Mlp::Dense {
+                    mlp: SwigluMlp::load(snapshot, &m, d, dense_inter, dense)?,
+                    global_scale: scalar(snapshot, &format!("{m}.global_scale"))?,
+                };
+                (mlp, Vec::new())
+            };
+            layers.push(Layer {
+                input_norm: vector(&format!("{p}.input_layernorm.weight"), d)?,
+                post_attention_norm: vector(&format!("{p}.post_attention_layernorm.weight"), d)?,
+                attention,
+                attn_conv: conv(&format!("{p}.attn_sconv.conv1d.weight"), d)?,
+                mlp,
+                mlp_conv: conv(&format!("{p}.mlp_sconv.conv1d.weight"), d)?,
+            });
+            expert_tensors.push(experts);
+        }
+
+        let states = layers
+            .iter()
+            .map(|layer| {
+                let a = &layer.attention;
+                LayerState {
+                    kv: WindowKvCache::new(a.shape.kv_heads * a.shape.head_dim, a.window),
+                    k_conv: a.k_conv.state(),
+                    v_conv: a.v_conv.state(),
+                    attn_conv: layer.attn_conv.state(),
+                    mlp_conv: layer.mlp_conv.state(),
+                }
+            })
+            .collect();
+        // Dense layers do not route, and there is no MTP head in the row after the last
+        // layer (transformers ignores `model.mtp.*`).
+        let mut telemetry = RouteTrace::new(NAME, config.num_hidden_layers, n_experts)?;
+        for (l, kind) in kinds.iter().enumerate() {
+            if !kind.sparse {
+                telemetry.drop_row(l);
+            }
+        }
+        telemetry.drop_row(config.num_hidden_layers);
+
+        let mut inkling = Inkling {
+            embed: matrix(
+                &format!("{}embed_tokens.weight", names.prefix),
+                [config.vocab_size, d],
+                io_width,
+            )?,
+            embed_norm: vector(&names.embed_norm, d)?,
+            final_norm: vector(&format!("{}norm.weight", names.prefix), d)?,
+            lm_head: matrix("lm_head.weight", [config.vocab_size, d], io_width)?,
+            layers,
+            states,
+            routed: RoutedExperts {
+                store: ExpertStore::new(Vec::new(), 1, options.expert_width),
+                telemetry,
+            },
+            config,
+        };
+        let resident = inkling.resident_bytes() as u64;
+        inkling.routed.store = ExpertStore::provision(
+            expert_tensors,
+            options.cap,
+            options.expert_width,
+            options.ram_budget,
+            resident,
+        );
+        Ok(inkling)
+    }
+
+    /// Self-attention of layer `l` over `n` normalised rows, before the output convolution.
+    fn attention(&mut self, l: usize, h: &[f32], n: usize) -> Vec<f32> {
+        let d = self.config.hidden_size;
+        let attn = &self.layers[l].attention;
+        let state = &mut self.states[l];
+        let AttentionShape {
+            heads,
+            kv_heads,
+            head_dim: hd,
+            ..
+        } = attn.shape;
+        let d_rel = self.config.d_rel;
+        let mut q = vec![0f32; n * heads * hd];
+        let mut k = vec![0f32; n * kv_heads * hd];
+        let mut v = vec![0f32; n * kv_heads * hd];
+        let mut r = vec![0f32; n * heads * d_rel];
+        attn.q_proj.matmul(h, n, &mut q);
+        attn.k_proj.matmul(h, n, &mut k);
+        attn.v_proj.matmul(h, n, &mut v);
+        attn.r_proj.matmul(h, n, &mut r);
+        let mut k = with_residual(attn.k_conv.forward(&k, n, &mut state.k_conv), &k);
+        let v = with_residual(attn.v_conv.forward(&v, n, &mut state.v_conv), &v);
+        // The norm weights are one head wide, so each head is normalised on its own.
+        rms_norm_in_place(&mut q, &attn.q_norm, self.config.rms_norm_eps);
+        rms_norm_in_place(&mut k, &attn.k_norm, self.config.rms_norm_eps);
+
+        let start = state.kv.positions();
+        let tau: Vec<f32> = (0..n)
+            .map(|t| match (attn.window, self.config.log_floor()) {
+                (None, Some(floor)) => {
+                    log_length_scale(start + t, floor, self.config.log_scaling_alpha)
+                }
+                _ => 1.0,
+            })
+            .collect();
+        for (row, &scale) in q.chunks_exact_mut(heads * hd).zip(&tau) {
+            if scale != 1.0 {
+                row.iter_mut().for_each(|x| *x *= scale);
+            }
+        }
+        state.kv.push(&k, &v);
+        let bias = RelativeBias {
+            states: &r,
+            bank: &attn.rel_bank,
+            extent: attn.extent,
+            d_rel,
+            heads,
+            tau: &tau,
+        };
+        let mut context = vec![0f32; n * heads * hd];
+        windowed_attention(
+            attn.shape,
+            attn.window,
+            &q,
+            n,
+            &state.kv,
+            Some(&bias),
+            &mut context,
+        );
+        let mut out = vec![0f32; n * d];
+        attn.o_proj.matmul(&context, n, &mut out);
+        out
+    }
+
+    /// The MLP of layer `l` (dense or sparse) over `n` normalised rows, before the output
+    /// convolution.
+    fn mlp(&mut self, l: usize, h: &[f32], n: usize) -> Result<Vec<f32>> {
+        let d = self.config.hidden_size;
+        let moe = match &self.layers[l].mlp {
+            Mlp::Dense { mlp, global_scale } => {
+                let mut out = mlp.forward(h, n);
+                out.iter_mut().for_each(|x| *x *= global_scale);
+                return Ok(out);
+            }
+            Mlp::Sparse(moe) => moe,
+        };
+        let (n_experts, k) = (
+            self.config.n_routed_experts,
+            self.config.num_experts_per_tok,
+        );
+        let total = moe.router.rows();
+        let mut logits = vec![0f32; n * total];
+        moe.router.matmul(h, n, &mut logits);
+        let scale = (self.config.route_scale as f32) * moe.global_scale;
+        let (routes, gammas): (Vec<Route>, Vec<Vec<f32>>) = logits
+            .chunks_exact(total)
+            .map(|row| sink_route(row, n_experts, &moe.bias, k, scale))
+            .unzip();
+        let mut out = vec![0f32; n * d];
+        self.routed.run(l, h, &routes, d, &mut out)?;
+        let mut shared_sum = vec![0f32; n * d];
+        for (j, expert) in moe.shared.iter().enumerate() {
+            let y = expert.forward(h, n);
+            for ((sum, y), gamma) in shared_sum
+                .chunks_exact_mut(d)
+                .zip(y.chunks_exact(d))
+                .zip(&gammas)
+            {
+                for (s, &v) in sum.iter_mut().zip(y) {
+                    *s += v * gamma[j];
+                }
+            }
+        }
+        add(&mut out, &shared_sum);
+        Ok(out)
+    }
+}
+
+/// The router of a sparse layer for one row of logits (`routed` experts, then the shared
+/// ones): choose the top `k` routed experts by `sigmoid(logit) + bias`; weigh the chosen and
+/// every shared expert by its unbiased sigmoid, normalised over all of them together, times
+/// `scale`. Returns the routed choice and the shared experts' weights.
+fn sink_route(
+    logits: &[f32],
+    routed: usize,
+    bias: &[f32],
+    k: usize,
+    scale: f32,
+) -> (Route, Vec<f32>) {
+    let sigmoid = |x: f32| 1.0 / (1.0 + (-x).exp());
+    let scores: Vec<f32> = logits.iter().map(|&x| sigmoid(x)).collect();
+    let ids = biased_top_k(&scores[..routed], bias, k, 1, 1);
+    let total: f32 =
+        ids.iter().map(|&e| scores[e]).sum::<f32>() + scores[routed..].iter().sum::<f32>();
+    let weight = |score: f32| score / total * scale;
+    let route = ids.into_iter().map(|e| (e, weight(scores[e]))).collect();
+    let shared = scores[routed..].iter().map(|&s| weight(s)).collect();
+    (route, shared)
+}
+
+/// `tau = 1 + alpha * ln(max((position + 1) / floor, 1))`, in f32 as the reference computes it.
+fn log_length_scale(position: usize, floor: f64, alpha: f64) -> f32 {
+    let ratio = ((position + 1) as f32 / floor as f32).max(1.0);
+    1.0 + alpha as f32 * ratio.ln()
+}
+
+/// The learned relative position bias of one attention call: row `t`, head `h` mixes the
+/// bank's distance profiles with its relative state `r[t, h, :]`; zero at or beyond the
+/// extent; scaled by the row's log-length factor like the query.
+struct RelativeBias<'a> {
+    states: &'a [f32],
+    bank: &'a [f32],
+    extent: usize,
+    d_rel: usize,
+    heads: usize,
+    tau: &'a [f32],
+}
+
+impl DistanceBias for RelativeBias<'_> {
+    fn fill(&self, token: usize, head: usize, out: &mut [f32]) {
+        let state = &self.states[(token * self.heads + head) * self.d_rel..][..self.d_rel];
+        let tau = self.tau[token];
+        for (distance, b) in out.iter_mut().enumerate() {
+            *b = if distance < self.extent {
+                let mix: f32 = state
+                    .iter()
+                    .enumerate()
+                    .map(|(j, &s)| s * self.bank[j * self.extent + distance])
+                    .sum();
+                mix * tau
+            } else {
+                0.0
+            };
+        }
+    }
+}
+
+/// A scalar parameter (`global_scale`, stored as `[1]`); 1 when the checkpoint has none,
+/// as transformers initialises it.
+fn scalar(snapshot: &Snapshot, name: &str) -> Result<f32> {
+    if !snapshot.contains(name) {
+        return Ok(1.0);
+    }
+    let mut view = snapshot.tensor(name)?;
+    if view.numel() != 1 {
+        bail!(
+            "{}: tensor {name} has shape {:?}, expected a scalar",
+            view.file.display(),
+            view.shape
+        );
+    }
+    view.shape = vec![1];
+    Ok(load_vector(&view, 1)?[0])
+}
+
+/// The short convolutions keep the residual inside: `conv(x) + x`.
+fn with_residual(mut conv: Vec<f32>, input: &[f32]) -> Vec<f32> {
+    add(&mut conv, input);
+    conv
+}
+
+fn add(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+impl Engine for Inkling {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.config.logit_count()
+    }
+
+    fn position(&self) -> usize {
+        self.states.first().map_or(0, |s| s.kv.positions())
+    }
+
+    fn forward(&mut self, tokens: &[u32], all_positions: bool) -> Result<Vec<f32>> {
+        let (n, d, rows) = (
+            tokens.len(),
+            self.config.hidden_size,
+            self.config.vocab_size,
+        );
+        if n == 0 {
+            bail!("forward needs at least one token");
+        }
+        let eps = self.config.rms_norm_eps;
+        let mut x = vec![0f32; n * d];
+        for (row, &token) in x.chunks_exact_mut(d).zip(tokens) {
+            if token as usize >= rows {
+                bail!("token id {token} is outside the vocabulary (vocab_size {rows})");
+            }
+            self.embed.row_into(token as usize, row);
+        }
+        rms_norm_in_place(&mut x, &self.embed_norm, eps);
+        let mut h = vec![0f32; n * d];
+        for l in 0..self.layers.len() {
+            rms_norm(&x, &self.layers[l].input_norm, eps, &mut h);
+            let attention = self.attention(l, &h, n);
+            let layer = &self.layers[l];
+            let conv = layer
+                .attn_conv
+                .forward(&attention, n, &mut self.states[l].attn_conv);
+            add(&mut x, &with_residual(conv, &attention));
+            rms_norm(&x, &self.layers[l].post_attention_norm, eps, &mut h);
+            let mlp = self.mlp(l, &h, n)?;
+            let conv = self.layers[l]
+                .mlp_conv
+                .forward(&mlp, n, &mut self.states[l].mlp_conv);
+            add(&mut x, &with_residual(conv, &mlp));
+        }
+        let last = if all_positions {
+            &x[..]
+        } else {
+            &x[(n - 1) * d..]
+        };
+        let m = last.len() / d;
+        let mut normed = vec![0f32; m * d];
+        rms_norm(last, &self.final_norm, eps, &mut normed);
+        let multiplier = self.config.logits_mup_width_multiplier as f32;
+        normed.iter_mut().for_each(|v| *v /= multiplier);
+        let mut logits = vec![0f32; m * rows];
+        self.lm_head.matmul(&normed, m, &mut logits);
+        let kept = self.config.logit_count();
+        if kept == rows {
+            return Ok(logits);
+        }
+        Ok(logits
+            .chunks_exact(rows)
+            .flat_map(|row| &row[..kept])
+            .copied()
+            .collect())
+    }
+
+    fn reset(&mut self) {
+        for state in &mut self.states {
+            state.kv.clear();
+            state.k_conv.clear();
+            state.v_conv.clear();
+            state.attn_conv.clear();
+            state.mlp_conv.clear();
+        }
+    }
+
+    fn routed(&self) -> &RoutedExperts {
+        &self.routed
+    }
+
+    fn routed_mut(&mut self) -> &mut RoutedExperts {
+        &mut self.routed
+    }
+
+    fn resident_bytes(&self) -> usize {
+        let floats = |v: &[f32]| 4 * v.len();
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|layer| {
+                let a = &layer.attention;
+                let attention = [&a.q_proj, &a.k_proj, &a.v_proj, &a.r_proj, &a.o_proj]
+                    .iter()
+                    .map(|m| m.size_bytes())
+                    .sum::<usize>()
+                    + floats(&a.q_norm)
+                    + floats(&a.k_norm)
+                    + floats(&a.rel_bank)
+                    + a.k_conv.size_bytes()
+                    + a.v_conv.size_bytes();
+                let mlp = match &layer.mlp {
+                    Mlp::Dense { mlp, .. } => mlp.size_bytes(),
+                    Mlp::Sparse(moe) => {
+                        moe.router.size_bytes()
+                            + floats(&moe.bias)
+                            + moe.shared.iter().map(SwigluMlp::size_bytes).sum::<usize>()
+                    }
+                };
+                attention
+                    + mlp
+                    + floats(&layer.input_norm)
+                    + floats(&layer.post_attention_norm)
+                    + layer.attn_conv.size_bytes()
+                    + layer.mlp_conv.size_bytes()
+            })
+            .sum();
+        layers
+            + self.embed.size_bytes()
+            + self.lm_head.size_bytes()
+            + floats(&self.embed_norm)
+            + floats(&self.final_norm)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(json: serde_json::Value) -> Config {
+        serde_json::from_value(json).unwrap()
+    }
+
+    #[test]
+    fn layer_kinds_follow_the_reference_rules() {
+        let defaults = config(serde_json::json!({"num_hidden_layers": 12, "dense_mlp_idx": 2}));
+        let kinds = defaults.layer_kinds().unwrap();
+        let global: Vec<usize> = (0..12).filter(|&i| !kinds[i].sliding).collect();
+        assert_eq!(global, vec![5, 11]);
+        assert!(!kinds[0].sparse && !kinds[1].sparse && kinds[2].sparse);
+
+        let listed = config(serde_json::json!({
+            "num_hidden_layers": 3,
+            "local_layer_ids": [0, 2],
+            "layer_types": ["hybrid", "hybrid_sliding", "hybrid"],
+            "mlp_layer_types": ["sparse", "dense", "sparse"],
+            "dense_mlp_idx": 3
+        }));
+        let kinds = listed.layer_kinds().unwrap();
+        assert_eq!(
+            kinds
+                .iter()
+                .map(|k| (k.sliding, k.sparse))
+                .collect::<Vec<_>>(),
+            vec![(false, true), (true, false), (false, true)]
+        );
+
+        let local = config(serde_json::json!({"num_hidden_layers": 3, "local_layer_ids": [1]}));
+        let kinds = local.layer_kinds().unwrap();
+        assert_eq!(
+            kinds.iter().map(|k| k.sliding).collect::<Vec<_>>(),
+            vec![false, true, false]
+        );
+        assert!(kinds.iter().all(|k| k.sparse));
+
+        let wrong = config(
+            serde_json::json!({"num_hidden_layers": 2, "layer_types": ["hybrid", "full_attention"]}),
+        );
+        assert!(wrong
+            .layer_kinds()
+            .unwrap_err()
+            .to_string()
+            .contains("full_attention"));
+    }
+
+    #[test]
+    fn intermediate_sizes_follow_the_schema() {
+        let release = config(
+            serde_json::json!({"intermediate_size": 3072, "dense_intermediate_size": 24576}),
+        );
+        assert_eq!(release.intermediate_sizes(), (24576, 3072));
+        let saved =
+            config(serde_json::json!({"intermediate_size": 96, "moe_intermediate_size": 16}));
+        assert_eq!(saved.intermediate_sizes(), (96, 16));
+        assert_eq!(
+            config(serde_json::json!({})).intermediate_sizes(),
+            (24576, 3072)
+        );
+    }
+
+    #[test]
+    fn aliases_kernel_and_vocabulary() {
+        let c = config(serde_json::json!({
+            "sconv_kernel_size": 3,
+            "sliding_window": 7,
+            "num_local_experts": 9,
+            "vocab_size": 256,
+            "unpadded_vocab_size": 250,
+            "log_scaling_n_floor": 0
+        }));
+        assert_eq!(c.conv_kernel().unwrap(), 3);
+        assert_eq!((c.sliding_window_size, c.n_routed_experts), (7, 9));
+        assert_eq!(c.logit_count(), 250);
+        assert_eq!(c.log_floor(), None);
+        assert_eq!(config(serde_json::json!({})).conv_kernel().unwrap(), 4);
+        let clash = config(serde_json::json!({"conv_kernel_size": 4, "sconv_kernel_size": 3}));
+        assert!(clash.conv_kernel().is_err());
+        let null = config(serde_json::json!({"unpadded_vocab_size": null, "vocab_size": 64}));
+        assert_eq!(null.logit_count(), 64);
+    }
+
+    #[test]
+    fn tensor_name_variants() {
+        let find = |present: &[&str]| {
+            let present: Vec<String> = present.iter().map(|s| s.to_string()).collect();
+            Names::find(move |name| present.iter().any(|p| p == name))
+        };
+        let v5 = find(&[
+            "model.embed_tokens.weight",
+            "model.embed_tokens.embed_norm.weight",
+        ])
+        .unwrap();
+        assert_eq!(
+            (v5.prefix, v5.embed_norm.as_str()),
+            ("model.", "model.embed_tokens.embed_norm.weight")
+        );
+        let legacy = find(&["model.embed_tokens.weight", "model.embed_norm.weight"]).unwrap();
+        assert_eq!(legacy.embed_norm, "model.embed_norm.weight");
+        let mm = find(&[
+            "model.language_model.embed_tokens.weight",
+            "model.language_model.embed_norm.weight",
+        ])
+        .unwrap();
+        assert_eq!(mm.prefix, "model.language_model.");
+        assert_eq!(mm.embed_norm, "model.language_model.embed_norm.weight");
+        let missing = find(&["model.embed_tokens.weight"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            missing.contains("model.embed_tokens.embed_norm.weight")
+                && missing.contains("model.embed_norm.weight")
+        );
+    }
+
+    #[test]
+    fn shared_experts_share_the_normalisation() {
+        // Routed logits 2, 0, -1 with bias favouring expert 2; one shared expert at logit 1.
+        let logits = [2.0f32, 0.0, -1.0, 1.0];
+        let (route, shared) = sink_route(&logits, 3, &[0.0, 0.0, 0.5], 2, 3.0);
+        let s = |x: f32| 1.0 / (1.0 + (-x).exp());
+        let total = s(2.0) + s(-1.0) + s(1.0);
+        assert_eq!(route.iter().map(|r| r.0).collect::<Vec<_>>(), vec![0, 2]);
+        assert!((route[0].1 - 3.0 * s(2.0) / total).abs() < 1e-6);
+        assert!((route[1].1 - 3.0 * s(-1.0) / total).abs() < 1e-6);
+        assert!((shared[0] - 3.0 * s(1.0) / total).abs() < 1e-6);
+    }
+
+    #[test]
+    fn log_length_scale_starts_at_the_floor() {
+        assert_eq!(log_length_scale(0, 8.0, 0.1), 1.0);
+        assert_eq!(log_length_scale(7, 8.0, 0.1), 1.0);
+        assert!((log_length_scale(15, 8.0, 0.1) - (1.0 + 0.1 * 2f32.ln())).abs() < 1e-6);
+    }
+}

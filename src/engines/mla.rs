@@ -1,0 +1,342 @@
+//! Multi-head latent attention (MLA, DeepSeek-V2 style): the keys and values of every head
+//! are decompressed from one normalised latent per position, plus one rotary key that all
+//! heads share. The cache ([`LatentCache`]) keeps only those two vectors per position.
+//!
+//! Two ways to attend compute the same function:
+//! - [`attend_plain`] expands the cached latents with `kv_b` into per-head keys and values
+//!   and attends as usual: cheap per query when many queries share the expansion (prefill,
+//!   teacher forcing), and the form transformers computes;
+//! - [`attend_absorbed`] folds `kv_b` into the query (`q_nope · W_k`, a latent-space query)
+//!   and into the output (`W_v · Σ a_t latent_t`), so the cache is never expanded: the
+//!   decode path.
+//!
+//! Both read the positions a [`Keys`] names, so a sparse selection (DSA) plugs into either.
+
+use rayon::prelude::*;
+
+use super::layers::softmax;
+use crate::quant::Matrix;
+
+/// Sizes of one MLA layer. A query head is `[nope | rope]` wide; `kv_b` maps a latent to
+/// `heads x [nope key | v value]`.
+#[derive(Debug, Clone, Copy)]
+pub struct MlaShape {
+    pub heads: usize,
+    pub nope: usize,
+    pub rope: usize,
+    pub v: usize,
+    pub kv_lora: usize,
+    /// Softmax scale, `1/sqrt(nope + rope)`.
+    pub scale: f32,
+}
+
+impl MlaShape {
+    /// Width of one query head.
+    pub fn qk(&self) -> usize {
+        self.nope + self.rope
+    }
+
+    /// Rows of `kv_b` per head: its key part, then its value part.
+    fn kv_rows(&self) -> usize {
+        self.nope + self.v
+    }
+}
+
+/// The compressed KV cache of one MLA layer: per position the normalised latent
+/// (`kv_lora`) and the rotated shared key (`rope`).
+pub struct LatentCache {
+    kv_lora: usize,
+    rope: usize,
+    latents: Vec<f32>,
+    rope_keys: Vec<f32>,
+}
+
+impl LatentCache {
+    pub fn new(kv_lora: usize, rope: usize) -> LatentCache {
+        LatentCache {
+            kv_lora,
+            rope,
+            latents: Vec::new(),
+            rope_keys: Vec::new(),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.latents.len() / self.kv_lora
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.latents.is_empty()
+    }
+
+    pub fn clear(&mut self) {
+        self.truncate(0);
+    }
+
+    /// Keep the first `len` positions.
+    pub fn truncate(&mut self, len: usize) {
+        self.latents.truncate(len * self.kv_lora);
+        self.rope_keys.truncate(len * self.rope);
+    }
+
+    /// Append rows: `latents` is `n x kv_lora`, `rope_keys` is `n x rope`.
+    pub fn push(&mut self, latents: &[f32], rope_keys: &[f32]) {
+        self.latents.extend_from_slice(latents);
+        self.rope_keys.extend_from_slice(rope_keys);
+    }
+
+    fn latent(&self, pos: usize) -> &[f32] {
+        &self.latents[pos * self.kv_lora..][..self.kv_lora]
+    }
+
+    fn rope_key(&self, pos: usize) -> &[f32] {
+        &self.rope_keys[pos * self.rope..][..self.rope]
+    }
+}
+
+/// The cached positions each query row reads.
+pub enum Keys<'a> {
+    /// Every position up to and including the row's own.
+    Causal,
+    /// One ascending list per query row (a sparse selection; each list ends at or before
+    /// the row's own position).
+    Selected(&'a [Vec<usize>]),
+}
+
+/// The `n` query rows are the last `n` positions of `cache`.
+fn positions<'a>(keys: &'a Keys, every: &'a [usize], first: usize, row: usize) -> &'a [usize] {
+    match keys {
+        Keys::Causal => &every[..first + row + 1],
+        Keys::Selected(rows) => &rows[row],
+    }
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// Attention of `n` query rows (`n x heads*(nope+rope)`, rope part already rotated) against
+/// `cache`, whose last `n` positions are theirs, by expanding every cached latent with
+/// `kv_b`. Writes `n x heads*v` into `out`.
+pub fn attend_plain(
+    shape: MlaShape,
+    kv_b: &Matrix,
+    queries: &[f32],
+    n: usize,
+    cache: &LatentCache,
+    keys: &Keys,
+    out: &mut [f32],
+) {
+    let MlaShape {
+        heads,
+        nope,
+        v,
+        scale,
+        ..
+    } = shape;
+    let (qk, rows) = (shape.qk(), shape.kv_rows());
+    let total = cache.len();
+    let first = total - n;
+    let width = heads * rows;
+    let mut expanded = vec![0f32; total * width];
+    kv_b.matmul(&cache.latents, total, &mut expanded);
+    let every: Vec<usize> = (0..total).collect();
+    out.par_chunks_mut(v).enumerate().for_each(|(index, out)| {
+        let (row, head) = (index / heads, index % heads);
+        let query = &queries[(row * heads + head) * qk..][..qk];
+        let (q_nope, q_rope) = query.split_at(nope);
+        let seen = positions(keys, &every, first, row);
+        let mut scores: Vec<f32> = seen
+            .iter()
+            .map(|&pos| {
+                let key = &expanded[pos * width + head * rows..][..nope];
+                (dot(q_nope, key) + dot(q_rope, cache.rope_key(pos))) * scale
+            })
+            .collect();
+        softmax(&mut scores);
+        out.fill(0.0);
+        for (&pos, &p) in seen.iter().zip(&scores) {
+            let value = &expanded[pos * width + head * rows + nope..][..v];
+            for (y, &x) in out.iter_mut().zip(value) {
+                *y += p * x;
+            }
+        }
+    });
+}
+
+/// The same attention as [`attend_plain`] without expanding the cache: per head the query
+/// becomes `W_k^T q_nope` in latent space, scores are `(q_lat · latent_t + q_rope · rope_t)
+/// * scale`, and the output is `W_v (Σ a_t latent_t)`.
+pub fn attend_absorbed(
+    shape: MlaShape,
+    kv_b: &Matrix,
+    queries: &[f32],
+    n: usize,
+    cache: &LatentCache,
+    keys: &Keys,
+    out: &mut [f32],
+) {
+    let MlaShape {
+        heads,
+        nope,
+        v,
+        kv_lora,
+        scale,
+        ..
+    } = shape;
+    let (qk, rows) = (shape.qk(), shape.kv_rows());
+    let first = cache.len() - n;
+    let every: Vec<usize> = (0..cache.len()).collect();
+    out.par_chunks_mut(v).enumerate().for_each(|(index, out)| {
+        let (row, head) = (index / heads, index % heads);
+        let query = &queries[(row * heads + head) * qk..][..qk];
+        let (q_nope, q_rope) = query.split_at(nope);
+        let mut q_latent = vec![0f32; kv_lora];
+        let mut w_row = vec![0f32; kv_lora];
+        for (d, &q) in q_nope.iter().enumerate() {
+            kv_b.row_into(head * rows + d, &mut w_row);
+            for (acc, &w) in q_latent.iter_mut().zip(&w_row) {
+                *acc += q * w;
+            }
+        }
+        let seen = positions(keys, &every, first, row);
+        let mut scores: Vec<f32> = seen
+            .iter()
+            .map(|&pos| {
+                (dot(&q_latent, cache.latent(pos)) + dot(q_rope, cache.rope_key(pos))) * scale
+            })
+            .collect();
+        softmax(&mut scores);
+        let mut context = vec![0f32; kv_lora];
+        for (&pos, &p) in seen.iter().zip(&scores) {
+            for (c, &l) in context.iter_mut().zip(cache.latent(pos)) {
+                *c += p * l;
+            }
+        }
+        for (j, y) in out.iter_mut().enumerate() {
+            *y = kv_b.row_dot(head * rows + nope + j, &context);
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::Width;
+
+    /// A deterministic pseudo-random vector in [-1, 1).
+    fn noise(len: usize, seed: u32) -> Vec<f32> {
+        let mut state = seed.wrapping_mul(2_654_435_761).wrapping_add(12345);
+        (0..len)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 17;
+                state ^= state << 5;
+                (state % 20000) as f32 / 10000.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn setup() -> (MlaShape, Matrix, LatentCache, Vec<f32>) {
+        let shape = MlaShape {
+            heads: 3,
+            nope: 4,
+            rope: 2,
+            v: 5,
+            kv_lora: 6,
+            scale: 0.4,
+        };
+        let kv_b = Matrix::from_f32(
+            shape.heads * shape.kv_rows(),
+            shape.kv_lora,
+            noise(shape.heads * shape.kv_rows() * shape.kv_lora, 1),
+            Width::F32,
+        );
+        let mut cache = LatentCache::new(shape.kv_lora, shape.rope);
+        let positions = 7;
+        cache.push(
+            &noise(positions * shape.kv_lora, 2),
+            &noise(positions * shape.rope, 3),
+        );
+        let queries = noise(2 * shape.heads * shape.qk(), 4);
+        (shape, kv_b, cache, queries)
+    }
+
+    #[test]
+    fn absorbed_equals_plain() {
+        let (shape, kv_b, cache, queries) = setup();
+        let selected = vec![vec![0, 2, 5], vec![1, 3, 4, 6]];
+        for keys in [Keys::Causal, Keys::Selected(&selected)] {
+            let mut plain = vec![0f32; 2 * shape.heads * shape.v];
+            let mut absorbed = plain.clone();
+            attend_plain(shape, &kv_b, &queries, 2, &cache, &keys, &mut plain);
+            attend_absorbed(shape, &kv_b, &queries, 2, &cache, &keys, &mut absorbed);
+            for (a, b) in plain.iter().zip(&absorbed) {
+                assert!((a - b).abs() < 1e-5, "{plain:?} vs {absorbed:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn selecting_every_position_is_causal_attention_bit_for_bit() {
+        let (shape, kv_b, cache, queries) = setup();
+        let every = vec![(0..6).collect::<Vec<_>>(), (0..7).collect()];
+        for attend in [attend_plain, attend_absorbed] {
+            let mut causal = vec![0f32; 2 * shape.heads * shape.v];
+            let mut selected = causal.clone();
+            attend(
+                shape,
+                &kv_b,
+                &queries,
+                2,
+                &cache,
+                &Keys::Causal,
+                &mut causal,
+            );
+            attend(
+                shape,
+                &kv_b,
+                &queries,
+                2,
+                &cache,
+                &Keys::Selected(&every),
+                &mut selected,
+            );
+            assert_eq!(causal, selected);
+        }
+    }
+
+    #[test]
+    fn one_key_reads_its_value() {
+        // With a single visible position the softmax is 1 and the output is that position's
+        // value: kv_b's value rows times the latent.
+        let (shape, kv_b, cache, queries) = setup();
+        let only = vec![vec![3], vec![3]];
+        let mut out = vec![0f32; 2 * shape.heads * shape.v];
+        attend_plain(
+            shape,
+            &kv_b,
+            &queries,
+            2,
+            &cache,
+            &Keys::Selected(&only),
+            &mut out,
+        );
+        for head in 0..shape.heads {
+            for j in 0..shape.v {
+                let want = kv_b.row_dot(head * shape.kv_rows() + shape.nope + j, cache.latent(3));
+                assert!((out[head * shape.v + j] - want).abs() < 1e-6);
+            }
+        }
+    }
+
+    #[test]
+    fn truncate_forgets_positions() {
+        let (_, _, mut cache, _) = setup();
+        cache.truncate(4);
+        assert_eq!(cache.len(), 4);
+        assert_eq!(cache.rope_key(3).len(), 2);
+        cache.clear();
+        assert!(cache.is_empty());
+    }
+}

@@ -1,0 +1,385 @@
+//! Which format a stored weight is in: the names colibri's containers use, the inference
+//! from byte counts (a pre-quantised weight `name` carries no format field, only its byte
+//! count and the count of its scales), and the `colibri.fmt` container stamp that may
+//! confirm it.
+//!
+//! A quantised weight `W[O, I]` is `name` (raw U8/I8 bytes, usually a flat 1-D array) plus
+//! a scale tensor: `name.qs` (F32) in colibri's containers, `name_scale_inv` (F32 per
+//! 128x128 block) beside an F8_E4M3 weight in published FP8 checkpoints, or
+//! `*.weight_scale` (E8M0 bytes) beside a compressed-tensors `*.weight_packed` MXFP4 weight.
+//! The snapshot attaches that tensor to the view as `scales`; this module decides what the
+//! pair means for the shape the engine expects.
+
+use std::collections::HashMap;
+use std::fmt;
+
+use anyhow::{bail, Context, Result};
+
+use crate::snapshot::{Dtype, TensorView};
+
+/// Group sizes an int4-grouped weight may use, tried from the smallest; not stored in the
+/// container, found from the scale count.
+pub const INT4_GROUP_SIZES: [usize; 8] = [16, 32, 48, 64, 96, 128, 192, 256];
+
+/// The group size `coli convert` and `EBITS`/`DBITS = 4` use.
+pub const DEFAULT_INT4_GROUP: usize = 64;
+
+/// A weight format, named as colibri's `FORMATS.md` and `colibri.fmt` stamps name them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    F32,
+    Bf16,
+    F16,
+    /// `name` O·I int8 bytes, `name.qs` O f32 scales.
+    Int8Row,
+    /// `name` O·⌈I/2⌉ nibble bytes, `name.qs` O f32 scales.
+    Int4Row,
+    /// `name` O·⌈I/2⌉ nibble bytes, `name.qs` O·⌈I/group⌉ f32 scales.
+    Int4Grouped { group: usize },
+    /// `name` O·I E4M3 bytes, scales ⌈O/128⌉·⌈I/128⌉ f32, one per 128x128 block.
+    Fp8E4m3B128,
+    /// `name` O·⌈I/2⌉ e2m1 nibble bytes, scales O·⌈I/32⌉ E8M0 bytes.
+    Mxfp4,
+    /// Recognised so that a refusal can name it; no kernel.
+    Int2Row,
+    /// Recognised so that a refusal can name it; no kernel.
+    Int3G64,
+    /// Recognised so that a refusal can name it; no kernel.
+    E8Iq3Lattice,
+}
+
+impl Format {
+    /// The name in `colibri.fmt` stamps and in messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Format::F32 => "f32",
+            Format::Bf16 => "bf16",
+            Format::F16 => "f16",
+            Format::Int8Row => "int8-row",
+            Format::Int4Row => "int4-row",
+            Format::Int4Grouped { .. } => "int4-grouped",
+            Format::Fp8E4m3B128 => "fp8-e4m3-b128",
+            Format::Mxfp4 => "mxfp4",
+            Format::Int2Row => "int2-row",
+            Format::Int3G64 => "int3-g64",
+            Format::E8Iq3Lattice => "e8-iq3-lattice",
+        }
+    }
+
+    /// Whether coli computes with this format.
+    pub fn supported(self) -> bool {
+        !matches!(
+            self,
+            Format::Int2Row | Format::Int3G64 | Format::E8Iq3Lattice
+        )
+    }
+
+    pub fn is_float(self) -> bool {
+        matches!(self, Format::F32 | Format::Bf16 | Format::F16)
+    }
+
+    /// Whether a stamp naming `name` describes this format. A float tensor stamped `f32`
+    /// agrees whatever its float dtype: colibri reads every float tensor as f32.
+    fn answers_to(self, name: &str) -> bool {
+        name == self.name() || (self.is_float() && name == "f32")
+    }
+}
+
+impl fmt::Display for Format {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Format::Int4Grouped { group } => write!(f, "int4-grouped (gs{group})"),
+            other => f.write_str(other.name()),
+        }
+    }
+}
+
+/// Every name a stamp may use.
+const KNOWN_NAMES: &[&str] = &[
+    "f32",
+    "bf16",
+    "f16",
+    "int8-row",
+    "int4-row",
+    "int2-row",
+    "int4-grouped",
+    "int3-g64",
+    "e8-iq3-lattice",
+    "mxfp4",
+    "fp8-e4m3-b128",
+    "int4-rans256-g0",
+];
+
+/// The stamp of one shard: `__metadata__["colibri.fmt"]`, a JSON-encoded object of tensor
+/// name to format name. Refused when it is not that.
+pub fn parse_stamp(text: &str) -> Result<HashMap<String, String>> {
+    let value: serde_json::Value = serde_json::from_str(text)
+        .context("colibri.fmt is not JSON; expected an object of tensor name to format name")?;
+    let Some(object) = value.as_object() else {
+        bail!("colibri.fmt is not a JSON object; expected an object of tensor name to format name");
+    };
+    object
+        .iter()
+        .map(|(tensor, format)| match format.as_str() {
+            Some(format) => Ok((tensor.clone(), format.to_string())),
+            None => bail!(
+                "colibri.fmt entry {tensor:?} is {format}, not a format name string"
+            ),
+        })
+        .collect()
+}
+
+/// Merge one shard's stamp into the snapshot's: agreeing duplicates collapse, conflicting
+/// claims for one tensor are refused.
+pub fn merge_stamp(
+    into: &mut HashMap<String, String>,
+    shard: &std::path::Path,
+    text: &str,
+) -> Result<()> {
+    let stamp = parse_stamp(text)
+        .with_context(|| format!("{}: malformed container stamp", shard.display()))?;
+    for (tensor, format) in stamp {
+        match into.get(&tensor) {
+            Some(previous) if *previous != format => bail!(
+                "{}: container stamp says tensor {tensor} is {format}, another shard's stamp says {previous}",
+                shard.display()
+            ),
+            Some(_) => {}
+            None => {
+                into.insert(tensor, format);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The stored byte counts of a view, for inference and messages.
+struct Counts {
+    weight_bytes: usize,
+    scale_dtype: Dtype,
+    scale_bytes: usize,
+}
+
+/// The format of `view` read as a `[rows, cols]` matrix: the float dtype when it has no
+/// scale tensor, else the byte-count inference, checked against the container stamp.
+pub fn infer(view: &TensorView, rows: usize, cols: usize) -> Result<Format> {
+    let format = match &view.scales {
+        None => float_format(view, rows, cols)?,
+        Some(scales) => {
+            let counts = Counts {
+                weight_bytes: view.bytes.len(),
+                scale_dtype: scales.dtype,
+                scale_bytes: scales.bytes.len(),
+            };
+            quantised_format(view, &counts, rows, cols)?
+        }
+    };
+    if let Some(stamp) = &view.stamp {
+        if !format.answers_to(stamp) {
+            bail!(
+                "{}: tensor {}: the container stamp says {stamp}, its byte counts say {format} for shape [{rows}, {cols}]; refusing a container that disagrees with itself",
+                view.file.display(),
+                view.name
+            );
+        }
+    }
+    if !format.supported() {
+        bail!(
+            "{}: tensor {} is {format} (colibri's format of that name); coli computes with f32, bf16, f16, int8-row, int4-row, int4-grouped, fp8-e4m3-b128 and mxfp4 only; re-convert it with `coli convert`",
+            view.file.display(),
+            view.name
+        );
+    }
+    Ok(format)
+}
+
+fn float_format(view: &TensorView, rows: usize, cols: usize) -> Result<Format> {
+    let (format, size) = match view.dtype {
+        Dtype::F32 => (Format::F32, 4),
+        Dtype::BF16 => (Format::Bf16, 2),
+        Dtype::F16 => (Format::F16, 2),
+        Dtype::U8 | Dtype::I8 => bail!(
+            "{}: tensor {} holds {} raw {:?} bytes but has no {}.qs scale tensor; a quantised weight needs its scales",
+            view.file.display(),
+            view.name,
+            view.bytes.len(),
+            view.dtype,
+            view.name
+        ),
+        Dtype::F8_E4M3 => bail!(
+            "{}: tensor {} is F8_E4M3 but has no {}_scale_inv block-scale tensor",
+            view.file.display(),
+            view.name,
+            view.name
+        ),
+        other => bail!(
+            "{}: tensor {} has dtype {other:?}; expected F32, BF16 or F16, or quantised bytes with a scale tensor",
+            view.file.display(),
+            view.name
+        ),
+    };
+    if view.bytes.len() != rows * cols * size {
+        bail!(
+            "{}: tensor {} has {} bytes of {:?}, expected {rows}x{cols}x{size} = {} for shape [{rows}, {cols}]",
+            view.file.display(),
+            view.name,
+            view.bytes.len(),
+            view.dtype,
+            rows * cols * size
+        );
+    }
+    Ok(format)
+}
+
+/// The formats whose byte arithmetic matches, in colibri's order of precedence: the row
+/// formats (int8, int4, int2, int3), then the grouped and block formats.
+fn candidates(counts: &Counts, rows: usize, cols: usize) -> Vec<Format> {
+    let (nb, o, i) = (counts.weight_bytes, rows, cols);
+    let mut found = Vec::new();
+    match counts.scale_dtype {
+        Dtype::F32 if counts.scale_bytes % 4 == 0 => {
+            let ns = counts.scale_bytes / 4;
+            let nibbles = o * i.div_ceil(2);
+            if nb == o * i && ns == o {
+                found.push(Format::Int8Row);
+            }
+            if nb == nibbles && ns == o {
+                found.push(Format::Int4Row);
+            }
+            if nb == o * i.div_ceil(4) && ns == o {
+                found.push(Format::Int2Row);
+            }
+            if nb == o * i.div_ceil(64) * 24 && ns == o * i.div_ceil(64) {
+                found.push(Format::Int3G64);
+            }
+            if nb == nibbles && ns != o {
+                if let Some(&group) = INT4_GROUP_SIZES
+                    .iter()
+                    .find(|&&gs| ns == o * i.div_ceil(gs))
+                {
+                    found.push(Format::Int4Grouped { group });
+                }
+            }
+            if nb == o * i && ns == o.div_ceil(128) * i.div_ceil(128) {
+                found.push(Format::Fp8E4m3B128);
+            }
+            if nb == o * i.div_ceil(256) * 98 && ns == 1 {
+                found.push(Format::E8Iq3Lattice);
+            }
+        }
+        Dtype::U8 | Dtype::F8_E8M0
+            if nb == o * i.div_ceil(2) && counts.scale_bytes == o * i.div_ceil(32) =>
+        {
+            found.push(Format::Mxfp4);
+        }
+        _ => {}
+    }
+    found
+}
+
+fn quantised_format(view: &TensorView, counts: &Counts, rows: usize, cols: usize) -> Result<Format> {
+    let scales_name = view.scales.as_ref().map_or("", |s| s.name.as_str());
+    let mut found = candidates(counts, rows, cols);
+    if found.is_empty()
+        && counts.scale_dtype == Dtype::F8_E8M0
+        && counts.weight_bytes == rows * cols
+        && counts.scale_bytes == rows.div_ceil(128) * cols.div_ceil(128)
+    {
+        bail!(
+            "{}: tensor {} has UE8M0 block scales ({scales_name}); recognised but not supported: coli reads FP8 with f32 block scales",
+            view.file.display(),
+            view.name
+        );
+    }
+    match view.dtype {
+        // The dtype itself says FP8; only the block layout can match.
+        Dtype::F8_E4M3 => found.retain(|f| *f == Format::Fp8E4m3B128),
+        Dtype::U8 | Dtype::I8 => {}
+        other => bail!(
+            "{}: tensor {} has dtype {other:?} beside the scale tensor {scales_name}; a quantised weight is U8, I8 or F8_E4M3",
+            view.file.display(),
+            view.name
+        ),
+    }
+    if found.is_empty() {
+        bail!(
+            "{}: tensor {}: {} weight bytes ({:?}) and {} scale bytes ({:?}, {scales_name}) match no known format for shape [{rows}, {cols}] (int8-row: {} + {}; int4-row: {} + {}; int4-grouped gs64: {} + {}; fp8-e4m3-b128: {} + {}; mxfp4: {} + {} E8M0); untrusted container",
+            view.file.display(),
+            view.name,
+            counts.weight_bytes,
+            view.dtype,
+            counts.scale_bytes,
+            counts.scale_dtype,
+            rows * cols,
+            rows * 4,
+            rows * cols.div_ceil(2),
+            rows * 4,
+            rows * cols.div_ceil(2),
+            rows * cols.div_ceil(64) * 4,
+            rows * cols,
+            rows.div_ceil(128) * cols.div_ceil(128) * 4,
+            rows * cols.div_ceil(2),
+            rows * cols.div_ceil(32),
+        );
+    }
+    if let Some(stamp) = &view.stamp {
+        if !KNOWN_NAMES.contains(&stamp.as_str()) {
+            bail!(
+                "{}: tensor {}: the container stamp names an unknown format {stamp:?}; its byte counts say {}",
+                view.file.display(),
+                view.name,
+                found[0]
+            );
+        }
+        // The stamp picks among the formats the bytes allow; a disagreement is refused by
+        // the caller.
+        return Ok(found
+            .iter()
+            .copied()
+            .find(|f| f.answers_to(stamp))
+            .unwrap_or(found[0]));
+    }
+    if found.contains(&Format::E8Iq3Lattice) && found.contains(&Format::Fp8E4m3B128) {
+        bail!(
+            "{}: tensor {} is ambiguous: {} weight bytes and {} scales fit both e8-iq3-lattice and fp8-e4m3-b128 for shape [{rows}, {cols}], and no colibri.fmt stamp says which",
+            view.file.display(),
+            view.name,
+            counts.weight_bytes,
+            counts.scale_bytes / 4
+        );
+    }
+    // Unstamped int8-row vs fp8-e4m3-b128 (ceil(O/128)·ceil(I/128) == O) resolves to
+    // int8-row, the first candidate, as colibri resolves it.
+    Ok(found[0])
+}
+
+/// `view` checked to hold a `shape` weight: a float tensor must have exactly that shape; a
+/// quantised one (any stored shape, colibri writes flat arrays) must have byte counts that
+/// fit a format for `[product of leading dims, last dim]`. The returned view carries
+/// `shape` as its shape.
+pub fn shaped(view: TensorView, shape: &[usize]) -> Result<TensorView> {
+    if view.scales.is_none() {
+        if view.shape != shape {
+            bail!(
+                "{}: tensor {} has shape {:?}, expected {:?} from config.json",
+                view.file.display(),
+                view.name,
+                view.shape,
+                shape
+            );
+        }
+        return Ok(view);
+    }
+    let Some((&cols, leading)) = shape.split_last() else {
+        bail!(
+            "{}: tensor {} is quantised but a scalar was expected",
+            view.file.display(),
+            view.name
+        );
+    };
+    infer(&view, leading.iter().product(), cols)?;
+    Ok(TensorView {
+        shape: shape.to_vec(),
+        ..view
+    })
+}

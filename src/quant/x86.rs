@@ -1,0 +1,173 @@
+//! The AVX2 + FMA + F16C instantiation of the kernels: one `__m256` is the eight lanes, and
+//! each format decodes eight elements with a few integer instructions. Entered only after
+//! runtime detection ([`super::kernels::Isa::detect`]).
+
+use std::arch::x86_64::*;
+
+use super::codec::E2M1_DOUBLED;
+use super::kernels::{
+    Bf16Codes, Block, Decode, E2m1Codes, E4m3Codes, F16Codes, F32Codes, I8Codes, Int4Codes, Lanes,
+    View,
+};
+
+#[derive(Clone, Copy)]
+pub struct Avx2(__m256);
+
+impl Lanes for Avx2 {
+    #[inline(always)]
+    unsafe fn zero() -> Self {
+        Avx2(_mm256_setzero_ps())
+    }
+    #[inline(always)]
+    unsafe fn splat(value: f32) -> Self {
+        Avx2(_mm256_set1_ps(value))
+    }
+    #[inline(always)]
+    unsafe fn load(ptr: *const f32) -> Self {
+        Avx2(_mm256_loadu_ps(ptr))
+    }
+    #[inline(always)]
+    unsafe fn store(self, ptr: *mut f32) {
+        _mm256_storeu_ps(ptr, self.0)
+    }
+    #[inline(always)]
+    unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
+        Avx2(_mm256_fmadd_ps(a.0, b.0, c.0))
+    }
+    #[inline(always)]
+    unsafe fn sum(self) -> f32 {
+        // (l0+l4, l1+l5, l2+l6, l3+l7), then pairs two apart, then the last two.
+        let halves = _mm_add_ps(_mm256_castps256_ps128(self.0), _mm256_extractf128_ps(self.0, 1));
+        let pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
+        _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)))
+    }
+}
+
+impl Decode<Avx2> for F32Codes {
+    #[inline(always)]
+    unsafe fn chunk(row: &[f32], c: usize) -> Avx2 {
+        Avx2(_mm256_loadu_ps(row.as_ptr().add(c * 8)))
+    }
+}
+
+impl Decode<Avx2> for Bf16Codes {
+    #[inline(always)]
+    unsafe fn chunk(row: &[u16], c: usize) -> Avx2 {
+        let bits = _mm_loadu_si128(row.as_ptr().add(c * 8) as *const __m128i);
+        Avx2(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16)))
+    }
+}
+
+impl Decode<Avx2> for F16Codes {
+    #[inline(always)]
+    unsafe fn chunk(row: &[u16], c: usize) -> Avx2 {
+        Avx2(_mm256_cvtph_ps(_mm_loadu_si128(
+            row.as_ptr().add(c * 8) as *const __m128i
+        )))
+    }
+}
+
+impl Decode<Avx2> for I8Codes {
+    #[inline(always)]
+    unsafe fn chunk(row: &[i8], c: usize) -> Avx2 {
+        let bytes = _mm_loadl_epi64(row.as_ptr().add(c * 8) as *const __m128i);
+        Avx2(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)))
+    }
+}
+
+impl Decode<Avx2> for Int4Codes {
+    #[inline(always)]
+    unsafe fn chunk(row: &[u8], c: usize) -> Avx2 {
+        // Four bytes hold eight nibbles, element 2k low in byte k: shift each lane's copy
+        // by 4 * lane and keep the low nibble.
+        let word = std::ptr::read_unaligned(row.as_ptr().add(c * 4) as *const i32);
+        let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+        let nibbles = _mm256_and_si256(
+            _mm256_srlv_epi32(_mm256_set1_epi32(word), shifts),
+            _mm256_set1_epi32(0x0F),
+        );
+        Avx2(_mm256_cvtepi32_ps(_mm256_sub_epi32(
+            nibbles,
+            _mm256_set1_epi32(8),
+        )))
+    }
+}
+
+impl Decode<Avx2> for E4m3Codes {
+    #[inline(always)]
+    unsafe fn chunk(row: &[u8], c: usize) -> Avx2 {
+        // The seven magnitude bits shifted into an f32's exponent and mantissa give the
+        // value times 2^-120 (subnormals included); scale back, add the sign, and turn the
+        // NaN code 0x7F into a NaN.
+        let bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+            row.as_ptr().add(c * 8) as *const __m128i
+        ));
+        let magnitude = _mm256_and_si256(bytes, _mm256_set1_epi32(0x7F));
+        let value = _mm256_mul_ps(
+            _mm256_castsi256_ps(_mm256_slli_epi32(magnitude, 20)),
+            _mm256_set1_ps(f32::from_bits(0x7B80_0000)),
+        );
+        let sign = _mm256_slli_epi32(_mm256_and_si256(bytes, _mm256_set1_epi32(0x80)), 24);
+        let nan = _mm256_and_si256(
+            _mm256_cmpeq_epi32(magnitude, _mm256_set1_epi32(0x7F)),
+            _mm256_set1_epi32(0x7FC0_0000),
+        );
+        Avx2(_mm256_or_ps(
+            value,
+            _mm256_castsi256_ps(_mm256_or_si256(sign, nan)),
+        ))
+    }
+}
+
+impl Decode<Avx2> for E2m1Codes {
+    #[inline(always)]
+    unsafe fn chunk(row: &[u8], c: usize) -> Avx2 {
+        let word = std::ptr::read_unaligned(row.as_ptr().add(c * 4) as *const i32);
+        let bytes = _mm_cvtsi32_si128(word);
+        let low = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
+        let high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
+        let codes = _mm_unpacklo_epi8(low, high);
+        let table = _mm_loadu_si128(E2M1_DOUBLED.as_ptr() as *const __m128i);
+        let values = _mm_shuffle_epi8(table, codes);
+        Avx2(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(values)))
+    }
+}
+
+pub(super) struct Avx2Block<'a, D: Decode<Avx2>>(pub View<'a, D::Elem>);
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows<D: Decode<Avx2>>(view: &View<'_, D::Elem>, first: usize, x: &[f32], out: &mut [f32]) {
+    super::kernels::rows_into::<Avx2, D>(view.data, view.cols, view.scaling, first, x, out)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn batched<D: Decode<Avx2>>(
+    view: &View<'_, D::Elem>,
+    first: usize,
+    count: usize,
+    input: &[f32],
+    n: usize,
+    out: &mut [f32],
+) {
+    super::kernels::rows_batched::<Avx2, D>(
+        view.data,
+        view.cols,
+        view.scaling,
+        first,
+        count,
+        input,
+        n,
+        out,
+    )
+}
+
+impl<D: Decode<Avx2>> Block for Avx2Block<'_, D> {
+    fn rows(&self, first: usize, x: &[f32], out: &mut [f32]) {
+        // SAFETY: an Avx2Block is built only when `Isa::detect` found AVX2, FMA and F16C.
+        unsafe { rows::<D>(&self.0, first, x, out) }
+    }
+    fn batched(&self, first: usize, count: usize, input: &[f32], n: usize, out: &mut [f32]) {
+        // SAFETY: as above.
+        unsafe { batched::<D>(&self.0, first, count, input, n, out) }
+    }
+}

@@ -1,0 +1,95 @@
+//! The expert store on a real snapshot: LRU eviction order and the hit/miss/byte counters.
+
+mod common;
+
+use coli::experts::{ExpertStore, ExpertTensors};
+use coli::quant::Width;
+use coli::snapshot::Snapshot;
+
+fn store(capacity: usize) -> (ExpertStore, usize) {
+    let snapshot = Snapshot::open(&common::fixture("olmoe_tiny")).unwrap();
+    let experts: Vec<ExpertTensors> = (0..8)
+        .map(|e| {
+            let p = format!("model.layers.0.mlp.experts.{e}");
+            ExpertTensors {
+                gate: snapshot.tensor(&format!("{p}.gate_proj.weight")).unwrap(),
+                up: snapshot.tensor(&format!("{p}.up_proj.weight")).unwrap(),
+                down: snapshot.tensor(&format!("{p}.down_proj.weight")).unwrap(),
+            }
+            .checked(64, 32)
+            .unwrap()
+        })
+        .collect();
+    // Three f32 matrices of 32 x 64 per expert.
+    (
+        ExpertStore::new(vec![experts], capacity, Width::F32),
+        3 * 32 * 64 * 4,
+    )
+}
+
+fn touch(store: &mut ExpertStore, expert: usize) -> f32 {
+    store
+        .with_expert(0, expert, |weights| weights.gate.cols() as f32)
+        .unwrap()
+}
+
+#[test]
+fn least_recently_used_slot_is_evicted() {
+    let (mut store, expert_bytes) = store(2);
+    for expert in [0, 1, 0, 2] {
+        touch(&mut store, expert);
+    }
+    // 0 miss, 1 miss, 0 hit, 2 miss evicting 1 (0 was used more recently).
+    let stats = store.stats();
+    assert_eq!((stats.lru_hits, stats.misses), (1, 3));
+    touch(&mut store, 0);
+    assert_eq!(store.stats().lru_hits, 2, "0 survived the eviction");
+    touch(&mut store, 1);
+    assert_eq!(store.stats().misses, 4, "1 was evicted");
+    touch(&mut store, 2);
+    assert_eq!(store.stats().misses, 5, "2 was evicted by 1 (0 was newer)");
+    assert_eq!(store.stats().bytes_loaded, 5 * expert_bytes as u64);
+    assert_eq!(store.stats().pin_hits, 0);
+}
+
+#[test]
+fn one_slot_still_serves_every_expert() {
+    let (mut store, _) = store(1);
+    for expert in 0..8 {
+        assert_eq!(touch(&mut store, expert), 64.0);
+    }
+    assert_eq!(store.stats().misses, 8);
+    touch(&mut store, 7);
+    assert_eq!(store.stats().lru_hits, 1);
+}
+
+#[test]
+fn a_missing_expert_is_an_error_not_a_panic() {
+    let (mut store, _) = store(2);
+    let err = store.with_expert(0, 8, |_| ()).unwrap_err();
+    assert!(err
+        .to_string()
+        .contains("expert 8 of MoE layer 0 does not exist"));
+}
+
+#[test]
+fn pinned_experts_are_never_evicted_and_count_as_pin_hits() {
+    let (mut store, expert_bytes) = store(1);
+    assert_eq!(store.pin(0, 3).unwrap(), expert_bytes);
+    assert!(store.is_pinned(0, 3));
+    for expert in [3, 0, 1, 3, 2, 3] {
+        touch(&mut store, expert);
+    }
+    let stats = store.stats();
+    assert_eq!((stats.pin_hits, stats.lru_hits, stats.misses), (3, 0, 3));
+    // Pinning an expert that sits in the LRU moves it without a reload.
+    let loaded = store.stats().bytes_loaded;
+    store.pin(0, 2).unwrap();
+    assert_eq!(store.stats().bytes_loaded, loaded);
+    assert!(store.unpin(0, 3));
+    assert!(!store.is_pinned(0, 3));
+    touch(&mut store, 3);
+    assert_eq!(store.stats().lru_hits, 1, "an unpinned expert stays cached");
+    assert!(store.pin(0, 9).is_err());
+    assert!(store.pin(5, 0).is_err());
+}

@@ -1,0 +1,310 @@
+//! Inkling against the transformers reference on the committed fixtures: teacher-forced and
+//! greedy, exact, at one slot, two slots and every expert per layer; decode one token at a
+//! time and in uneven chunks far past the sliding window (KV ring and convolution states
+//! carried across calls); the routing telemetry of every sparse layer and none of the dense
+//! ones; an IKU1 history read into the engine's table and rewritten as text.
+//!
+//! `inkling_tiny` is saved by transformers as `inkling_text`; `inkling_tiny_b` uses the
+//! release's multimodal schema (`inkling_mm_model` + `text_config`, `dense_intermediate_size`,
+//! `local_layer_ids`, `dense_mlp_idx`, `sconv_kernel_size`) and the older tensor names
+//! (`model.language_model.*`, `embed_norm` outside the embedding).
+
+mod common;
+
+use std::collections::BTreeSet;
+
+use coli::engines::{self, Engine, LoadOptions};
+use coli::generate::argmax;
+use coli::route_trace::{ReadOutcome, SaveOptions};
+use coli::snapshot::Snapshot;
+use common::{coli, copy_fixture, fixture, stderr, stdout};
+
+struct Fixture {
+    name: &'static str,
+    layers: usize,
+    experts: usize,
+    top_k: usize,
+    window: usize,
+    sparse: std::ops::Range<usize>,
+}
+
+const FIXTURES: &[Fixture] = &[
+    Fixture {
+        name: "inkling_tiny",
+        layers: 7,
+        experts: 8,
+        top_k: 2,
+        window: 8,
+        sparse: 1..7,
+    },
+    Fixture {
+        name: "inkling_tiny_b",
+        layers: 6,
+        experts: 12,
+        top_k: 3,
+        window: 6,
+        sparse: 2..6,
+    },
+];
+
+struct Reference {
+    prompt: usize,
+    full_ids: Vec<u32>,
+    tf_pred: Vec<u32>,
+}
+
+fn reference(name: &str) -> Reference {
+    let text = std::fs::read_to_string(fixture(name).join("ref.json")).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let ids = |key: &str| -> Vec<u32> {
+        json[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect()
+    };
+    Reference {
+        prompt: json["prompt_ids"].as_array().unwrap().len(),
+        full_ids: ids("full_ids"),
+        tf_pred: ids("tf_pred"),
+    }
+}
+
+fn load(name: &str, cap: usize) -> Box<dyn Engine> {
+    let snapshot = Snapshot::open(&fixture(name)).unwrap();
+    let options = LoadOptions::exact(cap);
+    engines::load("inkling", &snapshot, options).unwrap()
+}
+
+#[test]
+fn teacher_forced_is_exact_at_every_cache_size() {
+    for f in FIXTURES {
+        let full = reference(f.name).full_ids.len();
+        let snap = format!("SNAP={}", fixture(f.name).display());
+        for cap in [1, 2, f.experts] {
+            let cap = cap.to_string();
+            let args = [
+                "--model",
+                "inkling",
+                &snap,
+                "TF=1",
+                "ORACLE_STRICT=1",
+                &cap,
+                "16",
+                "16",
+            ];
+            let out = coli(&args, &[]);
+            let text = stdout(&out);
+            assert!(
+                out.status.success(),
+                "{} cap {cap}: {text}{}",
+                f.name,
+                stderr(&out)
+            );
+            assert!(
+                text.contains(&format!(
+                    "PREFILL (teacher-forcing) vs oracle: {full}/{full} positions"
+                )),
+                "{} cap {cap}: {text}",
+                f.name
+            );
+        }
+    }
+}
+
+#[test]
+fn greedy_is_exact_at_every_cache_size() {
+    for f in FIXTURES {
+        let r = reference(f.name);
+        let generated = r.full_ids.len() - r.prompt;
+        let snap = format!("SNAP={}", fixture(f.name).display());
+        for cap in [1, 2, f.experts] {
+            let cap = cap.to_string();
+            // No --model: the engine comes from model_type (inkling_text / inkling_mm_model).
+            let out = coli(&[&snap, "ORACLE_STRICT=1", &cap, "16", "16"], &[]);
+            let text = stdout(&out);
+            assert!(
+                out.status.success(),
+                "{} cap {cap}: {text}{}",
+                f.name,
+                stderr(&out)
+            );
+            assert!(text.contains("== coli inkling |"), "{text}");
+            assert!(
+                text.contains(&format!("Matching tokens: {generated}/{generated}")),
+                "{} cap {cap}: {text}",
+                f.name
+            );
+        }
+    }
+}
+
+#[test]
+fn decode_token_by_token_slides_the_window() {
+    for f in FIXTURES {
+        let r = reference(f.name);
+        assert!(
+            r.full_ids.len() > 3 * f.window,
+            "{}: the window must slide",
+            f.name
+        );
+        let mut engine = load(f.name, 1);
+        engine.reset();
+        for (position, &token) in r.full_ids.iter().enumerate() {
+            assert_eq!(engine.position(), position);
+            let logits = engine.forward(&[token], false).unwrap();
+            assert_eq!(logits.len(), engine.vocab_size());
+            assert_eq!(
+                argmax(&logits),
+                r.tf_pred[position],
+                "{} position {position}",
+                f.name
+            );
+        }
+        // A reset starts over from an empty window and zero convolution states.
+        engine.reset();
+        let logits = engine.forward(&r.full_ids, true).unwrap();
+        let vocab = engine.vocab_size();
+        let predicted: Vec<u32> = logits.chunks_exact(vocab).map(argmax).collect();
+        assert_eq!(predicted, r.tf_pred, "{}", f.name);
+    }
+}
+
+#[test]
+fn uneven_chunks_continue_the_window_and_convolutions() {
+    for f in FIXTURES {
+        let r = reference(f.name);
+        let mut engine = load(f.name, 2);
+        let vocab = engine.vocab_size();
+        let mut predicted = Vec::new();
+        let mut start = 0;
+        // Chunks shorter than, equal to and longer than the window, and single tokens.
+        for size in [5, 1, f.window, 2, f.window + 3, 1, 1, 4].iter().cycle() {
+            if start == r.full_ids.len() {
+                break;
+            }
+            let end = (start + size).min(r.full_ids.len());
+            let logits = engine.forward(&r.full_ids[start..end], true).unwrap();
+            predicted.extend(logits.chunks_exact(vocab).map(argmax));
+            start = end;
+        }
+        assert_eq!(predicted, r.tf_pred, "{}", f.name);
+    }
+}
+
+#[test]
+fn route_trace_covers_every_sparse_layer_and_no_dense_one() {
+    for f in FIXTURES {
+        let r = reference(f.name);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("trace.txt");
+        let mut engine = load(f.name, f.experts);
+        engine.telemetry().open_trace(&path).unwrap();
+        engine.forward(&r.full_ids, true).unwrap();
+        engine.telemetry().flush_trace().unwrap();
+
+        let text = std::fs::read_to_string(&path).unwrap();
+        let mut layers = BTreeSet::new();
+        let mut lines = 0;
+        for line in text.lines() {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            layers.insert(fields[2].parse::<usize>().unwrap());
+            let choices = &fields[3..];
+            assert_eq!(choices.len(), f.top_k, "{line}");
+            for choice in choices {
+                let (id, gate) = choice.split_once(':').unwrap();
+                assert!(id.parse::<usize>().unwrap() < f.experts, "{line}");
+                assert!(gate.parse::<f32>().unwrap() > 0.0, "{line}");
+            }
+            lines += 1;
+        }
+        assert_eq!(
+            layers,
+            f.sparse.clone().collect::<BTreeSet<_>>(),
+            "{}",
+            f.name
+        );
+        assert_eq!(lines, f.sparse.len() * r.full_ids.len(), "{}", f.name);
+
+        let counts = engine.telemetry().counts();
+        for l in 0..=f.layers {
+            assert_eq!(
+                counts.routes(l),
+                f.sparse.contains(&l),
+                "{} layer {l}",
+                f.name
+            );
+        }
+        let selections = (f.sparse.len() * r.full_ids.len() * f.top_k) as i64;
+        assert_eq!(counts.total(), selections, "{}", f.name);
+    }
+}
+
+#[test]
+fn iku1_history_is_read_and_rewritten_as_text() {
+    let f = &FIXTURES[0];
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(".coli_usage");
+    let mut bytes = b"IKU1".to_vec();
+    for word in [f.layers as u32, f.experts as u32] {
+        bytes.extend(word.to_le_bytes());
+    }
+    // colibri's Inkling counts only sparse layers: the dense layer's row is all zero.
+    let mut total = 0i64;
+    for l in 0..f.layers {
+        for e in 0..f.experts {
+            let count = if f.sparse.contains(&l) {
+                (l * 10 + e + 1) as u32
+            } else {
+                0
+            };
+            bytes.extend(count.to_le_bytes());
+            total += i64::from(count);
+        }
+    }
+    std::fs::write(&path, &bytes).unwrap();
+
+    let mut engine = load(f.name, f.experts);
+    let outcome = engine.telemetry().load_history(&path);
+    assert!(matches!(outcome, ReadOutcome::Read(_)), "{outcome:?}");
+    assert_eq!(outcome.total(), total);
+    assert_eq!(engine.telemetry().counts().total(), total);
+
+    engine
+        .telemetry()
+        .save_history(&path, SaveOptions::default())
+        .unwrap();
+    let rewritten = std::fs::read(&path).unwrap();
+    assert!(!rewritten.starts_with(b"IKU1"));
+    assert!(std::str::from_utf8(&rewritten).is_ok());
+    let mut again = load(f.name, f.experts);
+    assert_eq!(again.telemetry().load_history(&path).total(), total);
+}
+
+#[test]
+fn model_flag_and_config_errors_are_named() {
+    let snap = format!("SNAP={}", fixture("inkling_tiny").display());
+    let out = coli(&["--model", "olmoe", &snap, "64", "16", "16"], &[]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("model_type \"inkling_text\""),
+        "{}",
+        stderr(&out)
+    );
+
+    let dir = copy_fixture("inkling_tiny");
+    let config_path = dir.path().join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    config["layer_types"][2] = "full_attention".into();
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    let snap = format!("SNAP={}", dir.path().display());
+    let out = coli(&[&snap, "64", "16", "16"], &[]);
+    assert_eq!(out.status.code(), Some(2));
+    let message = stderr(&out);
+    assert!(
+        message.contains("layer_types") && message.contains("full_attention"),
+        "{message}"
+    );
+}

@@ -1,0 +1,308 @@
+//! Routing telemetry end to end through the binary on the OLMoE fixtures: the trace
+//! stream, histories that accumulate across runs, placement from a history, refusal of a
+//! foreign engine's history, and a save on Ctrl-C.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{coli, copy_fixture, stderr, stdout};
+
+const PROMPT: &str = "IDS=3 11 29 7 41 19";
+
+fn snap(dir: &Path) -> String {
+    format!("SNAP={}", dir.display())
+}
+
+/// The total of the `[USAGE] expert history: N selections` line, if printed.
+fn usage_total(text: &str) -> Option<u64> {
+    let rest = text.split("[USAGE] expert history: ").nth(1)?;
+    rest.split(' ').next()?.parse().ok()
+}
+
+fn stats_total(text: &str) -> Option<u64> {
+    let rest = text.split("[STATS] ").nth(1)?;
+    rest.split(' ').next()?.parse().ok()
+}
+
+fn generated_ids(text: &str) -> String {
+    text.lines()
+        .find(|line| !line.is_empty() && line.chars().all(|c| c.is_ascii_digit() || c == ' '))
+        .unwrap_or_default()
+        .to_string()
+}
+
+#[test]
+fn trace_has_one_line_per_layer_and_row_with_the_applied_gates() {
+    // olmoe_tiny_b renormalises its top-3 gates, so every line's gates sum to 1.
+    let dir = copy_fixture("olmoe_tiny_b");
+    let trace = dir.path().join("trace.txt");
+    let out = coli(
+        &[
+            &snap(dir.path()),
+            PROMPT,
+            "NGEN=5",
+            &format!("ROUTE_TRACE={}", trace.display()),
+            "64",
+            "16",
+            "16",
+        ],
+        &[],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stderr(&out).contains(&format!(
+        "[ROUTE_TRACE] logging routing to {}",
+        trace.display()
+    )));
+    let text = std::fs::read_to_string(&trace).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    // Prefill: 6 rows in each of 4 layers; then 4 decode forwards of one row each.
+    assert_eq!(lines.len(), 6 * 4 + 4 * 4);
+    let mut calls = std::collections::BTreeSet::new();
+    for line in &lines {
+        let fields: Vec<&str> = line.split(' ').collect();
+        assert_eq!(fields.len(), 3 + 3, "{line}");
+        calls.insert(fields[0].parse::<u64>().unwrap());
+        let layer: usize = fields[2].parse().unwrap();
+        assert!(layer < 4);
+        let gates: f64 = fields[3..]
+            .iter()
+            .map(|pair| {
+                let (id, gate) = pair.split_once(':').unwrap();
+                assert!(id.parse::<usize>().unwrap() < 12);
+                assert_eq!(gate.split('.').nth(1).map(str::len), Some(4), "{pair}");
+                gate.parse::<f64>().unwrap()
+            })
+            .sum();
+        assert!((gates - 1.0).abs() <= 3.0 * 0.00005 + 1e-9, "{line}");
+    }
+    // One call number per MoE-layer invocation: 4 layers x (1 prefill + 4 decode).
+    assert_eq!(calls.len(), 4 * 5);
+}
+
+#[test]
+fn histories_accumulate_across_generating_runs_but_not_oracle_runs() {
+    let dir = copy_fixture("olmoe_tiny");
+    let history = dir.path().join(".coli_usage");
+    let first = coli(
+        &[&snap(dir.path()), PROMPT, "NGEN=4", "64", "16", "16"],
+        &[],
+    );
+    assert!(first.status.success(), "{}", stderr(&first));
+    assert_eq!(usage_total(&stderr(&first)), None, "no history yet");
+    // 6 prompt rows + 3 decoded tokens, 3 layers, top-2.
+    let saved = stats_total(&stderr(&first)).expect("the save reports [STATS]");
+    assert_eq!(saved, 9 * 3 * 2);
+    let text = std::fs::read_to_string(&history).unwrap();
+    assert!(text.starts_with("-1 3 8\n-2 1 3841822045\n"), "{text}");
+
+    let second = coli(
+        &[&snap(dir.path()), PROMPT, "NGEN=4", "64", "16", "16"],
+        &[],
+    );
+    assert_eq!(usage_total(&stderr(&second)), Some(saved));
+    assert_eq!(stats_total(&stderr(&second)), Some(2 * saved));
+
+    // An oracle run reads the history but never folds its reference tokens into it.
+    let before = std::fs::read(&history).unwrap();
+    let oracle = coli(&[&snap(dir.path()), "TF=1", "64", "16", "16"], &[]);
+    assert!(oracle.status.success());
+    assert_eq!(usage_total(&stderr(&oracle)), Some(2 * saved));
+    assert_eq!(std::fs::read(&history).unwrap(), before);
+
+    // USAGE_SAVE=0 reads but does not write.
+    let readonly = coli(
+        &[
+            &snap(dir.path()),
+            PROMPT,
+            "NGEN=4",
+            "USAGE_SAVE=0",
+            "64",
+            "16",
+            "16",
+        ],
+        &[],
+    );
+    assert!(readonly.status.success());
+    assert_eq!(std::fs::read(&history).unwrap(), before);
+
+    // COLI_USAGE moves the history elsewhere.
+    let elsewhere = dir.path().join("elsewhere.usage");
+    let moved = coli(
+        &[&snap(dir.path()), PROMPT, "NGEN=4", "64", "16", "16"],
+        &[("COLI_USAGE", elsewhere.to_str().unwrap())],
+    );
+    assert!(moved.status.success());
+    assert_eq!(usage_total(&stderr(&moved)), None);
+    assert!(std::fs::metadata(&elsewhere).unwrap().len() > 0);
+    assert_eq!(std::fs::read(&history).unwrap(), before);
+}
+
+#[test]
+fn pinning_from_the_history_keeps_the_tokens_and_hits_the_pins() {
+    let dir = copy_fixture("olmoe_tiny");
+    let warm = coli(
+        &[&snap(dir.path()), PROMPT, "NGEN=12", "1", "16", "16"],
+        &[],
+    );
+    assert!(warm.status.success());
+    let baseline = generated_ids(&stdout(&warm));
+
+    let pinned = coli(
+        &[
+            &snap(dir.path()),
+            PROMPT,
+            "NGEN=12",
+            "PIN=auto",
+            "USAGE_SAVE=0",
+            "1",
+            "16",
+            "16",
+        ],
+        &[],
+    );
+    let err = stderr(&pinned);
+    assert!(pinned.status.success(), "{err}");
+    assert!(err.contains("[PIN] auto: seeding from"), "{err}");
+    assert!(err.contains("[PIN] placement: 0 VRAM + "), "{err}");
+    assert_eq!(generated_ids(&stdout(&pinned)), baseline);
+    let hit_line = stdout(&pinned)
+        .lines()
+        .find(|l| l.starts_with("Expert cache hit rate"))
+        .unwrap()
+        .to_string();
+    assert!(!hit_line.contains("(0 pin"), "{hit_line}");
+
+    // PIN=off pins nothing even with a history.
+    let off = coli(
+        &[
+            &snap(dir.path()),
+            PROMPT,
+            "NGEN=12",
+            "PIN=off",
+            "USAGE_SAVE=0",
+            "1",
+            "16",
+            "16",
+        ],
+        &[],
+    );
+    assert!(!stderr(&off).contains("[PIN] placement"));
+    assert!(stdout(&off).contains("(0 pin"));
+    assert_eq!(generated_ids(&stdout(&off)), baseline);
+}
+
+#[test]
+fn a_foreign_history_is_refused_by_name_and_honoured_when_named() {
+    let dir = copy_fixture("olmoe_tiny");
+    let history = dir.path().join(".coli_usage");
+    let foreign = "-1 3 8\n-2 1 3815245270\n0 1 5\n2 7 9\n";
+    std::fs::write(&history, foreign).unwrap();
+
+    let out = coli(&[&snap(dir.path()), PROMPT, "NGEN=3", "2", "16", "16"], &[]);
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("written by glm_moe_dsa, this engine is olmoe — refusing"),
+        "{err}"
+    );
+    // The refused file is untouched; this run's counts went next to it.
+    assert_eq!(std::fs::read_to_string(&history).unwrap(), foreign);
+    assert!(err.contains(".coli_usage.olmoe"), "{err}");
+
+    let named = coli(
+        &[
+            &snap(dir.path()),
+            PROMPT,
+            "NGEN=3",
+            &format!("PIN={}", history.display()),
+            "USAGE_SAVE=0",
+            "2",
+            "16",
+            "16",
+        ],
+        &[],
+    );
+    let err = stderr(&named);
+    assert!(named.status.success(), "{err}");
+    assert_eq!(
+        err.matches("honouring it because you named it explicitly")
+            .count(),
+        1,
+        "{err}"
+    );
+    assert!(
+        err.contains("[PIN] placement: 0 VRAM + 2 RAM expert"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read_to_string(&history).unwrap(), foreign);
+}
+
+#[test]
+fn bad_telemetry_settings_exit_2() {
+    let dir = copy_fixture("olmoe_tiny");
+    for (arg, needle) in [
+        ("PIN_GB=lots", "PIN_GB"),
+        ("COLI_USAGE_DECAY=2", "COLI_USAGE_DECAY"),
+        ("USAGE_SAVE=sometimes", "USAGE_SAVE"),
+        ("REPIN=-3", "REPIN"),
+    ] {
+        let out = coli(&[&snap(dir.path()), PROMPT, arg, "64", "16", "16"], &[]);
+        assert_eq!(out.status.code(), Some(2), "{arg}");
+        assert!(stderr(&out).contains(needle), "{arg}: {}", stderr(&out));
+    }
+    assert!(!dir.path().join(".coli_usage").exists());
+}
+
+#[test]
+fn ctrl_c_stops_generation_and_still_saves() {
+    let dir = copy_fixture("olmoe_tiny");
+    let trace = dir.path().join("trace.txt");
+    let child = Command::new(env!("CARGO_BIN_EXE_coli"))
+        .args([
+            &snap(dir.path()),
+            PROMPT,
+            "NGEN=1000000",
+            &format!("ROUTE_TRACE={}", trace.display()),
+            "64",
+            "16",
+            "16",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until decoding is under way (the trace grows), then interrupt.
+    let started = Instant::now();
+    while std::fs::metadata(&trace).map_or(0, |m| m.len()) == 0
+        && started.elapsed() < Duration::from_secs(60)
+    {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let status = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = child.wait_with_output().unwrap();
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    let saved = stats_total(&err).expect("the history is saved on Ctrl-C");
+    let history = std::fs::read_to_string(dir.path().join(".coli_usage")).unwrap();
+    let total: u64 = history
+        .lines()
+        .skip(2)
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap())
+        .sum();
+    assert_eq!(total, saved);
+    // Every traced routing decision is in the history: the trace was flushed too.
+    let traced: u64 = std::fs::read_to_string(&trace)
+        .unwrap()
+        .lines()
+        .map(|l| (l.split(' ').count() - 3) as u64)
+        .sum();
+    assert_eq!(traced, saved);
+}

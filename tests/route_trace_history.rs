@@ -1,0 +1,469 @@
+//! The `.coli_usage` reader and writer through the public API: colibri's own test cases
+//! (`rt_init("glm_moe_dsa", 5, 8)`), the refusal texts, IKU1, trust, decay, `USAGE_SAVE`,
+//! merge-on-save and the never-overwrite rule.
+
+mod route_trace_support;
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use coli::route_trace::history::{self, Layout, Trust};
+use coli::route_trace::save::{self, usage_save_enabled};
+use coli::route_trace::{
+    Counters, Decay, EngineId, ReadOutcome, Refusal, RouteTrace, SaveOptions, SaveOutcome,
+};
+use route_trace_support::every_record_has_three_fields;
+
+const ENGINE: &str = "glm_moe_dsa";
+
+fn glm() -> RouteTrace {
+    RouteTrace::new(ENGINE, 5, 8).expect("shape")
+}
+
+fn table() -> Counters {
+    Counters::new(5, 8).expect("shape")
+}
+
+fn id(name: &str) -> u32 {
+    EngineId::of(name).0
+}
+
+/// Reads `text` as a history of the 5x8 GLM test shape.
+fn parse_as(
+    engine: &str,
+    bytes: &[u8],
+    trust: Trust,
+) -> (Result<coli::route_trace::ReadReport, Refusal>, Counters) {
+    let mut t = table();
+    let r = history::parse(bytes, engine, trust, &mut t);
+    (r, t)
+}
+
+fn route(rt: &mut RouteTrace, layer: usize, ids: &[usize]) {
+    let gates = vec![1.0 / ids.len() as f32; ids.len()];
+    rt.moe_call(layer).route(0, ids, &gates);
+}
+
+fn dir() -> tempfile::TempDir {
+    tempfile::tempdir().expect("tempdir")
+}
+
+fn saved(o: SaveOutcome) -> (PathBuf, i64, u64) {
+    match o {
+        SaveOutcome::Saved {
+            path,
+            total,
+            distinct,
+            diverted: None,
+        } => (path, total, distinct),
+        other => panic!("expected a plain save, got {other:?}"),
+    }
+}
+
+#[test]
+fn empty_history_is_a_zero_byte_file() {
+    let d = dir();
+    let p = d.path().join(".coli_usage");
+    fs::write(&p, "-1 5 8\n-2 1 3815245270\n").expect("seed");
+    let mut rt = glm();
+    let (_, total, distinct) = saved(rt.save_history(&p, SaveOptions::default()).expect("save"));
+    assert_eq!((total, distinct), (0, 0));
+    assert_eq!(fs::metadata(&p).expect("meta").len(), 0);
+}
+
+#[test]
+fn header_sparse_data_and_round_trip() {
+    let d = dir();
+    let p = d.path().join(".coli_usage");
+    let mut rt = glm();
+    route(&mut rt, 3, &[2, 5, 7]);
+    route(&mut rt, 3, &[2]);
+    let (_, total, distinct) = saved(rt.save_history(&p, SaveOptions::default()).expect("save"));
+    assert_eq!((total, distinct), (4, 3));
+    let text = fs::read_to_string(&p).expect("read");
+    assert_eq!(text, "-1 5 8\n-2 1 3815245270\n3 2 2\n3 5 1\n3 7 1\n");
+    assert!(every_record_has_three_fields(text.as_bytes()));
+
+    let mut back = glm();
+    let outcome = back.load_history(&p);
+    assert_eq!(outcome.total(), 4);
+    assert_eq!(back.counts().get(3, 2), 2);
+    match outcome {
+        ReadOutcome::Read(r) => {
+            assert_eq!(r.layout, Layout::Text);
+            assert!(r.is_complete());
+            assert_eq!(r.admitted, 3);
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn legacy_headerless_and_crlf() {
+    let (r, _) = parse_as(ENGINE, b"3 2 2\n3 5 1\n3 7 1\n", Trust::Found);
+    let r = r.expect("legacy accepted");
+    assert_eq!((r.total, r.layout), (4, Layout::Legacy));
+    let crlf = format!("-1 5 8\r\n-2 1 {}\r\n3 2 2\r\n3 5 1\r\n", id(ENGINE));
+    let (r, t) = parse_as(ENGINE, crlf.as_bytes(), Trust::Found);
+    assert_eq!(r.expect("crlf").total, 3);
+    assert_eq!(t.get(3, 2), 2);
+}
+
+#[test]
+fn wrong_dimensions_refused_before_any_record() {
+    let p = Path::new("/m/.coli_usage");
+    let (r, t) = parse_as(ENGINE, b"-1 99 512\n3 2 2\n", Trust::Found);
+    let refusal = r.expect_err("refused");
+    assert_eq!(t.total(), 0);
+    assert_eq!(
+        refusal.message(p),
+        "[USAGE] /m/.coli_usage: history is 99 layers x 512 experts, this engine is 5 x 8 \u{2014} refusing rather than misreading it"
+    );
+    // Never relaxed by trust, and data before the header is not kept either.
+    let (r, t) = parse_as(ENGINE, b"3 2 6\n-1 99 512\n", Trust::Named);
+    assert!(matches!(r, Err(Refusal::Dimensions { .. })));
+    assert_eq!(t.total(), 0);
+}
+
+#[test]
+fn other_engine_refused_by_name() {
+    let p = Path::new("/m/.coli_usage");
+    let text = format!("-1 5 8\n-2 1 {}\n3 2 2\n", id("kimi_k3"));
+    let (r, t) = parse_as(ENGINE, text.as_bytes(), Trust::Found);
+    assert_eq!(
+        r.expect_err("refused").message(p),
+        "[USAGE] /m/.coli_usage: written by kimi_k3, this engine is glm_moe_dsa \u{2014} refusing (pass PIN=<path> to use it anyway)"
+    );
+    assert_eq!(t.total(), 0);
+    let text = "-1 5 8\n-2 1 12345\n3 2 2\n";
+    let (r, _) = parse_as(ENGINE, text.as_bytes(), Trust::Found);
+    assert_eq!(
+        r.expect_err("refused").message(p),
+        "[USAGE] /m/.coli_usage: written by an unknown engine, this engine is glm_moe_dsa \u{2014} refusing (pass PIN=<path> to use it anyway)"
+    );
+    assert_eq!(EngineId::of("deepseek_v4").name(), Some("deepseek_v4"));
+    assert_eq!(EngineId::of("qwen38").name(), Some("qwen38"));
+}
+
+#[test]
+fn trusted_read_honours_identity_only() {
+    let text = format!("-1 5 8\n-2 1 {}\n3 2 6\n", id("kimi_k3"));
+    let (r, _) = parse_as(ENGINE, text.as_bytes(), Trust::Found);
+    assert!(r.is_err());
+    for _ in 0..2 {
+        let (r, t) = parse_as(ENGINE, text.as_bytes(), Trust::Named);
+        let r = r.expect("honoured");
+        assert_eq!((r.total, r.admitted), (6, 1));
+        assert_eq!(r.overridden, Some("kimi_k3"));
+        assert_eq!(t.get(3, 2), 6);
+    }
+    let text = format!("-1 99 512\n-2 1 {}\n3 2 6\n", id(ENGINE));
+    let (r, t) = parse_as(ENGINE, text.as_bytes(), Trust::Named);
+    assert!(r.is_err());
+    assert_eq!(t.total(), 0);
+}
+
+#[test]
+fn future_version_refused_even_when_trusted() {
+    let p = Path::new("h");
+    let text = format!("-1 5 8\n-2 2 {}\n3 2 9\n", id(ENGINE));
+    for trust in [Trust::Found, Trust::Named] {
+        let (r, t) = parse_as(ENGINE, text.as_bytes(), trust);
+        assert_eq!(
+            r.expect_err("refused").message(p),
+            "[USAGE] h: format version 2, this build reads 1 \u{2014} refusing rather than misreading it"
+        );
+        assert_eq!(t.total(), 0);
+    }
+    // Versions up to ours, zero and negative included, are read.
+    for v in ["1", "0", "-7"] {
+        let text = format!("-1 5 8\n-2 {v} {}\n3 2 9\n", id(ENGINE));
+        assert_eq!(
+            parse_as(ENGINE, text.as_bytes(), Trust::Found)
+                .0
+                .expect("ok")
+                .total,
+            9
+        );
+    }
+}
+
+fn iku1(dims: (u32, u32), cells: &[(usize, usize, u32)]) -> Vec<u8> {
+    let mut words = vec![0x3155_4B49, dims.0, dims.1];
+    let mut body = vec![0u32; (dims.0 * dims.1) as usize];
+    for &(l, e, c) in cells {
+        body[l * dims.1 as usize + e] = c;
+    }
+    words.extend(body);
+    words.iter().flat_map(|w| w.to_le_bytes()).collect()
+}
+
+#[test]
+fn iku1_refused_by_other_engines() {
+    let p = Path::new("/m/.coli_usage");
+    let bytes = iku1((5, 8), &[]);
+    assert_eq!(&bytes[..4], b"IKU1");
+    let (r, _) = parse_as(ENGINE, &bytes, Trust::Found);
+    assert_eq!(
+        r.expect_err("refused").message(p),
+        "[USAGE] /m/.coli_usage: written by inkling, this engine is glm_moe_dsa \u{2014} refusing (pass PIN=<path> to use it anyway)"
+    );
+    let (r, t) = parse_as(ENGINE, &iku1((5, 8), &[(3, 2, 4)]), Trust::Named);
+    let r = r.expect("named");
+    assert_eq!((r.total, r.overridden), (4, Some("inkling")));
+    assert_eq!(t.get(3, 2), 4);
+}
+
+#[test]
+fn iku1_accepted_by_inkling() {
+    let bytes = iku1((5, 8), &[(3, 2, 7), (1, 5, 4)]);
+    let (r, t) = parse_as("inkling", &bytes, Trust::Found);
+    let r = r.expect("inkling reads its own file");
+    assert_eq!((r.total, r.layout, r.overridden), (11, Layout::Iku1, None));
+    assert!(r.is_complete());
+    assert_eq!((t.get(3, 2), t.get(1, 5), t.get(0, 0)), (7, 4, 0));
+}
+
+#[test]
+fn iku1_dimensions_never_relaxed_and_truncation_partial() {
+    let p = Path::new("x");
+    let (r, _) = parse_as("inkling", &iku1((6, 8), &[]), Trust::Named);
+    assert_eq!(
+        r.expect_err("dims").message(p),
+        "[USAGE] x: history is 6 layers x 8 experts, this engine is 5 x 8 \u{2014} refusing rather than misreading it"
+    );
+    let mut bytes = iku1((5, 8), &[(0, 1, 3), (4, 0, 9)]);
+    bytes.truncate(12 + 8 * 4 * 2 + 5);
+    let (r, t) = parse_as("inkling", &bytes, Trust::Found);
+    let r = r.expect("partial");
+    assert_eq!(r.total, 3);
+    assert_eq!(r.stopped_at, Some(12 + 8 * 4 * 2));
+    assert!(!r.is_complete());
+    assert_eq!(t.get(4, 0), 0);
+    let (r, _) = parse_as("inkling", b"IKU1\x05\0\0", Trust::Found);
+    assert_eq!(r.expect("short header").stopped_at, Some(4));
+}
+
+#[test]
+fn only_admitted_records_are_totalled() {
+    let (r, t) = parse_as(ENGINE, b"3 2 5\n9 1 100\n1 99 200\n", Trust::Found);
+    let r = r.expect("read");
+    assert_eq!((r.total, r.admitted, r.rejected), (5, 1, 2));
+    assert_eq!((t.get(3, 2), t.get(1, 7)), (5, 0));
+    assert!(!r.is_complete());
+}
+
+#[test]
+fn dropped_row_admits_nothing_and_is_not_written() {
+    let d = dir();
+    let p = d.path().join("h");
+    fs::write(&p, "2 3 50\n3 4 7\n").expect("seed");
+    let mut rt = glm();
+    rt.drop_row(2);
+    assert_eq!(rt.load_history(&p).total(), 7);
+    assert_eq!(rt.counts().get(3, 4), 7);
+    route(&mut rt, 2, &[3]);
+    assert_eq!(rt.counts().total(), 7);
+    route(&mut rt, 3, &[1]);
+    // The file held a record for the dropped row: it is not overwritten.
+    let out = rt.save_history(&p, SaveOptions::default()).expect("save");
+    let SaveOutcome::Saved { path, diverted, .. } = out else {
+        panic!("not saved")
+    };
+    assert_eq!(diverted.expect("diverted").from, p);
+    assert_eq!(fs::read_to_string(&p).expect("kept"), "2 3 50\n3 4 7\n");
+    let text = fs::read_to_string(&path).expect("sibling");
+    assert_eq!(path, d.path().join("h.glm_moe_dsa"));
+    assert!(!text.contains("\n2 3 "));
+    assert_eq!(text, "-1 5 8\n-2 1 3815245270\n3 1 1\n");
+}
+
+#[test]
+fn usage_save_zero_is_read_only() {
+    let d = dir();
+    let p = d.path().join("h");
+    let mut rt = glm();
+    route(&mut rt, 3, &[4]);
+    saved(rt.save_history(&p, SaveOptions::default()).expect("save"));
+    let before = fs::read(&p).expect("read");
+    route(&mut rt, 3, &[4, 5]);
+    let off = SaveOptions {
+        enabled: usage_save_enabled(Some("0")),
+        decay: Decay::new(0.5),
+    };
+    assert_eq!(
+        rt.save_history(&p, off).expect("skip"),
+        SaveOutcome::Skipped
+    );
+    assert_eq!(fs::read(&p).expect("read"), before);
+    assert_eq!(rt.counts().get(3, 4), 2, "a skipped save does not decay");
+    let on = SaveOptions {
+        enabled: usage_save_enabled(Some("1")),
+        decay: Decay::NONE,
+    };
+    saved(rt.save_history(&p, on).expect("save"));
+    assert_ne!(fs::read(&p).expect("read"), before);
+}
+
+#[test]
+fn decay_rounds_half_up_at_every_save() {
+    let d = dir();
+    let p = d.path().join("h");
+    fs::write(&p, format!("-1 5 8\n-2 1 {}\n1 0 1\n1 1 200\n", id(ENGINE))).expect("seed");
+    let mut rt = glm();
+    rt.load_history(&p);
+    let opts = SaveOptions {
+        enabled: true,
+        decay: Decay::from_setting(Some("0.99")),
+    };
+    saved(rt.save_history(&p, opts).expect("save"));
+    assert_eq!(
+        fs::read_to_string(&p).expect("read"),
+        format!("-1 5 8\n-2 1 {}\n1 0 1\n1 1 198\n", id(ENGINE))
+    );
+    assert_eq!(rt.counts().get(1, 1), 198);
+}
+
+#[test]
+fn repeated_saves_do_not_double_count_and_merge_foreign_progress() {
+    let d = dir();
+    let p = d.path().join("h");
+    let mut a = glm();
+    let mut b = glm();
+    route(&mut a, 1, &[1]);
+    route(&mut b, 1, &[2]);
+    saved(a.save_history(&p, SaveOptions::default()).expect("a"));
+    saved(a.save_history(&p, SaveOptions::default()).expect("a again"));
+    saved(b.save_history(&p, SaveOptions::default()).expect("b"));
+    route(&mut a, 1, &[1]);
+    let (_, total, _) = saved(a.save_history(&p, SaveOptions::default()).expect("a"));
+    assert_eq!(total, 3);
+    let mut t = table();
+    history::parse(&fs::read(&p).expect("read"), ENGINE, Trust::Found, &mut t).expect("ok");
+    assert_eq!((t.get(1, 1), t.get(1, 2)), (2, 1));
+}
+
+#[test]
+fn never_overwrites_a_refused_or_unparseable_history() {
+    let d = dir();
+    for (name, content) in [
+        (
+            "foreign",
+            format!("-1 5 8\n-2 1 {}\n3 2 6\n", id("kimi_k3")),
+        ),
+        ("garbage", "3 2 6\nnot a number\n".to_string()),
+        ("future", format!("-1 5 8\n-2 9 {}\n3 2 6\n", id(ENGINE))),
+        ("shape", "-1 6 8\n3 2 6\n".to_string()),
+        ("header", "-3 0 0\n3 2 6\n".to_string()),
+        ("wrapped", "3 2 -5\n".to_string()),
+    ] {
+        let p = d.path().join(name);
+        fs::write(&p, &content).expect("seed");
+        let mut rt = glm();
+        rt.load_history(&p);
+        route(&mut rt, 4, &[1]);
+        let out = rt.save_history(&p, SaveOptions::default()).expect("save");
+        let SaveOutcome::Saved {
+            path,
+            total,
+            diverted: Some(div),
+            ..
+        } = out
+        else {
+            panic!("{name}: expected a diverted save, got {out:?}")
+        };
+        assert_eq!(fs::read_to_string(&p).expect("kept"), content, "{name}");
+        assert_eq!(div.from, p);
+        assert_eq!(path, d.path().join(format!("{name}.glm_moe_dsa")));
+        assert_eq!(total, 1);
+        // The next save of the same run accumulates in the sibling without double counting.
+        route(&mut rt, 4, &[1]);
+        let out = rt.save_history(&p, SaveOptions::default()).expect("save");
+        assert!(
+            matches!(out, SaveOutcome::Saved { total: 2, .. }),
+            "{name}: {out:?}"
+        );
+    }
+}
+
+#[test]
+fn no_safe_target_is_an_error_and_touches_nothing() {
+    let d = dir();
+    let p = d.path().join("h");
+    let s = save::sibling_path(&p, ENGINE);
+    fs::write(&p, "junk").expect("seed");
+    fs::write(&s, "more junk").expect("seed");
+    let mut rt = glm();
+    route(&mut rt, 1, &[1]);
+    let err = rt
+        .save_history(&p, SaveOptions::default())
+        .expect_err("refused");
+    assert!(err.to_string().contains("counts not saved"), "{err}");
+    assert_eq!(fs::read_to_string(&p).expect("kept"), "junk");
+    assert_eq!(fs::read_to_string(&s).expect("kept"), "more junk");
+}
+
+#[test]
+fn legacy_and_iku1_histories_are_converted_on_save() {
+    let d = dir();
+    let p = d.path().join("h");
+    fs::write(&p, "3 2 2\n3 5 1\n").expect("seed");
+    let mut rt = glm();
+    rt.load_history(&p);
+    saved(rt.save_history(&p, SaveOptions::default()).expect("save"));
+    assert_eq!(
+        fs::read_to_string(&p).expect("read"),
+        format!("-1 5 8\n-2 1 {}\n3 2 2\n3 5 1\n", id(ENGINE))
+    );
+    fs::write(&p, iku1((5, 8), &[(1, 5, 4)])).expect("seed");
+    let mut rt = RouteTrace::new("inkling", 5, 8).expect("shape");
+    assert_eq!(rt.load_history(&p).total(), 4);
+    saved(rt.save_history(&p, SaveOptions::default()).expect("save"));
+    assert_eq!(
+        fs::read_to_string(&p).expect("read"),
+        format!("-1 5 8\n-2 1 {}\n1 5 4\n", id("inkling"))
+    );
+}
+
+#[test]
+fn stats_dump_writes_counters_as_they_are() {
+    let d = dir();
+    let p = d.path().join("stats.txt");
+    let mut rt = glm();
+    route(&mut rt, 0, &[0, 0, 7]);
+    assert_eq!(rt.dump_stats(&p).expect("dump"), (3, 2));
+    assert_eq!(
+        fs::read_to_string(&p).expect("read"),
+        format!("-1 5 8\n-2 1 {}\n0 0 2\n0 7 1\n", id(ENGINE))
+    );
+}
+
+#[test]
+fn missing_and_unreadable_histories() {
+    let d = dir();
+    let mut rt = glm();
+    assert!(matches!(
+        rt.load_history(&d.path().join("none")),
+        ReadOutcome::Missing
+    ));
+    let o = rt.load_history(d.path());
+    assert!(matches!(o, ReadOutcome::Unreadable(_)), "{o:?}");
+    assert!(!o.may_replace());
+}
+
+#[test]
+fn out_of_range_fields_are_skipped_not_wrapped() {
+    // glibc would read `-5` as 4294967291 and 4294967299 as layer 3; we admit neither.
+    let (r, t) = parse_as(ENGINE, b"3 2 -5\n4294967299 1 1\n3 1 1\n", Trust::Found);
+    let r = r.expect("read");
+    assert_eq!((r.malformed, r.rejected, r.total), (2, 0, 1));
+    assert_eq!(t.total(), 1);
+}
+
+#[test]
+fn header_after_data_is_still_checked() {
+    let text = format!("3 2 2\n-2 1 {}\n", id("olmoe"));
+    let (r, t) = parse_as(ENGINE, text.as_bytes(), Trust::Found);
+    assert!(r.is_err());
+    assert_eq!(t.total(), 0);
+}
