@@ -2,7 +2,7 @@
 //! read bandwidth. Decode reads every weight once per token, so bytes of weights (scales
 //! included) per second is the figure that matters; criterion reports it as throughput.
 //!
-//! Each case cycles through enough copies of the matrix to fill 512 MiB, so the weights
+//! Each case cycles through enough copies of the matrix to fill 256 MiB (eight times the last-level cache), so the weights
 //! come from memory and not from cache, as they do in decode.
 //!
 //! `cargo bench --bench matvec` (all), `cargo bench --bench matvec -- 'int8-row'` (one
@@ -19,7 +19,7 @@ use rayon::prelude::*;
 /// Kimi-style wide projection.
 const SHAPES: [(usize, usize); 3] = [(2048, 1024), (6144, 2048), (7168, 3584)];
 
-const WORKING_SET: usize = 512 << 20;
+const WORKING_SET: usize = 256 << 20;
 
 const FORMATS: [Format; 8] = [
     Format::F32,
@@ -109,7 +109,11 @@ fn batched(c: &mut Criterion) {
     let x: Vec<f32> = (0..n * cols).map(|i| (i % 7) as f32 * 0.1 - 0.3).collect();
     let mut y = vec![0f32; n * rows];
     let mut group = c.benchmark_group(format!("matmul {rows}x{cols} x{n} rows"));
-    for format in [Format::F32, Format::Int8Row, Format::Int4Grouped { group: 64 }] {
+    for format in [
+        Format::F32,
+        Format::Int8Row,
+        Format::Int4Grouped { group: 64 },
+    ] {
         let matrix = Matrix::from_f32_as(rows, cols, &weights(rows, cols, 0), format)
             .expect("every listed format encodes");
         group.throughput(Throughput::Elements((n * rows * cols) as u64));
@@ -122,9 +126,9 @@ fn batched(c: &mut Criterion) {
 
 fn config() -> Criterion {
     Criterion::default()
-        .sample_size(20)
-        .warm_up_time(Duration::from_secs(1))
-        .measurement_time(Duration::from_secs(3))
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2))
 }
 
 criterion_group! {

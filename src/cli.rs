@@ -43,6 +43,13 @@ pub enum Command {
     /// quantised container that every engine reads: int8 per row or int4 per group, norms,
     /// routers and biases kept f32. Resumable: rerun the same command after an interruption.
     Convert(ConvertArgs),
+    /// Inspect, merge and migrate `.coli_usage` expert-usage histories (no model loaded).
+    #[command(subcommand)]
+    Usage(crate::tools::UsageCommand),
+    /// Measure a ROUTE_TRACE stream, replay it through expert-cache policies, and draw
+    /// heat maps (no model loaded).
+    #[command(subcommand)]
+    Trace(crate::tools::TraceCommand),
 }
 
 #[derive(clap::Args, Debug)]
@@ -93,6 +100,14 @@ pub fn run(argv: impl IntoIterator<Item = OsString>) -> Result<ExitCode> {
         };
         let summary = crate::convert::convert(&args.src, &args.dst, &options)?;
         println!("{}", crate::convert::report(&summary, &args.dst));
+        return Ok(ExitCode::SUCCESS);
+    }
+    if let Some(Command::Usage(cmd)) = &cli.command {
+        crate::tools::run_usage(cmd)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    if let Some(Command::Trace(cmd)) = &cli.command {
+        crate::tools::run_trace(cmd)?;
         return Ok(ExitCode::SUCCESS);
     }
     if let Some(Command::Settings) = cli.command {

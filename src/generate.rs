@@ -1,6 +1,7 @@
 //! The prefill/decode loop: the prompt in one batched forward, then one token at a time,
-//! greedy (the first maximum wins, as `torch.argmax`); with an engine that drafts, several
-//! tokens per forward by speculative decoding, which gives the same tokens.
+//! greedy (the first maximum wins, as `torch.argmax`) or drawn by a [`Sampler`], until the
+//! count, a stop id or a Ctrl-C; with an engine that drafts, several tokens per forward by
+//! speculative decoding, which gives the same tokens.
 
 use std::fmt;
 use std::time::Instant;
@@ -9,6 +10,7 @@ use anyhow::Result;
 
 use crate::engines::Engine;
 use crate::interrupt;
+use crate::sampling::Sampler;
 
 /// Called after each forward that emitted tokens, with how many it emitted (placement
 /// passes such as `REPIN` run here).
@@ -23,6 +25,8 @@ pub struct Generation {
     pub non_finite: bool,
     /// How speculative decoding went, when the engine drafted.
     pub speculation: Option<Speculation>,
+    /// Why it ended.
+    pub ending: Ending,
 }
 
 /// Speculative decoding's bookkeeping: verifying forwards after the prefill, the tokens
@@ -66,8 +70,8 @@ impl Generation {
     }
 }
 
-/// Greedily generate `count` tokens after `prompt`, starting from an empty KV cache; through
-/// [`greedy_speculative`] when the engine drafts.
+/// Greedily generate `count` tokens after `prompt`, starting from an empty KV cache;
+/// speculatively (same tokens) when the engine drafts.
 pub fn greedy(engine: &mut dyn Engine, prompt: &[u32], count: usize) -> Result<Generation> {
     greedy_with(engine, prompt, count, &mut |_, _| Ok(()))
 }
@@ -80,27 +84,78 @@ pub fn greedy_with(
     count: usize,
     on_tokens: OnTokens,
 ) -> Result<Generation> {
+    let policy = Policy {
+        count,
+        sampler: &mut Sampler::greedy(),
+        stops: &[],
+    };
+    generate_with(engine, prompt, policy, on_tokens, &mut |_| Ok(()))
+}
+
+/// Called with each generated token as soon as it is chosen (streaming); stop tokens are
+/// not passed.
+pub type OnToken<'a> = &'a mut dyn FnMut(u32) -> Result<()>;
+
+/// How tokens are chosen and when generation ends.
+pub struct Policy<'a> {
+    /// At most this many tokens.
+    pub count: usize,
+    pub sampler: &'a mut Sampler,
+    /// Ids that end the generation when chosen; they are not part of the output.
+    pub stops: &'a [u32],
+}
+
+/// Why a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    /// `count` tokens were produced.
+    Limit,
+    /// This stop id was chosen.
+    Stop(u32),
+    /// A Ctrl-C asked to stop.
+    Interrupted,
+}
+
+/// Generate up to `policy.count` tokens after `prompt` from an empty KV cache, each chosen by
+/// the policy's sampler, ending early on a stop id or a Ctrl-C (after the current forward);
+/// through [`speculate`] when the engine drafts.
+pub fn generate_with(
+    engine: &mut dyn Engine,
+    prompt: &[u32],
+    policy: Policy,
+    on_tokens: OnTokens,
+    on_token: OnToken,
+) -> Result<Generation> {
     let depth = engine.draft_depth();
     if depth > 0 {
-        return greedy_speculative(engine, prompt, count, depth, on_tokens);
+        return speculate(engine, prompt, depth, policy, on_tokens, on_token);
     }
     engine.reset();
     let started = Instant::now();
     let mut logits = engine.forward(prompt, false)?;
     let prefill_seconds = started.elapsed().as_secs_f64();
     let started = Instant::now();
-    let mut tokens = Vec::with_capacity(count);
+    let mut tokens = Vec::with_capacity(policy.count);
     let mut non_finite = false;
-    for step in 0..count {
+    let mut ending = Ending::Limit;
+    while tokens.len() < policy.count {
         non_finite |= logits.iter().any(|v| !v.is_finite());
-        let token = argmax(&logits);
-        tokens.push(token);
-        on_tokens(engine, 1)?;
-        if step + 1 < count && !interrupt::requested() {
-            logits = engine.forward(&[token], false)?;
-        } else {
+        let token = policy.sampler.pick(&logits);
+        if policy.stops.contains(&token) {
+            ending = Ending::Stop(token);
             break;
         }
+        tokens.push(token);
+        on_token(token)?;
+        on_tokens(engine, 1)?;
+        if tokens.len() == policy.count {
+            break;
+        }
+        if interrupt::requested() {
+            ending = Ending::Interrupted;
+            break;
+        }
+        logits = engine.forward(&[token], false)?;
     }
     Ok(Generation {
         tokens,
@@ -108,21 +163,26 @@ pub fn greedy_with(
         decode_seconds: started.elapsed().as_secs_f64(),
         non_finite,
         speculation: None,
+        ending,
     })
 }
 
-/// Greedy generation with the engine's draft head: each forward feeds the token chosen last
-/// plus up to `depth` drafted ones, keeps the drafts while they equal the argmax of the
-/// position before them, adds the argmax after the last kept one, and drops the rejected
-/// positions from the cache. The tokens are exactly those of [`greedy`] whenever a forward
-/// over several positions computes what single-position forwards would.
-pub fn greedy_speculative(
+/// Speculative decoding with the engine's draft head: each forward feeds the token chosen
+/// last plus up to `depth` drafted ones; the sampler chooses a token at every fed position
+/// in turn, and the drafts are kept while they equal what it chose. Every token is thus
+/// chosen from the model's distribution after exactly the tokens before it, one draw per
+/// token, so with the same sampler state the tokens are those of one-token-per-forward
+/// decoding (given that a forward over several positions computes what single-position
+/// forwards would). Rejected positions are dropped from the cache.
+fn speculate(
     engine: &mut dyn Engine,
     prompt: &[u32],
-    count: usize,
     depth: usize,
+    policy: Policy,
     on_tokens: OnTokens,
+    on_token: OnToken,
 ) -> Result<Generation> {
+    let count = policy.count;
     engine.reset();
     let started = Instant::now();
     let logits = engine.forward(prompt, false)?;
@@ -134,12 +194,23 @@ pub fn greedy_speculative(
         depth,
         ..Speculation::default()
     };
+    let mut ending = Ending::Limit;
     if count > 0 {
-        tokens.push(argmax(&logits));
-        on_tokens(engine, 1)?;
+        let token = policy.sampler.pick(&logits);
+        if policy.stops.contains(&token) {
+            ending = Ending::Stop(token);
+        } else {
+            tokens.push(token);
+            on_token(token)?;
+            on_tokens(engine, 1)?;
+        }
     }
     let vocab = engine.vocab_size();
-    while tokens.len() < count && !interrupt::requested() {
+    while ending == Ending::Limit && tokens.len() < count {
+        if interrupt::requested() {
+            ending = Ending::Interrupted;
+            break;
+        }
         let next = tokens[tokens.len() - 1];
         // No draft beyond the last token asked for.
         let drafts = engine.propose(next, depth.min(count - tokens.len() - 1))?;
@@ -151,10 +222,17 @@ pub fn greedy_speculative(
         stats.forwards += 1;
         stats.drafted += drafts.len();
         let mut kept = 0;
+        let mut emitted = 0;
         for (j, row) in rows.chunks_exact(vocab).enumerate() {
             non_finite |= row.iter().any(|v| !v.is_finite());
-            let token = argmax(row);
+            let token = policy.sampler.pick(row);
+            if policy.stops.contains(&token) {
+                ending = Ending::Stop(token);
+                break;
+            }
             tokens.push(token);
+            emitted += 1;
+            on_token(token)?;
             let hit = drafts.get(j) == Some(&token);
             if hit {
                 kept += 1;
@@ -167,7 +245,9 @@ pub fn greedy_speculative(
         if kept < drafts.len() {
             engine.truncate(start + kept + 1)?;
         }
-        on_tokens(engine, (kept + 1) as u64)?;
+        if emitted > 0 {
+            on_tokens(engine, emitted)?;
+        }
     }
     stats.tokens = tokens.len().saturating_sub(1);
     Ok(Generation {
@@ -176,6 +256,7 @@ pub fn greedy_speculative(
         decode_seconds: started.elapsed().as_secs_f64(),
         non_finite,
         speculation: Some(stats),
+        ending,
     })
 }
 

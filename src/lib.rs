@@ -7,8 +7,12 @@
 //! - [`run`] opens the model directory with [`snapshot`] (config + mapped shards) and builds
 //!   the engine from [`engines`], whose weights are [`quant`] matrices and whose routed
 //!   experts live in the [`experts`] store;
+//! - [`convert`] (`coli convert`) turns a float or FP8 checkpoint into a quantised container;
 //! - [`generate`] runs prefill and decode; [`oracle`] compares against a reference;
+//! - [`text`] turns a prompt into ids and streams the generated text, [`sampling`] picking
+//!   each token;
 //! - [`route_trace`] counts every routing decision and keeps the usage history.
+//! - [`tools`] reads those histories and traces offline (`coli usage`, `coli trace`).
 pub mod cli;
 pub mod convert;
 pub mod engines;
@@ -19,6 +23,9 @@ pub mod oracle;
 pub mod quant;
 pub mod route_trace;
 pub mod run;
+pub mod sampling;
 pub mod session;
 pub mod settings;
 pub mod snapshot;
+pub mod text;
+pub mod tools;

@@ -1,11 +1,13 @@
 //! One run of the main job: resolve the snapshot and engine from the settings, load, then
-//! run the mode the settings ask for (oracle comparison or generation from ids) and report.
+//! run the mode the settings ask for (oracle comparison, generation from ids, or text from
+//! a prompt) and report.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::engines::{self, Engine, LoadOptions};
 use crate::generate::greedy_with;
@@ -15,6 +17,7 @@ use crate::quant::Width;
 use crate::session::{RunKind, Session};
 use crate::settings::Settings;
 use crate::snapshot::Snapshot;
+use crate::text::TextMode;
 
 /// The numeric positionals `CAP [EBITS [DBITS]]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,6 +56,8 @@ pub fn main_job(
     }
     let snapshot = Snapshot::open(&PathBuf::from(snap))?;
     let name = engines::resolve(model, &snapshot)?;
+    // Text mode's tokenizer and settings are checked before the weights are mapped.
+    let text = TextMode::from_settings(settings, snapshot.dir())?;
     let cap = match positionals.cap {
         Some(cap) if cap > 0 => cap as usize,
         _ => settings.count("CAP") as usize,
@@ -72,7 +77,10 @@ pub fn main_job(
     };
 
     let started = Instant::now();
-    let mut engine = engines::load(name, &snapshot, options)?;
+    let loading = loading_spinner(name);
+    let loaded = engines::load(name, &snapshot, options);
+    loading.finish_and_clear();
+    let mut engine = loaded?;
     println!(
         "== coli {name} | cache={} experts/layer | experts@{}-bit dense@{}-bit ==",
         engine.cache_capacity(),
@@ -96,6 +104,11 @@ pub fn main_job(
         );
     }
 
+    let mut text_job = match &text {
+        Some(mode) => Some(mode.prepare(&snapshot, engine.as_ref())?),
+        None => None,
+    };
+
     interrupt::install();
     let mut session = Session::start(
         settings,
@@ -103,6 +116,27 @@ pub fn main_job(
         engine.as_mut(),
         options.ram_budget,
     )?;
+
+    if let Some(job) = text_job.as_mut() {
+        let mut on_tokens =
+            |engine: &mut dyn Engine, emitted: u64| session.after_tokens(engine, emitted);
+        let generation = job.run(
+            engine.as_mut(),
+            settings.count("NGEN") as usize,
+            &mut on_tokens,
+            &mut std::io::stdout(),
+        )?;
+        if generation.non_finite {
+            eprintln!("[text] non-finite logits during generation");
+        }
+        if let Some(speculation) = &generation.speculation {
+            println!("{speculation}");
+        }
+        println!("{}", job.summary(&generation));
+        report(engine.as_ref(), generation.decode_tokens_per_second());
+        session.finish(engine.as_mut(), RunKind::Generating)?;
+        return Ok(ExitCode::SUCCESS);
+    }
 
     if let Some(ids) = settings.ids("IDS") {
         let vocab = engine.vocab_size();
@@ -166,6 +200,18 @@ fn report(engine: &dyn Engine, tokens_per_second: f64) {
         resident_set_bytes() as f64 / 1e9,
         tokens_per_second
     );
+}
+
+/// A spinner on stderr while the engine maps and prepares its weights; drawn only when
+/// stderr is a terminal.
+fn loading_spinner(name: &str) -> ProgressBar {
+    let spinner = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
+    if let Ok(style) = ProgressStyle::with_template("{spinner} loading {msg} ({elapsed})") {
+        spinner.set_style(style);
+    }
+    spinner.set_message(name.to_string());
+    spinner.enable_steady_tick(Duration::from_millis(120));
+    spinner
 }
 
 /// `RAM_GB` in bytes, or 88% of the memory available now.

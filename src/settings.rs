@@ -103,7 +103,37 @@ pub const KEYS: &[Key] = &[
         name: "NGEN",
         kind: Kind::Count,
         default: "32",
-        doc: "tokens to generate in IDS mode",
+        doc: "tokens to generate in IDS and PROMPT modes (PROMPT also stops at an EOS token)",
+    },
+    Key {
+        name: "PROMPT",
+        kind: Kind::Text,
+        default: "",
+        doc: "generate text after this prompt and stream it (needs SNAP/tokenizer.json)",
+    },
+    Key {
+        name: "CHAT",
+        kind: Kind::Bool,
+        default: "0",
+        doc: "PROMPT: wrap the prompt in the model's chat template as one user turn",
+    },
+    Key {
+        name: "TEMP",
+        kind: Kind::Text,
+        default: "0.7",
+        doc: "PROMPT: sampling temperature >= 0; 0 = greedy (oracle and IDS modes are always greedy)",
+    },
+    Key {
+        name: "TOP_P",
+        kind: Kind::Number,
+        default: "0.9",
+        doc: "PROMPT: nucleus sampling mass in (0, 1] (colibri's NUCLEUS; not colibri's TOPP, a routing knob)",
+    },
+    Key {
+        name: "SEED",
+        kind: Kind::Count,
+        default: "",
+        doc: "PROMPT: sampling seed; the same seed gives the same text; unset = from the clock",
     },
     Key {
         name: "DRAFT",

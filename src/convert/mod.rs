@@ -80,12 +80,17 @@ impl Options {
     }
 }
 
-/// The format a matrix of `cols` columns is written in for `target`. Readers find an int4
-/// group size from the scale count, trying the listed sizes from the smallest, so a group
-/// count that a smaller size also gives is written with that smaller size (e.g. 96 columns
-/// at `--group-size 64` become two groups of 48: the same bytes and scale count, and what
-/// a reader infers), and one group per row is int4-row.
+/// The format a matrix of `cols` columns is written in for `target`, chosen so that a
+/// reader without the stamp infers it from the byte counts. Readers find an int4 group size
+/// from the scale count, trying the listed sizes from the smallest, so a group count that a
+/// smaller size also gives is written with that smaller size (96 columns at
+/// `--group-size 64` become two groups of 48: the same bytes and scale count); and where
+/// that layout has int3-g64's byte counts (96 or 144 columns), which readers check first,
+/// the next smaller size is used. One group per row is int4-row.
 fn effective(target: Target, cols: usize) -> Format {
+    let int3_counts = |group: usize| {
+        cols.div_ceil(2) == cols.div_ceil(64) * 24 && cols.div_ceil(group) == cols.div_ceil(64)
+    };
     match target {
         Target::Quantised(Format::Int4Grouped { group }) if cols <= group => Format::Int4Row,
         Target::Quantised(Format::Int4Grouped { group }) => {
@@ -94,7 +99,19 @@ fn effective(target: Target, cols: usize) -> Format {
                 .copied()
                 .find(|&gs| cols.div_ceil(gs) == cols.div_ceil(group))
                 .unwrap_or(group);
-            Format::Int4Grouped { group: detected }
+            let group = GROUP_SIZES
+                .iter()
+                .rev()
+                .copied()
+                .filter(|&gs| gs <= detected && !int3_counts(gs))
+                .find(|&gs| {
+                    GROUP_SIZES
+                        .iter()
+                        .find(|&&g| cols.div_ceil(g) == cols.div_ceil(gs))
+                        == Some(&gs)
+                })
+                .unwrap_or(GROUP_SIZES[0]);
+            Format::Int4Grouped { group }
         }
         Target::Quantised(format) => format,
         Target::Float => unreachable!("only quantised targets have a format"),
@@ -114,12 +131,19 @@ enum Class {
 fn classify(name: &str, rank: usize) -> Class {
     let keep = rank < 2
         || name.contains("norm")
-        || name.ends_with("mlp.gate.weight")
+        || name.ends_with(".gate.weight")
         || name.contains(".router.")
         || name.ends_with(".bias")
         || name.contains("e_score_correction")
         || name.contains("conv")
-        || name.ends_with("weights_proj.weight");
+        || name.ends_with("weights_proj.weight")
+        // Attention-residual pseudo-queries (`[1, hidden]`) are read as vectors, like routers.
+        || name.ends_with("res_proj.weight")
+        // KDA's beta and decay-gate projections: small, and the gate's exponent amplifies
+        // rounding, so the engine keeps them f32 at every width.
+        || [".b_proj.weight", ".f_a_proj.weight", ".f_b_proj.weight"]
+            .iter()
+            .any(|suffix| name.ends_with(suffix));
     let matrix = name.ends_with(".weight") || name.ends_with("_proj");
     if keep || !matrix {
         Class::Keep
@@ -140,7 +164,10 @@ enum Job {
     /// A float tensor widened (or an FP8 one dequantised) to f32.
     Widen { name: String },
     /// Matrices quantised, each to its format: each weight in order, then each `.qs`.
-    Quantise { names: Vec<String>, formats: Vec<Format> },
+    Quantise {
+        names: Vec<String>,
+        formats: Vec<Format>,
+    },
 }
 
 /// A job with the shard entries it produces and the source bytes it reads.
@@ -208,10 +235,15 @@ fn plan(snapshot: &Snapshot, options: &Options) -> Result<Vec<Planned>> {
     let mut experts: BTreeMap<String, Vec<&str>> = BTreeMap::new();
     for &name in names.iter().filter(|n| !sidecars.contains(**n)) {
         let view = &views[name];
-        let source_bytes = (view.bytes.len() + view.scales.as_ref().map_or(0, |s| s.bytes.len())) as u64;
+        let source_bytes =
+            (view.bytes.len() + view.scales.as_ref().map_or(0, |s| s.bytes.len())) as u64;
         let fp8 = view.dtype == Dtype::F8_E4M3 && view.scales.is_some();
         if view.scales.is_some() && !fp8 {
-            let scales = view.scales.as_deref().map(|s| s.name.clone()).unwrap_or_default();
+            let scales = view
+                .scales
+                .as_deref()
+                .map(|s| s.name.clone())
+                .unwrap_or_default();
             let entries = [view, &views[scales.as_str()]]
                 .iter()
                 .map(|v| Entry {
@@ -268,8 +300,8 @@ fn plan(snapshot: &Snapshot, options: &Options) -> Result<Vec<Planned>> {
         };
         let numel: usize = view.shape.iter().product();
         match target {
-            Target::Float if view.dtype == Dtype::F32 || (class != Class::Keep && !fp8) => {
-                floats.push(Planned {
+            Target::Float if view.dtype == Dtype::F32 || (class != Class::Keep && !fp8) => floats
+                .push(Planned {
                     job: Job::Copy {
                         names: vec![name.to_string()],
                     },
@@ -281,8 +313,7 @@ fn plan(snapshot: &Snapshot, options: &Options) -> Result<Vec<Planned>> {
                     }],
                     source_bytes,
                     stamps: matrix_stamp,
-                })
-            }
+                }),
             Target::Float => floats.push(Planned {
                 job: Job::Widen {
                     name: name.to_string(),
@@ -323,7 +354,11 @@ fn plan(snapshot: &Snapshot, options: &Options) -> Result<Vec<Planned>> {
     }
     for (prefix, mut members) in experts {
         // gate, up, down: the order an expert's FFN reads them.
-        members.sort_by_key(|name| ["gate_proj", "up_proj", "down_proj"].iter().position(|p| name.contains(p)));
+        members.sort_by_key(|name| {
+            ["gate_proj", "up_proj", "down_proj"]
+                .iter()
+                .position(|p| name.contains(p))
+        });
         let mut weights = Vec::new();
         let mut scales = Vec::new();
         let mut formats = Vec::new();
@@ -336,13 +371,18 @@ fn plan(snapshot: &Snapshot, options: &Options) -> Result<Vec<Planned>> {
             weights.push(w);
             scales.push(s);
             formats.push(format);
-            source_bytes += (view.bytes.len() + view.scales.as_ref().map_or(0, |s| s.bytes.len())) as u64;
+            source_bytes +=
+                (view.bytes.len() + view.scales.as_ref().map_or(0, |s| s.bytes.len())) as u64;
         }
         weights.extend(scales);
         quantised.push((
             prefix,
             Planned {
-                stamps: members.iter().zip(&formats).map(|(n, f)| (n.to_string(), f.name())).collect(),
+                stamps: members
+                    .iter()
+                    .zip(&formats)
+                    .map(|(n, f)| (n.to_string(), f.name()))
+                    .collect(),
                 job: Job::Quantise {
                     names: members.iter().map(|n| n.to_string()).collect(),
                     formats,
@@ -358,7 +398,10 @@ fn plan(snapshot: &Snapshot, options: &Options) -> Result<Vec<Planned>> {
         (std::cmp::Reverse(entry.dtype.bitsize()), entry.name.clone())
     });
     quantised.sort_by(|a, b| a.0.cmp(&b.0));
-    Ok(floats.into_iter().chain(quantised.into_iter().map(|(_, p)| p)).collect())
+    Ok(floats
+        .into_iter()
+        .chain(quantised.into_iter().map(|(_, p)| p))
+        .collect())
 }
 
 /// `model.layers.3.mlp.experts.17` for `model.layers.3.mlp.experts.17.up_proj.weight`.
@@ -382,7 +425,10 @@ fn shards(jobs: Vec<Planned>, shard_bytes: u64) -> Vec<Vec<Planned>> {
             size = 0;
         }
         size += bytes;
-        shards.last_mut().expect("a shard was just pushed").push(job);
+        shards
+            .last_mut()
+            .expect("a shard was just pushed")
+            .push(job);
     }
     shards
 }
@@ -400,7 +446,12 @@ fn fingerprint(snapshot: &Snapshot) -> String {
     let mut hash = 0xcbf2_9ce4_8422_2325u64;
     for name in names {
         let line = match snapshot.tensor(name) {
-            Ok(view) => format!("{name} {:?} {:?} {}\n", view.dtype, view.shape, view.bytes.len()),
+            Ok(view) => format!(
+                "{name} {:?} {:?} {}\n",
+                view.dtype,
+                view.shape,
+                view.bytes.len()
+            ),
             Err(_) => format!("{name}\n"),
         };
         for byte in line.bytes() {
@@ -412,7 +463,8 @@ fn fingerprint(snapshot: &Snapshot) -> String {
 
 /// Whether `path` is a complete shard holding exactly `entries`.
 fn shard_complete(path: &Path, entries: &[Entry]) -> bool {
-    let Ok(bytes) = std::fs::read(path).map(|b| b.get(..8).map(|h| h.to_vec()).unwrap_or_default()) else {
+    let Ok(bytes) = std::fs::read(path).map(|b| b.get(..8).map(|h| h.to_vec()).unwrap_or_default())
+    else {
         return false;
     };
     let Ok(len) = bytes.as_slice().try_into().map(u64::from_le_bytes) else {
@@ -433,9 +485,16 @@ fn shard_complete(path: &Path, entries: &[Entry]) -> bool {
     let size_ok = std::fs::metadata(path).is_ok_and(|m| m.len() == 8 + len + data as u64);
     let names: HashSet<&str> = header
         .as_object()
-        .map(|o| o.keys().map(String::as_str).filter(|k| *k != "__metadata__").collect())
+        .map(|o| {
+            o.keys()
+                .map(String::as_str)
+                .filter(|k| *k != "__metadata__")
+                .collect()
+        })
         .unwrap_or_default();
-    size_ok && names.len() == entries.len() && entries.iter().all(|e| names.contains(e.name.as_str()))
+    size_ok
+        && names.len() == entries.len()
+        && entries.iter().all(|e| names.contains(e.name.as_str()))
 }
 
 /// Files beside the weights that a model directory needs (config, tokenizer, templates).
@@ -461,10 +520,12 @@ pub struct Summary {
 /// Convert the checkpoint in `src` to a container in `dst`.
 pub fn convert(src: &Path, dst: &Path, options: &Options) -> Result<Summary> {
     let started = Instant::now();
-    if src.canonicalize().ok() == dst.canonicalize().ok() {
-        bail!("convert: source and destination are both {}", src.display());
+    if let (Ok(a), Ok(b)) = (src.canonicalize(), dst.canonicalize()) {
+        if a == b {
+            bail!("convert: source and destination are both {}", src.display());
+        }
     }
-    let snapshot = Snapshot::open(src)?;
+    let snapshot = Snapshot::open(src).context("convert: the source checkpoint")?;
     let shard_plan = shards(plan(&snapshot, options)?, options.shard_bytes.max(1));
     let count = shard_plan.len();
     let manifest = serde_json::json!({
@@ -494,7 +555,10 @@ pub fn convert(src: &Path, dst: &Path, options: &Options) -> Result<Summary> {
     };
     for (index, jobs) in shard_plan.iter().enumerate() {
         let path = dst.join(shard_name(index, count));
-        let entries: Vec<Entry> = jobs.iter().flat_map(|j| j.entries.iter().cloned()).collect();
+        let entries: Vec<Entry> = jobs
+            .iter()
+            .flat_map(|j| j.entries.iter().cloned())
+            .collect();
         summary.tensors += entries.len();
         summary.written_bytes += entries.iter().map(|e| e.bytes as u64).sum::<u64>();
         if shard_complete(&path, &entries) {
@@ -511,7 +575,10 @@ pub fn convert(src: &Path, dst: &Path, options: &Options) -> Result<Summary> {
         if !stamps.is_empty() {
             let formats: std::collections::BTreeSet<&str> = stamps.values().copied().collect();
             metadata.insert("colibri.fmt".to_string(), serde_json::to_string(&stamps)?);
-            metadata.insert("colibri.container.formats".to_string(), serde_json::to_string(&formats)?);
+            metadata.insert(
+                "colibri.container.formats".to_string(),
+                serde_json::to_string(&formats)?,
+            );
         }
         let mut writer = ShardWriter::create(&path, entries, &metadata)?;
         for job in jobs {
@@ -561,9 +628,16 @@ fn prepare_destination(dst: &Path, manifest: &serde_json::Value) -> Result<()> {
                 dst.display()
             );
         }
-        for entry in std::fs::read_dir(dst).with_context(|| format!("cannot list {}", dst.display()))? {
-            let path = entry.with_context(|| format!("cannot list {}", dst.display()))?.path();
-            if path.file_name().is_some_and(|n| n.to_string_lossy().ends_with(".partial")) {
+        for entry in
+            std::fs::read_dir(dst).with_context(|| format!("cannot list {}", dst.display()))?
+        {
+            let path = entry
+                .with_context(|| format!("cannot list {}", dst.display()))?
+                .path();
+            if path
+                .file_name()
+                .is_some_and(|n| n.to_string_lossy().ends_with(".partial"))
+            {
                 std::fs::remove_file(&path)
                     .with_context(|| format!("cannot remove {}", path.display()))?;
             }
@@ -571,7 +645,10 @@ fn prepare_destination(dst: &Path, manifest: &serde_json::Value) -> Result<()> {
     } else {
         std::fs::create_dir_all(dst).with_context(|| format!("cannot create {}", dst.display()))?;
     }
-    writer::write_atomic(&manifest_path, serde_json::to_string_pretty(manifest)?.as_bytes())
+    writer::write_atomic(
+        &manifest_path,
+        serde_json::to_string_pretty(manifest)?.as_bytes(),
+    )
 }
 
 fn progress_bar(total: u64) -> ProgressBar {
@@ -637,7 +714,12 @@ fn run_job(snapshot: &Snapshot, job: &Job, writer: &mut ShardWriter) -> Result<(
 
 /// Quantise `matrix` block by block (rows in parallel), streaming the weight bytes to
 /// `writer`; returns the scales.
-fn quantise_into(matrix: &Matrix, format: Format, name: &str, writer: &mut ShardWriter) -> Result<Vec<f32>> {
+fn quantise_into(
+    matrix: &Matrix,
+    format: Format,
+    name: &str,
+    writer: &mut ShardWriter,
+) -> Result<Vec<f32>> {
     let (rows, cols) = (matrix.rows(), matrix.cols());
     let block = ((16 << 20) / cols.max(1)).clamp(1, rows.max(1));
     let mut scales = Vec::new();
@@ -653,7 +735,9 @@ fn quantise_into(matrix: &Matrix, format: Format, name: &str, writer: &mut Shard
                         let (q, s) = quant::quantize_int8_rows(&values, cols);
                         (bytemuck::cast_slice(&q).to_vec(), s)
                     }
-                    Format::Int4Grouped { group } => quant::quantize_int4_groups(&values, cols, group),
+                    Format::Int4Grouped { group } => {
+                        quant::quantize_int4_groups(&values, cols, group)
+                    }
                     _ => quant::quantize_int4_groups(&values, cols, cols),
                 }
             })
@@ -688,18 +772,57 @@ mod tests {
 
     #[test]
     fn classes() {
-        assert_eq!(classify("model.layers.0.input_layernorm.weight", 1), Class::Keep);
+        assert_eq!(
+            classify("model.layers.0.input_layernorm.weight", 1),
+            Class::Keep
+        );
         assert_eq!(classify("model.layers.0.mlp.gate.weight", 2), Class::Keep);
-        assert_eq!(classify("model.layers.0.self_attn.q_a_layernorm.weight", 1), Class::Keep);
-        assert_eq!(classify("model.layers.0.attn_sconv.conv1d.weight", 3), Class::Keep);
-        assert_eq!(classify("model.layers.0.self_attn.rel_logits_proj.proj", 2), Class::Keep);
+        assert_eq!(
+            classify("model.layers.0.self_attn.q_a_layernorm.weight", 1),
+            Class::Keep
+        );
+        assert_eq!(
+            classify("model.layers.0.attn_sconv.conv1d.weight", 3),
+            Class::Keep
+        );
+        assert_eq!(
+            classify("model.layers.0.self_attn.rel_logits_proj.proj", 2),
+            Class::Keep
+        );
         assert_eq!(classify("model.embed_tokens.weight", 2), Class::Io);
         assert_eq!(classify("lm_head.weight", 2), Class::Io);
-        assert_eq!(classify("model.layers.1.mlp.experts.3.down_proj.weight", 2), Class::Expert);
-        assert_eq!(classify("model.layers.1.mlp.experts.gate_up_proj", 3), Class::Expert);
-        assert_eq!(classify("model.layers.1.mlp.shared_experts.gate_proj", 3), Class::Dense);
-        assert_eq!(classify("model.layers.1.self_attn.q_proj.weight", 2), Class::Dense);
-        assert_eq!(classify("model.layers.1.mlp.gate_proj.weight", 2), Class::Dense);
+        assert_eq!(
+            classify("model.layers.1.mlp.experts.3.down_proj.weight", 2),
+            Class::Expert
+        );
+        assert_eq!(
+            classify("model.layers.1.mlp.experts.gate_up_proj", 3),
+            Class::Expert
+        );
+        assert_eq!(
+            classify("model.layers.1.mlp.shared_experts.gate_proj", 3),
+            Class::Dense
+        );
+        assert_eq!(
+            classify("model.layers.1.self_attn.q_proj.weight", 2),
+            Class::Dense
+        );
+        assert_eq!(
+            classify("model.layers.1.mlp.gate_proj.weight", 2),
+            Class::Dense
+        );
+    }
+
+    #[test]
+    fn int4_layouts_are_what_a_reader_infers() {
+        let g64 = Target::Quantised(Format::Int4Grouped { group: 64 });
+        assert_eq!(effective(g64, 64), Format::Int4Row);
+        assert_eq!(effective(g64, 2048), Format::Int4Grouped { group: 64 });
+        assert_eq!(effective(g64, 200), Format::Int4Grouped { group: 64 });
+        // Two groups of 48 would have int3-g64's byte counts; three of 32 do not.
+        assert_eq!(effective(g64, 96), Format::Int4Grouped { group: 32 });
+        assert_eq!(effective(g64, 144), Format::Int4Grouped { group: 32 });
+        assert_eq!(effective(g64, 100), Format::Int4Grouped { group: 64 });
     }
 
     #[test]
@@ -708,7 +831,13 @@ mod tests {
             expert_prefix("model.layers.3.mlp.experts.17.up_proj.weight"),
             Some("model.layers.3.mlp.experts.17")
         );
-        assert_eq!(expert_prefix("model.layers.3.mlp.shared_experts.up_proj.weight"), None);
-        assert_eq!(expert_prefix("model.layers.3.mlp.experts.gate_up_proj"), None);
+        assert_eq!(
+            expert_prefix("model.layers.3.mlp.shared_experts.up_proj.weight"),
+            None
+        );
+        assert_eq!(
+            expert_prefix("model.layers.3.mlp.experts.gate_up_proj"),
+            None
+        );
     }
 }

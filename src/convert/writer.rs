@@ -66,7 +66,7 @@ fn header(entries: &[Entry], metadata: &BTreeMap<String, String>) -> Result<Vec<
         offset += entry.bytes;
     }
     let mut json = serde_json::to_vec(&object).context("shard header")?;
-    while (8 + json.len()) % 8 != 0 {
+    while !(8 + json.len()).is_multiple_of(8) {
         json.push(b' ');
     }
     let mut out = (json.len() as u64).to_le_bytes().to_vec();
@@ -109,7 +109,10 @@ impl ShardWriter {
     /// Append bytes of the tensor `name`, which must be the one the plan expects next.
     pub fn write(&mut self, name: &str, bytes: &[u8]) -> Result<()> {
         let Some(entry) = self.entries.get(self.current) else {
-            bail!("{}: {name} written after the last planned tensor", self.final_path.display());
+            bail!(
+                "{}: {name} written after the last planned tensor",
+                self.final_path.display()
+            );
         };
         if entry.name != name || self.written_in_current + bytes.len() > entry.bytes {
             bail!(
@@ -144,10 +147,9 @@ impl ShardWriter {
         self.out
             .flush()
             .with_context(|| format!("cannot write {}", self.temp_path.display()))?;
-        let file = self
-            .out
-            .into_inner()
-            .map_err(|err| anyhow::anyhow!("cannot write {}: {}", self.temp_path.display(), err.error()))?;
+        let file = self.out.into_inner().map_err(|err| {
+            anyhow::anyhow!("cannot write {}: {}", self.temp_path.display(), err.error())
+        })?;
         file.sync_all()
             .with_context(|| format!("cannot sync {}", self.temp_path.display()))?;
         std::fs::rename(&self.temp_path, &self.final_path).with_context(|| {

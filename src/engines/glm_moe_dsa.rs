@@ -16,8 +16,10 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde::Deserialize;
 
 use super::dsa::{IndexKeys, Indexer, IndexerShape};
-use super::layers::{add_in_place, rms_norm, rms_norm_in_place, Rope, SwigluMlp};
-use super::mla::{attend_absorbed, attend_plain, Keys, LatentCache, MlaShape};
+use super::layers::{add_in_place, rms_norm, Rope, SwigluMlp};
+use super::mla::{
+    attend_absorbed, attend_plain, Keys, LatentCache, MlaProjections, MlaShape, Projected,
+};
 use super::moe::{Route, RoutedExperts, SigmoidRouter};
 use super::{Engine, LoadOptions};
 use crate::experts::{ExpertStore, ExpertTensors};
@@ -25,8 +27,26 @@ use crate::generate::argmax;
 use crate::quant::{load_vector, Matrix, Width};
 use crate::route_trace::RouteTrace;
 use crate::snapshot::Snapshot;
+use crate::text::PromptConvention;
 
 pub const NAME: &str = "glm_moe_dsa";
+
+/// GLM prompts start with `[gMASK]<sop>`; every special token (`<|user|>`, `<|endoftext|>`,
+/// ...) ends an answer.
+const PROMPT: PromptConvention = PromptConvention {
+    bos: false,
+    prefix: &["[gMASK]", "<sop>"],
+    chat_template: Some(CHAT_TEMPLATE),
+    stop_on_special: true,
+};
+
+/// GLM's chat prompt as colibri's server writes it: the prefix, `<|role|>` and the text of
+/// each turn, then `<|assistant|>` with an empty thinking block (thinking off).
+const CHAT_TEMPLATE: &str = concat!(
+    "[gMASK]<sop>",
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}{% endfor %}",
+    "{% if add_generation_prompt %}<|assistant|><think></think>{% endif %}",
+);
 
 /// transformers builds `q_a_layernorm` and `kv_a_layernorm` with its RMSNorm default
 /// epsilon, not `rms_norm_eps`.
@@ -126,6 +146,17 @@ pub struct RopeParameters {
 }
 
 impl Config {
+    fn mla_shape(&self) -> MlaShape {
+        MlaShape {
+            heads: self.num_attention_heads,
+            nope: self.qk_nope_head_dim,
+            rope: self.qk_rope_head_dim,
+            v: self.v_head_dim,
+            kv_lora: self.kv_lora_rank,
+            scale: ((self.qk_nope_head_dim + self.qk_rope_head_dim) as f32).powf(-0.5),
+        }
+    }
+
     /// `rope_parameters.rope_theta`, else the legacy top-level `rope_theta`, else 10000.
     fn rope_theta(&self) -> f64 {
         self.rope_parameters
@@ -330,14 +361,9 @@ fn stop_tokens(snapshot: &Snapshot, config: &Config) -> Result<Vec<u32>> {
     Ok(seen)
 }
 
-/// The MLA projections of one layer.
+/// The MLA projections of one layer and its output projection.
 struct Attention {
-    q_a: Matrix,
-    q_a_norm: Vec<f32>,
-    q_b: Matrix,
-    kv_a: Matrix,
-    kv_a_norm: Vec<f32>,
-    kv_b: Matrix,
+    mla: MlaProjections,
     o: Matrix,
 }
 
@@ -419,7 +445,6 @@ impl Layer {
     ) -> Result<Layer> {
         let d = config.hidden_size;
         let heads = config.num_attention_heads;
-        let qk = config.qk_nope_head_dim + config.qk_rope_head_dim;
         let p = format!("model.layers.{l}");
         let matrix = |name: &str, shape: [usize; 2], width: Width| -> Result<Matrix> {
             Matrix::load(
@@ -430,25 +455,12 @@ impl Layer {
         let vector =
             |name: &str, len: usize| load_vector(&snapshot.tensor(&format!("{p}.{name}"))?, len);
         let attention = Attention {
-            q_a: matrix("self_attn.q_a_proj.weight", [config.q_lora_rank, d], width)?,
-            q_a_norm: vector("self_attn.q_a_layernorm.weight", config.q_lora_rank)?,
-            q_b: matrix(
-                "self_attn.q_b_proj.weight",
-                [heads * qk, config.q_lora_rank],
-                width,
-            )?,
-            kv_a: matrix(
-                "self_attn.kv_a_proj_with_mqa.weight",
-                [config.kv_lora_rank + config.qk_rope_head_dim, d],
-                width,
-            )?,
-            kv_a_norm: vector("self_attn.kv_a_layernorm.weight", config.kv_lora_rank)?,
-            kv_b: matrix(
-                "self_attn.kv_b_proj.weight",
-                [
-                    heads * (config.qk_nope_head_dim + config.v_head_dim),
-                    config.kv_lora_rank,
-                ],
+            mla: MlaProjections::load(
+                snapshot,
+                &format!("{p}.self_attn"),
+                d,
+                config.q_lora_rank,
+                config.mla_shape(),
                 width,
             )?,
             o: matrix(
@@ -499,15 +511,8 @@ impl Layer {
     }
 
     fn size_bytes(&self) -> usize {
-        let a = &self.attention;
-        let vectors = self.input_norm.len()
-            + self.post_attention_norm.len()
-            + a.q_a_norm.len()
-            + a.kv_a_norm.len();
-        let matrices = [&a.q_a, &a.q_b, &a.kv_a, &a.kv_b, &a.o]
-            .iter()
-            .map(|m| m.size_bytes())
-            .sum::<usize>();
+        let vectors = self.input_norm.len() + self.post_attention_norm.len();
+        let matrices = self.attention.mla.size_bytes() + self.attention.o.size_bytes();
         let selection = match &self.selection {
             Selection::Full(indexer) => indexer.size_bytes(),
             Selection::Shared | Selection::Dense => 0,
@@ -551,39 +556,28 @@ impl Layer {
         let a = &self.attention;
         let (config, shape, rope) = (pass.config, pass.shape, pass.rope);
         let (n, start) = (pass.n, pass.start);
-        let (qk, nope, kv_lora) = (shape.qk(), shape.nope, shape.kv_lora);
+        let (qk, nope) = (shape.qk(), shape.nope);
 
-        let mut q_resid = vec![0f32; n * config.q_lora_rank];
-        a.q_a.matmul(h, n, &mut q_resid);
-        rms_norm_in_place(&mut q_resid, &a.q_a_norm, LORA_NORM_EPS);
-        let mut queries = vec![0f32; n * shape.heads * qk];
-        a.q_b.matmul(&q_resid, n, &mut queries);
+        let Projected {
+            q_low_rank,
+            mut queries,
+            latents,
+            mut rope_keys,
+        } = a.mla.project(h, n, LORA_NORM_EPS);
         for (t, row) in queries.chunks_exact_mut(shape.heads * qk).enumerate() {
             for head in row.chunks_exact_mut(qk) {
                 rope.apply_interleaved(&mut head[nope..], start + t);
             }
         }
-
-        let mut compressed = vec![0f32; n * (kv_lora + shape.rope)];
-        a.kv_a.matmul(h, n, &mut compressed);
-        let mut latents = vec![0f32; n * kv_lora];
-        let mut rope_keys = Vec::with_capacity(n * shape.rope);
-        for (t, (row, latent)) in compressed
-            .chunks_exact(kv_lora + shape.rope)
-            .zip(latents.chunks_exact_mut(kv_lora))
-            .enumerate()
-        {
-            rms_norm(&row[..kv_lora], &a.kv_a_norm, LORA_NORM_EPS, latent);
-            let mut key = row[kv_lora..].to_vec();
-            rope.apply_interleaved(&mut key, start + t);
-            rope_keys.extend_from_slice(&key);
+        for (t, key) in rope_keys.chunks_exact_mut(shape.rope).enumerate() {
+            rope.apply_interleaved(key, start + t);
         }
         cache.latents.push(&latents, &rope_keys);
 
         if let (Selection::Full(indexer), Some(keys)) = (&self.selection, cache.index_keys.as_mut())
         {
             indexer.push_keys(h, n, start, rope, keys);
-            pass.selected = indexer.select(h, &q_resid, n, rope, keys, pass.keep_all);
+            pass.selected = indexer.select(h, &q_low_rank, n, rope, keys, pass.keep_all);
         }
         let keys = match (&self.selection, &pass.selected) {
             (Selection::Dense, _) | (_, None) => Keys::Causal,
@@ -597,7 +591,7 @@ impl Layer {
         };
         attend(
             shape,
-            &a.kv_b,
+            a.mla.kv_b(),
             &queries,
             n,
             &cache.latents,
@@ -814,16 +808,8 @@ impl GlmMoeDsa {
             (None, _) => 0,
             (Some(_), requested) => requested.unwrap_or(1),
         };
-        let qk = config.qk_nope_head_dim + config.qk_rope_head_dim;
         let mut engine = GlmMoeDsa {
-            shape: MlaShape {
-                heads: config.num_attention_heads,
-                nope: config.qk_nope_head_dim,
-                rope: config.qk_rope_head_dim,
-                v: config.v_head_dim,
-                kv_lora: config.kv_lora_rank,
-                scale: (qk as f32).powf(-0.5),
-            },
+            shape: config.mla_shape(),
             rope: Rope::new(config.qk_rope_head_dim, config.rope_theta()),
             stop: stop_tokens(snapshot, &config)?,
             embed,
@@ -935,6 +921,10 @@ impl GlmMoeDsa {
 impl Engine for GlmMoeDsa {
     fn name(&self) -> &'static str {
         NAME
+    }
+
+    fn prompt_convention(&self) -> PromptConvention {
+        PROMPT
     }
 
     fn vocab_size(&self) -> usize {

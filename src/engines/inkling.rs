@@ -20,8 +20,35 @@ use crate::experts::{ExpertStore, ExpertTensors};
 use crate::quant::{load_vector, Matrix, Width};
 use crate::route_trace::RouteTrace;
 use crate::snapshot::Snapshot;
+use crate::text::PromptConvention;
 
 pub const NAME: &str = "inkling";
+
+/// Inkling prompts have no BOS; answers contain content-part markers, so only the EOS ids
+/// end them.
+const PROMPT: PromptConvention = PromptConvention {
+    bos: false,
+    prefix: &[],
+    chat_template: Some(CHAT_TEMPLATE),
+    stop_on_special: false,
+};
+
+/// Inkling's chat prompt as colibri's gateway renders it: the thinking-effort hint (0: off)
+/// before the first non-system message, each message as
+/// `<|message_ROLE|><|content_text|>TEXT<|end_message|>`, then the model's turn opened in
+/// content mode.
+const CHAT_TEMPLATE: &str = concat!(
+    "{% set roles = {'user': 'user', 'system': 'system', 'assistant': 'model', 'tool': 'tool'} %}",
+    "{% set ns = namespace(hinted=false) %}",
+    "{% for message in messages %}",
+    "{% if message['role'] != 'system' and not ns.hinted %}",
+    "<|message_system|><|content_text|>Thinking effort level: 0<|end_message|>",
+    "{% set ns.hinted = true %}",
+    "{% endif %}",
+    "<|message_{{ roles[message['role']] }}|><|content_text|>{{ message['content'] }}<|end_message|>",
+    "{% endfor %}",
+    "{% if add_generation_prompt %}<|message_model|><|content_text|>{% endif %}",
+);
 
 /// The keys of the text config this engine reads. Missing keys take `InklingTextConfig`'s
 /// defaults (the 975B model's values).
@@ -741,6 +768,10 @@ fn add(x: &mut [f32], y: &[f32]) {
 impl Engine for Inkling {
     fn name(&self) -> &'static str {
         NAME
+    }
+
+    fn prompt_convention(&self) -> PromptConvention {
+        PROMPT
     }
 
     fn vocab_size(&self) -> usize {

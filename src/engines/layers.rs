@@ -153,12 +153,25 @@ pub fn swiglu(gate: &mut [f32], up: &[f32]) {
 
 /// `down(silu(gate x) * up x)` for `n` rows of `input`.
 pub fn swiglu_ffn(gate: &Matrix, up: &Matrix, down: &Matrix, input: &[f32], n: usize) -> Vec<f32> {
+    glu_ffn(gate, up, down, input, n, swiglu)
+}
+
+/// `down(act(gate x, up x))` for `n` rows of `input`, where `act` combines the gate and up
+/// projections element-wise into the first (SwiGLU, SiTU-GLU, ...).
+pub fn glu_ffn(
+    gate: &Matrix,
+    up: &Matrix,
+    down: &Matrix,
+    input: &[f32],
+    n: usize,
+    act: impl Fn(&mut [f32], &[f32]),
+) -> Vec<f32> {
     let inter = gate.rows();
     let mut gated = vec![0f32; n * inter];
     let mut upped = vec![0f32; n * inter];
     gate.matmul(input, n, &mut gated);
     up.matmul(input, n, &mut upped);
-    swiglu(&mut gated, &upped);
+    act(&mut gated, &upped);
     let mut out = vec![0f32; n * down.rows()];
     down.matmul(&gated, n, &mut out);
     out

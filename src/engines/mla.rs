@@ -14,8 +14,11 @@
 
 use rayon::prelude::*;
 
-use super::layers::softmax;
-use crate::quant::Matrix;
+use anyhow::Result;
+
+use super::layers::{rms_norm, rms_norm_in_place, softmax};
+use crate::quant::{load_vector, Matrix, Width};
+use crate::snapshot::Snapshot;
 
 /// Sizes of one MLA layer. A query head is `[nope | rope]` wide; `kv_b` maps a latent to
 /// `heads x [nope key | v value]`.
@@ -39,6 +42,101 @@ impl MlaShape {
     /// Rows of `kv_b` per head: its key part, then its value part.
     fn kv_rows(&self) -> usize {
         self.nope + self.v
+    }
+}
+
+/// The projections of an MLA layer with a low-rank query (`q_a_proj`, `q_a_layernorm`,
+/// `q_b_proj`) and the compressed key/value (`kv_a_proj_with_mqa` to `[latent | rope key]`,
+/// the latent through `kv_a_layernorm`; `kv_b_proj` expands it), under `{prefix}` as
+/// DeepSeek-style checkpoints name them (e.g. `model.layers.3.self_attn`).
+pub struct MlaProjections {
+    shape: MlaShape,
+    q_a: Matrix,
+    q_a_norm: Vec<f32>,
+    q_b: Matrix,
+    kv_a: Matrix,
+    kv_a_norm: Vec<f32>,
+    kv_b: Matrix,
+}
+
+/// What [`MlaProjections::project`] gives for `n` rows; nothing is rotated yet.
+pub struct Projected {
+    /// `n x q_lora`: the normalised low-rank query (a DSA indexer reads it).
+    pub q_low_rank: Vec<f32>,
+    /// `n x heads x [nope | rope]`.
+    pub queries: Vec<f32>,
+    /// `n x kv_lora`, normalised.
+    pub latents: Vec<f32>,
+    /// `n x rope`, the key part shared by every head.
+    pub rope_keys: Vec<f32>,
+}
+
+impl MlaProjections {
+    pub fn load(
+        snapshot: &Snapshot,
+        prefix: &str,
+        hidden: usize,
+        q_lora: usize,
+        shape: MlaShape,
+        width: Width,
+    ) -> Result<MlaProjections> {
+        let matrix = |name: &str, rows: usize, cols: usize| -> Result<Matrix> {
+            let view = snapshot.tensor_shaped(&format!("{prefix}.{name}.weight"), &[rows, cols])?;
+            Matrix::load(&view, width)
+        };
+        let norm = |name: &str, len: usize| {
+            load_vector(&snapshot.tensor(&format!("{prefix}.{name}.weight"))?, len)
+        };
+        Ok(MlaProjections {
+            q_a: matrix("q_a_proj", q_lora, hidden)?,
+            q_a_norm: norm("q_a_layernorm", q_lora)?,
+            q_b: matrix("q_b_proj", shape.heads * shape.qk(), q_lora)?,
+            kv_a: matrix("kv_a_proj_with_mqa", shape.kv_lora + shape.rope, hidden)?,
+            kv_a_norm: norm("kv_a_layernorm", shape.kv_lora)?,
+            kv_b: matrix("kv_b_proj", shape.heads * shape.kv_rows(), shape.kv_lora)?,
+            shape,
+        })
+    }
+
+    /// `kv_b_proj`, for [`attend_plain`] and [`attend_absorbed`].
+    pub fn kv_b(&self) -> &Matrix {
+        &self.kv_b
+    }
+
+    /// Queries, normalised latents and rope keys of `n` rows `h`; `eps` is the epsilon of
+    /// both low-rank norms.
+    pub fn project(&self, h: &[f32], n: usize, eps: f64) -> Projected {
+        let (kv_lora, rope) = (self.shape.kv_lora, self.shape.rope);
+        let mut q_resid = vec![0f32; n * self.q_a.rows()];
+        self.q_a.matmul(h, n, &mut q_resid);
+        rms_norm_in_place(&mut q_resid, &self.q_a_norm, eps);
+        let mut queries = vec![0f32; n * self.q_b.rows()];
+        self.q_b.matmul(&q_resid, n, &mut queries);
+        let mut compressed = vec![0f32; n * (kv_lora + rope)];
+        self.kv_a.matmul(h, n, &mut compressed);
+        let mut latents = vec![0f32; n * kv_lora];
+        let mut rope_keys = Vec::with_capacity(n * rope);
+        for (row, latent) in compressed
+            .chunks_exact(kv_lora + rope)
+            .zip(latents.chunks_exact_mut(kv_lora))
+        {
+            rms_norm(&row[..kv_lora], &self.kv_a_norm, eps, latent);
+            rope_keys.extend_from_slice(&row[kv_lora..]);
+        }
+        Projected {
+            q_low_rank: q_resid,
+            queries,
+            latents,
+            rope_keys,
+        }
+    }
+
+    pub fn size_bytes(&self) -> usize {
+        [&self.q_a, &self.q_b, &self.kv_a, &self.kv_b]
+            .iter()
+            .map(|m| m.size_bytes())
+            .sum::<usize>()
+            + 4 * (self.q_a_norm.len() + self.kv_a_norm.len())
     }
 }
 

@@ -5,14 +5,19 @@
 //! An engine decides what a model computes; it owns no file format, no counters of its own
 //! and no caching policy (those are `snapshot`, `route_trace` and `experts`).
 
+pub mod attn_res;
 pub mod dsa;
+pub mod gated_norm;
 pub mod glm_moe_dsa;
 pub mod inkling;
+pub mod kda;
+pub mod kimi_k3;
 pub mod layers;
 pub mod mla;
 pub mod moe;
 pub mod olmoe;
 pub mod short_conv;
+pub mod situ;
 pub mod window_attention;
 
 use anyhow::{bail, Result};
@@ -21,6 +26,7 @@ use crate::experts::{CacheStats, ExpertStore};
 use crate::quant::Width;
 use crate::route_trace::RouteTrace;
 use crate::snapshot::Snapshot;
+use crate::text::PromptConvention;
 use moe::RoutedExperts;
 
 /// How to build an engine from a snapshot.
@@ -104,6 +110,12 @@ pub trait Engine {
         &[]
     }
 
+    /// How a text prompt becomes ids for this model (BOS, a fixed prefix, a built-in chat
+    /// template) and which special tokens end its answers; used by text mode only.
+    fn prompt_convention(&self) -> PromptConvention {
+        PromptConvention::PLAIN
+    }
+
     /// Lines describing what the loaded model will do beyond its shapes (e.g. an active
     /// draft head or sparse attention), for the start of a run.
     fn notes(&self) -> Vec<String> {
@@ -136,13 +148,14 @@ pub trait Engine {
 }
 
 /// Every engine this build can run.
-pub const ENGINES: &[&str] = &[olmoe::NAME, inkling::NAME, glm_moe_dsa::NAME];
+pub const ENGINES: &[&str] = &[olmoe::NAME, inkling::NAME, glm_moe_dsa::NAME, kimi_k3::NAME];
 
 /// `model_type` values that name an engine differently: Inkling's text config, and its
-/// multimodal release config whose text part this engine runs.
+/// multimodal release config whose text part this engine runs; Kimi K3's text config.
 const MODEL_TYPES: &[(&str, &str)] = &[
     ("inkling_text", inkling::NAME),
     ("inkling_mm_model", inkling::NAME),
+    ("kimi_linear", kimi_k3::NAME),
 ];
 
 /// The engine a `model_type` from `config.json` names.
@@ -159,6 +172,7 @@ pub fn load(name: &str, snapshot: &Snapshot, options: LoadOptions) -> Result<Box
         olmoe::NAME => Ok(Box::new(olmoe::Olmoe::load(snapshot, options)?)),
         inkling::NAME => Ok(Box::new(inkling::Inkling::load(snapshot, options)?)),
         glm_moe_dsa::NAME => Ok(Box::new(glm_moe_dsa::GlmMoeDsa::load(snapshot, options)?)),
+        kimi_k3::NAME => Ok(Box::new(kimi_k3::KimiK3::load(snapshot, options)?)),
         other => bail!(
             "unknown engine {other:?}; this build runs: {}",
             ENGINES.join(", ")

@@ -5,7 +5,7 @@
 use anyhow::Result;
 
 use super::layers::{softmax, swiglu_ffn, top_k};
-use crate::experts::ExpertStore;
+use crate::experts::{Expert, ExpertStore};
 use crate::route_trace::RouteTrace;
 
 /// The experts one row of the batch routes to, with the gates the layer applies.
@@ -113,6 +113,28 @@ impl RoutedExperts {
             out,
         )
     }
+
+    /// See [`run_experts_with`].
+    pub fn run_with(
+        &mut self,
+        layer: usize,
+        input: &[f32],
+        routes: &[Route],
+        width: usize,
+        out: &mut [f32],
+        ffn: impl Fn(&Expert, &[f32], usize) -> Vec<f32>,
+    ) -> Result<()> {
+        run_experts_with(
+            &mut self.store,
+            &mut self.telemetry,
+            layer,
+            input,
+            routes,
+            width,
+            out,
+            ffn,
+        )
+    }
 }
 
 /// `out[row] = Σ gate · down(silu(gate_proj x) * up_proj x)` over each row's route.
@@ -129,6 +151,32 @@ pub fn run_experts(
     routes: &[Route],
     hidden: usize,
     out: &mut [f32],
+) -> Result<()> {
+    run_experts_with(
+        store,
+        telemetry,
+        layer,
+        input,
+        routes,
+        hidden,
+        out,
+        |weights, batch, n| swiglu_ffn(&weights.gate, &weights.up, &weights.down, batch, n),
+    )
+}
+
+/// [`run_experts`] with the expert FFN given: `ffn(expert, rows, n)` maps `n` rows of
+/// `width` inputs to `n` rows of `width` outputs (a SiTU-GLU expert, or experts working in a
+/// latent space narrower than the hidden size, as Kimi K3's).
+#[allow(clippy::too_many_arguments)]
+pub fn run_experts_with(
+    store: &mut ExpertStore,
+    telemetry: &mut RouteTrace,
+    layer: usize,
+    input: &[f32],
+    routes: &[Route],
+    width: usize,
+    out: &mut [f32],
+    ffn: impl Fn(&Expert, &[f32], usize) -> Vec<f32>,
 ) -> Result<()> {
     {
         let mut call = telemetry.moe_call(layer);
@@ -153,15 +201,13 @@ pub fn run_experts(
             })
             .collect();
         let n = rows.len();
-        let mut batch = Vec::with_capacity(n * hidden);
+        let mut batch = Vec::with_capacity(n * width);
         for &(row, _) in &rows {
-            batch.extend_from_slice(&input[row * hidden..][..hidden]);
+            batch.extend_from_slice(&input[row * width..][..width]);
         }
-        let result = store.with_expert(layer, expert, |weights| {
-            swiglu_ffn(&weights.gate, &weights.up, &weights.down, &batch, n)
-        })?;
-        for (&(row, weight), y) in rows.iter().zip(result.chunks_exact(hidden)) {
-            for (o, &v) in out[row * hidden..][..hidden].iter_mut().zip(y) {
+        let result = store.with_expert(layer, expert, |weights| ffn(weights, &batch, n))?;
+        for (&(row, weight), y) in rows.iter().zip(result.chunks_exact(width)) {
+            for (o, &v) in out[row * width..][..width].iter_mut().zip(y) {
                 *o += v * weight;
             }
         }

@@ -13,8 +13,32 @@ use crate::experts::{ExpertStore, ExpertTensors};
 use crate::quant::{load_vector, Matrix, Width};
 use crate::route_trace::RouteTrace;
 use crate::snapshot::Snapshot;
+use crate::text::PromptConvention;
 
 pub const NAME: &str = "olmoe";
+
+/// OLMoE prompts: the tokenizer's own encoding (no BOS), the Tulu chat format of
+/// OLMoE-Instruct, and every special token ends an answer.
+const PROMPT: PromptConvention = PromptConvention {
+    bos: false,
+    prefix: &[],
+    chat_template: Some(CHAT_TEMPLATE),
+    stop_on_special: true,
+};
+
+/// OLMoE-Instruct's chat template: `<|user|>` and `<|assistant|>` are plain text, each turn
+/// ends with a newline and an answer with the EOS token.
+const CHAT_TEMPLATE: &str = concat!(
+    "{{ bos_token }}",
+    "{% for message in messages %}",
+    "{% if message['role'] == 'system' %}{{ '<|system|>\\n' + message['content'] + '\\n' }}",
+    "{% elif message['role'] == 'user' %}{{ '<|user|>\\n' + message['content'] + '\\n' }}",
+    "{% elif message['role'] == 'assistant' %}",
+    "{{ '<|assistant|>\\n' + message['content'] + eos_token + '\\n' }}",
+    "{% endif %}",
+    "{% if loop.last and add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}",
+    "{% endfor %}",
+);
 
 /// The keys of `config.json` this engine reads.
 #[derive(Debug, Clone, Deserialize)]
@@ -348,6 +372,10 @@ fn layer_experts(snapshot: &Snapshot, config: &Config, l: usize) -> Result<Vec<E
 impl Engine for Olmoe {
     fn name(&self) -> &'static str {
         NAME
+    }
+
+    fn prompt_convention(&self) -> PromptConvention {
+        PROMPT
     }
 
     fn vocab_size(&self) -> usize {

@@ -44,7 +44,10 @@ pub fn quantize_int4_groups(values: &[f32], cols: usize, group: usize) -> (Vec<u
     let rows = values.len() / cols.max(1);
     let mut packed = vec![0x88u8; rows * row_bytes];
     let mut scales = Vec::with_capacity(rows * cols.div_ceil(group));
-    for (row, out) in values.chunks_exact(cols).zip(packed.chunks_exact_mut(row_bytes)) {
+    for (row, out) in values
+        .chunks_exact(cols)
+        .zip(packed.chunks_exact_mut(row_bytes))
+    {
         for (g, chunk) in row.chunks(group).enumerate() {
             let max = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
             let scale = (max / 7.0).max(MIN_SCALE);
@@ -53,7 +56,7 @@ pub fn quantize_int4_groups(values: &[f32], cols: usize, group: usize) -> (Vec<u
                 let i = g * group + offset;
                 let nibble = ((v / scale).round_ties_even().clamp(-8.0, 7.0) as i32 + 8) as u8;
                 let byte = &mut out[i / 2];
-                *byte = if i % 2 == 0 {
+                *byte = if i.is_multiple_of(2) {
                     (*byte & 0xF0) | nibble
                 } else {
                     (*byte & 0x0F) | (nibble << 4)
@@ -68,7 +71,11 @@ pub fn quantize_int4_groups(values: &[f32], cols: usize, group: usize) -> (Vec<u
 #[inline(always)]
 pub fn int4_value(row: &[u8], i: usize) -> f32 {
     let byte = row[i / 2];
-    let nibble = if i % 2 == 0 { byte & 0x0F } else { byte >> 4 };
+    let nibble = if i.is_multiple_of(2) {
+        byte & 0x0F
+    } else {
+        byte >> 4
+    };
     f32::from(nibble) - 8.0
 }
 
@@ -103,18 +110,23 @@ pub fn f32_to_e4m3(value: f32) -> u8 {
     }
     let sign = if value.is_sign_negative() { 0x80 } else { 0 };
     let magnitude = value.abs();
-    let table = e4m3_table();
     // Non-negative codes 0x00..=0x7E increase monotonically with their value.
-    let mut best = 0u8;
-    for code in 0..=0x7Eu8 {
-        let candidate = table[code as usize];
-        let best_value = table[best as usize];
-        let (d_new, d_best) = ((candidate - magnitude).abs(), (best_value - magnitude).abs());
-        if d_new < d_best || (d_new == d_best && code % 2 == 0 && best % 2 == 1) {
-            best = code;
+    let table = &e4m3_table()[..0x7F];
+    let above = table.partition_point(|&v| v < magnitude);
+    let code = if above == 0 {
+        0
+    } else if above == table.len() {
+        0x7E
+    } else {
+        let (low, high) = (above - 1, above);
+        let (d_low, d_high) = (magnitude - table[low], table[high] - magnitude);
+        if d_low < d_high || (d_low == d_high && low.is_multiple_of(2)) {
+            low
+        } else {
+            high
         }
-    }
-    sign | best
+    };
+    sign | code as u8
 }
 
 /// FP8 with one f32 scale per 128x128 block (`weight = e4m3 · scale`, the published
@@ -164,7 +176,11 @@ pub fn mxfp4_group_scale(scale: u8) -> f32 {
 #[inline(always)]
 pub fn e2m1_doubled_value(row: &[u8], i: usize) -> f32 {
     let byte = row[i / 2];
-    let code = if i % 2 == 0 { byte & 0x0F } else { byte >> 4 };
+    let code = if i.is_multiple_of(2) {
+        byte & 0x0F
+    } else {
+        byte >> 4
+    };
     f32::from(E2M1_DOUBLED[code as usize])
 }
 
@@ -178,7 +194,10 @@ pub fn quantize_mxfp4(values: &[f32], cols: usize) -> (Vec<u8>, Vec<u8>) {
     let rows = values.len() / cols.max(1);
     let mut packed = vec![0u8; rows * row_bytes];
     let mut scales = Vec::with_capacity(rows * cols.div_ceil(32));
-    for (row, out) in values.chunks_exact(cols).zip(packed.chunks_exact_mut(row_bytes)) {
+    for (row, out) in values
+        .chunks_exact(cols)
+        .zip(packed.chunks_exact_mut(row_bytes))
+    {
         for (g, chunk) in row.chunks(32).enumerate() {
             let max = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
             let exponent = if max > 0.0 {
@@ -191,7 +210,7 @@ pub fn quantize_mxfp4(values: &[f32], cols: usize) -> (Vec<u8>, Vec<u8>) {
             for (offset, v) in chunk.iter().enumerate() {
                 let i = g * 32 + offset;
                 let code = nearest_e2m1(v / scale);
-                out[i / 2] |= if i % 2 == 0 { code } else { code << 4 };
+                out[i / 2] |= if i.is_multiple_of(2) { code } else { code << 4 };
             }
         }
     }
@@ -204,7 +223,7 @@ fn nearest_e2m1(value: f32) -> u8 {
     for code in 1..8u8 {
         let d_new = (f32::from(E2M1_DOUBLED[code as usize]) - doubled).abs();
         let d_best = (f32::from(E2M1_DOUBLED[best as usize]) - doubled).abs();
-        if d_new < d_best || (d_new == d_best && code % 2 == 0) {
+        if d_new < d_best || (d_new == d_best && code.is_multiple_of(2)) {
             best = code;
         }
     }
@@ -247,7 +266,11 @@ mod tests {
         assert!(e4m3_to_f32(0xFF).is_nan());
         for code in 0..=255u8 {
             if code & 0x7F != 0x7F {
-                assert_eq!(f32_to_e4m3(e4m3_to_f32(code)) & 0x7F, code & 0x7F, "{code:#x}");
+                assert_eq!(
+                    f32_to_e4m3(e4m3_to_f32(code)) & 0x7F,
+                    code & 0x7F,
+                    "{code:#x}"
+                );
             }
         }
         assert_eq!(f32_to_e4m3(1000.0), 0x7E);

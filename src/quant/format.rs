@@ -35,7 +35,9 @@ pub enum Format {
     /// `name` O·⌈I/2⌉ nibble bytes, `name.qs` O f32 scales.
     Int4Row,
     /// `name` O·⌈I/2⌉ nibble bytes, `name.qs` O·⌈I/group⌉ f32 scales.
-    Int4Grouped { group: usize },
+    Int4Grouped {
+        group: usize,
+    },
     /// `name` O·I E4M3 bytes, scales ⌈O/128⌉·⌈I/128⌉ f32, one per 128x128 block.
     Fp8E4m3B128,
     /// `name` O·⌈I/2⌉ e2m1 nibble bytes, scales O·⌈I/32⌉ E8M0 bytes.
@@ -122,9 +124,7 @@ pub fn parse_stamp(text: &str) -> Result<HashMap<String, String>> {
         .iter()
         .map(|(tensor, format)| match format.as_str() {
             Some(format) => Ok((tensor.clone(), format.to_string())),
-            None => bail!(
-                "colibri.fmt entry {tensor:?} is {format}, not a format name string"
-            ),
+            None => bail!("colibri.fmt entry {tensor:?} is {format}, not a format name string"),
         })
         .collect()
 }
@@ -237,7 +237,7 @@ fn candidates(counts: &Counts, rows: usize, cols: usize) -> Vec<Format> {
     let (nb, o, i) = (counts.weight_bytes, rows, cols);
     let mut found = Vec::new();
     match counts.scale_dtype {
-        Dtype::F32 if counts.scale_bytes % 4 == 0 => {
+        Dtype::F32 if counts.scale_bytes.is_multiple_of(4) => {
             let ns = counts.scale_bytes / 4;
             let nibbles = o * i.div_ceil(2);
             if nb == o * i && ns == o {
@@ -277,7 +277,12 @@ fn candidates(counts: &Counts, rows: usize, cols: usize) -> Vec<Format> {
     found
 }
 
-fn quantised_format(view: &TensorView, counts: &Counts, rows: usize, cols: usize) -> Result<Format> {
+fn quantised_format(
+    view: &TensorView,
+    counts: &Counts,
+    rows: usize,
+    cols: usize,
+) -> Result<Format> {
     let scales_name = view.scales.as_ref().map_or("", |s| s.name.as_str());
     let mut found = candidates(counts, rows, cols);
     if found.is_empty()

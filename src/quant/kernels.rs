@@ -46,11 +46,18 @@ pub trait Lanes: Copy {
     /// # Safety
     /// As [`Lanes::zero`].
     unsafe fn sum(self) -> f32;
+    /// Ask for the cache line at `ptr` ahead of use (any address; never faults).
+    /// # Safety
+    /// As [`Lanes::zero`].
+    #[inline(always)]
+    unsafe fn prefetch(_ptr: *const u8) {}
 }
 
 /// How a format stores the elements of one row.
 pub trait Codes: Copy + Send + Sync + 'static {
     type Elem: Copy + Send + Sync;
+    /// Bytes that hold one chunk of eight elements.
+    const CHUNK_BYTES: usize;
     /// Storage units per row of `cols` elements.
     fn stride(cols: usize) -> usize;
     /// The exact value of element `i`, without its scale.
@@ -89,6 +96,7 @@ pub struct E2m1Codes;
 
 impl Codes for F32Codes {
     type Elem = f32;
+    const CHUNK_BYTES: usize = 32;
     fn stride(cols: usize) -> usize {
         cols
     }
@@ -100,6 +108,7 @@ impl Codes for F32Codes {
 
 impl Codes for Bf16Codes {
     type Elem = u16;
+    const CHUNK_BYTES: usize = 16;
     fn stride(cols: usize) -> usize {
         cols
     }
@@ -111,6 +120,7 @@ impl Codes for Bf16Codes {
 
 impl Codes for F16Codes {
     type Elem = u16;
+    const CHUNK_BYTES: usize = 16;
     fn stride(cols: usize) -> usize {
         cols
     }
@@ -122,6 +132,7 @@ impl Codes for F16Codes {
 
 impl Codes for I8Codes {
     type Elem = i8;
+    const CHUNK_BYTES: usize = 8;
     fn stride(cols: usize) -> usize {
         cols
     }
@@ -133,6 +144,7 @@ impl Codes for I8Codes {
 
 impl Codes for Int4Codes {
     type Elem = u8;
+    const CHUNK_BYTES: usize = 4;
     fn stride(cols: usize) -> usize {
         cols.div_ceil(2)
     }
@@ -144,6 +156,7 @@ impl Codes for Int4Codes {
 
 impl Codes for E4m3Codes {
     type Elem = u8;
+    const CHUNK_BYTES: usize = 8;
     fn stride(cols: usize) -> usize {
         cols
     }
@@ -155,6 +168,7 @@ impl Codes for E4m3Codes {
 
 impl Codes for E2m1Codes {
     type Elem = u8;
+    const CHUNK_BYTES: usize = 4;
     fn stride(cols: usize) -> usize {
         cols.div_ceil(2)
     }
@@ -243,9 +257,22 @@ unsafe fn dot_rows<V: Lanes, D: Decode<V>, const R: usize>(
     x_tail[..cols - full * 8].copy_from_slice(&x[full * 8..cols]);
     let mut acc = [V::zero(); R];
     let mut out = [0f32; R];
+    // Rows of a block are contiguous and read together in short streams, which hardware
+    // prefetchers ramp up on too late for narrow codes: ask for the line the same offset
+    // into the next block will need, one request per cache line.
+    let ahead = R * std::mem::size_of_val(rows[0]);
+    let per_line = (64 / D::CHUNK_BYTES).max(1);
+    let prefetch = |c: usize| {
+        if c % per_line == 0 {
+            for row in &rows {
+                V::prefetch((row.as_ptr() as *const u8).wrapping_add(c * D::CHUNK_BYTES + ahead));
+            }
+        }
+    };
     match scaling.group_size() {
         None => {
             for c in 0..full {
+                prefetch(c);
                 let xv = V::load(x.as_ptr().add(c * 8));
                 for r in 0..R {
                     acc[r] = V::fma(D::chunk(rows[r], c), xv, acc[r]);
@@ -273,6 +300,7 @@ unsafe fn dot_rows<V: Lanes, D: Decode<V>, const R: usize>(
                 let end = (c + per_group).min(chunks);
                 let mut partial = [V::zero(); R];
                 while c < end.min(full) {
+                    prefetch(c);
                     let xv = V::load(x.as_ptr().add(c * 8));
                     for r in 0..R {
                         partial[r] = V::fma(D::chunk(rows[r], c), xv, partial[r]);
@@ -573,7 +601,11 @@ pub fn matmul<D>(isa: Isa, view: View<'_, D::Elem>, input: &[f32], n: usize, out
 where
     D: Decode<Scalar> + SimdDecode,
 {
-    let isa = if isa == Isa::detect() { isa } else { Isa::Scalar };
+    let isa = if isa == Isa::detect() {
+        isa
+    } else {
+        Isa::Scalar
+    };
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => drive(&super::x86::Avx2Block::<D>(view), view, input, n, out),
@@ -591,7 +623,11 @@ where
     assert_eq!(x.len(), view.cols, "row_dot input width");
     assert!(row < view.rows, "row {row} of {}", view.rows);
     let mut out = [0f32];
-    let isa = if isa == Isa::detect() { isa } else { Isa::Scalar };
+    let isa = if isa == Isa::detect() {
+        isa
+    } else {
+        Isa::Scalar
+    };
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => super::x86::Avx2Block::<D>(view).rows(row, x, &mut out),
@@ -626,7 +662,9 @@ fn drive<T>(block: &dyn Block, view: View<'_, T>, input: &[f32], n: usize, out: 
     let parallel = n * rows * cols >= 1 << 16 && rayon::current_num_threads() > 1;
     // Blocks of whole 4-row groups, a few per thread so uneven rows balance out.
     let chunk = if parallel {
-        rows.div_ceil(rayon::current_num_threads() * 4).next_multiple_of(4).max(16)
+        rows.div_ceil(rayon::current_num_threads() * 4)
+            .next_multiple_of(4)
+            .max(16)
     } else {
         rows
     };

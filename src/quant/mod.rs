@@ -158,7 +158,12 @@ macro_rules! with_view {
     ($matrix:expr, |$view:ident, $codes:ident| $body:expr) => {{
         let m = $matrix;
         let (rows, cols) = (m.rows, m.cols);
-        fn view<'a, T>(data: &'a [T], rows: usize, cols: usize, scaling: Scaling<'a>) -> View<'a, T> {
+        fn view<'a, T>(
+            data: &'a [T],
+            rows: usize,
+            cols: usize,
+            scaling: Scaling<'a>,
+        ) -> View<'a, T> {
             View {
                 data,
                 rows,
@@ -253,7 +258,11 @@ impl Matrix {
             Format::F16 => Storage::F16(Data::from_mapped(&view.bytes)),
             _ => {
                 let Some(scales) = view.scales.as_deref() else {
-                    bail!("{}: tensor {} has no scales", view.file.display(), view.name);
+                    bail!(
+                        "{}: tensor {} has no scales",
+                        view.file.display(),
+                        view.name
+                    );
                 };
                 let bytes = &view.bytes;
                 match format {
@@ -317,8 +326,10 @@ impl Matrix {
             bail!("{} values for a {rows}x{cols} matrix", values.len());
         }
         match format {
-            Format::Int4Grouped { group } if group == 0 || group % 8 != 0 => {
-                bail!("int4-grouped needs a group size that is a positive multiple of 8, not {group}")
+            Format::Int4Grouped { group } if group == 0 || !group.is_multiple_of(8) => {
+                bail!(
+                    "int4-grouped needs a group size that is a positive multiple of 8, not {group}"
+                )
             }
             other if !other.supported() => bail!("{other} has no kernel"),
             other => Ok(Matrix::encode(rows, cols, values, other)),
@@ -328,7 +339,10 @@ impl Matrix {
     fn encode(rows: usize, cols: usize, values: &[f32], format: Format) -> Matrix {
         let storage = match format {
             Format::Bf16 => Storage::Bf16(Data::Owned(
-                values.iter().map(|&v| bf16::from_f32(v).to_bits()).collect(),
+                values
+                    .iter()
+                    .map(|&v| bf16::from_f32(v).to_bits())
+                    .collect(),
             )),
             Format::F16 => Storage::F16(Data::Owned(
                 values.iter().map(|&v| f16::from_f32(v).to_bits()).collect(),

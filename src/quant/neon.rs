@@ -123,10 +123,7 @@ impl Decode<Neon> for I8Codes {
 impl Decode<Neon> for Int4Codes {
     #[inline(always)]
     unsafe fn chunk(row: &[u8], c: usize) -> Neon {
-        i8_lanes(vsub_s8(
-            vreinterpret_s8_u8(nibbles(row, c)),
-            vdup_n_s8(8),
-        ))
+        i8_lanes(vsub_s8(vreinterpret_s8_u8(nibbles(row, c)), vdup_n_s8(8)))
     }
 }
 
@@ -140,7 +137,10 @@ unsafe fn e4m3_lanes(bytes: uint32x4_t) -> float32x4_t {
         vdupq_n_f32(f32::from_bits(0x7B80_0000)),
     );
     let sign = vshlq_n_u32(vandq_u32(bytes, vdupq_n_u32(0x80)), 24);
-    let nan = vandq_u32(vceqq_u32(magnitude, vdupq_n_u32(0x7F)), vdupq_n_u32(0x7FC0_0000));
+    let nan = vandq_u32(
+        vceqq_u32(magnitude, vdupq_n_u32(0x7F)),
+        vdupq_n_u32(0x7FC0_0000),
+    );
     vreinterpretq_f32_u32(vorrq_u32(
         vreinterpretq_u32_f32(value),
         vorrq_u32(sign, nan),
@@ -166,7 +166,12 @@ impl Decode<Neon> for E2m1Codes {
 pub(super) struct NeonBlock<'a, D: Decode<Neon>>(pub View<'a, D::Elem>);
 
 #[target_feature(enable = "neon")]
-unsafe fn rows<D: Decode<Neon>>(view: &View<'_, D::Elem>, first: usize, x: &[f32], out: &mut [f32]) {
+unsafe fn rows<D: Decode<Neon>>(
+    view: &View<'_, D::Elem>,
+    first: usize,
+    x: &[f32],
+    out: &mut [f32],
+) {
     super::kernels::rows_into::<Neon, D>(view.data, view.cols, view.scaling, first, x, out)
 }
 

@@ -37,9 +37,16 @@ impl Lanes for Avx2 {
     #[inline(always)]
     unsafe fn sum(self) -> f32 {
         // (l0+l4, l1+l5, l2+l6, l3+l7), then pairs two apart, then the last two.
-        let halves = _mm_add_ps(_mm256_castps256_ps128(self.0), _mm256_extractf128_ps(self.0, 1));
+        let halves = _mm_add_ps(
+            _mm256_castps256_ps128(self.0),
+            _mm256_extractf128_ps(self.0, 1),
+        );
         let pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
         _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)))
+    }
+    #[inline(always)]
+    unsafe fn prefetch(ptr: *const u8) {
+        _mm_prefetch::<_MM_HINT_T0>(ptr as *const i8)
     }
 }
 
@@ -54,7 +61,10 @@ impl Decode<Avx2> for Bf16Codes {
     #[inline(always)]
     unsafe fn chunk(row: &[u16], c: usize) -> Avx2 {
         let bits = _mm_loadu_si128(row.as_ptr().add(c * 8) as *const __m128i);
-        Avx2(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16)))
+        Avx2(_mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(bits),
+            16,
+        )))
     }
 }
 
@@ -99,9 +109,8 @@ impl Decode<Avx2> for E4m3Codes {
         // The seven magnitude bits shifted into an f32's exponent and mantissa give the
         // value times 2^-120 (subnormals included); scale back, add the sign, and turn the
         // NaN code 0x7F into a NaN.
-        let bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
-            row.as_ptr().add(c * 8) as *const __m128i
-        ));
+        let bytes =
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64(row.as_ptr().add(c * 8) as *const __m128i));
         let magnitude = _mm256_and_si256(bytes, _mm256_set1_epi32(0x7F));
         let value = _mm256_mul_ps(
             _mm256_castsi256_ps(_mm256_slli_epi32(magnitude, 20)),
@@ -136,7 +145,12 @@ impl Decode<Avx2> for E2m1Codes {
 pub(super) struct Avx2Block<'a, D: Decode<Avx2>>(pub View<'a, D::Elem>);
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows<D: Decode<Avx2>>(view: &View<'_, D::Elem>, first: usize, x: &[f32], out: &mut [f32]) {
+unsafe fn rows<D: Decode<Avx2>>(
+    view: &View<'_, D::Elem>,
+    first: usize,
+    x: &[f32],
+    out: &mut [f32],
+) {
     super::kernels::rows_into::<Avx2, D>(view.data, view.cols, view.scaling, first, x, out)
 }
 

@@ -16,11 +16,12 @@ const OWNER: &str = "inkling";
 
 /// Whether `bytes` start with the IKU1 magic. Text histories begin with `-` or a digit
 /// (or whitespace), so this cannot misfire on our own files.
-pub(super) fn sniff(bytes: &[u8]) -> bool {
+pub fn sniff(bytes: &[u8]) -> bool {
     bytes.starts_with(&MAGIC)
 }
 
-fn word(bytes: &[u8], at: usize) -> Option<u32> {
+/// The little-endian u32 at byte `at`, if the file is that long.
+pub fn word(bytes: &[u8], at: usize) -> Option<u32> {
     let w = bytes.get(at..at + 4)?;
     Some(u32::from_le_bytes([w[0], w[1], w[2], w[3]]))
 }

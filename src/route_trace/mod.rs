@@ -18,7 +18,7 @@ mod cfmt;
 mod counters;
 pub mod history;
 mod identity;
-mod iku1;
+pub mod iku1;
 pub mod placement;
 pub mod repin;
 pub mod save;

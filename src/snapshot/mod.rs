@@ -138,7 +138,10 @@ impl Snapshot {
         let mut view = self.raw_tensor(name)?;
         let scales = [format!("{name}.qs"), format!("{name}_scale_inv")]
             .into_iter()
-            .chain(name.strip_suffix(".weight_packed").map(|stem| format!("{stem}.weight_scale")))
+            .chain(
+                name.strip_suffix(".weight_packed")
+                    .map(|stem| format!("{stem}.weight_scale")),
+            )
             .find(|candidate| self.tensors.contains_key(candidate));
         if let Some(scales) = scales {
             view.scales = Some(Box::new(self.raw_tensor(&scales)?));
@@ -199,7 +202,9 @@ fn add_merged_expert_views(
         let weights = tensors[&format!("{prefix}.merged_weight")].clone();
         let file = shard_paths[weights.shard].display();
         let Some(scales) = tensors.get(&format!("{prefix}.qs")).cloned() else {
-            bail!("{file}: {prefix}.merged_weight has no {prefix}.qs row scales; untrusted container");
+            bail!(
+                "{file}: {prefix}.merged_weight has no {prefix}.qs row scales; untrusted container"
+            );
         };
         let (nb, ns) = (weights.end - weights.start, scales.end - scales.start);
         if nb != 3 * i * d || ns != (2 * i + d) * 4 || scales.dtype != Dtype::F32 {
@@ -218,15 +223,22 @@ fn add_merged_expert_views(
         ] {
             let name = format!("{prefix}.{part}.weight");
             let rows = shape[0];
-            let window = |entry: &TensorEntry, start: usize, len: usize, shape: Vec<usize>| TensorEntry {
-                shape,
-                start: entry.start + start,
-                end: entry.start + start + len,
-                ..entry.clone()
-            };
+            let window =
+                |entry: &TensorEntry, start: usize, len: usize, shape: Vec<usize>| TensorEntry {
+                    shape,
+                    start: entry.start + start,
+                    end: entry.start + start + len,
+                    ..entry.clone()
+                };
             for (alias, entry) in [
-                (name.clone(), window(&weights, offset, i * d, shape.to_vec())),
-                (format!("{name}.qs"), window(&scales, first_scale * 4, rows * 4, vec![rows])),
+                (
+                    name.clone(),
+                    window(&weights, offset, i * d, shape.to_vec()),
+                ),
+                (
+                    format!("{name}.qs"),
+                    window(&scales, first_scale * 4, rows * 4, vec![rows]),
+                ),
             ] {
                 if tensors.insert(alias.clone(), entry).is_some() {
                     bail!("{file}: {alias} is stored both on its own and inside {prefix}.merged_weight");

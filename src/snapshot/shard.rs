@@ -198,7 +198,10 @@ impl TensorView {
         shape[0] = lead / count;
         // A quantised weight's scales split with its rows.
         let scales = match &self.scales {
-            Some(scales) if scales.bytes.len() % count != 0 || self.bytes.len() % count != 0 => {
+            Some(scales)
+                if !scales.bytes.len().is_multiple_of(count)
+                    || !self.bytes.len().is_multiple_of(count) =>
+            {
                 bail!(
                     "{}: quantised tensor {} ({} bytes, {} scale bytes) cannot be split into {count} parts",
                     self.file.display(),

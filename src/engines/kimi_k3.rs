@@ -1,0 +1,1031 @@
+//! Kimi K3 (`kimi_k3`, whose text model is a `kimi_linear` config): Kimi Delta Attention
+//! layers ([`super::kda`]) interleaved with gated NoPE MLA layers, a dense SiTU-GLU first
+//! layer then stable LatentMoE layers, and block attention residuals
+//! ([`super::attn_res`]) in place of the residual stream.
+//!
+//! - Layer `i` is KDA when `i + 1` is in `linear_attn_config.kda_layers` (1-indexed), else
+//!   MLA with no rotation anywhere (the "rope" part of the key is the raw shared vector) and
+//!   an elementwise output gate: `o_proj(context * sigmoid(g_proj x))`.
+//! - LatentMoE: a sigmoid router with a score-correction bias chooses on the full hidden
+//!   state; the routed experts (SiTU-GLU, `w1` gate, `w3` up, `w2` down) work in the latent
+//!   `routed_expert_down_proj x`; their gated sum is RMS-normalised (`routed_expert_norm`) and
+//!   projected back up, then the fused shared experts of `x` are added.
+//! - Routed experts are read as published: compressed-tensors MXFP4
+//!   (`experts.{E}.w{1,2,3}.weight_packed` + `.weight_scale`), through `quant`'s MXFP4
+//!   format, with f32 activations in the oracle setting.
+//!
+//! A forward runs its tokens in chunks of [`PREFILL_CHUNK`]: each chunk's projections are
+//! batched and its experts deduplicated, while the KDA recurrence and the MLA cache carry
+//! across chunks, so any split of a sequence computes the same tokens.
+
+use std::path::Path;
+
+use anyhow::{anyhow, bail, Context, Result};
+use serde::Deserialize;
+
+use super::attn_res::{ResMix, ResidualStream};
+use super::kda::{Kda, KdaShape, KdaState};
+use super::layers::{rms_norm, rms_norm_in_place};
+use super::mla::{attend_absorbed, attend_plain, Keys, LatentCache, MlaProjections, MlaShape};
+use super::moe::{Route, RoutedExperts, SigmoidRouter};
+use super::situ::{Situ, SituMlp};
+use super::{Engine, LoadOptions};
+use crate::experts::{ExpertStore, ExpertTensors};
+use crate::quant::{load_vector, Matrix, Width};
+use crate::route_trace::RouteTrace;
+use crate::snapshot::Snapshot;
+use crate::text::PromptConvention;
+
+pub const NAME: &str = "kimi_k3";
+
+/// Tokens per chunk of a long forward (colibri's `K3_CHUNK` default).
+pub const PREFILL_CHUNK: usize = 32;
+
+/// transformers' `KimiLinearAttention` builds `q_a_layernorm` and `kv_a_layernorm` with its
+/// RMSNorm default epsilon, not `rms_norm_eps`.
+const LORA_NORM_EPS: f64 = 1e-6;
+
+/// Token ids in a config: one id, a list of ids, or null; `what` names the key.
+fn token_ids(value: &serde_json::Value, what: &str) -> Result<Vec<u32>> {
+    let id = |v: &serde_json::Value| v.as_u64().and_then(|id| u32::try_from(id).ok());
+    let ids = match value {
+        serde_json::Value::Null => Some(Vec::new()),
+        serde_json::Value::Array(items) => items.iter().map(id).collect(),
+        single => id(single).map(|id| vec![id]),
+    };
+    ids.ok_or_else(|| anyhow!("{what} must be a token id or a list of token ids, found {value}"))
+}
+
+/// `linear_attn_config`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct LinearAttnConfig {
+    /// 1-indexed.
+    pub kda_layers: Vec<usize>,
+    /// 1-indexed; when present, exactly the layers that are not KDA.
+    pub full_attn_layers: Option<Vec<usize>>,
+    pub num_heads: usize,
+    pub head_dim: usize,
+    pub short_conv_kernel_size: usize,
+    pub gate_lower_bound: Option<f32>,
+    pub use_full_rank_gate: Option<bool>,
+}
+
+/// The text config (`text_config` of the release's `kimi_k3` config, or a bare
+/// `kimi_linear` one). Keys K3 needs are required; keys whose release value the engine
+/// implements are checked when present (see [`Config::validate`]).
+#[derive(Debug, Clone, Deserialize)]
+pub struct Config {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub num_hidden_layers: usize,
+    pub first_k_dense_replace: usize,
+    pub intermediate_size: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: Option<usize>,
+    pub q_lora_rank: usize,
+    pub kv_lora_rank: usize,
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+    pub num_experts: usize,
+    pub num_experts_per_token: usize,
+    pub moe_intermediate_size: usize,
+    pub routed_expert_hidden_size: Option<usize>,
+    pub num_shared_experts: usize,
+    pub attn_res_block_size: Option<usize>,
+    pub activation_situ_beta: f32,
+    pub activation_situ_linear_beta: Option<f32>,
+    #[serde(default = "default_eps")]
+    pub rms_norm_eps: f64,
+    pub linear_attn_config: LinearAttnConfig,
+    pub hidden_act: Option<String>,
+    pub moe_router_activation_func: Option<String>,
+    pub topk_method: Option<String>,
+    pub use_grouped_topk: Option<bool>,
+    pub num_expert_group: Option<usize>,
+    pub topk_group: Option<usize>,
+    pub moe_renormalize: Option<bool>,
+    pub routed_scaling_factor: Option<f32>,
+    pub latent_moe_use_norm: Option<bool>,
+    pub mla_use_nope: Option<bool>,
+    pub mla_use_output_gate: Option<bool>,
+    pub moe_layer_freq: Option<usize>,
+    pub tie_word_embeddings: Option<bool>,
+    pub quantization_config: Option<serde_json::Value>,
+    /// The release keeps it at the top level; read there first.
+    #[serde(default)]
+    pub eos_token_id: serde_json::Value,
+}
+
+fn default_eps() -> f64 {
+    1e-5
+}
+
+impl Config {
+    /// The text config of `config.json`, with `eos_token_id` taken from the top level
+    /// first.
+    pub fn read(snapshot: &Snapshot) -> Result<Config> {
+        let path = snapshot.dir().join("config.json");
+        Config::from_json(snapshot.config_json(), &path)
+    }
+
+    fn from_json(root: &serde_json::Value, path: &Path) -> Result<Config> {
+        let (text, what) = match root.get("text_config") {
+            Some(text) if text.is_object() => (text, "text_config"),
+            Some(other) => bail!(
+                "{}: text_config is {other}, expected an object",
+                path.display()
+            ),
+            None => (root, "the config"),
+        };
+        let mut config: Config = serde_json::from_value(text.clone())
+            .map_err(|err| anyhow!("{}: {what}: {err}", path.display()))?;
+        if let Some(eos) = root.get("eos_token_id").filter(|v| !v.is_null()) {
+            config.eos_token_id = eos.clone();
+        }
+        config
+            .validate()
+            .with_context(|| format!("{}: {what}", path.display()))?;
+        Ok(config)
+    }
+
+    /// Per layer (0-based): whether it is a KDA layer.
+    fn kda_layers(&self) -> Vec<bool> {
+        let mut kda = vec![false; self.num_hidden_layers];
+        for &l in &self.linear_attn_config.kda_layers {
+            kda[l - 1] = true;
+        }
+        kda
+    }
+
+    fn latent(&self) -> usize {
+        self.routed_expert_hidden_size.unwrap_or(0)
+    }
+
+    fn block_size(&self) -> usize {
+        self.attn_res_block_size.unwrap_or(1)
+    }
+
+    fn lower_bound(&self) -> f32 {
+        self.linear_attn_config.gate_lower_bound.unwrap_or(0.0)
+    }
+
+    fn situ(&self) -> Situ {
+        Situ {
+            beta: self.activation_situ_beta,
+            linear_beta: self.activation_situ_linear_beta,
+        }
+    }
+
+    /// `(groups, groups kept)` of the router: grouped top-k only with `use_grouped_topk`.
+    fn groups(&self) -> (usize, usize) {
+        if self.use_grouped_topk == Some(false) {
+            return (1, 1);
+        }
+        let groups = self.num_expert_group.unwrap_or(1);
+        (groups, self.topk_group.unwrap_or(1).min(groups))
+    }
+
+    fn mla_shape(&self) -> MlaShape {
+        MlaShape {
+            heads: self.num_attention_heads,
+            nope: self.qk_nope_head_dim,
+            rope: self.qk_rope_head_dim,
+            v: self.v_head_dim,
+            kv_lora: self.kv_lora_rank,
+            scale: ((self.qk_nope_head_dim + self.qk_rope_head_dim) as f32).powf(-0.5),
+        }
+    }
+
+    fn kda_shape(&self) -> KdaShape {
+        let lac = &self.linear_attn_config;
+        KdaShape {
+            heads: lac.num_heads,
+            head_dim: lac.head_dim,
+            kernel: lac.short_conv_kernel_size,
+            lower_bound: self.lower_bound(),
+            eps: self.rms_norm_eps,
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        let n = self.num_hidden_layers;
+        if n == 0 || self.hidden_size == 0 || self.vocab_size == 0 || self.num_attention_heads == 0
+        {
+            bail!("hidden_size, num_hidden_layers, vocab_size and num_attention_heads must be positive");
+        }
+        let expect = |key: &str, found: Option<&str>, want: &str| -> Result<()> {
+            match found {
+                Some(value) if value != want => {
+                    bail!("{key} is {value:?}; {NAME} implements {want:?} only (Kimi K3's value)")
+                }
+                _ => Ok(()),
+            }
+        };
+        match self.hidden_act.as_deref() {
+            Some("situ") => {}
+            found => bail!(
+                "hidden_act is {found:?}; {NAME} runs Kimi K3, whose MLPs use \"situ\" (a Kimi Linear checkpoint with \"silu\" is a different model)"
+            ),
+        }
+        expect(
+            "moe_router_activation_func",
+            self.moe_router_activation_func.as_deref(),
+            "sigmoid",
+        )?;
+        expect("topk_method", self.topk_method.as_deref(), "noaux_tc")?;
+        let truth = |key: &str, found: Option<bool>, what: &str| -> Result<()> {
+            match found {
+                Some(false) => {
+                    bail!("{key} is false; {NAME} implements {what} only (Kimi K3's value is true)")
+                }
+                _ => Ok(()),
+            }
+        };
+        truth(
+            "mla_use_nope",
+            self.mla_use_nope,
+            "MLA without rotary embeddings",
+        )?;
+        truth(
+            "linear_attn_config.use_full_rank_gate",
+            self.linear_attn_config.use_full_rank_gate,
+            "the full-rank KDA output gate (g_proj)",
+        )?;
+        if let Some(freq) = self.moe_layer_freq.filter(|&f| f != 1) {
+            bail!("moe_layer_freq is {freq}; {NAME} implements a MoE in every layer after the dense ones (1)");
+        }
+        if let Some(kv) = self
+            .num_key_value_heads
+            .filter(|&kv| kv != self.num_attention_heads)
+        {
+            bail!(
+                "num_key_value_heads ({kv}) must equal num_attention_heads ({}): MLA decompresses one key and value per head",
+                self.num_attention_heads
+            );
+        }
+        match self.attn_res_block_size {
+            Some(size) if size > 0 => {}
+            found => bail!("attn_res_block_size is {found:?}; Kimi K3 replaces the residual stream by attention residuals every attn_res_block_size layers (a positive integer; a config without it is Kimi Linear, which {NAME} does not run)"),
+        }
+        match self.linear_attn_config.gate_lower_bound {
+            Some(bound) if bound < 0.0 => {}
+            found => bail!("linear_attn_config.gate_lower_bound is {found:?}; {NAME} implements Kimi K3's lower-bounded KDA gate, which needs a negative bound (K3: -5)"),
+        }
+        let latent = self.latent();
+        if latent == 0 {
+            bail!("routed_expert_hidden_size is {:?}; {NAME} implements Kimi K3's LatentMoE, whose routed experts work in a latent of that width", self.routed_expert_hidden_size);
+        }
+        if self.activation_situ_beta <= 0.0
+            || self.activation_situ_linear_beta.is_some_and(|b| b <= 0.0)
+        {
+            bail!(
+                "activation_situ_beta ({}) and activation_situ_linear_beta ({:?}) must be positive",
+                self.activation_situ_beta,
+                self.activation_situ_linear_beta
+            );
+        }
+        if self.first_k_dense_replace >= n {
+            bail!(
+                "first_k_dense_replace ({}) leaves no MoE layer among num_hidden_layers ({n})",
+                self.first_k_dense_replace
+            );
+        }
+        let lac = &self.linear_attn_config;
+        if lac.num_heads == 0 || lac.head_dim == 0 || lac.short_conv_kernel_size == 0 {
+            bail!("linear_attn_config: num_heads, head_dim and short_conv_kernel_size must be positive");
+        }
+        let mut kda = vec![false; n];
+        for &l in &lac.kda_layers {
+            if l == 0 || l > n {
+                bail!("linear_attn_config.kda_layers has {l}; the list is 1-indexed, so entries lie in 1..={n}");
+            }
+            if std::mem::replace(&mut kda[l - 1], true) {
+                bail!("linear_attn_config.kda_layers lists layer {l} twice");
+            }
+        }
+        if let Some(full) = &lac.full_attn_layers {
+            let mut listed: Vec<usize> = full.clone();
+            listed.sort_unstable();
+            let complement: Vec<usize> = (1..=n).filter(|&l| !kda[l - 1]).collect();
+            if listed != complement {
+                bail!("linear_attn_config.full_attn_layers {full:?} must be exactly the layers not in kda_layers ({complement:?}, 1-indexed)");
+            }
+        }
+        let (experts, k) = (self.num_experts, self.num_experts_per_token);
+        let (groups, kept) = self.groups();
+        if groups == 0 || experts == 0 || !experts.is_multiple_of(groups) || kept == 0 {
+            bail!("num_experts ({experts}) must be a positive multiple of num_expert_group ({groups}), and topk_group positive");
+        }
+        if k == 0 || k > kept * (experts / groups) {
+            bail!("num_experts_per_token ({k}) must be between 1 and the experts of topk_group groups ({})", kept * (experts / groups));
+        }
+        if let Some(quant) = &self.quantization_config {
+            check_quantization(quant)?;
+        }
+        token_ids(&self.eos_token_id, "eos_token_id")?;
+        Ok(())
+    }
+}
+
+/// The release's `quantization_config`: compressed-tensors MXFP4 in groups of 32.
+fn check_quantization(quant: &serde_json::Value) -> Result<()> {
+    let text = |key: &str| quant.get(key).and_then(|v| v.as_str());
+    if text("quant_method") != Some("compressed-tensors")
+        || text("format") != Some("mxfp4-pack-quantized")
+    {
+        bail!(
+            "quantization_config is quant_method {:?}, format {:?}; {NAME} reads the release's compressed-tensors \"mxfp4-pack-quantized\" experts",
+            text("quant_method"),
+            text("format")
+        );
+    }
+    fn group_sizes(value: &serde_json::Value, out: &mut Vec<serde_json::Value>) {
+        match value {
+            serde_json::Value::Object(map) => {
+                for (key, v) in map {
+                    if key == "group_size" {
+                        out.push(v.clone());
+                    } else {
+                        group_sizes(v, out);
+                    }
+                }
+            }
+            serde_json::Value::Array(items) => items.iter().for_each(|v| group_sizes(v, out)),
+            _ => {}
+        }
+    }
+    let mut sizes = Vec::new();
+    group_sizes(quant, &mut sizes);
+    if let Some(bad) = sizes.iter().find(|v| v.as_u64() != Some(32)) {
+        bail!("quantization_config has group_size {bad}; MXFP4 scales one group of 32 values");
+    }
+    Ok(())
+}
+
+/// Where the text model's tensors live: under `language_model.` (the release) or not.
+fn tensor_prefix(snapshot: &Snapshot) -> Result<&'static str> {
+    for prefix in ["language_model.", ""] {
+        if snapshot.contains(&format!("{prefix}model.embed_tokens.weight")) {
+            return Ok(prefix);
+        }
+    }
+    bail!(
+        "{}: neither language_model.model.embed_tokens.weight nor model.embed_tokens.weight is in any shard; not a Kimi K3 checkpoint",
+        snapshot.dir().display()
+    )
+}
+
+/// A gated NoPE MLA layer.
+struct GatedMla {
+    proj: MlaProjections,
+    gate: Option<Matrix>,
+    o: Matrix,
+}
+
+enum Mixer {
+    Kda(Box<Kda>),
+    Mla(Box<GatedMla>),
+}
+
+/// What a layer's attention remembers between forwards.
+enum MixerState {
+    Kda(KdaState),
+    Mla(LatentCache),
+}
+
+/// The stable LatentMoE block.
+struct LatentMoe {
+    router: Matrix,
+    choose: SigmoidRouter,
+    down: Matrix,
+    norm: Option<Vec<f32>>,
+    up: Matrix,
+    shared: Option<SituMlp>,
+}
+
+enum Ffn {
+    Dense(Box<SituMlp>),
+    Moe(Box<LatentMoe>),
+}
+
+struct Layer {
+    input_norm: Vec<f32>,
+    post_attention_norm: Vec<f32>,
+    attention_mix: ResMix,
+    mlp_mix: ResMix,
+    mixer: Mixer,
+    ffn: Ffn,
+}
+
+/// What a forward's layers share.
+struct Pass<'a> {
+    config: &'a Config,
+    situ: Situ,
+    n: usize,
+    routed: &'a mut RoutedExperts,
+}
+
+impl Layer {
+    fn load(
+        snapshot: &Snapshot,
+        config: &Config,
+        p: &str,
+        l: usize,
+        kda: bool,
+        width: Width,
+    ) -> Result<Layer> {
+        let d = config.hidden_size;
+        let eps = config.rms_norm_eps;
+        let matrix = |name: &str, rows: usize, cols: usize, width: Width| -> Result<Matrix> {
+            Matrix::load(
+                &snapshot.tensor_shaped(&format!("{p}.{name}"), &[rows, cols])?,
+                width,
+            )
+        };
+        let vector =
+            |name: &str, len: usize| load_vector(&snapshot.tensor(&format!("{p}.{name}"))?, len);
+        let a = format!("{p}.self_attn");
+        let mixer = if kda {
+            Mixer::Kda(Box::new(Kda::load(
+                snapshot,
+                &a,
+                d,
+                config.kda_shape(),
+                width,
+            )?))
+        } else {
+            let shape = config.mla_shape();
+            let context = shape.heads * shape.v;
+            Mixer::Mla(Box::new(GatedMla {
+                proj: MlaProjections::load(snapshot, &a, d, config.q_lora_rank, shape, width)?,
+                gate: match config.mla_use_output_gate {
+                    Some(false) => None,
+                    _ => Some(matrix("self_attn.g_proj.weight", context, d, width)?),
+                },
+                o: matrix("self_attn.o_proj.weight", d, context, width)?,
+            }))
+        };
+        let ffn = if l < config.first_k_dense_replace {
+            Ffn::Dense(Box::new(SituMlp::load(
+                snapshot,
+                &format!("{p}.mlp"),
+                d,
+                config.intermediate_size,
+                config.situ(),
+                width,
+            )?))
+        } else {
+            let m = format!("{p}.block_sparse_moe");
+            let latent = config.latent();
+            let (n_group, topk_group) = config.groups();
+            let shared = config.moe_intermediate_size * config.num_shared_experts;
+            Ffn::Moe(Box::new(LatentMoe {
+                router: matrix(
+                    "block_sparse_moe.gate.weight",
+                    config.num_experts,
+                    d,
+                    Width::F32,
+                )?,
+                choose: SigmoidRouter {
+                    bias: load_vector(
+                        &snapshot.tensor(&format!("{m}.gate.e_score_correction_bias"))?,
+                        config.num_experts,
+                    )?,
+                    top_k: config.num_experts_per_token,
+                    n_group,
+                    topk_group,
+                    normalise: config.moe_renormalize.unwrap_or(true),
+                    scale: config.routed_scaling_factor.unwrap_or(1.0),
+                },
+                down: matrix(
+                    "block_sparse_moe.routed_expert_down_proj.weight",
+                    latent,
+                    d,
+                    width,
+                )?,
+                norm: match config.latent_moe_use_norm {
+                    Some(false) => None,
+                    _ => Some(vector(
+                        "block_sparse_moe.routed_expert_norm.weight",
+                        latent,
+                    )?),
+                },
+                up: matrix(
+                    "block_sparse_moe.routed_expert_up_proj.weight",
+                    d,
+                    latent,
+                    width,
+                )?,
+                shared: (shared > 0)
+                    .then(|| {
+                        SituMlp::load(
+                            snapshot,
+                            &format!("{m}.shared_experts"),
+                            d,
+                            shared,
+                            config.situ(),
+                            width,
+                        )
+                    })
+                    .transpose()?,
+            }))
+        };
+        Ok(Layer {
+            input_norm: vector("input_layernorm.weight", d)?,
+            post_attention_norm: vector("post_attention_layernorm.weight", d)?,
+            attention_mix: ResMix::load(snapshot, &format!("{p}.self_attention_res"), d, eps)?,
+            mlp_mix: ResMix::load(snapshot, &format!("{p}.mlp_res"), d, eps)?,
+            mixer,
+            ffn,
+        })
+    }
+
+    fn size_bytes(&self) -> usize {
+        let mixer = match &self.mixer {
+            Mixer::Kda(kda) => kda.size_bytes(),
+            Mixer::Mla(mla) => {
+                mla.proj.size_bytes()
+                    + mla.o.size_bytes()
+                    + mla.gate.as_ref().map_or(0, Matrix::size_bytes)
+            }
+        };
+        let ffn = match &self.ffn {
+            Ffn::Dense(mlp) => mlp.size_bytes(),
+            Ffn::Moe(moe) => {
+                moe.router.size_bytes()
+                    + moe.down.size_bytes()
+                    + moe.up.size_bytes()
+                    + 4 * (moe.choose.bias.len() + moe.norm.as_ref().map_or(0, Vec::len))
+                    + moe.shared.as_ref().map_or(0, SituMlp::size_bytes)
+            }
+        };
+        mixer
+            + ffn
+            + 4 * (self.input_norm.len() + self.post_attention_norm.len())
+            + self.attention_mix.size_bytes()
+            + self.mlp_mix.size_bytes()
+    }
+
+    fn attention(&self, state: &mut MixerState, pass: &Pass, h: &[f32]) -> Result<Vec<f32>> {
+        let n = pass.n;
+        match (&self.mixer, state) {
+            (Mixer::Kda(kda), MixerState::Kda(state)) => Ok(kda.forward(h, n, state)),
+            (Mixer::Mla(mla), MixerState::Mla(cache)) => {
+                let shape = pass.config.mla_shape();
+                let projected = mla.proj.project(h, n, LORA_NORM_EPS);
+                cache.push(&projected.latents, &projected.rope_keys);
+                let mut context = vec![0f32; n * shape.heads * shape.v];
+                // Many queries share one expansion of the cache; a single one is cheaper
+                // against the latents directly.
+                let attend = if n > 1 { attend_plain } else { attend_absorbed };
+                attend(
+                    shape,
+                    mla.proj.kv_b(),
+                    &projected.queries,
+                    n,
+                    cache,
+                    &Keys::Causal,
+                    &mut context,
+                );
+                if let Some(gate) = &mla.gate {
+                    let mut g = vec![0f32; context.len()];
+                    gate.matmul(h, n, &mut g);
+                    for (c, &g) in context.iter_mut().zip(&g) {
+                        *c *= 1.0 / (1.0 + (-g).exp());
+                    }
+                }
+                let mut out = vec![0f32; n * pass.config.hidden_size];
+                mla.o.matmul(&context, n, &mut out);
+                Ok(out)
+            }
+            _ => bail!("{NAME}: a layer's attention state does not match its kind"),
+        }
+    }
+
+    fn ffn(&self, id: usize, pass: &mut Pass, h: &[f32]) -> Result<Vec<f32>> {
+        let (n, d, eps) = (pass.n, pass.config.hidden_size, pass.config.rms_norm_eps);
+        let moe = match &self.ffn {
+            Ffn::Dense(mlp) => return Ok(mlp.forward(h, n)),
+            Ffn::Moe(moe) => moe,
+        };
+        let experts = moe.router.rows();
+        let mut logits = vec![0f32; n * experts];
+        moe.router.matmul(h, n, &mut logits);
+        let routes: Vec<Route> = logits
+            .chunks_exact(experts)
+            .map(|row| moe.choose.route(row))
+            .collect();
+        let latent = moe.down.rows();
+        let mut z = vec![0f32; n * latent];
+        moe.down.matmul(h, n, &mut z);
+        let mut routed = vec![0f32; n * latent];
+        let situ = pass.situ;
+        pass.routed
+            .run_with(id, &z, &routes, latent, &mut routed, |w, rows, m| {
+                situ.ffn(&w.gate, &w.up, &w.down, rows, m)
+            })?;
+        if let Some(norm) = &moe.norm {
+            rms_norm_in_place(&mut routed, norm, eps);
+        }
+        let mut out = vec![0f32; n * d];
+        moe.up.matmul(&routed, n, &mut out);
+        if let Some(shared) = &moe.shared {
+            for (o, s) in out.iter_mut().zip(shared.forward(h, n)) {
+                *o += s;
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// The routed experts of MoE layer `p` as published: `w1` (gate) and `w3` (up)
+/// `[moe_intermediate, latent]`, `w2` (down) `[latent, moe_intermediate]`, MXFP4
+/// (`weight_packed` + `weight_scale`) or float (`weight`). Looked up by name, so their order
+/// in the shard does not matter.
+fn layer_experts(snapshot: &Snapshot, config: &Config, p: &str) -> Result<Vec<ExpertTensors>> {
+    let e0 = format!("{p}.block_sparse_moe.experts.0.w1");
+    let suffix = if snapshot.contains(&format!("{e0}.weight_packed")) {
+        "weight_packed"
+    } else {
+        "weight"
+    };
+    (0..config.num_experts)
+        .map(|e| {
+            let tensor = |w: &str| {
+                snapshot.tensor(&format!("{p}.block_sparse_moe.experts.{e}.{w}.{suffix}"))
+            };
+            ExpertTensors {
+                gate: tensor("w1")?,
+                up: tensor("w3")?,
+                down: tensor("w2")?,
+            }
+            .checked(config.latent(), config.moe_intermediate_size)
+        })
+        .collect()
+}
+
+/// The stop ids: `eos_token_id` of `config.json` (top level, else text config) and of
+/// `generation_config.json`, first seen first.
+fn stop_tokens(snapshot: &Snapshot, config: &Config) -> Result<Vec<u32>> {
+    let mut ids = token_ids(&config.eos_token_id, "eos_token_id")?;
+    let path = snapshot.dir().join("generation_config.json");
+    if path.exists() {
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        let json: serde_json::Value = serde_json::from_str(&text)
+            .with_context(|| format!("{} is not valid JSON", path.display()))?;
+        if let Some(value) = json.get("eos_token_id") {
+            ids.extend(token_ids(
+                value,
+                &format!("{}: eos_token_id", path.display()),
+            )?);
+        }
+    }
+    let mut seen = Vec::with_capacity(ids.len());
+    for id in ids {
+        if !seen.contains(&id) {
+            seen.push(id);
+        }
+    }
+    Ok(seen)
+}
+
+pub struct KimiK3 {
+    config: Config,
+    situ: Situ,
+    embed: Matrix,
+    output_mix: ResMix,
+    final_norm: Vec<f32>,
+    lm_head: Matrix,
+    layers: Vec<Layer>,
+    states: Vec<MixerState>,
+    routed: RoutedExperts,
+    stop: Vec<u32>,
+    position: usize,
+}
+
+impl KimiK3 {
+    pub fn load(snapshot: &Snapshot, options: LoadOptions) -> Result<KimiK3> {
+        let config = Config::read(snapshot)?;
+        let prefix = tensor_prefix(snapshot)?;
+        let (d, n_layers) = (config.hidden_size, config.num_hidden_layers);
+        let dense = options.dense_width;
+        // Embeddings and head stay f32 unless dense weights go below 8 bits, as in colibri.
+        let io_width = if dense.bits() >= 8 { Width::F32 } else { dense };
+        let kda = config.kda_layers();
+        let mut layers = Vec::with_capacity(n_layers);
+        let mut expert_tensors = Vec::with_capacity(n_layers);
+        for (l, &is_kda) in kda.iter().enumerate() {
+            let p = format!("{prefix}model.layers.{l}");
+            layers.push(Layer::load(snapshot, &config, &p, l, is_kda, dense)?);
+            expert_tensors.push(if l < config.first_k_dense_replace {
+                Vec::new()
+            } else {
+                layer_experts(snapshot, &config, &p)?
+            });
+        }
+        let states = layers
+            .iter()
+            .map(|layer| match &layer.mixer {
+                Mixer::Kda(kda) => MixerState::Kda(kda.state()),
+                Mixer::Mla(_) => MixerState::Mla(LatentCache::new(
+                    config.kv_lora_rank,
+                    config.qk_rope_head_dim,
+                )),
+            })
+            .collect();
+        // The dense layers do not route, and K3 has no MTP head in the row after the last.
+        let mut telemetry = RouteTrace::new(NAME, n_layers, config.num_experts)?;
+        for l in 0..config.first_k_dense_replace {
+            telemetry.drop_row(l);
+        }
+        telemetry.drop_row(n_layers);
+        let embed_name = format!("{prefix}model.embed_tokens.weight");
+        let head_name = format!("{prefix}lm_head.weight");
+        let head_name =
+            if !snapshot.contains(&head_name) && config.tie_word_embeddings == Some(true) {
+                embed_name.clone()
+            } else {
+                head_name
+            };
+        let mut engine = KimiK3 {
+            situ: config.situ(),
+            embed: Matrix::load(
+                &snapshot.tensor_shaped(&embed_name, &[config.vocab_size, d])?,
+                io_width,
+            )?,
+            output_mix: ResMix::load(
+                snapshot,
+                &format!("{prefix}model.output_attn_res"),
+                d,
+                config.rms_norm_eps,
+            )?,
+            final_norm: load_vector(&snapshot.tensor(&format!("{prefix}model.norm.weight"))?, d)?,
+            lm_head: Matrix::load(
+                &snapshot.tensor_shaped(&head_name, &[config.vocab_size, d])?,
+                io_width,
+            )?,
+            layers,
+            states,
+            routed: RoutedExperts {
+                store: ExpertStore::new(Vec::new(), 1, options.expert_width),
+                telemetry,
+            },
+            stop: stop_tokens(snapshot, &config)?,
+            position: 0,
+            config,
+        };
+        let resident = engine.resident_bytes() as u64;
+        engine.routed.store = ExpertStore::provision(
+            expert_tensors,
+            options.cap,
+            options.expert_width,
+            options.ram_budget,
+            resident,
+        );
+        Ok(engine)
+    }
+
+    /// One chunk through every layer: the final-normalised hidden states of its rows (all,
+    /// or the last only).
+    fn chunk(&mut self, tokens: &[u32], all_rows: bool) -> Result<Vec<f32>> {
+        let (n, d, vocab) = (
+            tokens.len(),
+            self.config.hidden_size,
+            self.config.vocab_size,
+        );
+        let mut x = vec![0f32; n * d];
+        for (row, &token) in x.chunks_exact_mut(d).zip(tokens) {
+            if token as usize >= vocab {
+                bail!("token id {token} is outside the vocabulary (vocab_size {vocab})");
+            }
+            self.embed.row_into(token as usize, row);
+        }
+        let eps = self.config.rms_norm_eps;
+        let mut stream = ResidualStream::new(x, d, self.config.block_size());
+        let mut pass = Pass {
+            config: &self.config,
+            situ: self.situ,
+            n,
+            routed: &mut self.routed,
+        };
+        let mut h = vec![0f32; n * d];
+        for (l, (layer, state)) in self.layers.iter().zip(self.states.iter_mut()).enumerate() {
+            let input = stream.attention_input(l, &layer.attention_mix);
+            rms_norm(&input, &layer.input_norm, eps, &mut h);
+            let attention = layer.attention(state, &pass, &h)?;
+            let input = stream.after_attention(&attention, &layer.mlp_mix);
+            rms_norm(&input, &layer.post_attention_norm, eps, &mut h);
+            let mlp = layer.ffn(l, &mut pass, &h)?;
+            stream.after_mlp(&mlp);
+        }
+        let out = stream.output(&self.output_mix);
+        let rows = if all_rows {
+            &out[..]
+        } else {
+            &out[(n - 1) * d..]
+        };
+        let mut normed = vec![0f32; rows.len()];
+        rms_norm(rows, &self.final_norm, eps, &mut normed);
+        Ok(normed)
+    }
+}
+
+impl Engine for KimiK3 {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.config.vocab_size
+    }
+
+    fn position(&self) -> usize {
+        self.position
+    }
+
+    fn forward(&mut self, tokens: &[u32], all_positions: bool) -> Result<Vec<f32>> {
+        if tokens.is_empty() {
+            bail!("forward needs at least one token");
+        }
+        let chunks = tokens.chunks(PREFILL_CHUNK).count();
+        let mut hidden = Vec::new();
+        for (i, chunk) in tokens.chunks(PREFILL_CHUNK).enumerate() {
+            let last = i + 1 == chunks;
+            if !all_positions && !last {
+                // Only the state this chunk leaves behind matters.
+                self.chunk(chunk, false)?;
+            } else {
+                hidden.extend(self.chunk(chunk, all_positions)?);
+            }
+            self.position += chunk.len();
+        }
+        let (d, vocab) = (self.config.hidden_size, self.config.vocab_size);
+        let m = hidden.len() / d;
+        let mut logits = vec![0f32; m * vocab];
+        self.lm_head.matmul(&hidden, m, &mut logits);
+        Ok(logits)
+    }
+
+    fn reset(&mut self) {
+        for state in &mut self.states {
+            match state {
+                MixerState::Kda(state) => state.clear(),
+                MixerState::Mla(cache) => cache.clear(),
+            }
+        }
+        self.position = 0;
+    }
+
+    fn routed(&self) -> &RoutedExperts {
+        &self.routed
+    }
+
+    fn routed_mut(&mut self) -> &mut RoutedExperts {
+        &mut self.routed
+    }
+
+    fn resident_bytes(&self) -> usize {
+        self.layers.iter().map(Layer::size_bytes).sum::<usize>()
+            + self.embed.size_bytes()
+            + self.lm_head.size_bytes()
+            + self.output_mix.size_bytes()
+            + 4 * self.final_norm.len()
+    }
+
+    fn stop_tokens(&self) -> &[u32] {
+        &self.stop
+    }
+
+    fn prompt_convention(&self) -> PromptConvention {
+        // K3 prompts start with BOS; the chat wire (XTML) is not built in.
+        PromptConvention {
+            bos: true,
+            ..PromptConvention::PLAIN
+        }
+    }
+
+    fn notes(&self) -> Vec<String> {
+        let kda = self
+            .layers
+            .iter()
+            .filter(|l| matches!(l.mixer, Mixer::Kda(_)))
+            .count();
+        vec![format!(
+            "[{NAME}] {kda} KDA + {} gated MLA layers, attention residuals every {} layers, {} routed experts (top-{}) in a {}-wide latent, prefill chunks of {PREFILL_CHUNK}",
+            self.layers.len() - kda,
+            self.config.block_size(),
+            self.config.num_experts,
+            self.config.num_experts_per_token,
+            self.config.latent()
+        )]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text() -> serde_json::Value {
+        serde_json::json!({
+            "vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 4,
+            "first_k_dense_replace": 1, "intermediate_size": 32,
+            "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 8,
+            "kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 2, "v_head_dim": 4,
+            "num_experts": 8, "num_experts_per_token": 2, "moe_intermediate_size": 32,
+            "routed_expert_hidden_size": 32, "num_shared_experts": 2, "attn_res_block_size": 2,
+            "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
+            "hidden_act": "situ", "num_expert_group": 1, "topk_group": 1,
+            "eos_token_id": 7,
+            "linear_attn_config": {"kda_layers": [1, 2, 3], "full_attn_layers": [4],
+                "num_heads": 2, "head_dim": 4, "short_conv_kernel_size": 4,
+                "gate_lower_bound": -5.0, "use_full_rank_gate": true}
+        })
+    }
+
+    fn parse(root: serde_json::Value) -> Result<Config> {
+        Config::from_json(&root, Path::new("config.json"))
+    }
+
+    fn error(root: serde_json::Value) -> String {
+        format!("{:#}", parse(root).unwrap_err())
+    }
+
+    #[test]
+    fn text_config_or_bare_and_one_indexed_layers() {
+        let bare = parse(text()).unwrap();
+        assert_eq!(bare.kda_layers(), vec![true, true, true, false]);
+        assert_eq!(token_ids(&bare.eos_token_id, "").unwrap(), vec![7]);
+        let wrapped = parse(serde_json::json!({
+            "model_type": "kimi_k3", "eos_token_id": [3, 5], "text_config": text()
+        }))
+        .unwrap();
+        assert_eq!(token_ids(&wrapped.eos_token_id, "").unwrap(), vec![3, 5]);
+        assert_eq!(wrapped.situ().linear_beta, Some(25.0));
+        assert_eq!(wrapped.groups(), (1, 1));
+    }
+
+    #[test]
+    fn unsupported_values_are_named() {
+        let with = |key: &str, value: serde_json::Value| {
+            let mut t = text();
+            t[key] = value;
+            error(t)
+        };
+        assert!(with("hidden_act", "silu".into()).contains("hidden_act"));
+        assert!(with("moe_router_activation_func", "softmax".into())
+            .contains("moe_router_activation_func"));
+        assert!(with("mla_use_nope", false.into()).contains("mla_use_nope"));
+        assert!(
+            with("attn_res_block_size", serde_json::Value::Null).contains("attn_res_block_size")
+        );
+        assert!(with("routed_expert_hidden_size", serde_json::Value::Null)
+            .contains("routed_expert_hidden_size"));
+        assert!(with("num_key_value_heads", 1.into()).contains("num_key_value_heads"));
+        assert!(with("num_expert_group", 3.into()).contains("num_expert_group"));
+        assert!(with("eos_token_id", "x".into()).contains("eos_token_id"));
+        let missing = {
+            let mut t = text();
+            t.as_object_mut().unwrap().remove("activation_situ_beta");
+            error(t)
+        };
+        assert!(missing.contains("activation_situ_beta"), "{missing}");
+        let mut t = text();
+        t["linear_attn_config"]["kda_layers"] = serde_json::json!([0, 1, 2]);
+        assert!(error(t).contains("1-indexed"));
+        let mut t = text();
+        t["linear_attn_config"]["full_attn_layers"] = serde_json::json!([3]);
+        assert!(error(t).contains("full_attn_layers"));
+        let mut t = text();
+        t["linear_attn_config"]["gate_lower_bound"] = serde_json::Value::Null;
+        assert!(error(t).contains("gate_lower_bound"));
+        let mut t = text();
+        t["linear_attn_config"]["use_full_rank_gate"] = false.into();
+        assert!(error(t).contains("use_full_rank_gate"));
+    }
+
+    #[test]
+    fn quantization_config_is_the_releases() {
+        let mut t = text();
+        t["quantization_config"] = serde_json::json!({
+            "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+            "config_groups": {"group_0": {"weights": {"num_bits": 4, "group_size": 32}}}
+        });
+        assert!(parse(t.clone()).is_ok());
+        t["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 16.into();
+        assert!(error(t.clone()).contains("group_size 16"));
+        t["quantization_config"]["format"] = "nvfp4-pack-quantized".into();
+        assert!(error(t).contains("nvfp4"));
+    }
+
+    #[test]
+    fn grouped_top_k_follows_use_grouped_topk() {
+        let mut t = text();
+        t["num_expert_group"] = 4.into();
+        t["topk_group"] = 2.into();
+        assert_eq!(parse(t.clone()).unwrap().groups(), (4, 2));
+        t["use_grouped_topk"] = false.into();
+        assert_eq!(parse(t).unwrap().groups(), (1, 1));
+    }
+}

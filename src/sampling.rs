@@ -1,0 +1,262 @@
+//! Choosing the next token from logits: greedy, or temperature + nucleus (top-p) sampling with
+//! a seeded generator, as colibri's `sample.h` does it, so that the same seed gives the same
+//! tokens.
+//!
+//! These are *sampling* knobs (`TEMP`, `TOP_P`, `SEED`). colibri's `TOPK`/`TOPP` are expert
+//! *routing* knobs (how many experts a token visits), unrelated to these.
+
+use thiserror::Error;
+
+use crate::generate::argmax;
+
+/// Temperatures below this are treated as this when sampling (colibri's floor), so a tiny
+/// positive `TEMP` is near-greedy rather than a division by zero.
+const MIN_TEMPERATURE: f64 = 1e-4;
+
+#[derive(Debug, Error, PartialEq)]
+pub enum SamplingError {
+    #[error("TEMP={0}: expected a finite temperature >= 0 (0 = greedy)")]
+    Temperature(f64),
+    #[error("TOP_P={0}: expected a probability mass in (0, 1] (1 = no nucleus cut)")]
+    TopP(f64),
+}
+
+/// Picks tokens: the first maximum when the temperature is 0, otherwise a draw from the
+/// softmax at that temperature restricted to the smallest set of most likely tokens whose
+/// mass reaches `top_p`.
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    temperature: f64,
+    top_p: f64,
+    rng: XorShift,
+    /// Scratch space reused across draws (vocabulary-sized).
+    probs: Vec<f32>,
+    order: Vec<u32>,
+}
+
+impl Sampler {
+    /// Always the first maximum.
+    pub fn greedy() -> Sampler {
+        Sampler {
+            temperature: 0.0,
+            top_p: 1.0,
+            rng: XorShift::new(0),
+            probs: Vec::new(),
+            order: Vec::new(),
+        }
+    }
+
+    /// Temperature + nucleus sampling; `temperature == 0` is greedy.
+    pub fn new(temperature: f64, top_p: f64, seed: u64) -> Result<Sampler, SamplingError> {
+        if !(temperature.is_finite() && temperature >= 0.0) {
+            return Err(SamplingError::Temperature(temperature));
+        }
+        if !(top_p > 0.0 && top_p <= 1.0) {
+            return Err(SamplingError::TopP(top_p));
+        }
+        Ok(Sampler {
+            temperature,
+            top_p,
+            rng: XorShift::new(seed),
+            probs: Vec::new(),
+            order: Vec::new(),
+        })
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature <= 0.0
+    }
+
+    /// The next token. Non-finite logits get no mass; when no logit is finite the pick falls
+    /// back to [`argmax`].
+    pub fn pick(&mut self, logits: &[f32]) -> u32 {
+        if self.is_greedy() {
+            return argmax(logits);
+        }
+        let Some(max) = logits
+            .iter()
+            .copied()
+            .filter(|v| v.is_finite())
+            .reduce(f32::max)
+        else {
+            return argmax(logits);
+        };
+        let scale = 1.0 / self.temperature.max(MIN_TEMPERATURE);
+        self.probs.clear();
+        let mut sum = 0.0f64;
+        for &logit in logits {
+            let p = if logit.is_finite() {
+                (((logit - max) as f64) * scale).exp() as f32
+            } else {
+                0.0
+            };
+            sum += p as f64;
+            self.probs.push(p);
+        }
+        if !(sum > 0.0 && sum.is_finite()) {
+            return argmax(logits);
+        }
+        for p in &mut self.probs {
+            *p = (*p as f64 / sum) as f32;
+        }
+        if self.top_p < 1.0 {
+            self.keep_nucleus();
+        }
+        self.draw()
+    }
+
+    /// Zero every token outside the nucleus (most likely first, ties to the lower id, until
+    /// the kept mass reaches `top_p`) and renormalise the rest.
+    fn keep_nucleus(&mut self) {
+        let probs = &self.probs;
+        self.order.clear();
+        self.order
+            .extend((0..probs.len() as u32).filter(|&i| probs[i as usize] > 0.0));
+        self.order.sort_unstable_by(|&a, &b| {
+            probs[b as usize]
+                .total_cmp(&probs[a as usize])
+                .then(a.cmp(&b))
+        });
+        let mut mass = 0.0f64;
+        let mut kept = self.order.len();
+        for (n, &i) in self.order.iter().enumerate() {
+            mass += probs[i as usize] as f64;
+            if mass >= self.top_p {
+                kept = n + 1;
+                break;
+            }
+        }
+        for &i in &self.order[kept..] {
+            self.probs[i as usize] = 0.0;
+        }
+        for p in &mut self.probs {
+            *p = (*p as f64 / mass) as f32;
+        }
+    }
+
+    /// A draw from `probs` by a scan of the cumulative mass in token-id order; rounding that
+    /// leaves the total just under the draw takes the last token with mass.
+    fn draw(&mut self) -> u32 {
+        let u = self.rng.next_unit();
+        let mut cumulative = 0.0f64;
+        let mut last = 0;
+        for (i, &p) in self.probs.iter().enumerate() {
+            if p <= 0.0 {
+                continue;
+            }
+            cumulative += p as f64;
+            last = i as u32;
+            if u < cumulative {
+                return last;
+            }
+        }
+        last
+    }
+}
+
+/// xorshift64 (13, 7, 17), seeded through splitmix64 so that small or zero seeds still start
+/// from a well-mixed, non-zero state.
+#[derive(Debug, Clone)]
+struct XorShift(u64);
+
+impl XorShift {
+    fn new(seed: u64) -> XorShift {
+        let mut z = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        XorShift(if z == 0 { 0x2545_F491_4F6C_DD1D } else { z })
+    }
+
+    /// Uniform in [0, 1) with 53 random bits.
+    fn next_unit(&mut self) -> f64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        (x >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zero_temperature_is_argmax() {
+        let mut sampler = Sampler::new(0.0, 0.9, 7).unwrap();
+        assert!(sampler.is_greedy());
+        assert_eq!(sampler.pick(&[0.5, 2.0, 2.0, f32::NAN]), 1);
+    }
+
+    #[test]
+    fn bad_values_are_refused() {
+        assert_eq!(
+            Sampler::new(-1.0, 0.9, 0).unwrap_err(),
+            SamplingError::Temperature(-1.0)
+        );
+        assert_eq!(
+            Sampler::new(0.7, 2.0, 0).unwrap_err(),
+            SamplingError::TopP(2.0)
+        );
+        assert_eq!(
+            Sampler::new(0.7, 0.0, 0).unwrap_err(),
+            SamplingError::TopP(0.0)
+        );
+        assert!(Sampler::new(f64::INFINITY, 0.9, 0).is_err());
+    }
+
+    #[test]
+    fn same_seed_same_draws() {
+        let logits: Vec<f32> = (0..50).map(|i| ((i * 37) % 11) as f32 * 0.3).collect();
+        let draws = |seed| {
+            let mut sampler = Sampler::new(1.0, 0.95, seed).unwrap();
+            (0..200).map(|_| sampler.pick(&logits)).collect::<Vec<_>>()
+        };
+        assert_eq!(draws(42), draws(42));
+        assert_ne!(draws(42), draws(43));
+    }
+
+    #[test]
+    fn nucleus_keeps_only_the_most_likely_tokens() {
+        // Softmax at T=1 of [3, 2, 0, -5]: 0.705, 0.259, 0.035, 0.0002. top_p 0.9 keeps ids 0
+        // and 1 (0.705 < 0.9 <= 0.964).
+        let mut sampler = Sampler::new(1.0, 0.9, 1).unwrap();
+        let mut seen = [0usize; 4];
+        for _ in 0..2000 {
+            seen[sampler.pick(&[3.0, 2.0, 0.0, -5.0]) as usize] += 1;
+        }
+        assert_eq!(seen[2] + seen[3], 0, "{seen:?}");
+        // Renormalised: id 0 has 0.705/0.964 = 0.73 of the draws.
+        let share = seen[0] as f64 / 2000.0;
+        assert!((share - 0.731).abs() < 0.04, "{seen:?}");
+    }
+
+    #[test]
+    fn non_finite_logits_get_no_mass() {
+        let mut sampler = Sampler::new(1.0, 1.0, 3).unwrap();
+        for _ in 0..200 {
+            let token = sampler.pick(&[f32::NEG_INFINITY, 0.0, f32::NAN, 0.0]);
+            assert!(token == 1 || token == 3);
+        }
+        assert_eq!(sampler.pick(&[f32::NAN, f32::INFINITY]), 1);
+    }
+
+    #[test]
+    fn low_temperature_approaches_greedy() {
+        let mut sampler = Sampler::new(1e-6, 1.0, 9).unwrap();
+        for _ in 0..100 {
+            assert_eq!(sampler.pick(&[0.1, 0.9, 0.5]), 1);
+        }
+    }
+
+    #[test]
+    fn unit_draws_stay_in_range() {
+        let mut rng = XorShift::new(0);
+        for _ in 0..10_000 {
+            let u = rng.next_unit();
+            assert!((0.0..1.0).contains(&u));
+        }
+    }
+}

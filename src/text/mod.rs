@@ -1,0 +1,423 @@
+//! Text mode (`PROMPT=`): from a prompt to streamed text. The tokenizer and its special
+//! tokens ([`tokenizer`]), chat templates ([`chat`]), each engine's prompt convention
+//! ([`PromptConvention`]), the stop set, and the run itself: sampled (or greedy) tokens
+//! decoded and printed as they come.
+//!
+//! Oracle and `IDS=` modes never come here and need no tokenizer.
+
+pub mod chat;
+pub mod tokenizer;
+
+use std::fmt::Write as _;
+use std::io::Write;
+use std::path::Path;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+
+use crate::engines::Engine;
+use crate::generate::{generate_with, Ending, Generation, OnTokens, Policy};
+use crate::sampling::Sampler;
+use crate::settings::Settings;
+use crate::snapshot::Snapshot;
+
+pub use chat::ChatTemplate;
+pub use tokenizer::{TextStream, TextTokenizer};
+
+/// How an engine's model turns a text prompt into ids and when its generation ends. Each
+/// engine states its own through [`Engine::prompt_convention`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PromptConvention {
+    /// Prepend the BOS token (`bos_token_id` in `config.json`, else `tokenizer_config.json`'s
+    /// `bos_token`). `add_bos_token: true` in `tokenizer_config.json` asks for it too.
+    pub bos: bool,
+    /// Tokens, by their text in `tokenizer.json`, that start every prompt after the BOS
+    /// (GLM's `[gMASK]<sop>`).
+    pub prefix: &'static [&'static str],
+    /// The Jinja chat template `CHAT=1` uses when the model directory ships none.
+    pub chat_template: Option<&'static str>,
+    /// Every added token marked special ends a generation (colibri's stop set); otherwise
+    /// only the EOS ids do, for models that emit special tokens inside an answer.
+    pub stop_on_special: bool,
+}
+
+impl PromptConvention {
+    /// The convention of an engine that states none: the tokenizer's own encoding, no
+    /// built-in chat template, every special token stops.
+    pub const PLAIN: PromptConvention = PromptConvention {
+        bos: false,
+        prefix: &[],
+        chat_template: None,
+        stop_on_special: true,
+    };
+}
+
+/// A prompt ready for the model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Prompt {
+    pub ids: Vec<u32>,
+    /// The text that was encoded (the rendered template with `CHAT=1`).
+    pub text: String,
+    /// Where the chat template came from, with `CHAT=1`.
+    pub template: Option<String>,
+}
+
+/// A model directory's tokenizer and config seen through an engine's convention.
+pub struct TextModel<'a> {
+    pub tokenizer: &'a TextTokenizer,
+    pub dir: &'a Path,
+    pub config: &'a Value,
+    pub engine: &'a str,
+    pub convention: PromptConvention,
+}
+
+impl<'a> TextModel<'a> {
+    pub fn new(
+        tokenizer: &'a TextTokenizer,
+        snapshot: &'a Snapshot,
+        engine: &dyn Engine,
+    ) -> TextModel<'a> {
+        TextModel {
+            tokenizer,
+            dir: snapshot.dir(),
+            config: snapshot.config_json(),
+            engine: engine.name(),
+            convention: engine.prompt_convention(),
+        }
+    }
+
+    /// The ids for `text`: encoded as given (the tokenizer's post-processor applied), or
+    /// rendered through the chat template with `chat`; then the BOS and the convention's
+    /// prefix in front, each unless already there.
+    pub fn prompt(&self, text: &str, chat: bool) -> Result<Prompt> {
+        let tokenizer = self.tokenizer;
+        let (body, encoded, template) = if chat {
+            let template = ChatTemplate::find(
+                self.dir,
+                tokenizer,
+                self.convention.chat_template,
+                self.engine,
+            )?;
+            let config = tokenizer.config();
+            let rendered = template.render(
+                text,
+                config.bos_token.as_deref(),
+                config.eos_token.as_deref(),
+            )?;
+            // A rendered template carries its own special tokens, as transformers encodes it.
+            let ids = tokenizer.encode(&rendered, false)?;
+            (ids, rendered, Some(template.source().to_string()))
+        } else {
+            (tokenizer.encode(text, true)?, text.to_string(), None)
+        };
+        let mut start = Vec::new();
+        if self.convention.bos || tokenizer.config().add_bos_token {
+            match self.bos_id()? {
+                Some(bos) => start.push(bos),
+                None => eprintln!(
+                    "[prompt] {} asks for a BOS token but neither config.json nor {} names one; none added",
+                    self.engine,
+                    tokenizer.config_path().display()
+                ),
+            }
+        }
+        for token in self.convention.prefix {
+            match tokenizer.token_id(token) {
+                Some(id) => start.push(id),
+                None => bail!(
+                    "{} has no token {token:?}, which every {} prompt starts with",
+                    tokenizer.path().display(),
+                    self.engine
+                ),
+            }
+        }
+        let mut ids = without_repeat(&start, &body);
+        ids.extend_from_slice(&body);
+        // Read back without what a post-processor adds, which is not in the text.
+        let read_back = tokenizer.decode_all(&tokenizer.encode(&encoded, false)?)?;
+        if read_back != encoded {
+            eprintln!(
+                "[prompt] {} cannot represent all of the prompt; the model reads {read_back:?}",
+                tokenizer.path().display()
+            );
+        }
+        Ok(Prompt {
+            ids,
+            text: encoded,
+            template,
+        })
+    }
+
+    /// Every id that ends a generation: `eos_token_id` of `config.json` (or its
+    /// `text_config`) and of `generation_config.json`, `tokenizer_config.json`'s `eos_token`,
+    /// the engine's own, and with [`PromptConvention::stop_on_special`] every special token.
+    pub fn stop_ids(&self, engine_stops: &[u32]) -> Result<Vec<u32>> {
+        let config_path = self.dir.join("config.json");
+        let mut ids = config_ids(self.config, "eos_token_id", &config_path)?;
+        let generation_path = self.dir.join("generation_config.json");
+        if generation_path.is_file() {
+            let text = std::fs::read_to_string(&generation_path)
+                .with_context(|| format!("reading {}", generation_path.display()))?;
+            let json: Value = serde_json::from_str(&text)
+                .with_context(|| format!("{}: not valid JSON", generation_path.display()))?;
+            ids.extend(config_ids(&json, "eos_token_id", &generation_path)?);
+        }
+        if let Some(eos) = &self.tokenizer.config().eos_token {
+            ids.push(self.tokenizer.config_token_id("eos_token", eos)?);
+        }
+        ids.extend_from_slice(engine_stops);
+        if self.convention.stop_on_special {
+            ids.extend(self.tokenizer.special_ids());
+        }
+        ids.sort_unstable();
+        ids.dedup();
+        Ok(ids)
+    }
+
+    fn bos_id(&self) -> Result<Option<u32>> {
+        let from_config = config_ids(self.config, "bos_token_id", &self.dir.join("config.json"))?;
+        if let Some(&id) = from_config.first() {
+            return Ok(Some(id));
+        }
+        match &self.tokenizer.config().bos_token {
+            Some(bos) => Ok(Some(self.tokenizer.config_token_id("bos_token", bos)?)),
+            None => Ok(None),
+        }
+    }
+}
+
+/// What goes before `body`: `start`, less its longest tail that `body` already begins with
+/// (a template or post-processor that writes the BOS or prefix itself).
+fn without_repeat(start: &[u32], body: &[u32]) -> Vec<u32> {
+    let keep = (0..=start.len())
+        .find(|&k| body.starts_with(&start[k..]))
+        .unwrap_or(start.len());
+    start[..keep].to_vec()
+}
+
+/// Token ids under `key` (top level, or in `text_config` for multimodal configs): one id, a
+/// list, or null.
+fn config_ids(config: &Value, key: &str, path: &Path) -> Result<Vec<u32>> {
+    let value = config
+        .get(key)
+        .or_else(|| config.get("text_config").and_then(|text| text.get(key)));
+    let as_id = |v: &Value| v.as_u64().and_then(|id| u32::try_from(id).ok());
+    match value {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|item| {
+                as_id(item).with_context(|| {
+                    format!(
+                        "{}: {key} must list token ids, found {item}",
+                        path.display()
+                    )
+                })
+            })
+            .collect(),
+        Some(single) => match as_id(single) {
+            Some(id) => Ok(vec![id]),
+            None => bail!(
+                "{}: {key} must be a token id, a list of token ids or null, found {single}",
+                path.display()
+            ),
+        },
+    }
+}
+
+/// Text mode's settings and tokenizer, checked before the model loads.
+pub struct TextMode {
+    tokenizer: TextTokenizer,
+    prompt: String,
+    chat: bool,
+    temperature: f64,
+    top_p: f64,
+    seed: u64,
+}
+
+impl TextMode {
+    /// `None` without `PROMPT`; otherwise the checked sampling settings and the tokenizer of
+    /// the model in `dir`.
+    pub fn from_settings(settings: &Settings, dir: &Path) -> Result<Option<TextMode>> {
+        let Some(prompt) = settings.text("PROMPT") else {
+            return Ok(None);
+        };
+        if settings.ids("IDS").is_some() {
+            bail!("PROMPT and IDS are two modes: give the prompt as text (PROMPT=) or as token ids (IDS=), not both");
+        }
+        let temperature = temperature(settings.text("TEMP").unwrap_or("0.7"))?;
+        let top_p = settings.number("TOP_P");
+        // The sampler is built per run; this checks the values before anything loads.
+        Sampler::new(temperature, top_p, 0)?;
+        let seed = settings.count_if_set("SEED").unwrap_or_else(clock_seed);
+        Ok(Some(TextMode {
+            tokenizer: TextTokenizer::load(dir)?,
+            prompt: prompt.to_string(),
+            chat: settings.flag("CHAT"),
+            temperature,
+            top_p,
+            seed,
+        }))
+    }
+
+    /// The prompt's ids and the stop set for the loaded engine; reports both on stderr.
+    pub fn prepare(&self, snapshot: &Snapshot, engine: &dyn Engine) -> Result<TextJob<'_>> {
+        let model = TextModel::new(&self.tokenizer, snapshot, engine);
+        let prompt = model.prompt(&self.prompt, self.chat)?;
+        let vocab = engine.vocab_size();
+        if let Some(bad) = prompt.ids.iter().find(|&&id| id as usize >= vocab) {
+            bail!(
+                "{} gives the prompt token id {bad}, outside the model's vocabulary (vocab_size {vocab}): the tokenizer does not belong to this model",
+                self.tokenizer.path().display()
+            );
+        }
+        if prompt.ids.is_empty() {
+            bail!("PROMPT: the prompt encodes to no tokens; give some text");
+        }
+        let stops = model.stop_ids(engine.stop_tokens())?;
+        let sampler = Sampler::new(self.temperature, self.top_p, self.seed)?;
+        let mut line = format!("[prompt] {} tokens", prompt.ids.len());
+        if let Some(template) = &prompt.template {
+            let _ = write!(line, " (chat template: {template})");
+        }
+        let _ = write!(line, " | {} stop ids", stops.len());
+        eprintln!("{line}");
+        if sampler.is_greedy() {
+            eprintln!("[sample] greedy (TEMP=0)");
+        } else {
+            eprintln!(
+                "[sample] TEMP={} TOP_P={} SEED={}",
+                self.temperature, self.top_p, self.seed
+            );
+        }
+        Ok(TextJob {
+            tokenizer: &self.tokenizer,
+            prompt,
+            stops,
+            sampler,
+        })
+    }
+}
+
+/// `TEMP` as a number. The setting is text so that a `TEMP` environment variable naming a
+/// temporary directory troubles only this mode, where the message says how to override it.
+fn temperature(raw: &str) -> Result<f64> {
+    match raw.trim().parse::<f64>() {
+        Ok(value) => Ok(value),
+        Err(_) => bail!(
+            "TEMP={raw:?}: expected a temperature >= 0 (0 = greedy); if the environment's TEMP names a directory, pass TEMP=<number> as an argument, which wins"
+        ),
+    }
+}
+
+/// A seed from the clock, for runs that give no `SEED` (the `[sample]` line shows it, so a
+/// run can be repeated).
+fn clock_seed() -> u64 {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |elapsed| elapsed.as_nanos() as u64);
+    nanos ^ u64::from(std::process::id()).rotate_left(32)
+}
+
+/// One prepared text generation.
+pub struct TextJob<'a> {
+    tokenizer: &'a TextTokenizer,
+    prompt: Prompt,
+    stops: Vec<u32>,
+    sampler: Sampler,
+}
+
+impl TextJob<'_> {
+    /// Generate up to `count` tokens, writing the text to `out` as it is decoded and a
+    /// newline at the end.
+    pub fn run(
+        &mut self,
+        engine: &mut dyn Engine,
+        count: usize,
+        on_tokens: OnTokens,
+        out: &mut dyn Write,
+    ) -> Result<Generation> {
+        let mut stream = self.tokenizer.stream();
+        let generation = {
+            let mut print = |token: u32| -> Result<()> {
+                if let Some(text) = stream.step(token)? {
+                    out.write_all(text.as_bytes())?;
+                    out.flush()?;
+                }
+                Ok(())
+            };
+            let policy = Policy {
+                count,
+                sampler: &mut self.sampler,
+                stops: &self.stops,
+            };
+            generate_with(engine, &self.prompt.ids, policy, on_tokens, &mut print)?
+        };
+        let rest = stream.finish()?;
+        out.write_all(rest.as_bytes())?;
+        out.write_all(b"\n")?;
+        out.flush()?;
+        Ok(generation)
+    }
+
+    /// `[text] P prompt tokens | G generated (why it ended) | prefill X tok/s | decode Y tok/s`
+    pub fn summary(&self, generation: &Generation) -> String {
+        let ending = match generation.ending {
+            Ending::Limit => "NGEN reached".to_string(),
+            Ending::Stop(id) => format!("stop token {id}"),
+            Ending::Interrupted => "interrupted".to_string(),
+        };
+        let prefill = if generation.prefill_seconds > 0.0 {
+            self.prompt.ids.len() as f64 / generation.prefill_seconds
+        } else {
+            0.0
+        };
+        format!(
+            "[text] {} prompt tokens | {} generated ({ending}) | prefill {prefill:.1} tok/s | decode {:.1} tok/s",
+            self.prompt.ids.len(),
+            generation.tokens.len(),
+            generation.decode_tokens_per_second()
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn start_tokens_are_not_repeated() {
+        assert_eq!(without_repeat(&[1, 2], &[5, 6]), vec![1, 2]);
+        assert_eq!(without_repeat(&[1, 2], &[1, 2, 5]), Vec::<u32>::new());
+        assert_eq!(without_repeat(&[1, 2], &[1, 5]), vec![1, 2]);
+        assert_eq!(without_repeat(&[0, 1, 2], &[1, 2, 5]), vec![0]);
+        assert_eq!(without_repeat(&[], &[1]), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn config_ids_take_an_id_a_list_or_null() {
+        let path = Path::new("config.json");
+        let ids = |json: Value| config_ids(&json, "eos_token_id", path);
+        assert_eq!(
+            ids(serde_json::json!({"eos_token_id": 7})).unwrap(),
+            vec![7]
+        );
+        assert_eq!(
+            ids(serde_json::json!({"eos_token_id": [3, 9]})).unwrap(),
+            vec![3, 9]
+        );
+        assert!(ids(serde_json::json!({"eos_token_id": null}))
+            .unwrap()
+            .is_empty());
+        assert_eq!(
+            ids(serde_json::json!({"text_config": {"eos_token_id": 4}})).unwrap(),
+            vec![4]
+        );
+        let err = ids(serde_json::json!({"eos_token_id": "x"})).unwrap_err();
+        assert!(
+            err.to_string().contains("config.json: eos_token_id"),
+            "{err}"
+        );
+    }
+}

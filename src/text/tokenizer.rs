@@ -1,0 +1,248 @@
+//! A model's tokenizer: `tokenizer.json` (read by the `tokenizers` crate, pure-Rust regex
+//! backend) with the special tokens `tokenizer_config.json` names, and [`TextStream`], which
+//! turns generated ids into text as they come without ever splitting a UTF-8 character.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, bail, Context, Result};
+use serde_json::Value;
+
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+pub const TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
+
+/// What `tokenizer_config.json` says beyond the vocabulary.
+#[derive(Debug, Clone, Default)]
+pub struct TokenizerConfig {
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+    /// `add_bos_token: true`: every prompt starts with the BOS token.
+    pub add_bos_token: bool,
+    /// The `chat_template` entry (the one named `default` when it is a list).
+    pub chat_template: Option<String>,
+}
+
+impl TokenizerConfig {
+    /// Parse `tokenizer_config.json`; `path` is for messages.
+    pub fn parse(json: &Value, path: &Path) -> Result<TokenizerConfig> {
+        let token = |key: &str| -> Result<Option<String>> {
+            match json.get(key) {
+                None | Some(Value::Null) => Ok(None),
+                Some(Value::String(text)) => Ok(Some(text.clone())),
+                // The serialised `AddedToken` form.
+                Some(Value::Object(fields)) => match fields.get("content") {
+                    Some(Value::String(text)) => Ok(Some(text.clone())),
+                    _ => bail!("{}: {key} has no string \"content\"", path.display()),
+                },
+                Some(other) => bail!(
+                    "{}: {key} must be a token string or null, found {other}",
+                    path.display()
+                ),
+            }
+        };
+        let add_bos_token = match json.get("add_bos_token") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(flag)) => *flag,
+            Some(other) => bail!(
+                "{}: add_bos_token must be true or false, found {other}",
+                path.display()
+            ),
+        };
+        let chat_template = match json.get("chat_template") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(template)) => Some(template.clone()),
+            Some(Value::Array(named)) => named
+                .iter()
+                .find(|entry| entry.get("name").and_then(Value::as_str) == Some("default"))
+                .and_then(|entry| entry.get("template"))
+                .and_then(Value::as_str)
+                .map(str::to_string),
+            Some(other) => bail!(
+                "{}: chat_template must be a string or a list of {{name, template}}, found {other}",
+                path.display()
+            ),
+        };
+        Ok(TokenizerConfig {
+            bos_token: token("bos_token")?,
+            eos_token: token("eos_token")?,
+            add_bos_token,
+            chat_template,
+        })
+    }
+}
+
+/// `tokenizer.json` plus `tokenizer_config.json` of one model directory.
+pub struct TextTokenizer {
+    inner: tokenizers::Tokenizer,
+    path: PathBuf,
+    config: TokenizerConfig,
+    config_path: PathBuf,
+}
+
+impl TextTokenizer {
+    /// Load `dir/tokenizer.json` and, when present, `dir/tokenizer_config.json`.
+    pub fn load(dir: &Path) -> Result<TextTokenizer> {
+        let path = dir.join(TOKENIZER_FILE);
+        if !path.is_file() {
+            bail!(
+                "{} not found: text mode (PROMPT=) needs the model's tokenizer; oracle mode (ref.json) and IDS= mode run without one",
+                path.display()
+            );
+        }
+        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|err| {
+            anyhow!(
+                "{}: not a tokenizer the tokenizers library can read: {err}",
+                path.display()
+            )
+        })?;
+        let config_path = dir.join(TOKENIZER_CONFIG_FILE);
+        let config = if config_path.is_file() {
+            let text = std::fs::read_to_string(&config_path)
+                .with_context(|| format!("reading {}", config_path.display()))?;
+            let json: Value = serde_json::from_str(&text)
+                .with_context(|| format!("{}: not valid JSON", config_path.display()))?;
+            TokenizerConfig::parse(&json, &config_path)?
+        } else {
+            TokenizerConfig::default()
+        };
+        Ok(TextTokenizer {
+            inner,
+            path,
+            config,
+            config_path,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn config(&self) -> &TokenizerConfig {
+        &self.config
+    }
+
+    pub fn config_path(&self) -> &Path {
+        &self.config_path
+    }
+
+    /// Token ids of `text`; added tokens written in the text are matched as such, and
+    /// `add_special_tokens` applies the tokenizer's post-processor (e.g. a BOS it adds).
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        let encoding = self
+            .inner
+            .encode(text, add_special_tokens)
+            .map_err(|err| anyhow!("{}: encoding failed: {err}", self.path.display()))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// The text of `ids` as printed: special tokens left out, bytes that do not form UTF-8
+    /// shown as U+FFFD.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.decode_with(ids, true)
+    }
+
+    /// The text of `ids`, special tokens included (what encoding read).
+    pub fn decode_all(&self, ids: &[u32]) -> Result<String> {
+        self.decode_with(ids, false)
+    }
+
+    fn decode_with(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        self.inner
+            .decode(ids, skip_special_tokens)
+            .map_err(|err| anyhow!("{}: decoding failed: {err}", self.path.display()))
+    }
+
+    /// The id of a token given by its text (an added token or a vocabulary entry).
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// Every added token flagged `"special": true`, ascending.
+    pub fn special_ids(&self) -> Vec<u32> {
+        let mut ids: Vec<u32> = self
+            .inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, token)| token.special)
+            .map(|(id, _)| id)
+            .collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    /// The id of a token `tokenizer_config.json` names under `key`, or an error naming both
+    /// files when `tokenizer.json` lacks it.
+    pub fn config_token_id(&self, key: &str, token: &str) -> Result<u32> {
+        self.token_id(token).ok_or_else(|| {
+            anyhow!(
+                "{} names {key} {token:?}, which {} does not contain",
+                self.config_path.display(),
+                self.path.display()
+            )
+        })
+    }
+
+    /// An incremental decoder for generated ids.
+    pub fn stream(&self) -> TextStream<'_> {
+        TextStream {
+            tokenizer: self,
+            ids: Vec::new(),
+            prefix: String::new(),
+            prefix_index: 0,
+        }
+    }
+}
+
+/// Decodes ids one at a time and hands out only finished text: while the decoded window
+/// ends in U+FFFD (a character whose bytes are still arriving) it waits for the next token.
+/// The concatenation of every [`step`](Self::step) and the final [`finish`](Self::finish) is
+/// exactly [`TextTokenizer::decode`] of all the ids.
+///
+/// Only a short window is decoded each step: the ids of the last chunk handed out (context
+/// for decoders that look at neighbours) and those not handed out yet.
+pub struct TextStream<'a> {
+    tokenizer: &'a TextTokenizer,
+    ids: Vec<u32>,
+    /// The decoded text of `ids[..prefix_index]`, already handed out.
+    prefix: String,
+    prefix_index: usize,
+}
+
+impl TextStream<'_> {
+    /// Add one id; the text it completes, if any.
+    pub fn step(&mut self, id: u32) -> Result<Option<String>> {
+        self.ids.push(id);
+        let text = self.tokenizer.decode(&self.ids)?;
+        if text.len() <= self.prefix.len() || text.ends_with(char::REPLACEMENT_CHARACTER) {
+            return Ok(None);
+        }
+        let fresh = self.fresh(&text)?;
+        let kept = self.ids.len() - self.prefix_index;
+        self.ids.drain(..self.prefix_index);
+        self.prefix = self.tokenizer.decode(&self.ids)?;
+        self.prefix_index = kept;
+        Ok(Some(fresh))
+    }
+
+    /// The text still held back at the end of a generation (an unfinished character shows as
+    /// U+FFFD, as in the full decode).
+    pub fn finish(self) -> Result<String> {
+        if self.ids.len() == self.prefix_index {
+            return Ok(String::new());
+        }
+        let text = self.tokenizer.decode(&self.ids)?;
+        self.fresh(&text)
+    }
+
+    /// `text` past the part already handed out.
+    fn fresh(&self, text: &str) -> Result<String> {
+        match text.strip_prefix(self.prefix.as_str()) {
+            Some(rest) => Ok(rest.to_string()),
+            None => bail!(
+                "{}: decoding ids {:?} gave {text:?}, which does not continue the text already printed ({:?})",
+                self.tokenizer.path.display(),
+                self.ids,
+                self.prefix
+            ),
+        }
+    }
+}

@@ -1,0 +1,712 @@
+//! `coli trace simulate`: replays a trace through a per-layer expert cache of each size and
+//! reports the hit rate of each placement policy.
+//!
+//! The stream replayed is the one the engine's expert store sees: one lookup per distinct
+//! expert of each MoE call, in ascending id order (how `run_experts` visits them), so that
+//! `lru` at `CAP` slots reproduces the engine's own hit and miss counts. By default only
+//! single-row (decode) calls are replayed; `--include-prefill` adds the multi-row calls.
+//!
+//! Policies, each with the same number of slots in every layer:
+//! - `lru`: evict the least recently used expert (the engine's cache).
+//! - `lfru`: frequency first: evict the lowest `(heat << 8) | recent`, where heat counts
+//!   every lookup of the expert so far and `recent = 255 - age` (age in lookups of that
+//!   layer, 0 beyond 255); ties go to the least recently used. colibri's REPIN and tier
+//!   score, used as an eviction rule. Heat is never decayed here.
+//! - `pinned`: a fixed set, the hottest experts of each layer in a history (`--history`)
+//!   or in the first part of the trace (`--train-frac`); nothing else is ever resident.
+//! - `belady`: the optimal offline bound. Evict whichever of the resident experts and the
+//!   one being looked up is needed again furthest in the future (bypassing the cache when
+//!   that is the new one), starting from the best possible contents. Bypass and the free
+//!   start make it an upper bound on every policy above, the pinned set included; a plain
+//!   demand-paging Belady (cold start, always admit) can lose to a pinned set.
+//!
+//! With `--train-frac F` the first `F` of the replayed forwards only train: they choose the
+//! pins and warm `lru` and `lfru`, and every policy is scored on the remaining forwards.
+//!
+//! Memory: the caches and per-expert state (layers x experts). `belady` needs each lookup's
+//! next use, so it spills the scored lookups to two anonymous temporary files (8 bytes per
+//! lookup each), read back forwards and backwards in blocks.
+
+use std::fmt::Write as _;
+use std::fs::File;
+use std::io::{self, BufReader, BufWriter, Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use serde::Serialize;
+
+use super::history_file;
+use super::trace::{Call, CallGrouper, TraceReader};
+use crate::route_trace::{placement, Counters};
+
+/// A placement policy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Policy {
+    /// Least recently used.
+    Lru,
+    /// Frequency first, then recency.
+    Lfru,
+    /// A fixed set seeded from a history or the training part.
+    Pinned,
+    /// The optimal offline bound.
+    Belady,
+}
+
+impl Policy {
+    /// The name used on the command line and in tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::Lru => "lru",
+            Policy::Lfru => "lfru",
+            Policy::Pinned => "pinned",
+            Policy::Belady => "belady",
+        }
+    }
+}
+
+/// What to replay and how; shared by `simulate` and `plot --hit-curve`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct SimOptions {
+    /// Expert slots per layer, one simulation each.
+    #[arg(long, value_delimiter = ',', default_value = "4,8,16,32")]
+    pub slots: Vec<usize>,
+    /// Policies to compare [default: lru,lfru,belady, and pinned when --history or
+    /// --train-frac is given].
+    #[arg(long = "policy", value_delimiter = ',', value_enum)]
+    pub policies: Vec<Policy>,
+    /// Seed `pinned` with the hottest experts of each layer in this `.coli_usage` history.
+    #[arg(long, conflicts_with = "train_frac")]
+    pub history: Option<PathBuf>,
+    /// Seed `pinned` from this fraction of the replayed forwards and score every policy on
+    /// the rest.
+    #[arg(long)]
+    pub train_frac: Option<f64>,
+    /// Replay multi-row (prefill) calls too, not only single-row decode calls.
+    #[arg(long)]
+    pub include_prefill: bool,
+}
+
+impl SimOptions {
+    /// These sizes, with every other option at its default.
+    pub fn new(slots: Vec<usize>) -> SimOptions {
+        SimOptions {
+            slots,
+            policies: Vec::new(),
+            history: None,
+            train_frac: None,
+            include_prefill: false,
+        }
+    }
+}
+
+/// `coli trace simulate`.
+#[derive(clap::Args, Debug)]
+pub struct SimulateArgs {
+    /// The trace written with ROUTE_TRACE=<path>.
+    pub trace: PathBuf,
+    #[command(flatten)]
+    pub options: SimOptions,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One policy at one size.
+#[derive(Serialize, Debug, Clone, PartialEq)]
+pub struct PolicyResult {
+    /// The policy.
+    pub policy: Policy,
+    /// Lookups served from the cache.
+    pub hits: u64,
+    /// `hits / lookups` (0 when nothing was looked up).
+    pub hit_rate: f64,
+}
+
+/// Every policy at one size.
+#[derive(Serialize, Debug, Clone, PartialEq)]
+pub struct SizeResult {
+    /// Slots per layer.
+    pub slots: usize,
+    /// In the order the policies were asked for.
+    pub results: Vec<PolicyResult>,
+}
+
+/// Everything `simulate` reports.
+#[derive(Serialize, Debug, Clone, PartialEq)]
+pub struct SimReport {
+    /// The trace.
+    pub trace: String,
+    /// `decode` or `all`.
+    pub replayed: String,
+    /// Calls scored.
+    pub calls: u64,
+    /// Lookups scored (distinct experts per call).
+    pub lookups: u64,
+    /// Calls that only trained (`--train-frac`).
+    pub train_calls: u64,
+    /// Forwards that only trained.
+    pub train_forwards: u64,
+    /// Where the pins came from.
+    pub pins_from: Option<String>,
+    /// Malformed lines skipped.
+    pub malformed: u64,
+    /// One entry per size, in the order given.
+    pub sizes: Vec<SizeResult>,
+}
+
+impl SimReport {
+    /// The hit rate of `policy` at `slots`.
+    pub fn rate(&self, slots: usize, policy: Policy) -> Option<f64> {
+        self.sizes
+            .iter()
+            .find(|s| s.slots == slots)?
+            .results
+            .iter()
+            .find(|r| r.policy == policy)
+            .map(|r| r.hit_rate)
+    }
+
+    /// The hits of `policy` at `slots`.
+    pub fn hits(&self, slots: usize, policy: Policy) -> Option<u64> {
+        self.sizes
+            .iter()
+            .find(|s| s.slots == slots)?
+            .results
+            .iter()
+            .find(|r| r.policy == policy)
+            .map(|r| r.hits)
+    }
+}
+
+fn layer_mut<T: Default>(v: &mut Vec<T>, layer: usize) -> &mut T {
+    if v.len() <= layer {
+        v.resize_with(layer + 1, T::default);
+    }
+    &mut v[layer]
+}
+
+/// One layer of an LRU or LFRU cache.
+#[derive(Default)]
+struct LayerCache {
+    /// (expert, last lookup) of the resident experts.
+    resident: Vec<(usize, u64)>,
+    /// Lookups of this layer so far.
+    clock: u64,
+    /// LFRU: lookups of each expert so far.
+    heat: Vec<u64>,
+}
+
+impl LayerCache {
+    fn lookup(&mut self, expert: usize, slots: usize, lfru: bool) -> bool {
+        self.clock += 1;
+        let now = self.clock;
+        if lfru {
+            *layer_mut(&mut self.heat, expert) += 1;
+        }
+        if let Some(slot) = self.resident.iter_mut().find(|s| s.0 == expert) {
+            slot.1 = now;
+            return true;
+        }
+        if self.resident.len() < slots {
+            self.resident.push((expert, now));
+            return false;
+        }
+        let heat = &self.heat;
+        let victim = if lfru {
+            // `(heat << 8) | recent`, then least recently used.
+            let key = |&(e, last): &(usize, u64)| {
+                let age = now - last;
+                let recent = 255u64.saturating_sub(age);
+                (heat.get(e).copied().unwrap_or(0) << 8 | recent, last)
+            };
+            self.resident.iter().enumerate().min_by_key(|(_, s)| key(s))
+        } else {
+            self.resident.iter().enumerate().min_by_key(|(_, s)| s.1)
+        };
+        if let Some((i, _)) = victim {
+            self.resident[i] = (expert, now);
+        }
+        false
+    }
+}
+
+/// The calls of a trace that are replayed, each with the ordinal of its forward among the
+/// replayed forwards.
+struct Replay {
+    reader: TraceReader,
+    calls: CallGrouper,
+    include_prefill: bool,
+    forward: Option<u64>,
+    forwards: u64,
+    pending: Option<Call>,
+}
+
+impl Replay {
+    fn open(path: &Path, include_prefill: bool, quiet: bool) -> Result<Replay> {
+        Ok(Replay {
+            reader: TraceReader::open(path, quiet, "simulate")?,
+            calls: CallGrouper::default(),
+            include_prefill,
+            forward: None,
+            forwards: 0,
+            pending: None,
+        })
+    }
+
+    /// The next replayed call and the ordinal of its forward among replayed forwards.
+    fn next_call(&mut self) -> Result<Option<(Call, u64)>> {
+        loop {
+            let call = match self.pending.take() {
+                Some(c) => Some(c),
+                None => match self.reader.next_route()? {
+                    Some(r) => {
+                        self.pending = self.calls.push(r);
+                        continue;
+                    }
+                    None => self.calls.finish(),
+                },
+            };
+            let Some(call) = call else {
+                return Ok(None);
+            };
+            if call.rows != 1 && !self.include_prefill {
+                continue;
+            }
+            if self.forward != Some(call.forward) {
+                self.forward = Some(call.forward);
+                self.forwards += 1;
+            }
+            return Ok(Some((call, self.forwards - 1)));
+        }
+    }
+}
+
+/// Pins per layer, hottest first, from a count table.
+fn ranked_pins(table: &Counters, most: usize) -> Vec<Vec<usize>> {
+    let mut per_layer: Vec<Vec<usize>> = Vec::new();
+    for p in placement::select_per_layer(table, most) {
+        layer_mut(&mut per_layer, p.layer).push(p.expert);
+    }
+    per_layer
+}
+
+/// The selections counted while training, as the table pins are chosen from.
+fn training_table(counts: &[Vec<u64>]) -> Result<Counters> {
+    let n_layers = counts.len().saturating_sub(1);
+    let n_experts = counts.iter().map(Vec::len).max().unwrap_or(0).max(1);
+    let mut t = Counters::new(n_layers, n_experts)?;
+    for (l, row) in counts.iter().enumerate() {
+        for (e, &c) in row.iter().enumerate() {
+            t.admit(l as i64, e as i64, u32::try_from(c).unwrap_or(u32::MAX));
+        }
+    }
+    Ok(t)
+}
+
+/// The scored lookups spilled for `belady`: `(layer, expert)` as two little-endian u32.
+struct Spill {
+    out: BufWriter<File>,
+    n: u64,
+}
+
+impl Spill {
+    fn new() -> Result<Spill> {
+        let f = tempfile::tempfile().context("cannot create a temporary file for belady")?;
+        Ok(Spill {
+            out: BufWriter::with_capacity(1 << 20, f),
+            n: 0,
+        })
+    }
+
+    fn push(&mut self, layer: usize, expert: usize) -> io::Result<()> {
+        let mut rec = [0u8; 8];
+        rec[..4].copy_from_slice(&(layer as u32).to_le_bytes());
+        rec[4..].copy_from_slice(&(expert as u32).to_le_bytes());
+        self.n += 1;
+        self.out.write_all(&rec)
+    }
+}
+
+/// Reads 8-byte records of a file from the last to the first, in blocks.
+struct Backward {
+    file: File,
+    /// Bytes before the block in `buf`.
+    before: u64,
+    buf: Vec<u8>,
+    /// Records of `buf` not yet returned.
+    left: usize,
+}
+
+impl Backward {
+    fn new(mut file: File) -> io::Result<Backward> {
+        let len = file.seek(SeekFrom::End(0))?;
+        Ok(Backward {
+            file,
+            before: len - len % 8,
+            buf: Vec::new(),
+            left: 0,
+        })
+    }
+
+    fn next(&mut self) -> io::Result<Option<[u8; 8]>> {
+        if self.left == 0 {
+            if self.before == 0 {
+                return Ok(None);
+            }
+            let take = self.before.min(1 << 20);
+            self.before -= take;
+            self.buf.resize(take as usize, 0);
+            self.file.seek(SeekFrom::Start(self.before))?;
+            self.file.read_exact(&mut self.buf)?;
+            self.left = self.buf.len() / 8;
+        }
+        self.left -= 1;
+        let mut rec = [0u8; 8];
+        rec.copy_from_slice(&self.buf[self.left * 8..self.left * 8 + 8]);
+        Ok(Some(rec))
+    }
+}
+
+fn decode(rec: [u8; 8]) -> (usize, usize) {
+    let l = u32::from_le_bytes([rec[0], rec[1], rec[2], rec[3]]);
+    let e = u32::from_le_bytes([rec[4], rec[5], rec[6], rec[7]]);
+    (l as usize, e as usize)
+}
+
+/// Optimal offline hits for each size over the spilled lookups.
+fn belady(spill: Spill, sizes: &[usize]) -> Result<Vec<u64>> {
+    let io_err = |e: io::Error| anyhow::anyhow!("belady's temporary file: {e}");
+    let mut lookups = spill.out.into_inner().map_err(|e| io_err(e.into_error()))?;
+    lookups.flush().map_err(io_err)?;
+    // Backwards: each lookup's next use of the same (layer, expert), written in reverse.
+    let mut next_rev = BufWriter::with_capacity(
+        1 << 20,
+        tempfile::tempfile().context("cannot create a temporary file for belady")?,
+    );
+    let mut next_seen: Vec<Vec<u64>> = Vec::new();
+    let mut back = Backward::new(lookups.try_clone().map_err(io_err)?).map_err(io_err)?;
+    let mut i = spill.n;
+    while let Some(rec) = back.next().map_err(io_err)? {
+        i -= 1;
+        let (l, e) = decode(rec);
+        let row = layer_mut(&mut next_seen, l);
+        if row.len() <= e {
+            row.resize(e + 1, u64::MAX);
+        }
+        next_rev.write_all(&row[e].to_le_bytes()).map_err(io_err)?;
+        row[e] = i;
+    }
+    let next_rev = next_rev.into_inner().map_err(|e| io_err(e.into_error()))?;
+    // `next_seen` now holds every expert's first use: the best start keeps, per layer,
+    // the experts needed soonest.
+    let first_use = next_seen;
+    let mut caches: Vec<Vec<Vec<(usize, u64)>>> = sizes
+        .iter()
+        .map(|&s| {
+            first_use
+                .iter()
+                .map(|row| {
+                    let mut v: Vec<(usize, u64)> = row
+                        .iter()
+                        .copied()
+                        .enumerate()
+                        .filter(|&(_, t)| t != u64::MAX)
+                        .collect();
+                    v.sort_by_key(|&(e, t)| (t, e));
+                    v.truncate(s);
+                    v
+                })
+                .collect()
+        })
+        .collect();
+    let mut hits = vec![0u64; sizes.len()];
+    lookups.seek(SeekFrom::Start(0)).map_err(io_err)?;
+    let mut fwd = BufReader::with_capacity(1 << 20, lookups);
+    let mut nexts = Backward::new(next_rev).map_err(io_err)?;
+    let mut rec = [0u8; 8];
+    for _ in 0..spill.n {
+        fwd.read_exact(&mut rec).map_err(io_err)?;
+        let (l, e) = decode(rec);
+        let Some(n) = nexts.next().map_err(io_err)? else {
+            bail!("belady's temporary files disagree in length");
+        };
+        let next = u64::from_le_bytes(n);
+        for ((cache, &slots), hit) in caches.iter_mut().zip(sizes).zip(hits.iter_mut()) {
+            let layer = layer_mut(cache, l);
+            if let Some(slot) = layer.iter_mut().find(|s| s.0 == e) {
+                slot.1 = next;
+                *hit += 1;
+                continue;
+            }
+            if layer.len() < slots {
+                layer.push((e, next));
+                continue;
+            }
+            if let Some(far) = layer.iter_mut().max_by_key(|s| s.1) {
+                if far.1 > next {
+                    *far = (e, next);
+                }
+            }
+        }
+    }
+    Ok(hits)
+}
+
+/// Checks the options and fills in the default policies.
+fn policies(opts: &SimOptions) -> Result<Vec<Policy>> {
+    if opts.slots.is_empty() || opts.slots.contains(&0) {
+        bail!("--slots needs one or more sizes of at least 1 slot per layer");
+    }
+    if let Some(f) = opts.train_frac {
+        if !(f > 0.0 && f < 1.0) {
+            bail!("--train-frac {f}: expected a fraction strictly between 0 and 1");
+        }
+    }
+    let seeded = opts.history.is_some() || opts.train_frac.is_some();
+    let mut p = opts.policies.clone();
+    if p.is_empty() {
+        p = vec![Policy::Lru, Policy::Lfru, Policy::Belady];
+        if seeded {
+            p.insert(2, Policy::Pinned);
+        }
+    }
+    if p.contains(&Policy::Pinned) && !seeded {
+        bail!(
+            "--policy pinned needs the pins' source: --history <.coli_usage> or --train-frac <F>"
+        );
+    }
+    p.dedup();
+    Ok(p)
+}
+
+/// Replays `trace` under every policy and size of `opts`.
+pub fn simulate(trace: &Path, opts: &SimOptions) -> Result<SimReport> {
+    let policies = policies(opts)?;
+    let sizes = &opts.slots;
+    let most = sizes.iter().copied().max().unwrap_or(1);
+    let (mut pins, pins_from) = match &opts.history {
+        Some(h) => {
+            let hist = history_file::open_readable(h)?;
+            (
+                Some(ranked_pins(&hist.counts, most)),
+                Some(h.display().to_string()),
+            )
+        }
+        None => (None, None),
+    };
+    let train_forwards = match opts.train_frac {
+        Some(f) => {
+            let mut count = Replay::open(trace, opts.include_prefill, false)?;
+            while count.next_call()?.is_some() {}
+            let n = count.forwards;
+            let train = (f * n as f64).floor() as u64;
+            if train == 0 || train >= n {
+                bail!(
+                    "--train-frac {f} of {n} replayed forwards in {} leaves {} to train on and {} to score",
+                    trace.display(),
+                    train,
+                    n - train.min(n)
+                );
+            }
+            train
+        }
+        None => 0,
+    };
+    let mut replay = Replay::open(trace, opts.include_prefill, opts.train_frac.is_some())?;
+    let want = |p: Policy| policies.contains(&p);
+    let mut lru: Vec<Vec<LayerCache>> = sizes.iter().map(|_| Vec::new()).collect();
+    let mut lfru: Vec<Vec<LayerCache>> = sizes.iter().map(|_| Vec::new()).collect();
+    let mut hits = vec![[0u64; 4]; sizes.len()];
+    let mut spill = if want(Policy::Belady) {
+        Some(Spill::new()?)
+    } else {
+        None
+    };
+    let mut training: Vec<Vec<u64>> = Vec::new();
+    let (mut calls, mut lookups, mut train_calls) = (0u64, 0u64, 0u64);
+    while let Some((call, forward)) = replay.next_call()? {
+        let scored = forward >= train_forwards;
+        if !scored {
+            train_calls += 1;
+            let row = layer_mut(&mut training, call.layer);
+            for &e in &call.selections {
+                *layer_mut(row, e) += 1;
+            }
+        } else {
+            if pins.is_none() && want(Policy::Pinned) {
+                pins = Some(ranked_pins(&training_table(&training)?, most));
+            }
+            calls += 1;
+            lookups += call.experts.len() as u64;
+        }
+        for &e in &call.experts {
+            for (i, &slots) in sizes.iter().enumerate() {
+                if want(Policy::Lru) && layer_mut(&mut lru[i], call.layer).lookup(e, slots, false) {
+                    hits[i][0] += u64::from(scored);
+                }
+                if want(Policy::Lfru) && layer_mut(&mut lfru[i], call.layer).lookup(e, slots, true)
+                {
+                    hits[i][1] += u64::from(scored);
+                }
+                if scored {
+                    let pinned = pins
+                        .as_ref()
+                        .and_then(|p| p.get(call.layer))
+                        .is_some_and(|p| p[..p.len().min(slots)].contains(&e));
+                    hits[i][2] += u64::from(pinned);
+                }
+            }
+            if scored {
+                if let Some(s) = spill.as_mut() {
+                    s.push(call.layer, e)
+                        .context("cannot write belady's temporary file")?;
+                }
+            }
+        }
+    }
+    if let Some(s) = spill {
+        for (h, b) in hits.iter_mut().zip(belady(s, sizes)?) {
+            h[3] = b;
+        }
+    }
+    let index = |p: Policy| match p {
+        Policy::Lru => 0,
+        Policy::Lfru => 1,
+        Policy::Pinned => 2,
+        Policy::Belady => 3,
+    };
+    let pins_from = match (pins_from, opts.train_frac) {
+        (Some(h), _) => Some(h),
+        (None, Some(_)) => Some(format!(
+            "the first {train_forwards} replayed forwards of {}",
+            trace.display()
+        )),
+        (None, None) => None,
+    };
+    Ok(SimReport {
+        trace: trace.display().to_string(),
+        replayed: if opts.include_prefill {
+            "all"
+        } else {
+            "decode"
+        }
+        .to_string(),
+        calls,
+        lookups,
+        train_calls,
+        train_forwards,
+        pins_from,
+        malformed: replay.reader.malformed(),
+        sizes: sizes
+            .iter()
+            .zip(&hits)
+            .map(|(&slots, h)| SizeResult {
+                slots,
+                results: policies
+                    .iter()
+                    .map(|&policy| {
+                        let n = h[index(policy)];
+                        PolicyResult {
+                            policy,
+                            hits: n,
+                            hit_rate: if lookups == 0 {
+                                0.0
+                            } else {
+                                n as f64 / lookups as f64
+                            },
+                        }
+                    })
+                    .collect(),
+            })
+            .collect(),
+    })
+}
+
+/// The report as text: a header and one table.
+pub fn render(r: &SimReport) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "trace     {}", r.trace);
+    let what = if r.replayed == "all" {
+        "MoE calls (decode and prefill)"
+    } else {
+        "single-row decode calls (--include-prefill adds prefill calls)"
+    };
+    let _ = writeln!(
+        s,
+        "scored    {} {what}: {} expert lookups",
+        r.calls, r.lookups
+    );
+    if r.train_forwards > 0 {
+        let _ = writeln!(
+            s,
+            "trained   on the first {} forwards ({} calls): pins chosen, lru and lfru warmed",
+            r.train_forwards, r.train_calls
+        );
+    }
+    if let Some(p) = &r.pins_from {
+        let _ = writeln!(s, "pinned    the hottest experts of each layer in {p}");
+    }
+    let _ = writeln!(s);
+    let _ = write!(s, "hit rate by slots per layer\n{:>6}", "slots");
+    let policies: Vec<Policy> = r
+        .sizes
+        .first()
+        .map(|z| z.results.iter().map(|x| x.policy).collect())
+        .unwrap_or_default();
+    for p in &policies {
+        let _ = write!(s, "  {:>7}", p.name());
+    }
+    s.push('\n');
+    for z in &r.sizes {
+        let _ = write!(s, "{:>6}", z.slots);
+        for x in &z.results {
+            let _ = write!(s, "  {:>6.1}%", 100.0 * x.hit_rate);
+        }
+        s.push('\n');
+    }
+    s
+}
+
+/// `coli trace simulate`.
+pub fn run(args: &SimulateArgs) -> Result<()> {
+    let report = simulate(&args.trace, &args.options)?;
+    super::emit_report(&report, args.json, render)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lru_evicts_the_oldest() {
+        let mut c = LayerCache::default();
+        let seq = [1, 2, 1, 3, 2];
+        let hits: Vec<bool> = seq.iter().map(|&e| c.lookup(e, 2, false)).collect();
+        // 1 2 | 1 hit | 3 evicts 2 | 2 misses
+        assert_eq!(hits, vec![false, false, true, false, false]);
+    }
+
+    #[test]
+    fn lfru_keeps_the_frequent() {
+        let mut c = LayerCache::default();
+        let seq = [1, 1, 1, 2, 3, 1];
+        let hits: Vec<bool> = seq.iter().map(|&e| c.lookup(e, 2, true)).collect();
+        // 3 evicts 2 (heat 1) rather than 1 (heat 3), so 1 still hits.
+        assert_eq!(hits, vec![false, true, true, false, false, true]);
+    }
+
+    #[test]
+    fn backward_reads_every_record_in_reverse() {
+        let mut f = tempfile::tempfile().expect("temp");
+        for i in 0u64..5 {
+            f.write_all(&i.to_le_bytes()).expect("write");
+        }
+        let mut b = Backward::new(f).expect("open");
+        let mut got = Vec::new();
+        while let Some(r) = b.next().expect("read") {
+            got.push(u64::from_le_bytes(r));
+        }
+        assert_eq!(got, vec![4, 3, 2, 1, 0]);
+    }
+}

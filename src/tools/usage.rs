@@ -1,0 +1,586 @@
+//! `coli usage show | merge | migrate`: inspecting and combining `.coli_usage` histories.
+//!
+//! Reading goes through `history_file` (so through `route_trace`'s reader) and writing
+//! through `route_trace::save::{render, write_atomically}`, so a merged or migrated file is
+//! byte for byte what an engine would have written for the same counts, and it replaces
+//! its destination only by a rename of a complete file.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Result};
+use serde::Serialize;
+
+use super::history_file::{self, Declared, History, Opened};
+use crate::route_trace::history::Layout;
+use crate::route_trace::{save, Counters, EngineId};
+
+/// `coli usage show`.
+#[derive(clap::Args, Debug)]
+pub struct ShowArgs {
+    /// The history: `.coli_usage` text, a headerless legacy file (`stats.txt`), or
+    /// Inkling's binary IKU1.
+    pub path: PathBuf,
+    /// Experts listed per layer, hottest first.
+    #[arg(long, default_value_t = 8)]
+    pub top: usize,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `coli usage merge`.
+#[derive(clap::Args, Debug)]
+pub struct MergeArgs {
+    /// Histories to add up: same engine and same shape.
+    #[arg(required = true)]
+    pub inputs: Vec<PathBuf>,
+    /// The merged history (replaced atomically; may be one of the inputs).
+    #[arg(short, long)]
+    pub output: PathBuf,
+    /// Merge even when the inputs name different engines or shapes, or were not read
+    /// completely; says what it did.
+    #[arg(long)]
+    pub force: bool,
+}
+
+/// `coli usage migrate`.
+#[derive(clap::Args, Debug)]
+pub struct MigrateArgs {
+    /// An Inkling IKU1 binary history.
+    pub input: PathBuf,
+    /// The text history to write (replaced atomically; may be the input).
+    #[arg(short, long)]
+    pub output: PathBuf,
+    /// Write what was read even when the IKU1 table is cut short or has trailing bytes.
+    #[arg(long)]
+    pub force: bool,
+}
+
+/// One expert in a layer's top list.
+#[derive(Serialize, Debug, Clone, PartialEq)]
+pub struct TopExpert {
+    /// Expert id.
+    pub expert: usize,
+    /// Selections.
+    pub count: u32,
+    /// Share of the layer's selections.
+    pub share: f64,
+}
+
+/// One counter row in `show`.
+#[derive(Serialize, Debug, Clone, PartialEq)]
+pub struct LayerSummary {
+    /// Layer (counter row).
+    pub layer: usize,
+    /// Selections on the layer.
+    pub selections: u64,
+    /// Experts with at least one selection.
+    pub experts: usize,
+    /// The hottest experts (count descending, then id ascending).
+    pub top: Vec<TopExpert>,
+}
+
+/// Everything `show` reports.
+#[derive(Serialize, Debug, Clone, PartialEq)]
+pub struct ShowReport {
+    /// The file.
+    pub path: String,
+    /// Its size.
+    pub bytes: usize,
+    /// `text`, `legacy`, `iku1` or `empty`; `refused` when no engine reads it.
+    pub layout: String,
+    /// The `-2` record's format version.
+    pub format_version: Option<i64>,
+    /// The writer by name (`an unknown engine` when its id is not a known name).
+    pub engine: Option<String>,
+    /// The writer's id.
+    pub engine_id: Option<u32>,
+    /// Declared `n_layers` (the last counter row; the table has `n_layers + 1` rows).
+    pub n_layers: Option<usize>,
+    /// Declared experts per layer.
+    pub n_experts: Option<usize>,
+    /// Admitted selections.
+    pub selections: i64,
+    /// Non-zero counters.
+    pub distinct: u64,
+    /// Whether every byte was understood and every record admitted.
+    pub complete: bool,
+    /// Why not, when not.
+    pub problems: Option<String>,
+    /// What an engine does with the file, and why.
+    pub verdict: String,
+    /// Counter rows with selections.
+    pub layers: Vec<LayerSummary>,
+}
+
+fn layout_name(h: &History) -> &'static str {
+    match h.layout() {
+        _ if h.bytes == 0 => "empty",
+        Layout::Text => "text",
+        Layout::Legacy => "legacy",
+        Layout::Iku1 => "iku1",
+    }
+}
+
+/// The `top` hottest experts of every row with selections.
+pub fn layer_summaries(counts: &Counters, top: usize) -> Vec<LayerSummary> {
+    (0..=counts.n_layers())
+        .filter_map(|layer| {
+            let row = counts.row(layer)?;
+            let selections: u64 = row.iter().map(|&c| u64::from(c)).sum();
+            if selections == 0 {
+                return None;
+            }
+            let mut hot: Vec<(usize, u32)> = row
+                .iter()
+                .copied()
+                .enumerate()
+                .filter(|&(_, c)| c > 0)
+                .collect();
+            let experts = hot.len();
+            hot.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+            hot.truncate(top);
+            Some(LayerSummary {
+                layer,
+                selections,
+                experts,
+                top: hot
+                    .into_iter()
+                    .map(|(expert, count)| TopExpert {
+                        expert,
+                        count,
+                        share: f64::from(count) / selections as f64,
+                    })
+                    .collect(),
+            })
+        })
+        .collect()
+}
+
+/// What the engine that wrote `h` (and every other engine) does with it.
+pub fn verdict(h: &History) -> String {
+    let d = &h.declared;
+    let total = h.report.total;
+    let mut v = String::new();
+    if h.bytes == 0 {
+        v.push_str(
+            "an empty history: every engine starts from nothing, and PIN=auto falls back to \
+             SNAP/stats.txt",
+        );
+        return v;
+    }
+    let shape = d
+        .dims
+        .map(|(l, e)| format!("{l} layers x {e} experts"))
+        .unwrap_or_default();
+    match (h.layout(), d.writer_name(), d.dims) {
+        (Layout::Iku1, _, None) => v.push_str(
+            "the IKU1 header is cut short: inkling reads it as empty and never overwrites it",
+        ),
+        (Layout::Iku1, _, Some(_)) => {
+            let _ = write!(
+                v,
+                "inkling with {shape} reads it ({total} selections) and its next save \
+                 rewrites it as text (`coli usage migrate` does that now). inkling with \
+                 another shape refuses it, named or not; any other engine refuses it unless \
+                 it is named with PIN=<path> (placement only)"
+            );
+        }
+        (Layout::Legacy, _, _) => {
+            let _ = write!(
+                v,
+                "no header: every engine reads it without shape or identity checks and \
+                 admits the records that fit its table ({total} selections here); the \
+                 first save adds the headers"
+            );
+        }
+        (Layout::Text, Some(name), _) if d.writer.and_then(EngineId::name).is_none() => {
+            let id = d.writer.map_or("not a u32".to_string(), |w| w.to_string());
+            let _ = write!(
+                v,
+                "written by {name} (id {id}): every engine refuses it unless it is named \
+                 with PIN=<path> (placement only)"
+            );
+        }
+        (Layout::Text, Some(name), Some(_)) => {
+            let _ = write!(
+                v,
+                "{name} with {shape} loads it ({total} selections) and adds its own \
+                 counts at every save. {name} with another shape refuses it, named or not; \
+                 any other engine refuses it unless it is named with PIN=<path> (placement \
+                 only)"
+            );
+        }
+        (Layout::Text, Some(name), None) => {
+            let _ = write!(
+                v,
+                "{name} loads it whatever its shape (there is no -1 record), admitting the \
+                 records that fit its table ({total} selections here); any other engine \
+                 refuses it unless it is named with PIN=<path>"
+            );
+        }
+        (Layout::Text, None, _) => {
+            let _ = write!(
+                v,
+                "any engine with {shape} loads it ({total} selections): it has no -2 \
+                 record to say which engine wrote it; an engine of another shape refuses it"
+            );
+        }
+    }
+    if !h.report.is_complete() {
+        let owner = d.writer.and_then(EngineId::name).unwrap_or("the engine");
+        let _ = write!(
+            v,
+            ". Not read completely ({}): {owner} uses what was read but never overwrites \
+             this file; its saves go to {}.{owner} instead",
+            h.report.problems(),
+            h.path.display()
+        );
+    }
+    v
+}
+
+/// Builds the `show` report.
+pub fn show_report(path: &Path, top: usize) -> Result<ShowReport> {
+    Ok(match history_file::open(path)? {
+        Opened::Read(h) => ShowReport {
+            path: path.display().to_string(),
+            bytes: h.bytes,
+            layout: layout_name(&h).to_string(),
+            format_version: h.declared.version,
+            engine: h.declared.writer_name().map(str::to_string),
+            engine_id: h.declared.writer.map(|w| w.0),
+            n_layers: h.declared.dims.map(|d| d.0),
+            n_experts: h.declared.dims.map(|d| d.1),
+            selections: h.report.total,
+            distinct: h.counts.distinct(),
+            complete: h.report.is_complete(),
+            problems: (!h.report.is_complete()).then(|| h.report.problems()),
+            verdict: verdict(&h),
+            layers: layer_summaries(&h.counts, top),
+        },
+        Opened::Refused {
+            path,
+            declared,
+            refusal,
+        } => ShowReport {
+            bytes: std::fs::metadata(&path).map_or(0, |m| m.len() as usize),
+            path: path.display().to_string(),
+            layout: "refused".to_string(),
+            format_version: declared.version,
+            engine: declared.writer_name().map(str::to_string),
+            engine_id: declared.writer.map(|w| w.0),
+            n_layers: declared.dims.map(|d| d.0),
+            n_experts: declared.dims.map(|d| d.1),
+            selections: 0,
+            distinct: 0,
+            complete: false,
+            problems: None,
+            verdict: format!(
+                "every engine refuses it and reads nothing from it: {}",
+                refusal.message(&path)
+            ),
+            layers: Vec::new(),
+        },
+    })
+}
+
+/// The `show` report as text.
+pub fn render_show(r: &ShowReport) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "history     {} ({} bytes)", r.path, r.bytes);
+    let layout = match r.layout.as_str() {
+        "text" => format!(
+            "v1 text, format version {}",
+            r.format_version
+                .map_or("not declared".to_string(), |v| v.to_string())
+        ),
+        "legacy" => "legacy text (no header records)".to_string(),
+        "iku1" => "Inkling IKU1 binary (read only)".to_string(),
+        other => other.to_string(),
+    };
+    let _ = writeln!(s, "layout      {layout}");
+    match (&r.engine, r.engine_id) {
+        (Some(name), Some(id)) => {
+            let _ = writeln!(s, "engine      {name} (id {id})");
+        }
+        (Some(name), None) => {
+            let _ = writeln!(s, "engine      {name}");
+        }
+        _ => {
+            let _ = writeln!(s, "engine      not declared");
+        }
+    }
+    match (r.n_layers, r.n_experts) {
+        (Some(l), Some(e)) => {
+            let _ = writeln!(
+                s,
+                "shape       {l} layers x {e} experts (counter rows 0..={l})"
+            );
+        }
+        _ => {
+            let _ = writeln!(s, "shape       not declared");
+        }
+    }
+    let _ = writeln!(
+        s,
+        "selections  {} across {} distinct experts",
+        r.selections, r.distinct
+    );
+    let _ = writeln!(s, "verdict     {}", r.verdict);
+    if r.layers.is_empty() {
+        return s;
+    }
+    let _ = writeln!(s);
+    let _ = writeln!(
+        s,
+        "layer  selections  experts  top experts (id:count share)"
+    );
+    for l in &r.layers {
+        let top: Vec<String> = l
+            .top
+            .iter()
+            .map(|t| format!("{}:{} {:.1}%", t.expert, t.count, 100.0 * t.share))
+            .collect();
+        let _ = writeln!(
+            s,
+            "{:>5}  {:>10}  {:>7}  {}",
+            l.layer,
+            l.selections,
+            l.experts,
+            top.join("  ")
+        );
+    }
+    s
+}
+
+/// `coli usage show`.
+pub fn show(args: &ShowArgs) -> Result<()> {
+    let report = show_report(&args.path, args.top)?;
+    super::emit_report(&report, args.json, render_show)
+}
+
+fn dims_text(d: (usize, usize)) -> String {
+    format!("{} layers x {} experts", d.0, d.1)
+}
+
+fn not_complete(h: &History) -> String {
+    format!(
+        "{} was not read completely ({})",
+        h.path.display(),
+        h.report.problems()
+    )
+}
+
+/// `coli usage merge`: the sum of histories of one engine and shape. Returns what it did,
+/// one line per `--force` decision, then the summary.
+pub fn merge(inputs: &[PathBuf], output: &Path, force: bool) -> Result<Vec<String>> {
+    let hs = inputs
+        .iter()
+        .map(|p| history_file::open_readable(p))
+        .collect::<Result<Vec<_>>>()?;
+    let mut notes = Vec::new();
+    for h in hs.iter().filter(|h| !h.report.is_complete()) {
+        if !force {
+            bail!(
+                "{}: merging would lose what could not be read; --force merges what was read",
+                not_complete(h)
+            );
+        }
+        notes.push(format!(
+            "--force: {}; merged what was read",
+            not_complete(h)
+        ));
+    }
+    let id = merged_identity(&hs, force, &mut notes)?;
+    for h in hs
+        .iter()
+        .filter(|h| h.declared.writer.is_none() && !h.declared.writer_invalid)
+    {
+        notes.push(format!(
+            "note: {} has no -2 record (any engine reads it); merged as {}'s",
+            h.path.display(),
+            id.describe()
+        ));
+    }
+    let dims = merged_dims(&hs, force, &mut notes)?;
+    let mut out = Counters::new(dims.0, dims.1)?;
+    for h in &hs {
+        let mut dropped = 0u64;
+        for (l, e, c) in h.counts.nonzero() {
+            if !out.holds(l as i64, e as i64) {
+                dropped += u64::from(c);
+                continue;
+            }
+            if out.get(l, e).checked_add(c).is_none() {
+                bail!(
+                    "layer {l} expert {e}: the sum exceeds a u32 counter at {}; nothing was written",
+                    h.path.display()
+                );
+            }
+            out.admit(l as i64, e as i64, c);
+        }
+        if dropped > 0 {
+            if !force {
+                bail!(
+                    "{} has {dropped} selections outside {}; --force leaves them out",
+                    h.path.display(),
+                    dims_text(dims)
+                );
+            }
+            notes.push(format!(
+                "--force: left out {dropped} selections of {} outside {}",
+                h.path.display(),
+                dims_text(dims)
+            ));
+        }
+    }
+    save::write_atomically(output, save::render(&out, id).as_bytes())?;
+    notes.push(format!(
+        "merged {} histories ({}, {}): {} selections across {} distinct experts -> {}",
+        hs.len(),
+        id.describe(),
+        dims_text(dims),
+        out.total(),
+        out.distinct(),
+        output.display()
+    ));
+    Ok(notes)
+}
+
+/// The writer's name for messages, from a header.
+fn who(d: &Declared) -> String {
+    match (d.writer_name(), d.writer) {
+        (Some(n), Some(id)) if EngineId::name(id).is_none() => format!("{n} {id}"),
+        (Some(n), _) => n.to_string(),
+        (None, _) => "no engine".to_string(),
+    }
+}
+
+fn merged_identity(hs: &[History], force: bool, notes: &mut Vec<String>) -> Result<EngineId> {
+    let named: Vec<&History> = hs
+        .iter()
+        .filter(|h| h.declared.writer.is_some() || h.declared.writer_invalid)
+        .collect();
+    let Some(first) = named.iter().find_map(|h| h.declared.writer) else {
+        bail!(
+            "none of {} names its engine (no valid -2 record): the merge could not say whose \
+             history it is",
+            list(hs)
+        );
+    };
+    let odd: Vec<&&History> = named
+        .iter()
+        .filter(|h| h.declared.writer != Some(first))
+        .collect();
+    if let Some(h) = odd.first() {
+        let first_path = named
+            .iter()
+            .find(|h| h.declared.writer == Some(first))
+            .map_or(String::new(), |h| h.path.display().to_string());
+        let what = format!(
+            "{first_path} is {}'s history, {} is {}'s",
+            first.describe(),
+            h.path.display(),
+            who(&h.declared)
+        );
+        if !force {
+            bail!(
+                "{what}: expert ids do not transfer between engines, refusing; --force writes \
+                 the merge under {}'s identity",
+                first.describe()
+            );
+        }
+        notes.push(format!(
+            "--force: {what}; wrote the merge under {}'s identity",
+            first.describe()
+        ));
+    }
+    Ok(first)
+}
+
+fn merged_dims(hs: &[History], force: bool, notes: &mut Vec<String>) -> Result<(usize, usize)> {
+    let declared: Vec<(&History, (usize, usize))> = hs
+        .iter()
+        .filter_map(|h| h.declared.dims.map(|d| (h, d)))
+        .collect();
+    let Some(&(first_h, first)) = declared.first() else {
+        bail!(
+            "none of {} declares its shape (no -1 record): the merge could not write one",
+            list(hs)
+        );
+    };
+    if let Some((h, d)) = declared.iter().find(|(_, d)| *d != first) {
+        let what = format!(
+            "{} is {}, {} is {}",
+            first_h.path.display(),
+            dims_text(first),
+            h.path.display(),
+            dims_text(*d)
+        );
+        if !force {
+            bail!("{what}: refusing to merge histories of different shapes; --force writes the largest of each");
+        }
+        let max = declared
+            .iter()
+            .fold((0, 0), |m, (_, d)| (m.0.max(d.0), m.1.max(d.1)));
+        notes.push(format!("--force: {what}; wrote {}", dims_text(max)));
+        return Ok(max);
+    }
+    Ok(first)
+}
+
+fn list(hs: &[History]) -> String {
+    hs.iter()
+        .map(|h| h.path.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// `coli usage migrate`: an IKU1 history rewritten as text, count for count. Returns the
+/// lines to print.
+pub fn migrate(input: &Path, output: &Path, force: bool) -> Result<Vec<String>> {
+    let h = history_file::open_readable(input)?;
+    if h.layout() != Layout::Iku1 {
+        bail!(
+            "{} is not an IKU1 history (it is {} text): nothing to migrate",
+            input.display(),
+            if h.layout() == Layout::Text {
+                "v1"
+            } else {
+                "legacy"
+            }
+        );
+    }
+    let Some(dims) = h.declared.dims else {
+        bail!(
+            "{}: the IKU1 header is cut short, so its shape is unknown",
+            input.display()
+        );
+    };
+    let mut notes = Vec::new();
+    if !h.report.is_complete() {
+        if !force {
+            bail!(
+                "{}: migrating would lose what could not be read; --force writes what was read",
+                not_complete(&h)
+            );
+        }
+        notes.push(format!(
+            "--force: {}; wrote what was read",
+            not_complete(&h)
+        ));
+    }
+    let id = h.declared.writer.unwrap_or(EngineId::of("inkling"));
+    save::write_atomically(output, save::render(&h.counts, id).as_bytes())?;
+    notes.push(format!(
+        "migrated {} selections across {} distinct experts ({}, {}) -> {}",
+        h.counts.total(),
+        h.counts.distinct(),
+        id.describe(),
+        dims_text(dims),
+        output.display()
+    ));
+    Ok(notes)
+}

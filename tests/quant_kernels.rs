@@ -1,0 +1,230 @@
+//! Every weight format's kernels: quantise -> dequantise round trips within the format's
+//! bound, every SIMD path bit-identical to the scalar reference, batches identical to single
+//! rows, and odd and tail shapes (columns not a multiple of 8 or of the group, odd columns
+//! for the nibble formats, rows not a multiple of the 4-row blocks).
+
+use coli::quant::{Format, Isa, Matrix, Width};
+
+const FORMATS: [Format; 11] = [
+    Format::F32,
+    Format::Bf16,
+    Format::F16,
+    Format::Int8Row,
+    Format::Int4Row,
+    Format::Int4Grouped { group: 16 },
+    Format::Int4Grouped { group: 64 },
+    Format::Int4Grouped { group: 96 },
+    Format::Int4Grouped { group: 256 },
+    Format::Fp8E4m3B128,
+    Format::Mxfp4,
+];
+
+/// `[rows, cols]` covering single elements, partial 8-lane chunks, partial groups, odd
+/// nibble rows, 4-row blocks with remainders, and several FP8 128-row blocks.
+const SHAPES: [(usize, usize); 10] = [
+    (1, 1),
+    (3, 7),
+    (5, 8),
+    (9, 17),
+    (13, 64),
+    (17, 100),
+    (33, 129),
+    (7, 255),
+    (130, 257),
+    (260, 96),
+];
+
+/// A deterministic spread of magnitudes (with some exact zeros and a few large values) so
+/// every code of every format gets used.
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|i| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let unit = (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+            match i % 37 {
+                0 => 0.0,
+                5 => unit * 40.0,
+                _ => unit * (1.0 + (i % 5) as f32),
+            }
+        })
+        .collect()
+}
+
+fn label(format: Format) -> String {
+    format.to_string()
+}
+
+#[test]
+fn round_trips_stay_within_each_formats_bound() {
+    for format in FORMATS {
+        for (rows, cols) in SHAPES {
+            let w = values(rows * cols, (rows * 1000 + cols) as u64);
+            let matrix = Matrix::from_f32_as(rows, cols, &w, format).unwrap();
+            let back = matrix.to_f32();
+            for r in 0..rows {
+                let row = &w[r * cols..(r + 1) * cols];
+                let row_max = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+                for (i, (&a, &b)) in row.iter().zip(&back[r * cols..(r + 1) * cols]).enumerate() {
+                    let bound = match format {
+                        Format::F32 => 0.0,
+                        Format::Bf16 => a.abs() * 2f32.powi(-8),
+                        Format::F16 => a.abs() * 2f32.powi(-11) + 2f32.powi(-25),
+                        // Half a step of the row's (or group's) scale.
+                        Format::Int8Row => row_max / 127.0 * 0.5,
+                        Format::Int4Row => row_max / 7.0 * 0.5,
+                        Format::Int4Grouped { group } => {
+                            let g = &row[i / group * group..((i / group + 1) * group).min(cols)];
+                            g.iter().fold(0f32, |m, v| m.max(v.abs())) / 7.0 * 0.5
+                        }
+                        // 3 mantissa bits: half an ulp relative, plus the subnormal step
+                        // of the block scale (block max / 448 * 2^-9 / 2).
+                        Format::Fp8E4m3B128 => {
+                            let block_max = (r / 128 * 128..((r / 128 + 1) * 128).min(rows))
+                                .flat_map(|rr| {
+                                    w[rr * cols + i / 128 * 128
+                                        ..rr * cols + ((i / 128 + 1) * 128).min(cols)]
+                                        .iter()
+                                })
+                                .fold(0f32, |m, v| m.max(v.abs()));
+                            a.abs() * 2f32.powi(-4) + block_max / 448.0 * 2f32.powi(-10)
+                        }
+                        // e2m1 steps are at most 2 (x the group scale 2^e) near the top,
+                        // and values in [6, 8)·2^e saturate to 6: at most 2·2^e off.
+                        Format::Mxfp4 => {
+                            let g = &row[i / 32 * 32..((i / 32 + 1) * 32).min(cols)];
+                            let max = g.iter().fold(0f32, |m, v| m.max(v.abs()));
+                            if max == 0.0 {
+                                0.0
+                            } else {
+                                2.0 * 2f32.powi(max.log2().floor() as i32 - 2)
+                            }
+                        }
+                        other => panic!("no bound for {other}"),
+                    };
+                    assert!(
+                        (a - b).abs() <= bound * 1.0001,
+                        "{} {rows}x{cols} [{r},{i}]: {a} -> {b}, bound {bound}",
+                        label(format)
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn every_simd_path_matches_the_scalar_reference_bit_for_bit() {
+    let isas = Isa::available();
+    for format in FORMATS {
+        for (rows, cols) in SHAPES {
+            let matrix =
+                Matrix::from_f32_as(rows, cols, &values(rows * cols, cols as u64), format).unwrap();
+            for n in [1, 2, 5] {
+                let x = values(n * cols, 7 + n as u64);
+                let mut reference = vec![0f32; n * rows];
+                matrix.matmul_with(Isa::Scalar, &x, n, &mut reference);
+                for &isa in &isas {
+                    let mut out = vec![0f32; n * rows];
+                    matrix.matmul_with(isa, &x, n, &mut out);
+                    for (k, (a, b)) in reference.iter().zip(&out).enumerate() {
+                        assert_eq!(
+                            a.to_bits(),
+                            b.to_bits(),
+                            "{} {rows}x{cols} n={n} {isa:?} element {k}: {a} vs {b}",
+                            label(format)
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_batch_computes_what_single_rows_compute() {
+    for format in FORMATS {
+        for (rows, cols) in SHAPES {
+            let matrix = Matrix::from_f32_as(rows, cols, &values(rows * cols, 3), format).unwrap();
+            let n = 6;
+            let x = values(n * cols, 11);
+            let mut batch = vec![0f32; n * rows];
+            matrix.matmul(&x, n, &mut batch);
+            for t in 0..n {
+                let mut single = vec![0f32; rows];
+                matrix.matmul(&x[t * cols..(t + 1) * cols], 1, &mut single);
+                assert_eq!(
+                    single,
+                    batch[t * rows..(t + 1) * rows],
+                    "{} {rows}x{cols} row {t}",
+                    label(format)
+                );
+                for (r, &y) in single.iter().enumerate() {
+                    assert_eq!(
+                        matrix.row_dot(r, &x[t * cols..(t + 1) * cols]).to_bits(),
+                        y.to_bits()
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn kernels_compute_the_dequantised_matrix_product() {
+    for format in FORMATS {
+        for (rows, cols) in SHAPES {
+            let matrix = Matrix::from_f32_as(rows, cols, &values(rows * cols, 5), format).unwrap();
+            let dequantised = matrix.to_f32();
+            let x = values(cols, 9);
+            let mut y = vec![0f32; rows];
+            matrix.matmul(&x, 1, &mut y);
+            for r in 0..rows {
+                let row = &dequantised[r * cols..(r + 1) * cols];
+                let exact: f64 = row.iter().zip(&x).map(|(&a, &b)| a as f64 * b as f64).sum();
+                let magnitude: f64 = row
+                    .iter()
+                    .zip(&x)
+                    .map(|(&a, &b)| (a as f64 * b as f64).abs())
+                    .sum();
+                assert!(
+                    (y[r] as f64 - exact).abs() <= 1e-5 * magnitude + 1e-30,
+                    "{} {rows}x{cols} row {r}: {} vs {exact}",
+                    label(format),
+                    y[r]
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn widths_map_bits_like_colibri() {
+    assert_eq!(Width::from_bits(16).unwrap(), Width::F32);
+    assert_eq!(Width::from_bits(32).unwrap(), Width::F32);
+    assert_eq!(Width::from_bits(8).unwrap(), Width::Int8Row);
+    assert_eq!(Width::from_bits(5).unwrap(), Width::Int8Row);
+    assert_eq!(Width::from_bits(4).unwrap(), Width::Int4Group64);
+    assert!(Width::from_bits(3).is_err());
+    let w = values(8 * 200, 1);
+    let m = Matrix::from_f32(8, 200, w.clone(), Width::Int4Group64);
+    assert_eq!(m.format(), Format::Int4Grouped { group: 64 });
+    assert_eq!(m.size_bytes(), 8 * 100 + 8 * 4 * 4);
+    assert_eq!(
+        Matrix::from_f32(8, 200, w.clone(), Width::Int8Row).size_bytes(),
+        8 * 200 + 8 * 4
+    );
+    assert_eq!(
+        Matrix::from_f32(8, 200, w, Width::F32).size_bytes(),
+        8 * 200 * 4
+    );
+}
+
+#[test]
+fn unsupported_encodings_are_refused() {
+    assert!(Matrix::from_f32_as(2, 8, &[0.0; 16], Format::Int2Row).is_err());
+    assert!(Matrix::from_f32_as(2, 8, &[0.0; 16], Format::Int4Grouped { group: 12 }).is_err());
+    assert!(Matrix::from_f32_as(2, 8, &[0.0; 15], Format::Int8Row).is_err());
+}
