@@ -263,7 +263,7 @@ unsafe fn dot_rows<V: Lanes, D: Decode<V>, const R: usize>(
     let ahead = R * std::mem::size_of_val(rows[0]);
     let per_line = (64 / D::CHUNK_BYTES).max(1);
     let prefetch = |c: usize| {
-        if c % per_line == 0 {
+        if c.is_multiple_of(per_line) {
             for row in &rows {
                 V::prefetch((row.as_ptr() as *const u8).wrapping_add(c * D::CHUNK_BYTES + ahead));
             }
