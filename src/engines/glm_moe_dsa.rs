@@ -147,14 +147,13 @@ pub struct RopeParameters {
 
 impl Config {
     fn mla_shape(&self) -> MlaShape {
-        MlaShape {
-            heads: self.num_attention_heads,
-            nope: self.qk_nope_head_dim,
-            rope: self.qk_rope_head_dim,
-            v: self.v_head_dim,
-            kv_lora: self.kv_lora_rank,
-            scale: ((self.qk_nope_head_dim + self.qk_rope_head_dim) as f32).powf(-0.5),
-        }
+        MlaShape::new(
+            self.num_attention_heads,
+            self.qk_nope_head_dim,
+            self.qk_rope_head_dim,
+            self.v_head_dim,
+            self.kv_lora_rank,
+        )
     }
 
     /// `rope_parameters.rope_theta`, else the legacy top-level `rope_theta`, else 10000.

@@ -187,14 +187,13 @@ impl Config {
     }
 
     fn mla_shape(&self) -> MlaShape {
-        MlaShape {
-            heads: self.num_attention_heads,
-            nope: self.qk_nope_head_dim,
-            rope: self.qk_rope_head_dim,
-            v: self.v_head_dim,
-            kv_lora: self.kv_lora_rank,
-            scale: ((self.qk_nope_head_dim + self.qk_rope_head_dim) as f32).powf(-0.5),
-        }
+        MlaShape::new(
+            self.num_attention_heads,
+            self.qk_nope_head_dim,
+            self.qk_rope_head_dim,
+            self.v_head_dim,
+            self.kv_lora_rank,
+        )
     }
 
     fn kda_shape(&self) -> KdaShape {

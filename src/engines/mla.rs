@@ -34,6 +34,19 @@ pub struct MlaShape {
 }
 
 impl MlaShape {
+    /// The shape of `heads` heads with `nope` + `rope` wide queries and keys, `v` wide
+    /// values and a `kv_lora` wide latent, scaled by `1/sqrt(nope + rope)`.
+    pub fn new(heads: usize, nope: usize, rope: usize, v: usize, kv_lora: usize) -> MlaShape {
+        MlaShape {
+            heads,
+            nope,
+            rope,
+            v,
+            kv_lora,
+            scale: ((nope + rope) as f32).powf(-0.5),
+        }
+    }
+
     /// Width of one query head.
     pub fn qk(&self) -> usize {
         self.nope + self.rope
