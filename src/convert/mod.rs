@@ -461,24 +461,19 @@ fn fingerprint(snapshot: &Snapshot) -> String {
     format!("{hash:016x}")
 }
 
-/// Whether `path` is a complete shard holding exactly `entries`.
+/// Whether `path` is a complete shard holding exactly `entries` (only its header is read).
 fn shard_complete(path: &Path, entries: &[Entry]) -> bool {
-    let Ok(bytes) = std::fs::read(path).map(|b| b.get(..8).map(|h| h.to_vec()).unwrap_or_default())
-    else {
-        return false;
-    };
-    let Ok(len) = bytes.as_slice().try_into().map(u64::from_le_bytes) else {
-        return false;
-    };
-    let read_header = || -> Option<serde_json::Value> {
-        use std::io::{Read, Seek, SeekFrom};
+    use std::io::Read;
+    let read_header = || -> Option<(u64, serde_json::Value)> {
         let mut file = std::fs::File::open(path).ok()?;
-        file.seek(SeekFrom::Start(8)).ok()?;
+        let mut prefix = [0u8; 8];
+        file.read_exact(&mut prefix).ok()?;
+        let len = u64::from_le_bytes(prefix);
         let mut header = vec![0u8; usize::try_from(len).ok()?];
         file.read_exact(&mut header).ok()?;
-        serde_json::from_slice(&header).ok()
+        Some((len, serde_json::from_slice(&header).ok()?))
     };
-    let Some(header) = read_header() else {
+    let Some((len, header)) = read_header() else {
         return false;
     };
     let data: usize = entries.iter().map(|e| e.bytes).sum();

@@ -38,6 +38,19 @@ use crate::text::PromptConvention;
 
 pub const NAME: &str = "kimi_k3";
 
+/// XTML, thinking off: each turn `<|open|>message role="R"<|sep|>TEXT<|close|>message<|sep|>`
+/// then `<|end_of_msg|>`; `developer` speaks as `system`; the answer opens a `response`.
+const CHAT_TEMPLATE: &str = concat!(
+    "{% for message in messages %}",
+    "{{ '<|open|>message role=\"' }}",
+    "{{ 'system' if message['role'] == 'developer' else message['role'] }}",
+    "{{ '\"<|sep|>' + message['content'] + '<|close|>message<|sep|><|end_of_msg|>' }}",
+    "{% endfor %}",
+    "{% if add_generation_prompt %}",
+    "{{ '<|open|>message role=\"assistant\"<|sep|><|open|>response<|sep|>' }}",
+    "{% endif %}",
+);
+
 /// Tokens per chunk of a long forward (colibri's `K3_CHUNK` default).
 pub const PREFILL_CHUNK: usize = 32;
 
@@ -898,10 +911,13 @@ impl Engine for KimiK3 {
     }
 
     fn prompt_convention(&self) -> PromptConvention {
-        // K3 prompts start with BOS; the chat wire (XTML) is not built in.
+        // K3 prompts start with BOS. `<|open|>`, `<|close|>` and `<|sep|>` are special yet
+        // structure an answer, so only the EOS ids (`<|end_of_msg|>`) end one.
         PromptConvention {
             bos: true,
-            ..PromptConvention::PLAIN
+            prefix: &[],
+            chat_template: Some(CHAT_TEMPLATE),
+            stop_on_special: false,
         }
     }
 
