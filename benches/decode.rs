@@ -5,9 +5,8 @@
 //! the bf16 source and each container runs a 32-token prompt and 64 greedy decode steps
 //! with every expert resident (64 slots per layer, every page of the shards touched, one
 //! untimed warm-up generation first, then the best of `--repeat` runs, 3 by default). It
-//! reports prefill and decode tokens per second, the
-//! weight bytes one decoded token reads, and the achieved rate as a fraction of the
-//! machine's measured memory read bandwidth.
+//! reports prefill and decode tokens per second, the weight bytes one decoded token reads,
+//! and the achieved rate as a fraction of the machine's measured memory read bandwidth.
 //!
 //! `cargo bench --bench decode` or `cargo bench --bench decode -- --layers 8`; the model and
 //! containers are kept in `--dir` (default: `coli-olmoe-bench` in the system temporary
