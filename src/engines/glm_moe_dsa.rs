@@ -700,8 +700,7 @@ impl GlmMoeDsa {
         let full = config.full_indexer_layers()?;
         let (d, n_layers) = (config.hidden_size, config.num_hidden_layers);
         let dense = options.dense_width;
-        // Embeddings and head stay f32 unless dense weights go below 8 bits, as in colibri.
-        let io_width = if dense.bits() >= 8 { Width::F32 } else { dense };
+        let io_width = dense.for_embeddings();
 
         // A checkpoint converted without the indexer attends densely, exact while the
         // context stays within index_topk; one with only some indexers is broken.

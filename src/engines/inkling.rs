@@ -405,8 +405,7 @@ impl Inkling {
         };
         let vector = |name: &str, len: usize| load_vector(&snapshot.tensor(name)?, len);
         let conv = |name: &str, channels: usize| ShortConv::load(snapshot, name, channels, kernel);
-        // Embeddings and head stay f32 unless dense weights go below 8 bits, as in colibri.
-        let io_width = if dense.bits() >= 8 { Width::F32 } else { dense };
+        let io_width = dense.for_embeddings();
 
         let mut layers = Vec::with_capacity(kinds.len());
         let mut expert_tensors = Vec::with_capacity(kinds.len());

@@ -723,8 +723,7 @@ impl KimiK3 {
         let prefix = tensor_prefix(snapshot)?;
         let (d, n_layers) = (config.hidden_size, config.num_hidden_layers);
         let dense = options.dense_width;
-        // Embeddings and head stay f32 unless dense weights go below 8 bits, as in colibri.
-        let io_width = if dense.bits() >= 8 { Width::F32 } else { dense };
+        let io_width = dense.for_embeddings();
         let kda = config.kda_layers();
         let mut layers = Vec::with_capacity(n_layers);
         let mut expert_tensors = Vec::with_capacity(n_layers);

@@ -171,8 +171,7 @@ impl Olmoe {
             Matrix::load(&snapshot.tensor_shaped(name, &shape)?, width)
         };
         let vector = |name: &str, len: usize| load_vector(&snapshot.tensor(name)?, len);
-        // Embeddings and head stay f32 unless dense weights go below 8 bits, as in colibri.
-        let io_width = if dense.bits() >= 8 { Width::F32 } else { dense };
+        let io_width = dense.for_embeddings();
 
         let mut layers = Vec::with_capacity(config.num_hidden_layers);
         let mut expert_tensors = Vec::with_capacity(config.num_hidden_layers);

@@ -68,6 +68,16 @@ impl Width {
         }
     }
 
+    /// The width of embeddings and the LM head when dense weights use `self`: f32 unless
+    /// dense weights go below 8 bits, as colibri sizes them.
+    pub fn for_embeddings(self) -> Width {
+        if self.bits() >= 8 {
+            Width::F32
+        } else {
+            self
+        }
+    }
+
     pub fn bits(self) -> u32 {
         match self {
             Width::F32 => 32,
