@@ -17,7 +17,7 @@ use coli::engines::{self, Engine, LoadOptions};
 use coli::generate::argmax;
 use coli::route_trace::{ReadOutcome, SaveOptions};
 use coli::snapshot::Snapshot;
-use common::{coli, copy_fixture, fixture, stderr, stdout};
+use common::{coli, copy_fixture, fixture, stderr};
 
 struct Fixture {
     name: &'static str,
@@ -48,7 +48,6 @@ const FIXTURES: &[Fixture] = &[
 ];
 
 struct Reference {
-    prompt: usize,
     full_ids: Vec<u32>,
     tf_pred: Vec<u32>,
 }
@@ -65,7 +64,6 @@ fn reference(name: &str) -> Reference {
             .collect()
     };
     Reference {
-        prompt: json["prompt_ids"].as_array().unwrap().len(),
         full_ids: ids("full_ids"),
         tf_pred: ids("tf_pred"),
     }
@@ -80,35 +78,8 @@ fn load(name: &str, cap: usize) -> Box<dyn Engine> {
 #[test]
 fn teacher_forced_is_exact_at_every_cache_size() {
     for f in FIXTURES {
-        let full = reference(f.name).full_ids.len();
-        let snap = format!("SNAP={}", fixture(f.name).display());
         for cap in [1, 2, f.experts] {
-            let cap = cap.to_string();
-            let args = [
-                "--model",
-                "inkling",
-                &snap,
-                "TF=1",
-                "ORACLE_STRICT=1",
-                &cap,
-                "16",
-                "16",
-            ];
-            let out = coli(&args, &[]);
-            let text = stdout(&out);
-            assert!(
-                out.status.success(),
-                "{} cap {cap}: {text}{}",
-                f.name,
-                stderr(&out)
-            );
-            assert!(
-                text.contains(&format!(
-                    "PREFILL (teacher-forcing) vs oracle: {full}/{full} positions"
-                )),
-                "{} cap {cap}: {text}",
-                f.name
-            );
+            common::oracle_exact(Some("inkling"), f.name, cap, true);
         }
     }
 }
@@ -116,26 +87,10 @@ fn teacher_forced_is_exact_at_every_cache_size() {
 #[test]
 fn greedy_is_exact_at_every_cache_size() {
     for f in FIXTURES {
-        let r = reference(f.name);
-        let generated = r.full_ids.len() - r.prompt;
-        let snap = format!("SNAP={}", fixture(f.name).display());
         for cap in [1, 2, f.experts] {
-            let cap = cap.to_string();
             // No --model: the engine comes from model_type (inkling_text / inkling_mm_model).
-            let out = coli(&[&snap, "ORACLE_STRICT=1", &cap, "16", "16"], &[]);
-            let text = stdout(&out);
-            assert!(
-                out.status.success(),
-                "{} cap {cap}: {text}{}",
-                f.name,
-                stderr(&out)
-            );
+            let (text, _) = common::oracle_exact(None, f.name, cap, false);
             assert!(text.contains("== coli inkling |"), "{text}");
-            assert!(
-                text.contains(&format!("Matching tokens: {generated}/{generated}")),
-                "{} cap {cap}: {text}",
-                f.name
-            );
         }
     }
 }

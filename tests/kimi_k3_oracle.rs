@@ -88,34 +88,8 @@ fn teacher_forced_is_exact_at_every_cache_size() {
             "{}: must cross a prefill chunk",
             f.name
         );
-        let snap = format!("SNAP={}", fixture(f.name).display());
         for cap in [1, 2, f.experts] {
-            let cap = cap.to_string();
-            let args = [
-                "--model",
-                "kimi_k3",
-                &snap,
-                "TF=1",
-                "ORACLE_STRICT=1",
-                &cap,
-                "16",
-                "16",
-            ];
-            let out = coli(&args, &[]);
-            let text = stdout(&out);
-            assert!(
-                out.status.success(),
-                "{} cap {cap}: {text}{}",
-                f.name,
-                stderr(&out)
-            );
-            assert!(
-                text.contains(&format!(
-                    "PREFILL (teacher-forcing) vs oracle: {full}/{full} positions"
-                )),
-                "{} cap {cap}: {text}",
-                f.name
-            );
+            common::oracle_exact(Some("kimi_k3"), f.name, cap, true);
         }
     }
 }
@@ -129,25 +103,10 @@ fn greedy_is_exact_at_every_cache_size() {
             "{}: the prompt must cross a chunk",
             f.name
         );
-        let generated = r.full_ids.len() - r.prompt;
-        let snap = format!("SNAP={}", fixture(f.name).display());
         for cap in [1, 2, f.experts] {
-            let cap = cap.to_string();
             // No --model: the engine comes from model_type (kimi_k3, or kimi_linear).
-            let out = coli(&[&snap, "ORACLE_STRICT=1", &cap, "16", "16"], &[]);
-            let text = stdout(&out);
-            assert!(
-                out.status.success(),
-                "{} cap {cap}: {text}{}",
-                f.name,
-                stderr(&out)
-            );
+            let (text, _) = common::oracle_exact(None, f.name, cap, false);
             assert!(text.contains("== coli kimi_k3 |"), "{text}");
-            assert!(
-                text.contains(&format!("Matching tokens: {generated}/{generated}")),
-                "{} cap {cap}: {text}",
-                f.name
-            );
         }
     }
 }

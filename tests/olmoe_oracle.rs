@@ -9,47 +9,12 @@ use common::{coli, fixture, stderr, stdout};
 /// (fixture, experts per layer)
 const FIXTURES: &[(&str, usize)] = &[("olmoe_tiny", 8), ("olmoe_tiny_b", 12)];
 
-fn positions(name: &str) -> (usize, usize) {
-    let text = std::fs::read_to_string(fixture(name).join("ref.json")).unwrap();
-    let reference: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let full = reference["full_ids"].as_array().unwrap().len();
-    let prompt = reference["prompt_ids"].as_array().unwrap().len();
-    (full, full - prompt)
-}
-
 #[test]
 fn teacher_forced_is_exact_at_every_cache_size() {
     for &(name, experts) in FIXTURES {
-        let (full, _) = positions(name);
-        let snap = format!("SNAP={}", fixture(name).display());
         for cap in [1, 2, experts] {
-            let cap = cap.to_string();
-            let out = coli(
-                &[
-                    "--model",
-                    "olmoe",
-                    &snap,
-                    "TF=1",
-                    "ORACLE_STRICT=1",
-                    &cap,
-                    "16",
-                    "16",
-                ],
-                &[],
-            );
-            let text = stdout(&out);
-            assert!(
-                out.status.success(),
-                "{name} cap {cap}: {text}{}",
-                stderr(&out)
-            );
-            assert!(
-                text.contains(&format!(
-                    "PREFILL (teacher-forcing) vs oracle: {full}/{full} positions"
-                )),
-                "{name} cap {cap}: {text}"
-            );
-            assert!(!stderr(&out).contains("[ORACLE] mismatch"));
+            let (_, errors) = common::oracle_exact(Some("olmoe"), name, cap, true);
+            assert!(!errors.contains("[ORACLE] mismatch"));
         }
     }
 }
@@ -57,21 +22,8 @@ fn teacher_forced_is_exact_at_every_cache_size() {
 #[test]
 fn greedy_is_exact_at_every_cache_size() {
     for &(name, experts) in FIXTURES {
-        let (_, generated) = positions(name);
-        let snap = format!("SNAP={}", fixture(name).display());
         for cap in [1, 2, experts] {
-            let cap = cap.to_string();
-            let out = coli(&[&snap, "ORACLE_STRICT=1", &cap, "16", "16"], &[]);
-            let text = stdout(&out);
-            assert!(
-                out.status.success(),
-                "{name} cap {cap}: {text}{}",
-                stderr(&out)
-            );
-            assert!(
-                text.contains(&format!("Matching tokens: {generated}/{generated}")),
-                "{name} cap {cap}: {text}"
-            );
+            let (text, _) = common::oracle_exact(None, name, cap, false);
             assert!(text.contains("Expert cache hit rate: "), "{text}");
         }
     }

@@ -45,3 +45,39 @@ pub fn copy_fixture(name: &str) -> tempfile::TempDir {
     }
     dir
 }
+
+/// Run the oracle on committed fixture `name` with `ORACLE_STRICT=1` at `cap` slots per layer
+/// (teacher-forced or greedy), assert that it passed with every position matching its
+/// `ref.json`, and return stdout and stderr for further checks.
+pub fn oracle_exact(
+    model: Option<&str>,
+    name: &str,
+    cap: usize,
+    teacher_forced: bool,
+) -> (String, String) {
+    let text = std::fs::read_to_string(fixture(name).join("ref.json")).expect("ref.json");
+    let reference: serde_json::Value = serde_json::from_str(&text).expect("ref.json is JSON");
+    let count = |key: &str| reference[key].as_array().map_or(0, Vec::len);
+    let (full, prompt) = (count("full_ids"), count("prompt_ids"));
+    let snap = format!("SNAP={}", fixture(name).display());
+    let cap = cap.to_string();
+    let mut args: Vec<&str> = Vec::new();
+    if let Some(model) = model {
+        args.extend(["--model", model]);
+    }
+    args.push(&snap);
+    if teacher_forced {
+        args.push("TF=1");
+    }
+    args.extend(["ORACLE_STRICT=1", &cap, "16", "16"]);
+    let out = coli(&args, &[]);
+    let (text, errors) = (stdout(&out), stderr(&out));
+    assert!(out.status.success(), "{name} cap {cap}: {text}{errors}");
+    let expected = if teacher_forced {
+        format!("PREFILL (teacher-forcing) vs oracle: {full}/{full} positions")
+    } else {
+        format!("Matching tokens: {}/{}", full - prompt, full - prompt)
+    };
+    assert!(text.contains(&expected), "{name} cap {cap}: {text}");
+    (text, errors)
+}
