@@ -6,13 +6,15 @@
 //!   [`settings`] resolves every `KEY` (argument, environment, default);
 //! - [`run`] opens the model directory with [`snapshot`] (config + mapped shards) and builds
 //!   the engine from [`engines`], whose weights are [`quant`] matrices and whose routed
-//!   experts live in the [`experts`] store;
+//!   experts live in the [`experts`] store; [`backend`] decides whether products run on
+//!   the CPU or a GPU;
 //! - [`convert`] (`coli convert`) turns a float or FP8 checkpoint into a quantised container;
 //! - [`generate`] runs prefill and decode; [`oracle`] compares against a reference;
 //! - [`text`] turns a prompt into ids and streams the generated text, [`sampling`] picking
 //!   each token;
 //! - [`route_trace`] counts every routing decision and keeps the usage history.
 //! - [`tools`] reads those histories and traces offline (`coli usage`, `coli trace`).
+pub mod backend;
 pub mod cli;
 pub mod convert;
 pub mod engines;

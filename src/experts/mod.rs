@@ -59,11 +59,11 @@ pub struct Expert {
 }
 
 impl Expert {
-    fn load(tensors: &ExpertTensors, width: Width) -> Result<Expert> {
+    pub fn load(tensors: &ExpertTensors, width: Width) -> Result<Expert> {
         Ok(Expert {
-            gate: Matrix::load(&tensors.gate, width)?,
-            up: Matrix::load(&tensors.up, width)?,
-            down: Matrix::load(&tensors.down, width)?,
+            gate: Matrix::load(&tensors.gate, width)?.host_only(),
+            up: Matrix::load(&tensors.up, width)?.host_only(),
+            down: Matrix::load(&tensors.down, width)?.host_only(),
         })
     }
 

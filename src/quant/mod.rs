@@ -38,6 +38,7 @@ pub use codec::{
 pub use format::{Format, DEFAULT_INT4_GROUP};
 pub use kernels::{select as select_simd, selected as selected_simd, Isa};
 
+use crate::backend::{self, RawMatrix, RawScales, Residency};
 use crate::snapshot::{Dtype, MappedBytes, TensorView};
 use kernels::{
     Bf16Codes, Codes, Decode, E2m1Codes, E4m3Codes, F16Codes, F32Codes, I8Codes, Int4Codes,
@@ -161,6 +162,7 @@ pub struct Matrix {
     cols: usize,
     format: Format,
     storage: Storage,
+    residency: Residency,
 }
 
 /// A format's kernel view and codec, for one generic call.
@@ -311,6 +313,7 @@ impl Matrix {
             cols,
             format,
             storage,
+            residency: Residency::default(),
         })
     }
 
@@ -324,6 +327,7 @@ impl Matrix {
                 cols,
                 format: Format::F32,
                 storage: Storage::F32(Data::Owned(values)),
+                residency: Residency::default(),
             },
             other => Matrix::encode(rows, cols, &values, other.format()),
         }
@@ -404,6 +408,7 @@ impl Matrix {
             cols,
             format,
             storage,
+            residency: Residency::default(),
         }
     }
 
@@ -438,8 +443,47 @@ impl Matrix {
     /// one dot product in a fixed order, so the result does not depend on how the work is
     /// split across threads, nor on `n`: a batch computes what `n` single rows compute,
     /// reading each weight row once for the whole batch.
+    ///
+    /// With a GPU backend installed the product runs there (see [`backend`]) unless the
+    /// matrix is [host-only](Matrix::host_only).
     pub fn matmul(&self, input: &[f32], n: usize, out: &mut [f32]) {
+        if backend::matmul(&self.residency, || self.raw(), input, n, out) {
+            return;
+        }
         self.matmul_with(kernels::selected(), input, n, out)
+    }
+
+    /// Keep this matrix off the GPU backend's automatic uploads (routed experts, which a
+    /// GPU holds only through its expert tier).
+    pub fn host_only(mut self) -> Matrix {
+        self.residency = Residency::HostOnly;
+        self
+    }
+
+    /// The matrix's bytes and scales as a device uploads them.
+    pub fn raw(&self) -> RawMatrix<'_> {
+        let (data, scales): (&[u8], RawScales<'_>) = match &self.storage {
+            Storage::F32(data) => (bytemuck::cast_slice(data.as_slice()), RawScales::None),
+            Storage::Bf16(data) | Storage::F16(data) => {
+                (bytemuck::cast_slice(data.as_slice()), RawScales::None)
+            }
+            Storage::Int8Row { values, scales } => (
+                bytemuck::cast_slice(values.as_slice()),
+                RawScales::F32(scales),
+            ),
+            Storage::Int4 { packed, scales, .. } => (packed.as_slice(), RawScales::F32(scales)),
+            Storage::Fp8 { codes, scales } => (codes.as_slice(), RawScales::F32(scales)),
+            Storage::Mxfp4 { packed, scales } => {
+                (packed.as_slice(), RawScales::E8m0(scales.as_slice()))
+            }
+        };
+        RawMatrix {
+            rows: self.rows,
+            cols: self.cols,
+            format: self.format,
+            data,
+            scales,
+        }
     }
 
     /// [`Matrix::matmul`] with an explicit instruction set (an unsupported one falls back

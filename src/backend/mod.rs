@@ -1,0 +1,325 @@
+//! Where the arithmetic runs: the CPU kernels of [`quant`](crate::quant), or a GPU through
+//! the [`Device`] interface ([`vulkan`] on ash, [`cuda`] on cudarc).
+//!
+//! `BACKEND=cpu|vulkan|cuda|auto` picks the device once, at startup ([`select`]); asking for
+//! a GPU that cannot start is an error naming the reason, never a quiet fallback. Once a
+//! device is installed:
+//! - every dense [`Matrix::matmul`](crate::quant::Matrix::matmul) runs on it, its weights
+//!   uploaded on first use and kept there for the life of the matrix ([`Residency`]);
+//! - [`rms_norm`] runs on it;
+//! - the routed experts of the VRAM tier ([`tier`], sized by `GPU_EXPERT_GB`) run as one
+//!   submission per MoE layer, while the CPU computes the other experts of the layer.
+//!
+//! A failure after startup (device lost, out of memory) switches the process to the CPU
+//! with one warning; an operation or format a device does not offer is computed on the CPU
+//! without comment. This module owns that policy; the devices only compute and report.
+
+pub mod cuda;
+pub mod tier;
+pub mod vulkan;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use anyhow::{bail, Result};
+use thiserror::Error;
+
+use crate::engines::situ::Situ;
+use crate::quant::Format;
+
+/// A weight matrix as a device receives it: the compute format's bytes, row-major, each
+/// row starting on a byte boundary (`rows x row_bytes`), and its scales.
+#[derive(Debug, Clone, Copy)]
+pub struct RawMatrix<'a> {
+    pub rows: usize,
+    pub cols: usize,
+    pub format: Format,
+    /// f32/bf16/f16 little-endian values; int8 values; int4 offset-binary nibbles or MXFP4
+    /// e2m1 nibbles, low nibble first, `ceil(cols / 2)` bytes per row; e4m3 bytes.
+    pub data: &'a [u8],
+    pub scales: RawScales<'a>,
+}
+
+/// The scales of a [`RawMatrix`], in the layout its [`Format`] documents.
+#[derive(Debug, Clone, Copy)]
+pub enum RawScales<'a> {
+    /// Float formats.
+    None,
+    /// f32 scales: one per row (int8-row, int4-row), one per row and group of columns
+    /// (int4-grouped, `ceil(cols / group)` per row), or one per 128x128 block (fp8).
+    F32(&'a [f32]),
+    /// E8M0 exponent bytes, one per row and 32 columns (MXFP4).
+    E8m0(&'a [u8]),
+}
+
+/// The element-wise combination of the gate and up projections in a gated FFN.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Activation {
+    /// `silu(gate) * up`.
+    SwiGlu,
+    /// Kimi K3's bounded SiTU-GLU.
+    Situ(Situ),
+}
+
+impl Activation {
+    /// `gate = act(gate, up)` on the CPU.
+    pub fn apply(&self, gate: &mut [f32], up: &[f32]) {
+        match self {
+            Activation::SwiGlu => crate::engines::layers::swiglu(gate, up),
+            Activation::Situ(situ) => situ.apply(gate, up),
+        }
+    }
+}
+
+/// A weight a device holds, by the number it gave at upload.
+pub type WeightId = u64;
+
+/// One expert of an [`ExpertGroup`] and the input rows routed to it.
+#[derive(Debug, Clone, Copy)]
+pub struct GroupExpert<'a> {
+    pub gate: WeightId,
+    pub up: WeightId,
+    pub down: WeightId,
+    /// `(row of the group's input, gate weight)` for every row routed to this expert.
+    pub rows: &'a [(usize, f32)],
+}
+
+/// The resident experts one MoE layer runs for a batch: the device computes
+/// `out[row] = sum over experts, in order, of weight * down(act(gate x[row], up x[row]))`
+/// in one submission. `out` is `rows x width` and is overwritten (rows no expert names
+/// are zero).
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertGroup<'a> {
+    pub experts: &'a [GroupExpert<'a>],
+    /// `rows x width` activations; the experts map `width` inputs to `width` outputs.
+    pub input: &'a [f32],
+    pub rows: usize,
+    pub width: usize,
+    pub activation: Activation,
+}
+
+/// Why a device did not compute something.
+#[derive(Debug, Error)]
+pub enum DeviceError {
+    /// The device does not offer this operation or format; the CPU computes it.
+    #[error("not offered by the device: {0}")]
+    Unsupported(String),
+    /// The device failed (lost, out of memory, a timed-out fence): it must not be used
+    /// again in this process.
+    #[error("{0:#}")]
+    Failed(#[from] anyhow::Error),
+}
+
+/// Free and total device memory, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceMemory {
+    pub free: u64,
+    pub total: u64,
+}
+
+/// What a GPU backend offers the engines. Every method may be called from several threads
+/// at once; implementations serialise their queue internally.
+pub trait Device: Send + Sync {
+    /// `"Vulkan: <device name> (<driver>)"`, for the startup line.
+    fn description(&self) -> String;
+
+    /// Device memory the weights may use.
+    fn memory(&self) -> DeviceMemory;
+
+    /// Copy `matrix` to the device once; the id stays valid until [`Device::release`].
+    fn upload(&self, matrix: &RawMatrix<'_>) -> Result<WeightId, DeviceError>;
+
+    /// Free an uploaded weight (an unknown id is ignored).
+    fn release(&self, weight: WeightId);
+
+    /// `out[t] = W . input[t]` for `n` rows of input (`n x cols` in, `n x rows` out).
+    fn matmul(
+        &self,
+        weight: WeightId,
+        input: &[f32],
+        n: usize,
+        out: &mut [f32],
+    ) -> Result<(), DeviceError>;
+
+    /// `out = x / sqrt(mean(x^2) + eps) * weight` for each `weight.len()`-wide row of `x`.
+    fn rms_norm(
+        &self,
+        x: &[f32],
+        weight: &[f32],
+        eps: f32,
+        out: &mut [f32],
+    ) -> Result<(), DeviceError>;
+
+    /// See [`ExpertGroup`].
+    fn expert_group(&self, group: &ExpertGroup<'_>, out: &mut [f32]) -> Result<(), DeviceError>;
+}
+
+/// The `BACKEND` setting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Choice {
+    Cpu,
+    Vulkan,
+    Cuda,
+    /// A GPU when one starts (CUDA first), else the CPU; the startup line says which.
+    Auto,
+}
+
+impl Choice {
+    pub fn from_setting(value: &str) -> Result<Choice> {
+        Ok(match value.to_ascii_lowercase().as_str() {
+            "cpu" => Choice::Cpu,
+            "vulkan" => Choice::Vulkan,
+            "cuda" => Choice::Cuda,
+            "auto" => Choice::Auto,
+            other => bail!("setting BACKEND={other}: expected cpu, vulkan, cuda or auto"),
+        })
+    }
+}
+
+/// Open the device `choice` names. `Ok(None)` means the CPU (asked for, or `auto` found no
+/// GPU); a named GPU that cannot start is an error saying why.
+pub fn open(choice: Choice) -> Result<Option<Arc<dyn Device>>> {
+    match choice {
+        Choice::Cpu => Ok(None),
+        Choice::Vulkan => Ok(Some(Arc::new(vulkan::VulkanDevice::open()?))),
+        Choice::Cuda => Ok(Some(Arc::new(cuda::CudaDevice::open()?))),
+        Choice::Auto => {
+            let cuda = cuda::CudaDevice::open();
+            if let Ok(device) = cuda {
+                return Ok(Some(Arc::new(device)));
+            }
+            match vulkan::VulkanDevice::open() {
+                Ok(device) => Ok(Some(Arc::new(device))),
+                Err(_) => Ok(None),
+            }
+        }
+    }
+}
+
+struct Active {
+    device: Arc<dyn Device>,
+    failed: AtomicBool,
+}
+
+static ACTIVE: OnceLock<Active> = OnceLock::new();
+
+/// Make `device` the process's device (once; a second call is ignored).
+pub fn install(device: Arc<dyn Device>) {
+    let _ = ACTIVE.set(Active {
+        device,
+        failed: AtomicBool::new(false),
+    });
+}
+
+/// The installed device, unless there is none or it has failed.
+pub fn active() -> Option<&'static dyn Device> {
+    let active = ACTIVE.get()?;
+    (!active.failed.load(Ordering::Relaxed)).then_some(active.device.as_ref())
+}
+
+/// Handle an error from the device: unsupported work is the CPU's without comment; a
+/// failure turns the device off for the rest of the process, with one warning.
+pub fn fell_back(error: DeviceError) {
+    if let DeviceError::Failed(error) = error {
+        if let Some(active) = ACTIVE.get() {
+            if !active.failed.swap(true, Ordering::Relaxed) {
+                eprintln!(
+                    "[BACKEND] {} failed: {error:#}; continuing on the CPU",
+                    active.device.description()
+                );
+            }
+        }
+    }
+}
+
+/// A weight's life on the device: a dense matrix is offered to the device on its first
+/// product and keeps the upload until it is dropped. Routed experts are `HostOnly`: they
+/// reach the device only through the VRAM [`tier`], which decides which of them deserve the
+/// memory.
+#[derive(Debug)]
+pub enum Residency {
+    /// Not uploaded yet (empty), uploaded (`Some`), or refused by the device (`None`).
+    Offered(OnceLock<Option<DeviceWeight>>),
+    HostOnly,
+}
+
+impl Default for Residency {
+    fn default() -> Residency {
+        Residency::Offered(OnceLock::new())
+    }
+}
+
+/// An upload, released from the device when dropped.
+#[derive(Debug)]
+pub struct DeviceWeight(WeightId);
+
+impl DeviceWeight {
+    pub fn id(&self) -> WeightId {
+        self.0
+    }
+
+    /// Upload `matrix` to `device`.
+    pub fn upload(
+        device: &dyn Device,
+        matrix: &RawMatrix<'_>,
+    ) -> Result<DeviceWeight, DeviceError> {
+        device.upload(matrix).map(DeviceWeight)
+    }
+}
+
+impl Drop for DeviceWeight {
+    fn drop(&mut self) {
+        if let Some(active) = ACTIVE.get() {
+            active.device.release(self.0);
+        }
+    }
+}
+
+/// `out = W . input` on the active device when there is one and it takes the matrix
+/// (uploading it on first use); `false` when the CPU must compute it.
+pub fn matmul<'a>(
+    residency: &Residency,
+    raw: impl FnOnce() -> RawMatrix<'a>,
+    input: &[f32],
+    n: usize,
+    out: &mut [f32],
+) -> bool {
+    let Residency::Offered(upload) = residency else {
+        return false;
+    };
+    let Some(device) = active() else {
+        return false;
+    };
+    let weight = upload.get_or_init(|| match DeviceWeight::upload(device, &raw()) {
+        Ok(weight) => Some(weight),
+        Err(error) => {
+            fell_back(error);
+            None
+        }
+    });
+    let Some(weight) = weight else {
+        return false;
+    };
+    match device.matmul(weight.id(), input, n, out) {
+        Ok(()) => true,
+        Err(error) => {
+            fell_back(error);
+            false
+        }
+    }
+}
+
+/// RMSNorm on the active device, else on the CPU (see
+/// [`layers::rms_norm`](crate::engines::layers::rms_norm)).
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f64, out: &mut [f32]) -> bool {
+    let Some(device) = active() else {
+        return false;
+    };
+    match device.rms_norm(x, weight, eps as f32, out) {
+        Ok(()) => true,
+        Err(error) => {
+            fell_back(error);
+            false
+        }
+    }
+}

@@ -1,0 +1,1 @@
+//! The VRAM expert tier.
