@@ -355,7 +355,10 @@ struct Moe {
 }
 
 enum Mlp {
-    Dense { mlp: SwigluMlp, global_scale: f32 },
+    Dense {
+        mlp: Box<SwigluMlp>,
+        global_scale: f32,
+    },
     Sparse(Moe),
 }
 
@@ -500,7 +503,7 @@ impl Inkling {
                 (Mlp::Sparse(moe), experts)
             } else {
                 let mlp = Mlp::Dense {
-                    mlp: SwigluMlp::load(snapshot, &m, d, dense_inter, dense)?,
+                    mlp: Box::new(SwigluMlp::load(snapshot, &m, d, dense_inter, dense)?),
                     global_scale: scalar(snapshot, &format!("{m}.global_scale"))?,
                 };
                 (mlp, Vec::new())
