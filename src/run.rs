@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
+use crate::backend;
 use crate::engines::{self, Engine, LoadOptions};
 use crate::generate::greedy_with;
 use crate::interrupt;
@@ -67,6 +68,9 @@ pub fn main_job(
     crate::quant::select_simd(crate::quant::Isa::from_setting(
         settings.text("COLI_SIMD").unwrap_or("auto"),
     )?);
+    backend::start(backend::Choice::from_setting(
+        settings.text("BACKEND").unwrap_or("cpu"),
+    )?)?;
     let options = LoadOptions {
         cap,
         expert_width,
@@ -191,8 +195,13 @@ pub fn main_job(
 
 fn report(engine: &dyn Engine, tokens_per_second: f64) {
     let stats = engine.cache_stats();
+    let vram = if stats.vram_hits > 0 {
+        format!("{} vram + ", stats.vram_hits)
+    } else {
+        String::new()
+    };
     println!(
-        "Expert cache hit rate: {:.1}% ({} pin + {} lru / {} miss) | RSS: {:.2} GB | {:.1} tok/s",
+        "Expert cache hit rate: {:.1}% ({vram}{} pin + {} lru / {} miss) | RSS: {:.2} GB | {:.1} tok/s",
         stats.hit_rate(),
         stats.pin_hits,
         stats.lru_hits,

@@ -11,9 +11,11 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 
+use crate::backend::{self, tier::ExpertTier};
 use crate::engines::Engine;
+use crate::route_trace::placement::rank;
 use crate::route_trace::repin::{plan_repin, RepinSchedule, REPIN_PASS_LIMIT};
-use crate::route_trace::{Decay, PinGb, PinRequest, PinSetting, SaveOptions};
+use crate::route_trace::{Decay, PinGb, PinPlan, PinRequest, PinSetting, SaveOptions};
 use crate::settings::Settings;
 
 /// Why a run generated tokens or only scored them: only generation folds its routing into
@@ -78,14 +80,19 @@ impl Session {
             .telemetry()
             .plan_pins(&request, &|layer| sizes.get(layer).copied().unwrap_or(0));
         let started = Instant::now();
+        let tier = fill_expert_tier(settings, engine, &plan)?;
         let store = engine.expert_store();
+        let mut vram = 0;
         for pin in &plan.pins {
-            // The MTP row of a model whose draft head is absent has no experts to pin.
-            if layer_has_experts(&sizes, pin.layer) {
+            if tier.contains(pin.layer, pin.expert) {
+                vram += 1;
+            } else if layer_has_experts(&sizes, pin.layer) {
+                // The MTP row of a model whose draft head is absent has no experts to pin.
                 store.pin(pin.layer, pin.expert)?;
             }
         }
-        if let Some(line) = plan.line(0, started.elapsed().as_secs_f64()) {
+        engine.routed_mut().tier = tier;
+        if let Some(line) = plan.line(vram, started.elapsed().as_secs_f64()) {
             eprintln!("{line}");
         }
 
@@ -140,6 +147,44 @@ impl Session {
         }
         Ok(())
     }
+}
+
+/// The VRAM tier `GPU_EXPERT_GB` asks for: the plan's pins first (hottest first), then the
+/// rest of the history by heat, then every other expert layer by layer, until the budget is
+/// spent; so a budget that holds the whole model holds it with or without a history.
+fn fill_expert_tier(
+    settings: &Settings,
+    engine: &mut dyn Engine,
+    plan: &PinPlan,
+) -> Result<ExpertTier> {
+    let gb = settings.number("GPU_EXPERT_GB");
+    if gb == 0.0 {
+        return Ok(ExpertTier::default());
+    }
+    let Some(device) = backend::active() else {
+        eprintln!("[GPU] GPU_EXPERT_GB={gb} ignored: no GPU backend is computing (see BACKEND)");
+        return Ok(ExpertTier::default());
+    };
+    let ranked = rank(engine.telemetry().counts());
+    let store = engine.expert_store();
+    let every =
+        (0..store.layers()).flat_map(|layer| (0..store.experts_in(layer)).map(move |e| (layer, e)));
+    let order = plan
+        .pins
+        .iter()
+        .chain(&ranked)
+        .map(|pin| (pin.layer, pin.expert))
+        .chain(every);
+    let started = Instant::now();
+    let tier = ExpertTier::fill(device, store, order, (gb * 1e9) as u64)?;
+    eprintln!(
+        "[GPU] expert tier: {} experts ({:.2} GB) on {} in {:.1}s",
+        tier.len(),
+        tier.bytes() as f64 / 1e9,
+        device.description(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(tier)
 }
 
 fn layer_has_experts(sizes: &[u64], layer: usize) -> bool {

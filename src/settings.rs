@@ -213,6 +213,18 @@ pub const KEYS: &[Key] = &[
         default: "auto",
         doc: "CPU kernels: auto (best detected), scalar (the reference), avx2, neon; results are identical",
     },
+    Key {
+        name: "BACKEND",
+        kind: Kind::Text,
+        default: "cpu",
+        doc: "where products run: cpu, vulkan, cuda, or auto (a GPU that starts, else the CPU)",
+    },
+    Key {
+        name: "GPU_EXPERT_GB",
+        kind: Kind::Number,
+        default: "0",
+        doc: "GB of routed experts kept on the GPU, hottest first from the PIN plan; 0 = none",
+    },
 ];
 
 /// A setting's parsed value.

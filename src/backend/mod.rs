@@ -21,7 +21,7 @@ pub mod vulkan;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use thiserror::Error;
 
 use crate::engines::situ::Situ;
@@ -176,24 +176,34 @@ impl Choice {
     }
 }
 
-/// Open the device `choice` names. `Ok(None)` means the CPU (asked for, or `auto` found no
-/// GPU); a named GPU that cannot start is an error saying why.
-pub fn open(choice: Choice) -> Result<Option<Arc<dyn Device>>> {
-    match choice {
-        Choice::Cpu => Ok(None),
-        Choice::Vulkan => Ok(Some(Arc::new(vulkan::VulkanDevice::open()?))),
-        Choice::Cuda => Ok(Some(Arc::new(cuda::CudaDevice::open()?))),
-        Choice::Auto => {
-            let cuda = cuda::CudaDevice::open();
-            if let Ok(device) = cuda {
-                return Ok(Some(Arc::new(device)));
+/// Open and install the device `BACKEND` names, saying on stderr which one computes. A
+/// named GPU that cannot start is an error with the reason; `auto` tries CUDA, then Vulkan,
+/// then settles on the CPU and says why.
+pub fn start(choice: Choice) -> Result<()> {
+    let device: Arc<dyn Device> = match choice {
+        Choice::Cpu => return Ok(()),
+        Choice::Vulkan => Arc::new(
+            vulkan::VulkanDevice::open()
+                .context("BACKEND=vulkan cannot start (BACKEND=cpu runs without a GPU)")?,
+        ),
+        Choice::Cuda => Arc::new(
+            cuda::CudaDevice::open()
+                .context("BACKEND=cuda cannot start (BACKEND=cpu runs without a GPU)")?,
+        ),
+        Choice::Auto => match (cuda::CudaDevice::open(), vulkan::VulkanDevice::open()) {
+            (Ok(device), _) => Arc::new(device),
+            (Err(_), Ok(device)) => Arc::new(device),
+            (Err(cuda), Err(vulkan)) => {
+                eprintln!(
+                    "[BACKEND] auto: computing on the CPU (CUDA: {cuda:#}; Vulkan: {vulkan:#})"
+                );
+                return Ok(());
             }
-            match vulkan::VulkanDevice::open() {
-                Ok(device) => Ok(Some(Arc::new(device))),
-                Err(_) => Ok(None),
-            }
-        }
-    }
+        },
+    };
+    eprintln!("[BACKEND] {}", device.description());
+    install(device);
+    Ok(())
 }
 
 struct Active {

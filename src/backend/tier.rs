@@ -1,1 +1,114 @@
-//! The VRAM expert tier.
+//! The VRAM expert tier: routed experts uploaded to the GPU once at startup, hottest
+//! first, until `GPU_EXPERT_GB` is spent. A resident expert never touches the CPU cache
+//! again; each MoE layer sends its resident experts to the device as one group while the
+//! CPU computes the rest (see [`RoutedExperts::run`](crate::engines::moe::RoutedExperts::run)).
+//!
+//! The tier is fixed for the run: it does not follow `REPIN`, which moves RAM pins only.
+//! This module chooses and holds the uploads; it does not compute.
+
+use std::collections::HashMap;
+
+use anyhow::{bail, Result};
+
+use super::{Device, DeviceError, DeviceWeight, WeightId};
+use crate::experts::ExpertStore;
+
+/// One expert's three projections on the device.
+pub struct ResidentExpert {
+    pub gate: DeviceWeight,
+    pub up: DeviceWeight,
+    pub down: DeviceWeight,
+}
+
+impl ResidentExpert {
+    pub fn ids(&self) -> (WeightId, WeightId, WeightId) {
+        (self.gate.id(), self.up.id(), self.down.id())
+    }
+}
+
+/// The experts resident on the device, by MoE layer and expert id.
+#[derive(Default)]
+pub struct ExpertTier {
+    resident: HashMap<(usize, usize), ResidentExpert>,
+    bytes: u64,
+}
+
+impl ExpertTier {
+    /// Upload experts of `store` in `order` (hottest first; repeats and experts that do not
+    /// exist are skipped) while their compute-format bytes fit in `budget` bytes.
+    ///
+    /// A budget beyond the device's free memory is refused before anything is uploaded, as
+    /// is an expert format the device cannot compute: both are mistakes the user fixes with
+    /// a setting, so the run stops there rather than half-filling the tier.
+    pub fn fill(
+        device: &dyn Device,
+        store: &ExpertStore,
+        order: impl IntoIterator<Item = (usize, usize)>,
+        budget: u64,
+    ) -> Result<ExpertTier> {
+        let memory = device.memory();
+        if budget > memory.free {
+            bail!(
+                "GPU_EXPERT_GB asks for {:.2} GB of experts on {}, which has {:.2} GB free \
+                 (of {:.2} GB): lower GPU_EXPERT_GB",
+                budget as f64 / 1e9,
+                device.description(),
+                memory.free as f64 / 1e9,
+                memory.total as f64 / 1e9
+            );
+        }
+        let mut tier = ExpertTier::default();
+        for (layer, expert) in order {
+            if tier.resident.contains_key(&(layer, expert)) || !store.has_expert(layer, expert) {
+                continue;
+            }
+            let weights = store.load_expert(layer, expert)?;
+            let bytes = weights.size_bytes() as u64;
+            if tier.bytes + bytes > budget {
+                break;
+            }
+            let upload = |matrix: &crate::quant::Matrix| {
+                DeviceWeight::upload(device, &matrix.raw()).map_err(|error| match error {
+                    DeviceError::Unsupported(why) => anyhow::anyhow!(
+                        "the experts are {} ({why}); {} cannot hold them: \
+                         set GPU_EXPERT_GB=0, or convert them to a format it computes",
+                        matrix.format(),
+                        device.description()
+                    ),
+                    DeviceError::Failed(error) => {
+                        error.context(format!("uploading expert {expert} of MoE layer {layer}"))
+                    }
+                })
+            };
+            let resident = ResidentExpert {
+                gate: upload(&weights.gate)?,
+                up: upload(&weights.up)?,
+                down: upload(&weights.down)?,
+            };
+            tier.bytes += bytes;
+            tier.resident.insert((layer, expert), resident);
+        }
+        Ok(tier)
+    }
+
+    pub fn get(&self, layer: usize, expert: usize) -> Option<&ResidentExpert> {
+        self.resident.get(&(layer, expert))
+    }
+
+    pub fn contains(&self, layer: usize, expert: usize) -> bool {
+        self.resident.contains_key(&(layer, expert))
+    }
+
+    pub fn len(&self) -> usize {
+        self.resident.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.resident.is_empty()
+    }
+
+    /// Bytes of expert weights on the device.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+}

@@ -817,10 +817,10 @@ impl GlmMoeDsa {
             caches,
             mtp_cache: cache(false),
             mtp,
-            routed: RoutedExperts {
-                store: ExpertStore::new(Vec::new(), 1, options.expert_width),
+            routed: RoutedExperts::new(
+                ExpertStore::new(Vec::new(), 1, options.expert_width),
                 telemetry,
-            },
+            ),
             dsa_force: options.dsa_force,
             draft,
             tokens: Vec::new(),

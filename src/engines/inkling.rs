@@ -553,10 +553,10 @@ impl Inkling {
             lm_head: matrix("lm_head.weight", [config.vocab_size, d], io_width)?,
             layers,
             states,
-            routed: RoutedExperts {
-                store: ExpertStore::new(Vec::new(), 1, options.expert_width),
+            routed: RoutedExperts::new(
+                ExpertStore::new(Vec::new(), 1, options.expert_width),
                 telemetry,
-            },
+            ),
             config,
         };
         let resident = inkling.resident_bytes() as u64;

@@ -30,6 +30,7 @@ use super::mla::{attend_absorbed, attend_plain, Keys, LatentCache, MlaProjection
 use super::moe::{Route, RoutedExperts, SigmoidRouter};
 use super::situ::{Situ, SituMlp};
 use super::{Engine, LoadOptions};
+use crate::backend::Activation;
 use crate::experts::{ExpertStore, ExpertTensors};
 use crate::quant::{load_vector, Matrix, Width};
 use crate::route_trace::RouteTrace;
@@ -634,9 +635,7 @@ impl Layer {
         let mut routed = vec![0f32; n * latent];
         let situ = pass.situ;
         pass.routed
-            .run_with(id, &z, &routes, latent, &mut routed, |w, rows, m| {
-                situ.ffn(&w.gate, &w.up, &w.down, rows, m)
-            })?;
+            .run_with(id, &z, &routes, latent, Activation::Situ(situ), &mut routed)?;
         if let Some(norm) = &moe.norm {
             rms_norm_in_place(&mut routed, norm, eps);
         }
@@ -779,10 +778,10 @@ impl KimiK3 {
             )?,
             layers,
             states,
-            routed: RoutedExperts {
-                store: ExpertStore::new(Vec::new(), 1, options.expert_width),
+            routed: RoutedExperts::new(
+                ExpertStore::new(Vec::new(), 1, options.expert_width),
                 telemetry,
-            },
+            ),
             stop: stop_tokens(snapshot, &config)?,
             position: 0,
             config,

@@ -11,8 +11,11 @@ use crate::snapshot::Snapshot;
 
 /// `out = x / sqrt(mean(x^2) + eps) * weight`, for each row of `x` (`weight.len()` wide).
 /// The mean square is accumulated in f64 so the result does not depend on the row length's
-/// rounding behaviour.
+/// rounding behaviour. With a GPU backend installed the norm runs there (in f32).
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f64, out: &mut [f32]) {
+    if crate::backend::rms_norm(x, weight, eps, out) {
+        return;
+    }
     let width = weight.len();
     for (row, out) in x.chunks_exact(width).zip(out.chunks_exact_mut(width)) {
         let mean_square = row

@@ -84,7 +84,10 @@ pub trait Engine {
     fn routed_mut(&mut self) -> &mut RoutedExperts;
 
     fn cache_stats(&self) -> CacheStats {
-        self.routed().store.stats()
+        CacheStats {
+            vram_hits: self.routed().tier_hits,
+            ..self.routed().store.stats()
+        }
     }
 
     /// The run's routing telemetry, which the engine's router loops feed.

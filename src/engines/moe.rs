@@ -1,11 +1,14 @@
 //! The routed mixture-of-experts block shared by the engines: routers that turn router
 //! logits into `(expert, gate)` choices per row, and the expert pass that runs every chosen
-//! expert once over the rows routed to it and sums the gated outputs.
+//! expert once over the rows routed to it (on the CPU, or on the GPU for experts in the
+//! VRAM tier) and sums the gated outputs.
 
 use anyhow::Result;
 
-use super::layers::{softmax, swiglu_ffn, top_k};
-use crate::experts::{Expert, ExpertStore};
+use super::layers::{add_in_place, glu_ffn, softmax, top_k};
+use crate::backend::tier::ExpertTier;
+use crate::backend::{self, Activation, ExpertGroup, GroupExpert};
+use crate::experts::ExpertStore;
 use crate::route_trace::RouteTrace;
 
 /// The experts one row of the batch routes to, with the gates the layer applies.
@@ -87,14 +90,28 @@ impl SigmoidRouter {
     }
 }
 
-/// The routed half of a MoE model: the expert store and the telemetry its routing feeds.
+/// The routed half of a MoE model: the expert store, the experts resident on a GPU, and the
+/// telemetry its routing feeds.
 pub struct RoutedExperts {
     pub store: ExpertStore,
+    pub tier: ExpertTier,
     pub telemetry: RouteTrace,
+    /// Expert lookups the VRAM tier answered.
+    pub tier_hits: u64,
 }
 
 impl RoutedExperts {
-    /// See [`run_experts`].
+    pub fn new(store: ExpertStore, telemetry: RouteTrace) -> RoutedExperts {
+        RoutedExperts {
+            store,
+            tier: ExpertTier::default(),
+            telemetry,
+            tier_hits: 0,
+        }
+    }
+
+    /// `out[row] = sum of gate * down(silu(gate_proj x) * up_proj x)` over each row's route.
+    /// See [`RoutedExperts::run_with`].
     pub fn run(
         &mut self,
         layer: usize,
@@ -103,109 +120,143 @@ impl RoutedExperts {
         hidden: usize,
         out: &mut [f32],
     ) -> Result<()> {
-        run_experts(
-            &mut self.store,
-            &mut self.telemetry,
-            layer,
-            input,
-            routes,
-            hidden,
-            out,
-        )
+        self.run_with(layer, input, routes, hidden, Activation::SwiGlu, out)
     }
 
-    /// See [`run_experts_with`].
+    /// `out[row] = sum of gate * down(act(gate_proj x, up_proj x))` over each row's route,
+    /// for experts that map `width` inputs to `width` outputs (the hidden size, or a latent
+    /// space narrower than it, as Kimi K3's).
+    ///
+    /// This is the one place every router loop ends: each row's final choice is reported to
+    /// the telemetry (one MoE call, one routing decision per row) before any expert runs.
+    /// Each distinct expert runs once over all its rows. Experts resident in the VRAM tier
+    /// run as one device group while the CPU runs the others, each from the store in
+    /// ascending id order (the reference's expert loop); the two partial sums are added at
+    /// the end. Without a tier the sum order is exactly the reference's.
     pub fn run_with(
         &mut self,
         layer: usize,
         input: &[f32],
         routes: &[Route],
         width: usize,
+        activation: Activation,
         out: &mut [f32],
-        ffn: impl Fn(&Expert, &[f32], usize) -> Vec<f32>,
     ) -> Result<()> {
-        run_experts_with(
-            &mut self.store,
-            &mut self.telemetry,
-            layer,
-            input,
-            routes,
-            width,
-            out,
-            ffn,
-        )
-    }
-}
-
-/// `out[row] = Σ gate · down(silu(gate_proj x) * up_proj x)` over each row's route.
-///
-/// This is the one place every router loop ends: each row's final choice is reported to
-/// `telemetry` (one MoE call, one routing decision per row) before any expert runs.
-/// Experts run in ascending id order, each once over all its rows, so a distinct expert is
-/// looked up once per call and the sum order matches the reference's expert loop.
-pub fn run_experts(
-    store: &mut ExpertStore,
-    telemetry: &mut RouteTrace,
-    layer: usize,
-    input: &[f32],
-    routes: &[Route],
-    hidden: usize,
-    out: &mut [f32],
-) -> Result<()> {
-    run_experts_with(
-        store,
-        telemetry,
-        layer,
-        input,
-        routes,
-        hidden,
-        out,
-        |weights, batch, n| swiglu_ffn(&weights.gate, &weights.up, &weights.down, batch, n),
-    )
-}
-
-/// [`run_experts`] with the expert FFN given: `ffn(expert, rows, n)` maps `n` rows of
-/// `width` inputs to `n` rows of `width` outputs (a SiTU-GLU expert, or experts working in a
-/// latent space narrower than the hidden size, as Kimi K3's).
-#[allow(clippy::too_many_arguments)]
-pub fn run_experts_with(
-    store: &mut ExpertStore,
-    telemetry: &mut RouteTrace,
-    layer: usize,
-    input: &[f32],
-    routes: &[Route],
-    width: usize,
-    out: &mut [f32],
-    ffn: impl Fn(&Expert, &[f32], usize) -> Vec<f32>,
-) -> Result<()> {
-    {
-        let mut call = telemetry.moe_call(layer);
-        for (row, route) in routes.iter().enumerate() {
-            let (ids, gates): (Vec<usize>, Vec<f32>) = route.iter().copied().unzip();
-            call.route(row, &ids, &gates);
+        {
+            let mut call = self.telemetry.moe_call(layer);
+            for (row, route) in routes.iter().enumerate() {
+                let (ids, gates): (Vec<usize>, Vec<f32>) = route.iter().copied().unzip();
+                call.route(row, &ids, &gates);
+            }
         }
-    }
-    out.fill(0.0);
-    let mut experts: Vec<usize> = routes.iter().flatten().map(|&(e, _)| e).collect();
-    experts.sort_unstable();
-    experts.dedup();
-    for expert in experts {
-        let rows: Vec<(usize, f32)> = routes
+        let mut experts: Vec<usize> = routes.iter().flatten().map(|&(e, _)| e).collect();
+        experts.sort_unstable();
+        experts.dedup();
+        let assignments: Vec<(usize, Vec<(usize, f32)>)> = experts
+            .into_iter()
+            .map(|expert| (expert, rows_of(routes, expert)))
+            .collect();
+        let device = backend::active().filter(|_| !self.tier.is_empty());
+        let (resident, host): (Vec<_>, Vec<_>) = assignments
             .iter()
-            .enumerate()
-            .filter_map(|(row, route)| {
-                route
-                    .iter()
-                    .find(|&&(e, _)| e == expert)
-                    .map(|&(_, gate)| (row, gate))
+            .partition(|(expert, _)| device.is_some() && self.tier.contains(layer, *expert));
+
+        out.fill(0.0);
+        let store = &mut self.store;
+        let Some(device) = device.filter(|_| !resident.is_empty()) else {
+            return run_on_host(store, layer, input, &host, width, activation, out);
+        };
+        let group: Vec<GroupExpert<'_>> = resident
+            .iter()
+            .filter_map(|(expert, rows)| {
+                let (gate, up, down) = self.tier.get(layer, *expert)?.ids();
+                Some(GroupExpert {
+                    gate,
+                    up,
+                    down,
+                    rows,
+                })
             })
             .collect();
+        let group = ExpertGroup {
+            experts: &group,
+            input,
+            rows: routes.len(),
+            width,
+            activation,
+        };
+        let mut on_device = vec![0f32; out.len()];
+        let (device_result, host_result) = rayon::join(
+            || device.expert_group(&group, &mut on_device),
+            || run_on_host(store, layer, input, &host, width, activation, out),
+        );
+        host_result?;
+        match device_result {
+            Ok(()) => {
+                self.tier_hits += resident.len() as u64;
+                add_in_place(out, &on_device);
+                Ok(())
+            }
+            Err(error) => {
+                backend::fell_back(error);
+                let mut recomputed = vec![0f32; out.len()];
+                run_on_host(
+                    store,
+                    layer,
+                    input,
+                    &resident,
+                    width,
+                    activation,
+                    &mut recomputed,
+                )?;
+                add_in_place(out, &recomputed);
+                Ok(())
+            }
+        }
+    }
+}
+
+/// `(row, gate)` for every row of `routes` that names `expert`.
+fn rows_of(routes: &[Route], expert: usize) -> Vec<(usize, f32)> {
+    routes
+        .iter()
+        .enumerate()
+        .filter_map(|(row, route)| {
+            route
+                .iter()
+                .find(|&&(e, _)| e == expert)
+                .map(|&(_, gate)| (row, gate))
+        })
+        .collect()
+}
+
+/// Add each expert's gated output over its rows to `out`, in the order given, with the
+/// expert taken from (and cached by) the CPU store.
+fn run_on_host(
+    store: &mut ExpertStore,
+    layer: usize,
+    input: &[f32],
+    assignments: &[&(usize, Vec<(usize, f32)>)],
+    width: usize,
+    activation: Activation,
+    out: &mut [f32],
+) -> Result<()> {
+    for (expert, rows) in assignments.iter().map(|a| (a.0, &a.1)) {
         let n = rows.len();
         let mut batch = Vec::with_capacity(n * width);
-        for &(row, _) in &rows {
+        for &(row, _) in rows {
             batch.extend_from_slice(&input[row * width..][..width]);
         }
-        let result = store.with_expert(layer, expert, |weights| ffn(weights, &batch, n))?;
+        let result = store.with_expert(layer, expert, |weights| {
+            glu_ffn(
+                &weights.gate,
+                &weights.up,
+                &weights.down,
+                &batch,
+                n,
+                |g, u| activation.apply(g, u),
+            )
+        })?;
         for (&(row, weight), y) in rows.iter().zip(result.chunks_exact(width)) {
             for (o, &v) in out[row * width..][..width].iter_mut().zip(y) {
                 *o += v * weight;

@@ -241,15 +241,12 @@ impl Olmoe {
                 .collect(),
             // Every layer routes; the row after the last layer (an MTP head in other
             // models) does not exist here.
-            routed: RoutedExperts {
-                store: ExpertStore::new(Vec::new(), 1, options.expert_width),
-                telemetry: {
-                    let mut telemetry =
-                        RouteTrace::new(NAME, config.num_hidden_layers, config.num_experts)?;
-                    telemetry.drop_row(config.num_hidden_layers);
-                    telemetry
-                },
-            },
+            routed: RoutedExperts::new(ExpertStore::new(Vec::new(), 1, options.expert_width), {
+                let mut telemetry =
+                    RouteTrace::new(NAME, config.num_hidden_layers, config.num_experts)?;
+                telemetry.drop_row(config.num_hidden_layers);
+                telemetry
+            }),
             embed,
             final_norm,
             lm_head,

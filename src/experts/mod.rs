@@ -59,7 +59,7 @@ pub struct Expert {
 }
 
 impl Expert {
-    pub fn load(tensors: &ExpertTensors, width: Width) -> Result<Expert> {
+    fn load(tensors: &ExpertTensors, width: Width) -> Result<Expert> {
         Ok(Expert {
             gate: Matrix::load(&tensors.gate, width)?.host_only(),
             up: Matrix::load(&tensors.up, width)?.host_only(),
@@ -76,6 +76,8 @@ impl Expert {
 /// one forward once, however many rows of the batch route to it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CacheStats {
+    /// Lookups answered by the GPU's expert tier (counted by the MoE pass, not the store).
+    pub vram_hits: u64,
     pub pin_hits: u64,
     pub lru_hits: u64,
     pub misses: u64,
@@ -85,7 +87,7 @@ pub struct CacheStats {
 impl CacheStats {
     /// Hit rate in percent; 0 before any lookup.
     pub fn hit_rate(&self) -> f64 {
-        let hits = self.pin_hits + self.lru_hits;
+        let hits = self.vram_hits + self.pin_hits + self.lru_hits;
         let total = hits + self.misses;
         if total == 0 {
             0.0
@@ -231,6 +233,30 @@ impl ExpertStore {
         self.layers
             .get(layer)
             .is_some_and(|cache| cache.pinned.iter().any(|(e, _)| *e == expert))
+    }
+
+    /// How many experts MoE layer `layer` has (0 for a layer without experts).
+    pub fn experts_in(&self, layer: usize) -> usize {
+        self.layers
+            .get(layer)
+            .map_or(0, |cache| cache.tensors.len())
+    }
+
+    pub fn has_expert(&self, layer: usize, expert: usize) -> bool {
+        expert < self.experts_in(layer)
+    }
+
+    /// Load an expert outside the cache (no slot taken, no counter moved): for a tier
+    /// that keeps its own copy elsewhere.
+    pub fn load_expert(&self, layer: usize, expert: usize) -> Result<Expert> {
+        match self
+            .layers
+            .get(layer)
+            .and_then(|cache| cache.tensors.get(expert))
+        {
+            Some(tensors) => Expert::load(tensors, self.width),
+            None => bail!("expert {expert} of MoE layer {layer} does not exist"),
+        }
     }
 
     /// Run `compute` with expert `expert` of MoE layer `layer`, loading it on a miss. A

@@ -2,7 +2,7 @@
 //! reports the hit rate of each placement policy.
 //!
 //! The stream replayed is the one the engine's expert store sees: one lookup per distinct
-//! expert of each MoE call, in ascending id order (how `run_experts` visits them), so that
+//! expert of each MoE call, in ascending id order (how `RoutedExperts::run` visits them), so that
 //! `lru` at `CAP` slots reproduces the engine's own hit and miss counts. By default only
 //! single-row (decode) calls are replayed; `--include-prefill` adds the multi-row calls.
 //!

@@ -55,6 +55,17 @@ pub fn oracle_exact(
     cap: usize,
     teacher_forced: bool,
 ) -> (String, String) {
+    oracle_exact_with(model, name, cap, teacher_forced, &[])
+}
+
+/// [`oracle_exact`] with extra `KEY=VALUE` settings (a backend, a GPU tier).
+pub fn oracle_exact_with(
+    model: Option<&str>,
+    name: &str,
+    cap: usize,
+    teacher_forced: bool,
+    settings: &[&str],
+) -> (String, String) {
     let text = std::fs::read_to_string(fixture(name).join("ref.json")).expect("ref.json");
     let reference: serde_json::Value = serde_json::from_str(&text).expect("ref.json is JSON");
     let count = |key: &str| reference[key].as_array().map_or(0, Vec::len);
@@ -69,6 +80,7 @@ pub fn oracle_exact(
     if teacher_forced {
         args.push("TF=1");
     }
+    args.extend(settings);
     args.extend(["ORACLE_STRICT=1", &cap, "16", "16"]);
     let out = coli(&args, &[]);
     let (text, errors) = (stdout(&out), stderr(&out));
