@@ -93,3 +93,24 @@ fn pinned_experts_are_never_evicted_and_count_as_pin_hits() {
     assert!(store.pin(0, 9).is_err());
     assert!(store.pin(5, 0).is_err());
 }
+
+#[test]
+fn a_layer_s_experts_are_held_together_when_the_slots_allow() {
+    let (mut store, _) = store(3);
+    store.pin(0, 7).unwrap();
+    let ids = |weights: &[&coli::experts::Expert]| weights.len();
+    // Three slots and a pin hold four experts at once: 7 from the pins, 0 1 2 loaded.
+    assert_eq!(store.with_experts(0, &[0, 1, 2, 7], ids).unwrap(), Some(4));
+    let stats = store.stats();
+    assert_eq!((stats.pin_hits, stats.lru_hits, stats.misses), (1, 0, 3));
+    // Loading 3 must not evict 1 or 2, which the same call needs: 0 goes.
+    assert_eq!(store.with_experts(0, &[1, 2, 3], ids).unwrap(), Some(3));
+    let stats = store.stats();
+    assert_eq!((stats.lru_hits, stats.misses), (2, 4));
+    touch(&mut store, 0);
+    assert_eq!(store.stats().misses, 5, "0 was the one evicted");
+    // Four unpinned experts cannot share three slots: nothing is loaded or counted.
+    let before = store.stats();
+    assert_eq!(store.with_experts(0, &[1, 4, 5, 6], ids).unwrap(), None);
+    assert_eq!(store.stats(), before);
+}

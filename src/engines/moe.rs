@@ -4,11 +4,12 @@
 //! VRAM tier) and sums the gated outputs.
 
 use anyhow::Result;
+use rayon::prelude::*;
 
 use super::layers::{add_in_place, glu_ffn, softmax, top_k};
 use crate::backend::tier::ExpertTier;
 use crate::backend::{self, Activation, ExpertGroup, GroupExpert};
-use crate::experts::ExpertStore;
+use crate::experts::{Expert, ExpertStore};
 use crate::route_trace::RouteTrace;
 
 /// The experts one row of the batch routes to, with the gates the layer applies.
@@ -231,7 +232,9 @@ fn rows_of(routes: &[Route], expert: usize) -> Vec<(usize, f32)> {
 }
 
 /// Add each expert's gated output over its rows to `out`, in the order given, with the
-/// expert taken from (and cached by) the CPU store.
+/// experts taken from (and cached by) the CPU store. When the layer's slots hold them all
+/// at once the experts run side by side on the thread pool (one wait for the layer rather
+/// than one per product); each output is the same either way, and the sum keeps its order.
 fn run_on_host(
     store: &mut ExpertStore,
     layer: usize,
@@ -241,22 +244,42 @@ fn run_on_host(
     activation: Activation,
     out: &mut [f32],
 ) -> Result<()> {
-    for (expert, rows) in assignments.iter().map(|a| (a.0, &a.1)) {
-        let n = rows.len();
-        let mut batch = Vec::with_capacity(n * width);
-        for &(row, _) in rows {
-            batch.extend_from_slice(&input[row * width..][..width]);
-        }
-        let result = store.with_expert(layer, expert, |weights| {
-            glu_ffn(
-                &weights.gate,
-                &weights.up,
-                &weights.down,
-                &batch,
-                n,
-                |g, u| activation.apply(g, u),
-            )
-        })?;
+    let batches: Vec<Vec<f32>> = assignments
+        .iter()
+        .map(|(_, rows)| {
+            rows.iter()
+                .flat_map(|&(row, _)| &input[row * width..][..width])
+                .copied()
+                .collect()
+        })
+        .collect();
+    let ffn = |weights: &Expert, batch: &[f32]| {
+        glu_ffn(
+            &weights.gate,
+            &weights.up,
+            &weights.down,
+            batch,
+            batch.len() / width,
+            |g, u| activation.apply(g, u),
+        )
+    };
+    let ids: Vec<usize> = assignments.iter().map(|(expert, _)| *expert).collect();
+    let together = store.with_experts(layer, &ids, |weights| {
+        weights
+            .par_iter()
+            .zip(&batches)
+            .map(|(weights, batch)| ffn(weights, batch))
+            .collect::<Vec<_>>()
+    })?;
+    let results = match together {
+        Some(results) => results,
+        None => assignments
+            .iter()
+            .zip(&batches)
+            .map(|((expert, _), batch)| store.with_expert(layer, *expert, |w| ffn(w, batch)))
+            .collect::<Result<_>>()?,
+    };
+    for ((_, rows), result) in assignments.iter().map(|a| (a.0, &a.1)).zip(results) {
         for (&(row, weight), y) in rows.iter().zip(result.chunks_exact(width)) {
             for (o, &v) in out[row * width..][..width].iter_mut().zip(y) {
                 *o += v * weight;

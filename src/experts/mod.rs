@@ -235,6 +235,83 @@ impl ExpertStore {
             .is_some_and(|cache| cache.pinned.iter().any(|(e, _)| *e == expert))
     }
 
+    /// Run `compute` with all of `experts` (distinct ids) of MoE layer `layer` at once,
+    /// loading the missing ones; counted as [`ExpertStore::with_expert`] counts each. `None`
+    /// (nothing loaded, nothing counted) when the layer's slots cannot hold every one that
+    /// is not pinned: the caller then takes them one at a time.
+    pub fn with_experts<R>(
+        &mut self,
+        layer: usize,
+        experts: &[usize],
+        compute: impl FnOnce(&[&Expert]) -> R,
+    ) -> Result<Option<R>> {
+        let Some(cache) = self.layers.get_mut(layer) else {
+            bail!(
+                "MoE layer {layer} does not exist ({} layers)",
+                self.layers.len()
+            );
+        };
+        let is_pinned = |cache: &LayerCache, e: usize| cache.pinned.iter().any(|(p, _)| *p == e);
+        let unpinned = experts.iter().filter(|&&e| !is_pinned(cache, e)).count();
+        if unpinned > self.capacity {
+            return Ok(None);
+        }
+        for &expert in experts {
+            self.clock += 1;
+            if is_pinned(cache, expert) {
+                self.stats.pin_hits += 1;
+                continue;
+            }
+            if let Some(slot) = cache.slots.iter_mut().find(|s| s.expert == expert) {
+                slot.last_used = self.clock;
+                self.stats.lru_hits += 1;
+                continue;
+            }
+            let Some(tensors) = cache.tensors.get(expert) else {
+                bail!(
+                    "expert {expert} of MoE layer {layer} does not exist ({} experts)",
+                    cache.tensors.len()
+                );
+            };
+            let slot = Slot {
+                expert,
+                last_used: self.clock,
+                weights: Expert::load(tensors, self.width)?,
+            };
+            self.stats.misses += 1;
+            self.stats.bytes_loaded += tensors.source_bytes() as u64;
+            if cache.slots.len() < self.capacity {
+                cache.slots.push(slot);
+            } else if let Some(victim) = cache
+                .slots
+                .iter_mut()
+                .filter(|s| !experts.contains(&s.expert))
+                .min_by_key(|s| s.last_used)
+            {
+                *victim = slot;
+            }
+        }
+        let weights: Vec<&Expert> = experts
+            .iter()
+            .map(|&expert| {
+                cache
+                    .pinned
+                    .iter()
+                    .find(|(e, _)| *e == expert)
+                    .map(|(_, weights)| weights)
+                    .or_else(|| {
+                        cache
+                            .slots
+                            .iter()
+                            .find(|s| s.expert == expert)
+                            .map(|s| &s.weights)
+                    })
+                    .expect("every requested expert was just made resident")
+            })
+            .collect();
+        Ok(Some(compute(&weights)))
+    }
+
     /// How many experts MoE layer `layer` has (0 for a layer without experts).
     pub fn experts_in(&self, layer: usize) -> usize {
         self.layers
