@@ -324,7 +324,8 @@ fn rms_norm_matches_the_cpu() {
 /// `down(act(gate x, up x))`, added into the rows with their gate weights; and the scale
 /// of each output (`Σ over experts of |weight| · Σ|down · h|`) for the tolerance.
 fn cpu_group(
-    experts: &[(&Matrix, &Matrix, &Matrix, Vec<(usize, f32)>)],
+    matrices: &[[Matrix; 3]],
+    routes: &[Vec<(usize, f32)>],
     input: &[f32],
     width: usize,
     activation: Activation,
@@ -332,7 +333,7 @@ fn cpu_group(
     let rows = input.len() / width;
     let mut out = vec![0f32; rows * width];
     let mut scale = vec![0f64; rows * width];
-    for (gate, up, down, routed) in experts {
+    for ([gate, up, down], routed) in matrices.iter().zip(routes) {
         let n = routed.len();
         let batch: Vec<f32> = routed
             .iter()
@@ -396,12 +397,7 @@ fn check_group(activation: Activation, routes: &[Vec<(usize, f32)>], formats: [F
     device()
         .expert_group(&group, &mut gpu)
         .unwrap_or_else(|e| panic!("{e}"));
-    let cpu_experts: Vec<_> = matrices
-        .iter()
-        .zip(routes)
-        .map(|(m, routed)| (&m[0], &m[1], &m[2], routed.clone()))
-        .collect();
-    let (cpu, scale) = cpu_group(&cpu_experts, &input, width, activation);
+    let (cpu, scale) = cpu_group(&matrices, routes, &input, width, activation);
     for (i, ((&g, &c), &s)) in gpu.iter().zip(&cpu).zip(&scale).enumerate() {
         // The gate and up products differ within the summation bound, the activation's
         // exp and tanh by a few ulp; SiLU and SiTU change slowly (derivative about 1 at

@@ -1061,10 +1061,10 @@ impl Device for CudaDevice {
         let mut next: Vec<usize> = row_start[..rows].iter().map(|&s| s as usize).collect();
         let mut entry_slot = vec![0i32; slots];
         let mut entry_weight = vec![0f32; slots];
-        let mut slot = 0;
+        let mut slot = 0i32;
         for expert in &experts {
             for &(row, weight) in expert.rows {
-                entry_slot[next[row]] = slot as i32;
+                entry_slot[next[row]] = slot;
                 entry_weight[next[row]] = weight;
                 next[row] += 1;
                 slot += 1;
