@@ -4,7 +4,7 @@
 #      the CPU reference, RMSNorm, expert groups, uploads, and the matvec bandwidth probe);
 #   2. every committed fixture with a ref.json, greedy, with BACKEND=cpu and BACKEND=cuda:
 #      the oracle's "Matching tokens" line for both, and the tokens generated from the
-#      reference prompt compared (f32 weights, then int8);
+#      reference prompt compared (f32 weights must agree; int8 is reported);
 #   3. end-to-end decode on the real-shape OLMoE of benches/decode.rs, BACKEND=cpu and
 #      BACKEND=cuda with every expert in VRAM.
 # Everything is written to the results file ($1, default gpu-check-results.txt); the exit
@@ -68,26 +68,33 @@ fi
 section "kernel tests"
 run_logged 180 cargo test --release --test cuda_kernels -- --include-ignored --nocapture --test-threads 2
 
+# The token ids an IDS run prints (its only line of bare numbers).
+tokens() { timeout 60 "$@" 2>/dev/null | grep -E '^[0-9]+( [0-9]+)*$' | head -n 1 || true; }
+
 section "fixtures (greedy, cpu vs cuda)"
 for dir in fixtures/*/; do
     dir="${dir%/}"
     [[ -f "$dir/ref.json" ]] || continue
     ids="$(python3 -c 'import json, sys; print(" ".join(map(str, json.load(open(sys.argv[1]))["prompt_ids"])))' "$dir/ref.json")"
-    # The oracle prints "Matching tokens: N/M"; an IDS run prints the tokens first.
+    # The oracle prints "Matching tokens: N/M".
     for backend in cpu cuda; do
         line="$(BACKEND=$backend GPU_EXPERT_GB=$expert_gb timeout 60 "$coli" SNAP="$dir" USAGE_SAVE=0 64 16 16 2>&1 | grep -E 'Matching tokens|rror' | head -n 2 | tr '\n' ' ' || true)"
         log "$dir oracle BACKEND=$backend: $line"
     done
     for bits in 16 8; do
-        cpu="$(BACKEND=cpu timeout 60 "$coli" SNAP="$dir" USAGE_SAVE=0 NGEN=16 IDS="$ids" 64 "$bits" "$bits" 2>/dev/null | head -n 1 || true)"
-        cuda="$(BACKEND=cuda GPU_EXPERT_GB=$expert_gb timeout 60 "$coli" SNAP="$dir" USAGE_SAVE=0 NGEN=16 IDS="$ids" 64 "$bits" "$bits" 2>/dev/null | head -n 1 || true)"
+        cpu="$(BACKEND=cpu tokens "$coli" SNAP="$dir" USAGE_SAVE=0 NGEN=16 IDS="$ids" 64 "$bits" "$bits")"
+        cuda="$(BACKEND=cuda GPU_EXPERT_GB=$expert_gb tokens "$coli" SNAP="$dir" USAGE_SAVE=0 NGEN=16 IDS="$ids" 64 "$bits" "$bits")"
         if [[ -n "$cpu" && "$cpu" == "$cuda" ]]; then
             log "$dir ${bits}-bit: same tokens: $cuda"
         else
             log "$dir ${bits}-bit: DIFFERENT tokens"
             log "  cpu:  $cpu"
             log "  cuda: $cuda"
-            failures=$((failures + 1))
+            # The fixtures guarantee a logit margin at full precision only; int8 weights
+            # may let the summation order flip a close argmax, so that is reported only.
+            if [[ $bits == 16 || -z "$cuda" ]]; then
+                failures=$((failures + 1))
+            fi
         fi
     done
 done
