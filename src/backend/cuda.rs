@@ -194,7 +194,10 @@ impl Layout {
         }
         let stride = round_up(row_bytes, 16);
         // The kernels index with 32-bit row and column numbers.
-        if rows > i32::MAX as usize || stride > i32::MAX as usize {
+        if rows > i32::MAX as usize
+            || round_up(cols, 32) > i32::MAX as usize
+            || stride > i32::MAX as usize
+        {
             return unsupported("too large for 32-bit indexing".into());
         }
         Ok(Layout {
