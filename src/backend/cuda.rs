@@ -473,6 +473,7 @@ impl CudaDevice {
     /// between two buffers, timed on the stream (a benchmark probe).
     pub fn measure_copy(&self, bytes: usize, repeat: usize) -> Result<f64, DeviceError> {
         let _serialised = self.lock()?;
+        // SAFETY: the copy only moves bytes; their values do not matter.
         let alloc = |len| unsafe { self.stream.alloc::<u8>(len) }.map_err(failed("allocation"));
         let (source, target) = (alloc(bytes)?, alloc(bytes)?);
         let (from, to) = (
