@@ -383,13 +383,13 @@ impl CudaDevice {
         // missing driver is an error here rather than a panic inside cudarc.
         if !unsafe { sys::is_culib_present() } {
             bail!(
-                "BACKEND=cuda: the CUDA driver library libcuda.so was not found; install the NVIDIA driver, or add the directory holding libcuda.so.1 to LD_LIBRARY_PATH"
+                "the CUDA driver library libcuda.so was not found; install the NVIDIA driver, or add the directory holding libcuda.so.1 to LD_LIBRARY_PATH"
             );
         }
         match std::panic::catch_unwind(open_device) {
             Ok(device) => device,
             Err(_) => bail!(
-                "BACKEND=cuda: the CUDA driver library lacks a function coli calls; update the NVIDIA driver to one for CUDA 12.2 or newer"
+                "the CUDA driver library lacks a function coli calls; update the NVIDIA driver to one for CUDA 12.2 or newer"
             ),
         }
     }
@@ -588,20 +588,20 @@ impl CudaDevice {
 fn open_device() -> Result<CudaDevice> {
     let start = |error: DriverError| {
         anyhow!(
-            "BACKEND=cuda: the CUDA driver did not start ({}); check that nvidia-smi lists a GPU and that this process may use it",
+            "the CUDA driver did not start ({}); check that nvidia-smi lists a GPU and that this process may use it",
             describe(error)
         )
     };
     driver::init().map_err(start)?;
     if driver::device::get_count().map_err(start)? == 0 {
-        bail!("BACKEND=cuda: the CUDA driver found no device");
+        bail!("the CUDA driver found no device");
     }
     let ctx = CudaContext::new(0).map_err(start)?;
     let name = ctx.name().map_err(start)?;
     let (major, minor) = ctx.compute_capability().map_err(start)?;
     if (major, minor) < MIN_CAPABILITY {
         bail!(
-            "BACKEND=cuda: {name} has compute capability {major}.{minor}; the kernels need {}.{} or newer",
+            "{name} has compute capability {major}.{minor}; the kernels need {}.{} or newer",
             MIN_CAPABILITY.0,
             MIN_CAPABILITY.1
         );
@@ -614,7 +614,7 @@ fn open_device() -> Result<CudaDevice> {
     let function = |name: &str| {
         module
             .load_function(name)
-            .map_err(|e| anyhow!("BACKEND=cuda: kernel {name} missing: {}", describe(e)))
+            .map_err(|e| anyhow!("kernel {name} missing: {}", describe(e)))
     };
     let kernels = Kernels {
         matmul_1: function("matmul_1")?,
@@ -678,7 +678,7 @@ fn load_kernels(
     // SAFETY: opens and closes the library only to see whether it exists.
     if !unsafe { nvrtc::sys::is_culib_present() } {
         bail!(
-            "BACKEND=cuda: the NVRTC library libnvrtc.so was not found, and the kernels must be compiled once per GPU; install the CUDA toolkit or the nvidia-cuda-nvrtc package and add the directory holding libnvrtc.so.12 to LD_LIBRARY_PATH"
+            "the NVRTC library libnvrtc.so was not found, and the kernels must be compiled once per GPU; install the CUDA toolkit or the nvidia-cuda-nvrtc package and add the directory holding libnvrtc.so.12 to LD_LIBRARY_PATH"
         );
     }
     let mut first_error = None;
@@ -687,7 +687,7 @@ fn load_kernels(
             Ok(ptx) => {
                 let module = ctx.load_module(Ptx::from_src(ptx.clone())).map_err(|e| {
                     anyhow!(
-                        "BACKEND=cuda: the driver refused the kernels NVRTC compiled for compute_{arch} ({}); a driver older than the NVRTC library cannot load its PTX: update the driver or use the NVRTC of the driver's CUDA version",
+                        "the driver refused the kernels NVRTC compiled for compute_{arch} ({}); a driver older than the NVRTC library cannot load its PTX: update the driver or use the NVRTC of the driver's CUDA version",
                         describe(e)
                     )
                 })?;
@@ -699,7 +699,7 @@ fn load_kernels(
             }
         }
     }
-    Err(first_error.unwrap_or_else(|| anyhow!("BACKEND=cuda: no architecture to compile for")))
+    Err(first_error.unwrap_or_else(|| anyhow!("no architecture to compile for")))
 }
 
 /// [`KERNEL_SOURCE`] compiled by NVRTC to PTX for `compute_{arch}` (for example 90), with
@@ -717,10 +717,10 @@ pub fn compile_kernels(arch: u32) -> Result<String> {
     match nvrtc::compile_ptx_with_opts(KERNEL_SOURCE, options) {
         Ok(ptx) => Ok(ptx.to_src()),
         Err(nvrtc::CompileError::CompileError { nvrtc, log, .. }) => bail!(
-            "BACKEND=cuda: NVRTC could not compile the kernels for compute_{arch} ({nvrtc:?}):\n{}",
+            "NVRTC could not compile the kernels for compute_{arch} ({nvrtc:?}):\n{}",
             log.to_string_lossy()
         ),
-        Err(other) => bail!("BACKEND=cuda: NVRTC failed for compute_{arch}: {other:?}"),
+        Err(other) => bail!("NVRTC failed for compute_{arch}: {other:?}"),
     }
 }
 
