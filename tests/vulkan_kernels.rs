@@ -38,7 +38,8 @@ const SHAPES: [(usize, usize); 3] = [(64, 64), (100, 37), (257, 130)];
 fn device() -> &'static VulkanDevice {
     static DEVICE: OnceLock<VulkanDevice> = OnceLock::new();
     DEVICE.get_or_init(|| {
-        VulkanDevice::open().unwrap_or_else(|error| panic!("the Vulkan device did not open: {error:#}"))
+        VulkanDevice::open()
+            .unwrap_or_else(|error| panic!("the Vulkan device did not open: {error:#}"))
     })
 }
 
@@ -80,7 +81,12 @@ fn assert_matmul_matches(matrix: &Matrix, id: u64, n: usize, seed: u64) {
         .matmul(id, &input, n, &mut got)
         .unwrap_or_else(|e| panic!("{} {rows}x{cols} n={n}: {e}", matrix.format()));
     let bound = 2.0 * (cols + 4) as f64 * UNIT;
-    for (i, ((g, w), m)) in got.iter().zip(&want).zip(magnitudes(matrix, &input, n)).enumerate() {
+    for (i, ((g, w), m)) in got
+        .iter()
+        .zip(&want)
+        .zip(magnitudes(matrix, &input, n))
+        .enumerate()
+    {
         let error = (f64::from(*g) - f64::from(*w)).abs();
         assert!(
             error <= bound * m + 1e-30,
@@ -111,7 +117,8 @@ fn matmul_matches_the_cpu_for_every_format_and_shape() {
 fn a_matrix_larger_than_one_buffer_is_split_into_row_parts() {
     // 4100 x 4096 f32 is 64 MiB and a row more: two parts.
     let (rows, cols) = (4100, 4096);
-    let matrix = Matrix::from_f32_as(rows, cols, &random(rows * cols, 7), Format::F32).expect("f32");
+    let matrix =
+        Matrix::from_f32_as(rows, cols, &random(rows * cols, 7), Format::F32).expect("f32");
     let id = device().upload(&matrix.raw()).expect("upload");
     assert_matmul_matches(&matrix, id, 2, 8);
     device().release(id);
@@ -120,7 +127,10 @@ fn a_matrix_larger_than_one_buffer_is_split_into_row_parts() {
 #[test]
 fn uploads_through_a_staging_copy_match_too() {
     let status = Command::new(std::env::current_exe().expect("test binary path"))
-        .args(["--exact", "matmul_matches_the_cpu_for_every_format_and_shape"])
+        .args([
+            "--exact",
+            "matmul_matches_the_cpu_for_every_format_and_shape",
+        ])
         .env("COLI_VK_STAGED", "1")
         .output()
         .expect("running the test binary again");
@@ -141,7 +151,12 @@ fn concurrent_callers_get_their_own_results() {
             let matrix = &matrix;
             scope.spawn(move || {
                 for round in 0..5 {
-                    assert_matmul_matches(matrix, id, 1 + (thread as usize + round) % 5, 100 * thread + round as u64);
+                    assert_matmul_matches(
+                        matrix,
+                        id,
+                        1 + (thread as usize + round) % 5,
+                        100 * thread + round as u64,
+                    );
                 }
             });
         }
@@ -152,13 +167,18 @@ fn concurrent_callers_get_their_own_results() {
 #[test]
 fn rms_norm_matches_the_cpu() {
     for (width, rows) in [(64, 1), (37, 5), (2048, 3)] {
-        let x: Vec<f32> = random(rows * width, width as u64).iter().map(|v| v * 3.0).collect();
+        let x: Vec<f32> = random(rows * width, width as u64)
+            .iter()
+            .map(|v| v * 3.0)
+            .collect();
         let weight = random(width, 99);
         let eps = 1e-6f32;
         let mut want = vec![0f32; x.len()];
         rms_norm(&x, &weight, f64::from(eps), &mut want);
         let mut got = vec![f32::NAN; x.len()];
-        device().rms_norm(&x, &weight, eps, &mut got).expect("rms_norm");
+        device()
+            .rms_norm(&x, &weight, eps, &mut got)
+            .expect("rms_norm");
         // The mean square in f32 (the CPU's is f64) is off by at most `width u` relatively,
         // its inverse square root by half that and a few roundings.
         let bound = (width + 16) as f64 * UNIT;
@@ -215,8 +235,9 @@ impl ExpertBound {
                     );
                     let h = g / (1.0 + (-g).exp()) * u;
                     hidden[k] = h;
-                    hidden_error[k] =
-                        1.1 * eg * (u.abs() + eu) + (g.abs() + eg) * eu + (32.0 + 4.0 * g.abs()) * UNIT * h.abs();
+                    hidden_error[k] = 1.1 * eg * (u.abs() + eu)
+                        + (g.abs() + eg) * eu
+                        + (32.0 + 4.0 * g.abs()) * UNIT * h.abs();
                 }
                 for c in 0..width {
                     let (mut spread, mut mag) = (0.0, 0.0);
@@ -237,9 +258,17 @@ impl ExpertBound {
 
 fn test_experts(width: usize, inter: usize, rows: usize) -> Vec<TestExpert> {
     let formats = [
-        (Format::Int4Grouped { group: 32 }, Format::Int8Row, Format::Bf16),
+        (
+            Format::Int4Grouped { group: 32 },
+            Format::Int8Row,
+            Format::Bf16,
+        ),
         (Format::Mxfp4, Format::F32, Format::Int4Row),
-        (Format::Fp8E4m3B128, Format::F16, Format::Int4Grouped { group: 32 }),
+        (
+            Format::Fp8E4m3B128,
+            Format::F16,
+            Format::Int4Grouped { group: 32 },
+        ),
         (Format::Int8Row, Format::Int8Row, Format::Int8Row),
     ];
     // Expert 3 gets no rows; the last row goes to no expert; row 0 goes to every routed one.
@@ -285,10 +314,15 @@ fn assert_expert_group_matches(activation: Activation) {
         let n = expert.rows.len();
         let outputs = match activation {
             Activation::SwiGlu => swiglu_ffn(&expert.gate, &expert.up, &expert.down, &gathered, n),
-            Activation::Situ(situ) => situ.ffn(&expert.gate, &expert.up, &expert.down, &gathered, n),
+            Activation::Situ(situ) => {
+                situ.ffn(&expert.gate, &expert.up, &expert.down, &gathered, n)
+            }
         };
         for (j, &(row, weight)) in expert.rows.iter().enumerate() {
-            for (o, v) in want[row * width..][..width].iter_mut().zip(&outputs[j * width..]) {
+            for (o, v) in want[row * width..][..width]
+                .iter_mut()
+                .zip(&outputs[j * width..])
+            {
                 *o += weight * v;
             }
         }
@@ -316,14 +350,22 @@ fn assert_expert_group_matches(activation: Activation) {
         activation,
     };
     let mut got = vec![f32::NAN; rows * width];
-    device().expert_group(&group, &mut got).expect("expert group");
+    device()
+        .expert_group(&group, &mut got)
+        .expect("expert group");
 
     let bound = ExpertBound::per_output(&experts, &input, rows, width);
     for (i, ((g, w), b)) in got.iter().zip(&want).zip(&bound).enumerate() {
         let error = (f64::from(*g) - f64::from(*w)).abs();
-        assert!(error <= b + 1e-30, "{activation:?} output {i}: device {g}, CPU {w}, allowed {b}");
+        assert!(
+            error <= b + 1e-30,
+            "{activation:?} output {i}: device {g}, CPU {w}, allowed {b}"
+        );
     }
-    assert!(got[(rows - 1) * width..].iter().all(|&v| v == 0.0), "an unrouted row is zero");
+    assert!(
+        got[(rows - 1) * width..].iter().all(|&v| v == 0.0),
+        "an unrouted row is zero"
+    );
     assert!(want.iter().any(|&v| v != 0.0));
     for id in ids.into_iter().flatten() {
         device().release(id);
@@ -351,16 +393,28 @@ fn expert_group_matches_the_cpu_with_situ() {
 #[test]
 fn released_weights_are_gone_and_uploads_go_on() {
     let memory = device().memory();
-    assert!(memory.total > 0 && memory.free <= memory.total, "{memory:?}");
-    assert!(device().description().starts_with("Vulkan: "), "{}", device().description());
+    assert!(
+        memory.total > 0 && memory.free <= memory.total,
+        "{memory:?}"
+    );
+    assert!(
+        device().description().starts_with("Vulkan: "),
+        "{}",
+        device().description()
+    );
     let matrix = Matrix::from_f32_as(32, 40, &random(32 * 40, 3), Format::Int4Row).expect("int4");
     let first = device().upload(&matrix.raw()).expect("upload");
     device().release(first);
     device().release(first);
     let mut out = vec![0f32; 32];
     let refused = device().matmul(first, &random(40, 4), 1, &mut out);
-    assert!(matches!(refused, Err(DeviceError::Unsupported(_))), "{refused:?}");
-    let second = device().upload(&matrix.raw()).expect("upload after a release");
+    assert!(
+        matches!(refused, Err(DeviceError::Unsupported(_))),
+        "{refused:?}"
+    );
+    let second = device()
+        .upload(&matrix.raw())
+        .expect("upload after a release");
     assert_ne!(first, second);
     assert_matmul_matches(&matrix, second, 3, 5);
     device().release(second);
@@ -368,7 +422,8 @@ fn released_weights_are_gone_and_uploads_go_on() {
 
 #[test]
 fn a_device_of_its_own_opens_computes_and_drops() {
-    let own = VulkanDevice::open().unwrap_or_else(|e| panic!("the Vulkan device did not open: {e:#}"));
+    let own =
+        VulkanDevice::open().unwrap_or_else(|e| panic!("the Vulkan device did not open: {e:#}"));
     let matrix = Matrix::from_f32_as(8, 8, &random(64, 11), Format::F32).expect("f32");
     let id = own.upload(&matrix.raw()).expect("upload");
     let mut out = vec![0f32; 8];
@@ -410,7 +465,11 @@ fn matvec_timing_2048() {
     let (rows, cols) = (2048, 2048);
     let values = random(rows * cols, 42);
     let input = random(cols, 43);
-    for format in [Format::F32, Format::Int8Row, Format::Int4Grouped { group: 64 }] {
+    for format in [
+        Format::F32,
+        Format::Int8Row,
+        Format::Int4Grouped { group: 64 },
+    ] {
         let matrix = Matrix::from_f32_as(rows, cols, &values, format).expect("encodable");
         let id = device().upload(&matrix.raw()).expect("upload");
         let mut out = vec![0f32; rows];

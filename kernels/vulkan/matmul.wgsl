@@ -15,11 +15,12 @@ const INT4: u32 = 4u;
 const MXFP4: u32 = 5u;
 const FP8: u32 = 6u;
 
+override FORMAT: u32;
+
 const THREADS: u32 = 64u;
 const TOKENS: u32 = 8u;
 
 struct Params {
-    format: u32,
     rows: u32,
     cols: u32,
     n: u32,
@@ -55,14 +56,8 @@ var<private> E2M1_DOUBLED: array<f32, 16> = array<f32, 16>(
     0.0, -1.0, -2.0, -3.0, -4.0, -6.0, -8.0, -12.0,
 );
 
-fn per_word(format: u32) -> u32 {
-    switch format {
-        case F32: { return 1u; }
-        case BF16, F16: { return 2u; }
-        case INT8, FP8: { return 4u; }
-        default: { return 8u; }
-    }
-}
+override PER_WORD: u32 = select(select(select(8u, 4u, FORMAT == INT8 || FORMAT == FP8), 2u,
+    FORMAT == BF16 || FORMAT == F16), 1u, FORMAT == F32);
 
 // FP8 E4M3 (e4m3fn): bias 7, exponent 0 subnormal, 0x7F and 0xFF NaN.
 fn e4m3(byte: u32) -> f32 {
@@ -80,9 +75,9 @@ fn e4m3(byte: u32) -> f32 {
 }
 
 // The elements of one weight word, without their scale.
-fn decode(format: u32, word: u32) -> array<f32, 8> {
+fn decode(word: u32) -> array<f32, 8> {
     var v: array<f32, 8>;
-    switch format {
+    switch FORMAT {
         case F32: {
             v[0] = bitcast<f32>(word);
         }
@@ -122,7 +117,7 @@ fn decode(format: u32, word: u32) -> array<f32, 8> {
 // The scale of the elements of row `r` from column `col` on; a word never straddles two
 // scale groups (groups are multiples of 8 columns).
 fn scale_at(r: u32, col: u32) -> f32 {
-    switch p.format {
+    switch FORMAT {
         case INT8, INT4, FP8: {
             let slot = (r / p.scale_row_div) * p.scale_stride + col / p.group;
             return bitcast<f32>(weights[p.scale_offset + slot]);
@@ -145,48 +140,59 @@ fn main(
     @builtin(num_workgroups) workgroups: vec3<u32>,
     @builtin(local_invocation_index) lane: u32,
 ) {
-    let per = per_word(p.format);
     for (var r = workgroup.x; r < p.rows; r += workgroups.x) {
         let row = r * p.row_words;
         for (var t0 = 0u; t0 < p.n; t0 += TOKENS) {
             let count = min(TOKENS, p.n - t0);
-            var base: array<u32, 8>;
-            for (var t = 0u; t < count; t++) {
-                var source = t0 + t;
+            // Past `count`, a slot repeats the last input row; its sum is never written.
+            var base: array<u32, TOKENS>;
+            for (var t = 0u; t < TOKENS; t++) {
+                var source = t0 + min(t, count - 1u);
                 if p.gather != 0u {
                     source = index[p.index_offset + source];
                 }
                 base[t] = p.x_offset + source * p.x_stride;
             }
-            var acc: array<f32, 8>;
+            var acc: array<f32, TOKENS>;
             for (var w = lane; w < p.row_words; w += THREADS) {
-                let col = w * per;
-                let v = decode(p.format, weights[row + w]);
+                let col = w * PER_WORD;
+                let v = decode(weights[row + w]);
                 let s = scale_at(r, col);
-                // The padding of a row's last word is not an element.
-                let valid = min(per, p.cols - col);
-                for (var t = 0u; t < count; t++) {
-                    var dot = 0.0;
-                    for (var k = 0u; k < valid; k++) {
-                        dot += v[k] * x[base[t] + col + k];
+                if col + PER_WORD <= p.cols {
+                    for (var t = 0u; t < TOKENS; t++) {
+                        if t < count {
+                            var dot = 0.0;
+                            for (var k = 0u; k < PER_WORD; k++) {
+                                dot += v[k] * x[base[t] + col + k];
+                            }
+                            acc[t] += s * dot;
+                        }
                     }
-                    acc[t] += s * dot;
+                } else {
+                    // The padding of a row's last word is not an element.
+                    for (var t = 0u; t < TOKENS; t++) {
+                        if t < count {
+                            var dot = 0.0;
+                            for (var k = 0u; k < PER_WORD; k++) {
+                                if col + k < p.cols {
+                                    dot += v[k] * x[base[t] + col + k];
+                                }
+                            }
+                            acc[t] += s * dot;
+                        }
+                    }
                 }
             }
             for (var t = 0u; t < TOKENS; t++) {
                 partial[t * THREADS + lane] = acc[t];
             }
             workgroupBarrier();
-            for (var half = THREADS / 2u; half > 0u; half >>= 1u) {
-                if lane < half {
-                    for (var t = 0u; t < TOKENS; t++) {
-                        partial[t * THREADS + lane] += partial[t * THREADS + lane + half];
-                    }
-                }
-                workgroupBarrier();
-            }
             if lane < count {
-                out[p.out_offset + (t0 + lane) * p.out_stride + r] = partial[lane * THREADS];
+                var sum = 0.0;
+                for (var i = 0u; i < THREADS; i++) {
+                    sum += partial[lane * THREADS + i];
+                }
+                out[p.out_offset + (t0 + lane) * p.out_stride + r] = sum;
             }
             workgroupBarrier();
         }

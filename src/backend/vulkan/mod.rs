@@ -34,9 +34,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use ash::vk;
 
 use self::packing::{Packing, Part};
-use super::{
-    Activation, Device, DeviceError, DeviceMemory, ExpertGroup, RawMatrix, WeightId,
-};
+use super::{Activation, Device, DeviceError, DeviceMemory, ExpertGroup, RawMatrix, WeightId};
 
 /// How long one submission may run before the device is declared failed.
 const FENCE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -54,7 +52,16 @@ const MAX_WORKGROUPS: usize = 65535;
 /// Threads per workgroup of the element-wise activation shader.
 const GLU_THREADS: usize = 64;
 
-const MATMUL_SPV: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/matmul.spv"));
+/// The matmul shader specialised for each format code of [`packing`].
+const MATMUL_SPV: [&[u8]; 7] = [
+    include_bytes!(concat!(env!("OUT_DIR"), "/matmul_0.spv")),
+    include_bytes!(concat!(env!("OUT_DIR"), "/matmul_1.spv")),
+    include_bytes!(concat!(env!("OUT_DIR"), "/matmul_2.spv")),
+    include_bytes!(concat!(env!("OUT_DIR"), "/matmul_3.spv")),
+    include_bytes!(concat!(env!("OUT_DIR"), "/matmul_4.spv")),
+    include_bytes!(concat!(env!("OUT_DIR"), "/matmul_5.spv")),
+    include_bytes!(concat!(env!("OUT_DIR"), "/matmul_6.spv")),
+];
 const RMS_NORM_SPV: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/rms_norm.spv"));
 const GLU_SPV: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/glu.spv"));
 const EXPERT_SUM_SPV: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/expert_sum.spv"));
@@ -85,7 +92,8 @@ pub struct VulkanDevice {
 
 #[derive(Default)]
 struct Pipelines {
-    matmul: vk::Pipeline,
+    /// By format code.
+    matmul: [vk::Pipeline; 7],
     rms_norm: vk::Pipeline,
     glu: vk::Pipeline,
     expert_sum: vk::Pipeline,
@@ -208,12 +216,32 @@ impl VulkanDevice {
         self.pipeline_cache = device
             .create_pipeline_cache(&vk::PipelineCacheCreateInfo::default(), None)
             .context("creating the pipeline cache")?;
-        self.pipelines.matmul = self.pipeline("matmul", MATMUL_SPV)?;
-        self.pipelines.rms_norm = self.pipeline("rms_norm", RMS_NORM_SPV)?;
-        self.pipelines.glu = self.pipeline("glu", GLU_SPV)?;
-        self.pipelines.expert_sum = self.pipeline("expert_sum", EXPERT_SUM_SPV)?;
+        for (pipeline, spirv) in self.pipelines.matmul.iter_mut().zip(MATMUL_SPV) {
+            *pipeline = pipeline_of(
+                device,
+                self.pipeline_layout,
+                self.pipeline_cache,
+                "matmul",
+                spirv,
+            )?;
+        }
+        let made = |name, spirv| {
+            pipeline_of(
+                device,
+                self.pipeline_layout,
+                self.pipeline_cache,
+                name,
+                spirv,
+            )
+        };
+        self.pipelines.rms_norm = made("rms_norm", RMS_NORM_SPV)?;
+        self.pipelines.glu = made("glu", GLU_SPV)?;
+        self.pipelines.expert_sum = made("expert_sum", EXPERT_SUM_SPV)?;
 
-        let state = self.state.get_mut().map_err(|_| anyhow!("state lock poisoned"))?;
+        let state = self
+            .state
+            .get_mut()
+            .map_err(|_| anyhow!("state lock poisoned"))?;
         state.command_pool = device
             .create_command_pool(
                 &vk::CommandPoolCreateInfo::default()
@@ -234,30 +262,6 @@ impl VulkanDevice {
             .create_fence(&vk::FenceCreateInfo::default(), None)
             .context("creating the fence")?;
         Ok(())
-    }
-
-    unsafe fn pipeline(&self, name: &str, spirv: &[u8]) -> Result<vk::Pipeline> {
-        let code = ash::util::read_spv(&mut Cursor::new(spirv))
-            .with_context(|| format!("reading the embedded {name} SPIR-V"))?;
-        let module = self
-            .device
-            .create_shader_module(&vk::ShaderModuleCreateInfo::default().code(&code), None)
-            .with_context(|| format!("creating the {name} shader module"))?;
-        let stage = vk::PipelineShaderStageCreateInfo::default()
-            .stage(vk::ShaderStageFlags::COMPUTE)
-            .module(module)
-            .name(c"main");
-        let info = vk::ComputePipelineCreateInfo::default()
-            .stage(stage)
-            .layout(self.pipeline_layout);
-        let created = self
-            .device
-            .create_compute_pipelines(self.pipeline_cache, &[info], None);
-        self.device.destroy_shader_module(module, None);
-        match created {
-            Ok(pipelines) => Ok(pipelines[0]),
-            Err((_, error)) => Err(anyhow!("creating the {name} pipeline: {error}")),
-        }
     }
 
     fn lock(&self) -> Result<MutexGuard<'_, State>, DeviceError> {
@@ -297,9 +301,12 @@ impl VulkanDevice {
                 .create_buffer(&info, None)
                 .map_err(|e| anyhow!("creating a {size}-byte buffer: {e}"))?;
             let needs = device.get_buffer_memory_requirements(buffer);
-            let Some(type_index) =
-                find_memory_type(&self.memory_types, needs.memory_type_bits, required, preferred)
-            else {
+            let Some(type_index) = find_memory_type(
+                &self.memory_types,
+                needs.memory_type_bits,
+                required,
+                preferred,
+            ) else {
                 device.destroy_buffer(buffer, None);
                 return Err(DeviceError::Failed(anyhow!(
                     "no Vulkan memory type with property flags {:#x} for a {size}-byte buffer",
@@ -328,17 +335,22 @@ impl VulkanDevice {
             };
             if let Err(error) = device.bind_buffer_memory(buffer, memory, 0) {
                 self.destroy(made);
-                return Err(DeviceError::Failed(anyhow!("binding buffer memory: {error}")));
+                return Err(DeviceError::Failed(anyhow!(
+                    "binding buffer memory: {error}"
+                )));
             }
             let flags = self.memory_types.memory_types[type_index as usize].property_flags;
-            if flags.contains(vk::MemoryPropertyFlags::HOST_VISIBLE | vk::MemoryPropertyFlags::HOST_COHERENT)
-                && required.contains(vk::MemoryPropertyFlags::HOST_VISIBLE)
+            if flags.contains(
+                vk::MemoryPropertyFlags::HOST_VISIBLE | vk::MemoryPropertyFlags::HOST_COHERENT,
+            ) && required.contains(vk::MemoryPropertyFlags::HOST_VISIBLE)
             {
                 match device.map_memory(memory, 0, vk::WHOLE_SIZE, vk::MemoryMapFlags::empty()) {
                     Ok(pointer) => made.mapped = NonNull::new(pointer.cast()).map(Mapped),
                     Err(error) => {
                         self.destroy(made);
-                        return Err(DeviceError::Failed(anyhow!("mapping buffer memory: {error}")));
+                        return Err(DeviceError::Failed(anyhow!(
+                            "mapping buffer memory: {error}"
+                        )));
                     }
                 }
             }
@@ -354,7 +366,8 @@ impl VulkanDevice {
             self.device.destroy_buffer(buffer.buffer, None);
             self.device.free_memory(buffer.memory, None);
         }
-        self.allocated.fetch_sub(buffer.allocated, Ordering::Relaxed);
+        self.allocated
+            .fetch_sub(buffer.allocated, Ordering::Relaxed);
     }
 
     /// Make the scratch buffer hold `scratch` bytes and the staging buffer `staging` bytes.
@@ -364,7 +377,10 @@ impl VulkanDevice {
                 self.destroy(old);
             }
             // `run` keeps `scratch` within one binding, so the rounded size is at least it.
-            let size = scratch.next_power_of_two().max(1 << 20).min(self.max_binding);
+            let size = scratch
+                .next_power_of_two()
+                .max(1 << 20)
+                .min(self.max_binding);
             state.scratch = Some(self.create_buffer(
                 size,
                 vk::BufferUsageFlags::STORAGE_BUFFER
@@ -393,7 +409,8 @@ impl VulkanDevice {
         // SAFETY: no set of the pool is in use: the last submission has completed.
         unsafe {
             if state.descriptor_capacity < sets {
-                self.device.destroy_descriptor_pool(state.descriptor_pool, None);
+                self.device
+                    .destroy_descriptor_pool(state.descriptor_pool, None);
                 state.descriptor_pool = vk::DescriptorPool::null();
                 state.descriptor_capacity = 0;
                 let capacity = sets.next_power_of_two().max(64);
@@ -428,11 +445,9 @@ impl VulkanDevice {
             self.device
                 .queue_submit(self.queue, &[submit], state.fence)
                 .map_err(|e| anyhow!("submitting to the Vulkan queue: {e}"))?;
-            let waited = self.device.wait_for_fences(
-                &[state.fence],
-                true,
-                FENCE_TIMEOUT.as_nanos() as u64,
-            );
+            let waited =
+                self.device
+                    .wait_for_fences(&[state.fence], true, FENCE_TIMEOUT.as_nanos() as u64);
             match waited {
                 Ok(()) => {}
                 Err(vk::Result::TIMEOUT) => {
@@ -442,7 +457,9 @@ impl VulkanDevice {
                     )))
                 }
                 Err(error) => {
-                    return Err(DeviceError::Failed(anyhow!("waiting for the Vulkan fence: {error}")))
+                    return Err(DeviceError::Failed(anyhow!(
+                        "waiting for the Vulkan fence: {error}"
+                    )))
                 }
             }
             self.device
@@ -473,7 +490,9 @@ impl VulkanDevice {
             )?;
             let Some(mapped) = &buffer.mapped else {
                 self.destroy(buffer);
-                return Err(DeviceError::Failed(anyhow!("a host-visible weight buffer has no mapping")));
+                return Err(DeviceError::Failed(anyhow!(
+                    "a host-visible weight buffer has no mapping"
+                )));
             };
             // SAFETY: the mapping covers the buffer's memory, at least `bytes` long.
             let target = unsafe { std::slice::from_raw_parts_mut(mapped.0.as_ptr(), bytes) };
@@ -532,20 +551,21 @@ impl VulkanDevice {
         Ok(())
     }
 
-    /// One submission: `inputs` (concatenated, as words) copied to the start of scratch,
-    /// `record` adding the dispatches, then scratch words `output..output + out.len()`
-    /// copied back into `out`. `scratch_words` is the whole scratch the dispatches use and
-    /// `dispatches` how many they record.
+    /// One submission: the inputs copied to the start of scratch, `record` adding the
+    /// dispatches, then scratch words `output..output + out.len()` copied back into `out`.
     fn run(
         &self,
         state: &mut State,
-        inputs: &[&[u32]],
-        scratch_words: usize,
-        output: usize,
+        plan: Submission<'_>,
         out: &mut [f32],
-        dispatches: usize,
         record: impl FnOnce(&mut Recorder<'_>) -> Result<(), DeviceError>,
     ) -> Result<(), DeviceError> {
+        let Submission {
+            inputs,
+            scratch_words,
+            output,
+            dispatches,
+        } = plan;
         let in_words: usize = inputs.iter().map(|input| input.len()).sum();
         let scratch_bytes = (scratch_words.max(1) * 4) as u64;
         if scratch_bytes > self.max_binding {
@@ -555,16 +575,24 @@ impl VulkanDevice {
                 self.max_binding >> 20
             )));
         }
-        self.reserve(state, scratch_bytes, ((in_words + out.len()).max(1) * 4) as u64)?;
+        self.reserve(
+            state,
+            scratch_bytes,
+            ((in_words + out.len()).max(1) * 4) as u64,
+        )?;
         self.reserve_descriptors(state, u32::try_from(dispatches).unwrap_or(u32::MAX))?;
         let scratch = state.scratch.as_ref().expect("reserved").buffer;
         let staging = state.staging.as_ref().expect("reserved");
-        let mapped = staging.mapped.as_ref().expect("staging is mapped").0.as_ptr();
+        let mapped = staging
+            .mapped
+            .as_ref()
+            .expect("staging is mapped")
+            .0
+            .as_ptr();
         // SAFETY: the staging mapping holds `in_words + out.len()` words (reserved above)
         // and the device does not touch it until the submit.
-        let words = unsafe {
-            std::slice::from_raw_parts_mut(mapped.cast::<u32>(), in_words + out.len())
-        };
+        let words =
+            unsafe { std::slice::from_raw_parts_mut(mapped.cast::<u32>(), in_words + out.len()) };
         let mut at = 0;
         for input in inputs {
             words[at..at + input.len()].copy_from_slice(input);
@@ -576,10 +604,16 @@ impl VulkanDevice {
             let command = state.command;
             if in_words > 0 {
                 let region = [vk::BufferCopy::default().size((in_words * 4) as u64)];
-                self.device.cmd_copy_buffer(command, staging.buffer, scratch, &region);
+                self.device
+                    .cmd_copy_buffer(command, staging.buffer, scratch, &region);
             }
-            self.barrier(command, vk::PipelineStageFlags::TRANSFER, vk::AccessFlags::TRANSFER_WRITE,
-                vk::PipelineStageFlags::COMPUTE_SHADER, vk::AccessFlags::SHADER_READ | vk::AccessFlags::SHADER_WRITE);
+            self.barrier(
+                command,
+                vk::PipelineStageFlags::TRANSFER,
+                vk::AccessFlags::TRANSFER_WRITE,
+                vk::PipelineStageFlags::COMPUTE_SHADER,
+                vk::AccessFlags::SHADER_READ | vk::AccessFlags::SHADER_WRITE,
+            );
             let mut recorder = Recorder {
                 vulkan: self,
                 command,
@@ -587,17 +621,28 @@ impl VulkanDevice {
                 scratch,
             };
             record(&mut recorder)?;
-            self.barrier(command, vk::PipelineStageFlags::COMPUTE_SHADER, vk::AccessFlags::SHADER_WRITE,
-                vk::PipelineStageFlags::TRANSFER, vk::AccessFlags::TRANSFER_READ);
+            self.barrier(
+                command,
+                vk::PipelineStageFlags::COMPUTE_SHADER,
+                vk::AccessFlags::SHADER_WRITE,
+                vk::PipelineStageFlags::TRANSFER,
+                vk::AccessFlags::TRANSFER_READ,
+            );
             if !out.is_empty() {
                 let region = [vk::BufferCopy::default()
                     .src_offset((output * 4) as u64)
                     .dst_offset((in_words * 4) as u64)
                     .size((out.len() * 4) as u64)];
-                self.device.cmd_copy_buffer(command, scratch, staging.buffer, &region);
+                self.device
+                    .cmd_copy_buffer(command, scratch, staging.buffer, &region);
             }
-            self.barrier(command, vk::PipelineStageFlags::TRANSFER, vk::AccessFlags::TRANSFER_WRITE,
-                vk::PipelineStageFlags::HOST, vk::AccessFlags::HOST_READ);
+            self.barrier(
+                command,
+                vk::PipelineStageFlags::TRANSFER,
+                vk::AccessFlags::TRANSFER_WRITE,
+                vk::PipelineStageFlags::HOST,
+                vk::AccessFlags::HOST_READ,
+            );
             self.end(state)?;
         }
         self.submit_and_wait(state)?;
@@ -607,7 +652,6 @@ impl VulkanDevice {
         Ok(())
     }
 
-    #[allow(clippy::too_many_arguments)]
     unsafe fn barrier(
         &self,
         command: vk::CommandBuffer,
@@ -616,7 +660,9 @@ impl VulkanDevice {
         to_stage: vk::PipelineStageFlags,
         to: vk::AccessFlags,
     ) {
-        let barrier = [vk::MemoryBarrier::default().src_access_mask(from).dst_access_mask(to)];
+        let barrier = [vk::MemoryBarrier::default()
+            .src_access_mask(from)
+            .dst_access_mask(to)];
         self.device.cmd_pipeline_barrier(
             command,
             from_stage,
@@ -628,11 +674,10 @@ impl VulkanDevice {
         );
     }
 
-    fn weight<'s>(state: &'s State, id: WeightId) -> Result<&'s Weight, DeviceError> {
-        state
-            .weights
-            .get(&id)
-            .ok_or_else(|| DeviceError::Unsupported(format!("weight {id} is not on the Vulkan device")))
+    fn weight(state: &State, id: WeightId) -> Result<&Weight, DeviceError> {
+        state.weights.get(&id).ok_or_else(|| {
+            DeviceError::Unsupported(format!("weight {id} is not on the Vulkan device"))
+        })
     }
 
     fn matmul_locked(
@@ -660,43 +705,58 @@ impl VulkanDevice {
                 "a {rows}x{cols} product does not fit one storage binding"
             )));
         }
-        for (x, y) in input.chunks(tokens * cols).zip(out.chunks_mut(tokens * rows)) {
+        for (x, y) in input
+            .chunks(tokens * cols)
+            .zip(out.chunks_mut(tokens * rows))
+        {
             let m = x.len() / cols;
             let weight = Self::weight(state, id)?;
-            let buffers: Vec<(Part, vk::Buffer)> =
-                weight.parts.iter().map(|(part, buffer)| (*part, buffer.buffer)).collect();
+            let buffers: Vec<(Part, vk::Buffer)> = weight
+                .parts
+                .iter()
+                .map(|(part, buffer)| (*part, buffer.buffer))
+                .collect();
             let output = m * cols;
-            self.run(
-                state,
-                &[bytemuck::cast_slice(x)],
-                output + m * rows,
+            let plan = Submission {
+                inputs: &[bytemuck::cast_slice(x)],
+                scratch_words: output + m * rows,
                 output,
-                y,
-                buffers.len(),
-                |recorder| {
-                    for &(part, buffer) in &buffers {
-                        let params = MatmulParams::new(&packing, part, m)
-                            .reading(0, cols)
-                            .writing(output + part.first_row, rows);
-                        recorder.dispatch(
-                            self.pipelines.matmul,
-                            Some(buffer),
-                            &params.words(),
-                            part.rows,
-                        )?;
-                    }
-                    Ok(())
-                },
-            )?;
+                dispatches: buffers.len(),
+            };
+            self.run(state, plan, y, |recorder| {
+                for &(part, buffer) in &buffers {
+                    let params = MatmulParams::new(&packing, part, m)
+                        .reading(0, cols)
+                        .writing(output + part.first_row, rows);
+                    recorder.dispatch(
+                        self.pipelines.matmul[packing.code as usize],
+                        Some(buffer),
+                        &params.words(),
+                        part.rows,
+                    )?;
+                }
+                Ok(())
+            })?;
         }
         Ok(())
     }
 }
 
+/// The scratch one [`VulkanDevice::run`] uses.
+struct Submission<'a> {
+    /// Copied, one after the other, to the start of scratch.
+    inputs: &'a [&'a [u32]],
+    /// Words of scratch the dispatches use, inputs included.
+    scratch_words: usize,
+    /// Where the output starts in scratch.
+    output: usize,
+    /// How many dispatches `record` adds.
+    dispatches: usize,
+}
+
 /// The matmul shader's push constants, in the order of its `Params` struct.
 #[derive(Debug, Clone, Copy)]
 struct MatmulParams {
-    format: u32,
     rows: u32,
     cols: u32,
     n: u32,
@@ -718,7 +778,6 @@ impl MatmulParams {
     /// and written. Every size was checked against the storage binding, so it fits a u32.
     fn new(packing: &Packing, part: Part, n: usize) -> MatmulParams {
         MatmulParams {
-            format: packing.code,
             rows: part.rows as u32,
             cols: packing.cols as u32,
             n: n as u32,
@@ -761,9 +820,8 @@ impl MatmulParams {
         }
     }
 
-    fn words(&self) -> [u32; 15] {
+    fn words(&self) -> [u32; 14] {
         [
-            self.format,
             self.rows,
             self.cols,
             self.n,
@@ -811,10 +869,19 @@ impl Recorder<'_> {
                         .set_layouts(&layouts),
                 )
                 .map_err(|e| anyhow!("allocating a descriptor set: {e}"))?[0];
-            let infos: Vec<[vk::DescriptorBufferInfo; 1]> = [weight.unwrap_or(self.scratch), self.scratch, self.scratch, self.scratch]
-                .iter()
-                .map(|&buffer| [vk::DescriptorBufferInfo::default().buffer(buffer).range(vk::WHOLE_SIZE)])
-                .collect();
+            let infos: Vec<[vk::DescriptorBufferInfo; 1]> = [
+                weight.unwrap_or(self.scratch),
+                self.scratch,
+                self.scratch,
+                self.scratch,
+            ]
+            .iter()
+            .map(|&buffer| {
+                [vk::DescriptorBufferInfo::default()
+                    .buffer(buffer)
+                    .range(vk::WHOLE_SIZE)]
+            })
+            .collect();
             let writes: Vec<_> = infos
                 .iter()
                 .enumerate()
@@ -870,7 +937,8 @@ impl Device for VulkanDevice {
 
     fn memory(&self) -> DeviceMemory {
         let heaps = &self.memory_types.memory_heaps[..self.memory_types.memory_heap_count as usize];
-        let device_local = |heap: &vk::MemoryHeap| heap.flags.contains(vk::MemoryHeapFlags::DEVICE_LOCAL);
+        let device_local =
+            |heap: &vk::MemoryHeap| heap.flags.contains(vk::MemoryHeapFlags::DEVICE_LOCAL);
         let Some((largest, heap)) = heaps
             .iter()
             .enumerate()
@@ -881,7 +949,8 @@ impl Device for VulkanDevice {
         };
         if self.memory_budget {
             let mut budget = vk::PhysicalDeviceMemoryBudgetPropertiesEXT::default();
-            let mut properties = vk::PhysicalDeviceMemoryProperties2::default().push_next(&mut budget);
+            let mut properties =
+                vk::PhysicalDeviceMemoryProperties2::default().push_next(&mut budget);
             // SAFETY: the extension was found on this physical device and enabled.
             unsafe {
                 self.instance
@@ -889,7 +958,10 @@ impl Device for VulkanDevice {
             };
             let total = heap.size;
             let free = budget.heap_budget[largest].saturating_sub(budget.heap_usage[largest]);
-            return DeviceMemory { free: free.min(total), total };
+            return DeviceMemory {
+                free: free.min(total),
+                total,
+            };
         }
         let used = self.allocated.load(Ordering::Relaxed);
         DeviceMemory {
@@ -922,7 +994,13 @@ impl Device for VulkanDevice {
         }
         state.next_id += 1;
         let id = state.next_id;
-        state.weights.insert(id, Weight { packing, parts: buffers });
+        state.weights.insert(
+            id,
+            Weight {
+                packing,
+                parts: buffers,
+            },
+        );
         Ok(id)
     }
 
@@ -956,7 +1034,7 @@ impl Device for VulkanDevice {
         out: &mut [f32],
     ) -> Result<(), DeviceError> {
         let width = weight.len();
-        if width == 0 || x.len() % width != 0 || out.len() != x.len() {
+        if width == 0 || !x.len().is_multiple_of(width) || out.len() != x.len() {
             return Err(DeviceError::Unsupported(format!(
                 "RMSNorm of {} values into {} with a {width}-wide weight",
                 x.len(),
@@ -974,15 +1052,15 @@ impl Device for VulkanDevice {
             output as u32,
         ];
         let mut state = self.lock()?;
-        let result = self.run(
-            &mut state,
-            &[bytemuck::cast_slice(x), bytemuck::cast_slice(weight)],
-            output + x.len(),
+        let plan = Submission {
+            inputs: &[bytemuck::cast_slice(x), bytemuck::cast_slice(weight)],
+            scratch_words: output + x.len(),
             output,
-            out,
-            1,
-            |recorder| recorder.dispatch(self.pipelines.rms_norm, None, &params, rows),
-        );
+            dispatches: 1,
+        };
+        let result = self.run(&mut state, plan, out, |recorder| {
+            recorder.dispatch(self.pipelines.rms_norm, None, &params, rows)
+        });
         self.watch(result)
     }
 
@@ -1059,7 +1137,15 @@ impl VulkanDevice {
                 entries[row].push(((down_row + j) as u32, weight));
             }
             let m = expert.rows.len();
-            slots.push(ExpertSlot { gate, up, down, rows: m, index, hidden, down_row });
+            slots.push(ExpertSlot {
+                gate,
+                up,
+                down,
+                rows: m,
+                index,
+                hidden,
+                down_row,
+            });
             index += m;
             hidden += m * inter;
             down_row += m;
@@ -1096,60 +1182,59 @@ impl VulkanDevice {
                 u32::from(situ.linear_beta.is_some()),
             ),
         };
-        self.run(
-            state,
-            &[bytemuck::cast_slice(group.input), &routed, &starts, &flat],
+        let plan = Submission {
+            inputs: &[bytemuck::cast_slice(group.input), &routed, &starts, &flat],
             scratch_words,
             output,
-            out,
             dispatches,
-            |recorder| {
-                let matmul = self.pipelines.matmul;
-                for slot in &slots {
-                    let inter = slot.gate.0.rows;
-                    for (weight, at) in [(&slot.gate, gate_at), (&slot.up, up_at)] {
-                        for &(part, buffer) in &weight.1 {
-                            let params = MatmulParams::new(&weight.0, part, slot.rows)
-                                .reading(0, width)
-                                .gathering(index_at + slot.index)
-                                .writing(at + slot.hidden + part.first_row, inter);
-                            recorder.dispatch(matmul, Some(buffer), &params.words(), part.rows)?;
-                        }
-                    }
-                }
-                recorder.barrier();
-                let glu = [
-                    hidden as u32,
-                    gate_at as u32,
-                    up_at as u32,
-                    kind,
-                    beta.to_bits(),
-                    linear_beta.to_bits(),
-                    has_linear,
-                ];
-                recorder.dispatch(self.pipelines.glu, None, &glu, hidden.div_ceil(GLU_THREADS))?;
-                recorder.barrier();
-                for slot in &slots {
-                    let inter = slot.gate.0.rows;
-                    for &(part, buffer) in &slot.down.1 {
-                        let params = MatmulParams::new(&slot.down.0, part, slot.rows)
-                            .reading(gate_at + slot.hidden, inter)
-                            .writing(down_at + slot.down_row * width + part.first_row, width);
+        };
+        self.run(state, plan, out, |recorder| {
+            for slot in &slots {
+                let inter = slot.gate.0.rows;
+                for (weight, at) in [(&slot.gate, gate_at), (&slot.up, up_at)] {
+                    for &(part, buffer) in &weight.1 {
+                        let params = MatmulParams::new(&weight.0, part, slot.rows)
+                            .reading(0, width)
+                            .gathering(index_at + slot.index)
+                            .writing(at + slot.hidden + part.first_row, inter);
+                        let matmul = self.pipelines.matmul[weight.0.code as usize];
                         recorder.dispatch(matmul, Some(buffer), &params.words(), part.rows)?;
                     }
                 }
-                recorder.barrier();
-                let sum = [
-                    rows as u32,
-                    width as u32,
-                    starts_at as u32,
-                    entries_at as u32,
-                    down_at as u32,
-                    output as u32,
-                ];
-                recorder.dispatch(self.pipelines.expert_sum, None, &sum, rows)
-            },
-        )
+            }
+            recorder.barrier();
+            let glu = [
+                hidden as u32,
+                gate_at as u32,
+                up_at as u32,
+                kind,
+                beta.to_bits(),
+                linear_beta.to_bits(),
+                has_linear,
+            ];
+            recorder.dispatch(self.pipelines.glu, None, &glu, hidden.div_ceil(GLU_THREADS))?;
+            recorder.barrier();
+            for slot in &slots {
+                let inter = slot.gate.0.rows;
+                for &(part, buffer) in &slot.down.1 {
+                    let params = MatmulParams::new(&slot.down.0, part, slot.rows)
+                        .reading(gate_at + slot.hidden, inter)
+                        .writing(down_at + slot.down_row * width + part.first_row, width);
+                    let matmul = self.pipelines.matmul[slot.down.0.code as usize];
+                    recorder.dispatch(matmul, Some(buffer), &params.words(), part.rows)?;
+                }
+            }
+            recorder.barrier();
+            let sum = [
+                rows as u32,
+                width as u32,
+                starts_at as u32,
+                entries_at as u32,
+                down_at as u32,
+                output as u32,
+            ];
+            recorder.dispatch(self.pipelines.expert_sum, None, &sum, rows)
+        })
     }
 }
 
@@ -1176,19 +1261,51 @@ impl Drop for VulkanDevice {
             for buffer in [state.scratch, state.staging].into_iter().flatten() {
                 self.destroy(buffer);
             }
-            self.device.destroy_descriptor_pool(state.descriptor_pool, None);
+            self.device
+                .destroy_descriptor_pool(state.descriptor_pool, None);
             self.device.destroy_fence(state.fence, None);
             self.device.destroy_command_pool(state.command_pool, None);
             let pipelines = std::mem::take(&mut self.pipelines);
-            for pipeline in [pipelines.matmul, pipelines.rms_norm, pipelines.glu, pipelines.expert_sum] {
+            let others = [pipelines.rms_norm, pipelines.glu, pipelines.expert_sum];
+            for pipeline in pipelines.matmul.into_iter().chain(others) {
                 self.device.destroy_pipeline(pipeline, None);
             }
-            self.device.destroy_pipeline_cache(self.pipeline_cache, None);
-            self.device.destroy_pipeline_layout(self.pipeline_layout, None);
-            self.device.destroy_descriptor_set_layout(self.set_layout, None);
+            self.device
+                .destroy_pipeline_cache(self.pipeline_cache, None);
+            self.device
+                .destroy_pipeline_layout(self.pipeline_layout, None);
+            self.device
+                .destroy_descriptor_set_layout(self.set_layout, None);
             self.device.destroy_device(None);
             self.instance.destroy_instance(None);
         }
+    }
+}
+
+unsafe fn pipeline_of(
+    device: &ash::Device,
+    layout: vk::PipelineLayout,
+    cache: vk::PipelineCache,
+    name: &str,
+    spirv: &[u8],
+) -> Result<vk::Pipeline> {
+    let code = ash::util::read_spv(&mut Cursor::new(spirv))
+        .with_context(|| format!("reading the embedded {name} SPIR-V"))?;
+    let module = device
+        .create_shader_module(&vk::ShaderModuleCreateInfo::default().code(&code), None)
+        .with_context(|| format!("creating the {name} shader module"))?;
+    let stage = vk::PipelineShaderStageCreateInfo::default()
+        .stage(vk::ShaderStageFlags::COMPUTE)
+        .module(module)
+        .name(c"main");
+    let info = vk::ComputePipelineCreateInfo::default()
+        .stage(stage)
+        .layout(layout);
+    let created = device.create_compute_pipelines(cache, &[info], None);
+    device.destroy_shader_module(module, None);
+    match created {
+        Ok(pipelines) => Ok(pipelines[0]),
+        Err((_, error)) => Err(anyhow!("creating the {name} pipeline: {error}")),
     }
 }
 
@@ -1295,7 +1412,11 @@ unsafe fn inspect(instance: &ash::Instance, handle: vk::PhysicalDevice) -> Resul
         .driver_name_as_c_str()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let driver_text = if driver_info.is_empty() { driver_name } else { driver_info };
+    let driver_text = if driver_info.is_empty() {
+        driver_name
+    } else {
+        driver_info
+    };
     Ok(Chosen {
         handle,
         queue_family: queue_family as u32,
@@ -1317,10 +1438,16 @@ unsafe fn choose_physical_device(instance: &ash::Instance) -> Result<Chosen> {
     }
     if let Ok(wanted) = std::env::var("COLI_VK_DEVICE") {
         let index: usize = wanted.parse().map_err(|_| {
-            anyhow!("COLI_VK_DEVICE={wanted}: expected a device index from 0 to {}", handles.len() - 1)
+            anyhow!(
+                "COLI_VK_DEVICE={wanted}: expected a device index from 0 to {}",
+                handles.len() - 1
+            )
         })?;
         let Some(&handle) = handles.get(index) else {
-            bail!("COLI_VK_DEVICE={index}: there are only {} Vulkan devices", handles.len());
+            bail!(
+                "COLI_VK_DEVICE={index}: there are only {} Vulkan devices",
+                handles.len()
+            );
         };
         return inspect(instance, handle).map_err(|why| anyhow!("COLI_VK_DEVICE={index}: {why}"));
     }
@@ -1383,7 +1510,10 @@ fn find_memory_type(
     preferred: vk::MemoryPropertyFlags,
 ) -> Option<u32> {
     let allowed = |i: u32, flags: vk::MemoryPropertyFlags| {
-        bits & (1 << i) != 0 && types.memory_types[i as usize].property_flags.contains(flags)
+        bits & (1 << i) != 0
+            && types.memory_types[i as usize]
+                .property_flags
+                .contains(flags)
     };
     let count = types.memory_type_count;
     (0..count)
@@ -1408,7 +1538,6 @@ fn has_large_mappable_device_memory(types: &vk::PhysicalDeviceMemoryProperties) 
     types.memory_types[..types.memory_type_count as usize]
         .iter()
         .any(|t| {
-            t.property_flags.contains(mappable)
-                && heaps[t.heap_index as usize].size >= largest / 4
+            t.property_flags.contains(mappable) && heaps[t.heap_index as usize].size >= largest / 4
         })
 }

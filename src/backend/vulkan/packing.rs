@@ -60,13 +60,9 @@ impl Packing {
             Format::F16 => (F16, cols * 2, 0, 1, 1),
             Format::Int8Row => row_scaled(INT8, cols),
             Format::Int4Row => row_scaled(INT4, cols.div_ceil(2)),
-            Format::Int4Grouped { group } if group > 0 && group.is_multiple_of(8) => (
-                INT4,
-                cols.div_ceil(2),
-                cols.div_ceil(group),
-                group,
-                1,
-            ),
+            Format::Int4Grouped { group } if group > 0 && group.is_multiple_of(8) => {
+                (INT4, cols.div_ceil(2), cols.div_ceil(group), group, 1)
+            }
             Format::Mxfp4 => (
                 MXFP4,
                 cols.div_ceil(2),
@@ -74,13 +70,7 @@ impl Packing {
                 MXFP4_GROUP,
                 1,
             ),
-            Format::Fp8E4m3B128 => (
-                FP8,
-                cols,
-                cols.div_ceil(FP8_BLOCK),
-                FP8_BLOCK,
-                FP8_BLOCK,
-            ),
+            Format::Fp8E4m3B128 => (FP8, cols, cols.div_ceil(FP8_BLOCK), FP8_BLOCK, FP8_BLOCK),
             other => {
                 return Err(DeviceError::Unsupported(format!(
                     "{other} weights on the Vulkan device"
@@ -140,7 +130,8 @@ impl Packing {
 
     /// Bytes of a part of `rows` rows starting at `first`.
     pub fn part_bytes(&self, part: Part) -> usize {
-        (part.rows * self.row_words + self.scale_rows(part.first_row, part.rows) * self.scale_stride)
+        (part.rows * self.row_words
+            + self.scale_rows(part.first_row, part.rows) * self.scale_stride)
             * 4
     }
 
