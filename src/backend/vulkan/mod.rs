@@ -49,6 +49,10 @@ const PUSH_BYTES: u32 = 64;
 /// The most workgroups one dispatch asks for; the shaders loop over the rest.
 const MAX_WORKGROUPS: usize = 65535;
 
+/// Weight rows one matmul workgroup loops over: fewer, longer workgroups cost less to start
+/// on a CPU driver, and a matrix of thousands of rows still fills a GPU.
+const ROWS_PER_WORKGROUP: usize = 8;
+
 /// Threads per workgroup of the element-wise activation shader.
 const GLU_THREADS: usize = 64;
 
@@ -732,7 +736,7 @@ impl VulkanDevice {
                         self.pipelines.matmul[packing.code as usize],
                         Some(buffer),
                         &params.words(),
-                        part.rows,
+                        part.rows.div_ceil(ROWS_PER_WORKGROUP),
                     )?;
                 }
                 Ok(())
@@ -1198,7 +1202,12 @@ impl VulkanDevice {
                             .gathering(index_at + slot.index)
                             .writing(at + slot.hidden + part.first_row, inter);
                         let matmul = self.pipelines.matmul[weight.0.code as usize];
-                        recorder.dispatch(matmul, Some(buffer), &params.words(), part.rows)?;
+                        recorder.dispatch(
+                            matmul,
+                            Some(buffer),
+                            &params.words(),
+                            part.rows.div_ceil(ROWS_PER_WORKGROUP),
+                        )?;
                     }
                 }
             }
@@ -1221,7 +1230,12 @@ impl VulkanDevice {
                         .reading(gate_at + slot.hidden, inter)
                         .writing(down_at + slot.down_row * width + part.first_row, width);
                     let matmul = self.pipelines.matmul[slot.down.0.code as usize];
-                    recorder.dispatch(matmul, Some(buffer), &params.words(), part.rows)?;
+                    recorder.dispatch(
+                        matmul,
+                        Some(buffer),
+                        &params.words(),
+                        part.rows.div_ceil(ROWS_PER_WORKGROUP),
+                    )?;
                 }
             }
             recorder.barrier();
