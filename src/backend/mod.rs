@@ -120,7 +120,7 @@ pub struct DeviceMemory {
 /// What a GPU backend offers the engines. Every method may be called from several threads
 /// at once; implementations serialise their queue internally.
 pub trait Device: Send + Sync {
-    /// `"Vulkan: <device name> (<driver>)"`, for the startup line.
+    /// `"Vulkan: <device name>, <driver>"`, for the startup line.
     fn description(&self) -> String;
 
     /// Device memory the weights may use.

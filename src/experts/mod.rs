@@ -236,7 +236,8 @@ impl ExpertStore {
     }
 
     /// Run `compute` with all of `experts` (distinct ids) of MoE layer `layer` at once,
-    /// loading the missing ones; counted as [`ExpertStore::with_expert`] counts each. `None`
+    /// loading the missing ones in order; looked up, evicted and counted exactly as that
+    /// sequence of [`ExpertStore::with_expert`] calls would be. `None`
     /// (nothing loaded, nothing counted) when the layer's slots cannot hold every one that
     /// is not pinned: the caller then takes them one at a time.
     pub fn with_experts<R>(
@@ -282,12 +283,10 @@ impl ExpertStore {
             self.stats.bytes_loaded += tensors.source_bytes() as u64;
             if cache.slots.len() < self.capacity {
                 cache.slots.push(slot);
-            } else if let Some(victim) = cache
-                .slots
-                .iter_mut()
-                .filter(|s| !experts.contains(&s.expert))
-                .min_by_key(|s| s.last_used)
-            {
+            } else if let Some(victim) = cache.slots.iter_mut().min_by_key(|s| s.last_used) {
+                // The same choice one-at-a-time lookups make, so `coli trace simulate`
+                // replays this cache exactly. It never evicts an expert this call already
+                // took: while fewer than `capacity` of them are taken, an older slot exists.
                 *victim = slot;
             }
         }

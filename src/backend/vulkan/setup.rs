@@ -149,7 +149,8 @@ pub(super) unsafe fn inspect(
     Ok(Chosen {
         handle,
         queue_family: queue_family as u32,
-        description: format!("Vulkan: {name} ({driver_text})"),
+        // lavapipe's name already carries parentheses: "llvmpipe (LLVM 15.0.6, 256 bits)".
+        description: format!("Vulkan: {name}, {driver_text}"),
         max_storage_buffer_range: properties.limits.max_storage_buffer_range,
         memory_budget: has(MEMORY_BUDGET),
         portability_subset: has(PORTABILITY_SUBSET),
