@@ -6,7 +6,7 @@
 
 use anyhow::Result;
 
-use crate::quant::{Matrix, Width};
+use crate::quant::{matmul_shared_input, Matrix, Width};
 use crate::snapshot::Snapshot;
 
 /// `out = x / sqrt(mean(x^2) + eps) * weight`, for each row of `x` (`weight.len()` wide).
@@ -172,8 +172,7 @@ pub fn glu_ffn(
     let inter = gate.rows();
     let mut gated = vec![0f32; n * inter];
     let mut upped = vec![0f32; n * inter];
-    gate.matmul(input, n, &mut gated);
-    up.matmul(input, n, &mut upped);
+    matmul_shared_input(vec![(gate, &mut gated), (up, &mut upped)], input, n);
     act(&mut gated, &upped);
     let mut out = vec![0f32; n * down.rows()];
     down.matmul(&gated, n, &mut out);

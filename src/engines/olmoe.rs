@@ -10,7 +10,7 @@ use super::moe::{softmax_top_k, Route, RoutedExperts};
 use super::window_attention::{windowed_attention, WindowKvCache};
 use super::{Engine, LoadOptions};
 use crate::experts::{ExpertStore, ExpertTensors};
-use crate::quant::{load_vector, Matrix, Width};
+use crate::quant::{load_vector, matmul_shared_input, Matrix, Width};
 use crate::route_trace::RouteTrace;
 use crate::snapshot::Snapshot;
 use crate::text::PromptConvention;
@@ -275,9 +275,15 @@ impl Olmoe {
         let mut q = vec![0f32; n * q_width];
         let mut k = vec![0f32; n * kv_width];
         let mut v = vec![0f32; n * kv_width];
-        attn.q_proj.matmul(&h, n, &mut q);
-        attn.k_proj.matmul(&h, n, &mut k);
-        attn.v_proj.matmul(&h, n, &mut v);
+        matmul_shared_input(
+            vec![
+                (&attn.q_proj, &mut q),
+                (&attn.k_proj, &mut k),
+                (&attn.v_proj, &mut v),
+            ],
+            &h,
+            n,
+        );
         rms_norm_in_place(&mut q, &attn.q_norm, self.config.rms_norm_eps);
         rms_norm_in_place(&mut k, &attn.k_norm, self.config.rms_norm_eps);
         if let Some(clip) = self.config.clip_qkv {

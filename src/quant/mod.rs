@@ -30,6 +30,7 @@ use std::marker::PhantomData;
 use anyhow::{bail, Result};
 use bytemuck::Pod;
 use half::{bf16, f16};
+use rayon::prelude::*;
 
 pub use codec::{
     e4m3_to_f32, f32_to_e4m3, quantize_fp8_blocks, quantize_int4_groups, quantize_int8_rows,
@@ -531,6 +532,16 @@ impl Matrix {
         }
         values
     }
+}
+
+/// `out = matrix . input` for several matrices that read the same `n` input rows (q, k and
+/// v of one attention; gate and up of one FFN), side by side on the thread pool: one wait
+/// for the set instead of one per product, and each product computes what
+/// [`Matrix::matmul`] computes.
+pub fn matmul_shared_input(products: Vec<(&Matrix, &mut [f32])>, input: &[f32], n: usize) {
+    products
+        .into_par_iter()
+        .for_each(|(matrix, out)| matrix.matmul(input, n, out));
 }
 
 /// A 1-D float tensor (a norm weight, a bias) as owned f32.
