@@ -10,7 +10,6 @@
 
 use std::process::Command;
 use std::sync::OnceLock;
-use std::time::Instant;
 
 use coli::backend::vulkan::VulkanDevice;
 use coli::backend::{Activation, Device, DeviceError, ExpertGroup, GroupExpert};
@@ -457,35 +456,4 @@ fn open_fails_without_the_loader() {
     };
     assert!(error.contains("/nonexistent/libvulkan.so.1"), "{error}");
     assert!(error.contains("no Vulkan loader"), "{error}");
-}
-
-/// Not a check: prints what a 2048x2048 matvec costs on this device (`--nocapture`).
-#[test]
-fn matvec_timing_2048() {
-    let (rows, cols) = (2048, 2048);
-    let values = random(rows * cols, 42);
-    let input = random(cols, 43);
-    for format in [
-        Format::F32,
-        Format::Int8Row,
-        Format::Int4Grouped { group: 64 },
-    ] {
-        let matrix = Matrix::from_f32_as(rows, cols, &values, format).expect("encodable");
-        let id = device().upload(&matrix.raw()).expect("upload");
-        let mut out = vec![0f32; rows];
-        device().matmul(id, &input, 1, &mut out).expect("warm-up");
-        let calls = 20;
-        let start = Instant::now();
-        for _ in 0..calls {
-            device().matmul(id, &input, 1, &mut out).expect("matmul");
-        }
-        let seconds = start.elapsed().as_secs_f64() / calls as f64;
-        println!(
-            "{}: {format} {rows}x{cols} matvec {:.3} ms, {:.2} GB/s of weights",
-            device().description(),
-            seconds * 1e3,
-            matrix.size_bytes() as f64 / seconds / 1e9
-        );
-        device().release(id);
-    }
 }
