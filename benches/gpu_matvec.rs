@@ -33,7 +33,9 @@ fn main() {
         let matrix = Matrix::from_f32_as(rows, cols, &values, format).expect("encodable shape");
         let id = device.upload(&matrix.raw()).expect("upload");
         let mut out = vec![0f32; rows];
-        device.matmul(id, &input, 1, &mut out).expect("warm-up product");
+        device
+            .matmul(id, &input, 1, &mut out)
+            .expect("warm-up product");
         let calls = 20;
         let started = Instant::now();
         for _ in 0..calls {

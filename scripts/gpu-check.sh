@@ -11,14 +11,15 @@
 # Everything is written to the results file ($1, default gpu-check-results.txt); the exit
 # status is non-zero when a test fails or a fixture's tokens differ.
 #
-# Environment: GPU_EXPERT_GB (default 64) for the CUDA runs; BENCH_DIR for the benchmark
-# model (default /tmp/coli-olmoe-bench); LD_LIBRARY_PATH is extended with the directory of
-# libnvrtc.so.12 when the loader does not already find it.
+# Environment: GPU_EXPERT_GB for the CUDA runs (default 8, more than the benchmark model's
+# experts); BENCH_DIR for the benchmark model (default /tmp/coli-olmoe-bench).
+# LD_LIBRARY_PATH is extended with the directory of libnvrtc.so.12 when the loader does not
+# already find it.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 results="$(realpath -m "${1:-gpu-check-results.txt}")"
-expert_gb="${GPU_EXPERT_GB:-64}"
+expert_gb="${GPU_EXPERT_GB:-8}"
 bench_dir="${BENCH_DIR:-/tmp/coli-olmoe-bench}"
 : >"$results"
 failures=0
