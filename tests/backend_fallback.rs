@@ -71,7 +71,11 @@ fn a_failed_device_leaves_the_tokens_of_the_cpu() {
     let store = engine.expert_store();
     let every = (0..store.layers()).flat_map(|l| (0..store.experts_in(l)).map(move |e| (l, e)));
     let tier = ExpertTier::fill(active, store, every.collect::<Vec<_>>(), 1 << 30).unwrap();
-    assert_eq!(tier.len(), 3 * 8, "every expert of the three layers is resident");
+    assert_eq!(
+        tier.len(),
+        3 * 8,
+        "every expert of the three layers is resident"
+    );
     engine.routed_mut().tier = tier;
 
     let after_failure = greedy(engine.as_mut(), &prompt, 16).unwrap().tokens;

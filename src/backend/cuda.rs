@@ -54,8 +54,8 @@ const SECTION_ALIGN: usize = 256;
 /// Bytes of each of the two pinned halves that stream a weight to the device.
 const UPLOAD_CHUNK: usize = 32 << 20;
 
-/// The kernel's `FMT_*` code for a format it computes.
-fn format_code(format: Format) -> Option<i32> {
+/// The kernel's `FMT_*` code for a format it computes (`None`: no kernel).
+pub fn format_code(format: Format) -> Option<i32> {
     Some(match format {
         Format::F32 => 0,
         Format::Bf16 => 1,
