@@ -4,24 +4,15 @@
 //! checks the kernels' decoding, indexing and padding on machines without a GPU; the same
 //! products on a GPU are `tests/cuda_kernels.rs`.
 
+mod common;
+
 use std::path::Path;
 use std::process::Command;
 
 use coli::backend::cuda::format_code;
 use coli::backend::RawScales;
 use coli::quant::{Format, Isa, Matrix};
-
-fn random(len: usize, seed: u64) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
-}
+use common::random;
 
 /// Scales per row as the kernel's `Job::per_row` counts them.
 fn per_row(format: Format, cols: usize) -> usize {

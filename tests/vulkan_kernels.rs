@@ -8,6 +8,8 @@
 //! `Σ|w x|` taken over the decoded weights in f64. The expert group carries that bound
 //! through the activation and the down product (see [`ExpertBound`]).
 
+mod common;
+
 use std::process::Command;
 use std::sync::OnceLock;
 
@@ -16,6 +18,7 @@ use coli::backend::{Activation, Device, DeviceError, ExpertGroup, GroupExpert};
 use coli::engines::layers::{rms_norm, swiglu_ffn};
 use coli::engines::situ::Situ;
 use coli::quant::{Format, Isa, Matrix};
+use common::random;
 
 const UNIT: f64 = 1.0 / (1u64 << 24) as f64;
 
@@ -40,19 +43,6 @@ fn device() -> &'static VulkanDevice {
         VulkanDevice::open()
             .unwrap_or_else(|error| panic!("the Vulkan device did not open: {error:#}"))
     })
-}
-
-/// Deterministic values in [-1, 1).
-fn random(len: usize, seed: u64) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
 }
 
 /// `Σ_c |W[r][c] x[t][c]|` for every output, in f64 over the decoded weights.
