@@ -68,9 +68,10 @@ pub fn main_job(
     crate::quant::select_simd(crate::quant::Isa::from_setting(
         settings.text("COLI_SIMD").unwrap_or("auto"),
     )?);
-    backend::start(backend::Choice::from_setting(
-        settings.text("BACKEND").unwrap_or("cpu"),
-    )?)?;
+    backend::start(
+        backend::Choice::from_setting(settings.text("BACKEND").unwrap_or("cpu"))?,
+        settings.flag("GPU_DENSE"),
+    )?;
     let options = LoadOptions {
         cap,
         expert_width,

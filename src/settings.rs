@@ -220,6 +220,12 @@ pub const KEYS: &[Key] = &[
         doc: "where products run: cpu, vulkan, cuda, or auto (a GPU that starts, else the CPU)",
     },
     Key {
+        name: "GPU_DENSE",
+        kind: Kind::Bool,
+        default: "1",
+        doc: "with a GPU backend, run dense products and norms on the GPU too; 0 = only the expert tier",
+    },
+    Key {
         name: "GPU_EXPERT_GB",
         kind: Kind::Number,
         default: "0",

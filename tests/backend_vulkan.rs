@@ -173,3 +173,21 @@ fn auto_says_which_backend_computes() {
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(stderr(&out).contains("[BACKEND] "), "{}", stderr(&out));
 }
+
+#[test]
+fn the_tier_alone_can_use_the_gpu() {
+    for &(model, name, experts) in &FIXTURES[..3] {
+        let (text, errors) = common::oracle_exact_with(
+            Some(model),
+            name,
+            experts,
+            false,
+            &["BACKEND=vulkan", "GPU_DENSE=0", WHOLE_MODEL],
+        );
+        assert!(
+            errors.contains("(expert tier only: GPU_DENSE=0)"),
+            "{errors}"
+        );
+        assert!(text.contains(" vram + 0 pin + 0 lru / 0 miss)"), "{text}");
+    }
+}

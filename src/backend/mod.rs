@@ -5,8 +5,8 @@
 //! a GPU that cannot start is an error naming the reason, never a quiet fallback. Once a
 //! device is installed:
 //! - every dense [`Matrix::matmul`](crate::quant::Matrix::matmul) runs on it, its weights
-//!   uploaded on first use and kept there for the life of the matrix ([`Residency`]);
-//! - [`rms_norm`] runs on it;
+//!   uploaded on first use and kept there for the life of the matrix ([`Residency`]), and
+//!   so does [`rms_norm`] (unless `GPU_DENSE=0`);
 //! - the routed experts of the VRAM tier ([`tier`], sized by `GPU_EXPERT_GB`) run as one
 //!   submission per MoE layer, while the CPU computes the other experts of the layer.
 //!
@@ -178,8 +178,9 @@ impl Choice {
 
 /// Open and install the device `BACKEND` names, saying on stderr which one computes. A
 /// named GPU that cannot start is an error with the reason; `auto` tries CUDA, then Vulkan,
-/// then settles on the CPU and says why.
-pub fn start(choice: Choice) -> Result<()> {
+/// then settles on the CPU and says why. With `dense` false (`GPU_DENSE=0`) only the expert
+/// tier uses the device.
+pub fn start(choice: Choice, dense: bool) -> Result<()> {
     let device: Arc<dyn Device> = match choice {
         Choice::Cpu => return Ok(()),
         Choice::Vulkan => Arc::new(
@@ -201,8 +202,16 @@ pub fn start(choice: Choice) -> Result<()> {
             }
         },
     };
-    eprintln!("[BACKEND] {}", device.description());
+    if dense {
+        eprintln!("[BACKEND] {}", device.description());
+    } else {
+        eprintln!(
+            "[BACKEND] {} (expert tier only: GPU_DENSE=0)",
+            device.description()
+        );
+    }
     install(device);
+    DENSE.store(dense, Ordering::Relaxed);
     Ok(())
 }
 
@@ -212,6 +221,14 @@ struct Active {
 }
 
 static ACTIVE: OnceLock<Active> = OnceLock::new();
+
+/// Whether dense products and norms go to the device (`GPU_DENSE`).
+static DENSE: AtomicBool = AtomicBool::new(true);
+
+/// The active device, for dense work.
+fn dense_device() -> Option<&'static dyn Device> {
+    active().filter(|_| DENSE.load(Ordering::Relaxed))
+}
 
 /// Make `device` the process's device (once; a second call is ignored).
 pub fn install(device: Arc<dyn Device>) {
@@ -297,7 +314,7 @@ pub fn matmul<'a>(
     let Residency::Offered(upload) = residency else {
         return false;
     };
-    let Some(device) = active() else {
+    let Some(device) = dense_device() else {
         return false;
     };
     let weight = upload.get_or_init(|| match DeviceWeight::upload(device, &raw()) {
@@ -322,7 +339,7 @@ pub fn matmul<'a>(
 /// RMSNorm on the active device, else on the CPU (see
 /// [`layers::rms_norm`](crate::engines::layers::rms_norm)).
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f64, out: &mut [f32]) -> bool {
-    let Some(device) = active() else {
+    let Some(device) = dense_device() else {
         return false;
     };
     match device.rms_norm(x, weight, eps as f32, out) {
