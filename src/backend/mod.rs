@@ -191,15 +191,17 @@ pub fn start(choice: Choice, dense: bool) -> Result<()> {
             cuda::CudaDevice::open()
                 .context("BACKEND=cuda cannot start (BACKEND=cpu runs without a GPU)")?,
         ),
-        Choice::Auto => match (cuda::CudaDevice::open(), vulkan::VulkanDevice::open()) {
-            (Ok(device), _) => Arc::new(device),
-            (Err(_), Ok(device)) => Arc::new(device),
-            (Err(cuda), Err(vulkan)) => {
-                eprintln!(
-                    "[BACKEND] auto: computing on the CPU (CUDA: {cuda:#}; Vulkan: {vulkan:#})"
-                );
-                return Ok(());
-            }
+        Choice::Auto => match cuda::CudaDevice::open() {
+            Ok(device) => Arc::new(device),
+            Err(cuda) => match vulkan::VulkanDevice::open() {
+                Ok(device) => Arc::new(device),
+                Err(vulkan) => {
+                    eprintln!(
+                        "[BACKEND] auto: computing on the CPU (CUDA: {cuda:#}; Vulkan: {vulkan:#})"
+                    );
+                    return Ok(());
+                }
+            },
         },
     };
     if dense {

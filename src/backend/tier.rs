@@ -12,6 +12,7 @@ use anyhow::{bail, Result};
 
 use super::{Device, DeviceError, DeviceWeight, WeightId};
 use crate::experts::ExpertStore;
+use crate::quant::Matrix;
 
 /// One expert's three projections on the device.
 pub struct ResidentExpert {
@@ -67,7 +68,7 @@ impl ExpertTier {
             if tier.bytes + bytes > budget {
                 break;
             }
-            let upload = |matrix: &crate::quant::Matrix| {
+            let upload = |matrix: &Matrix| {
                 DeviceWeight::upload(device, &matrix.raw()).map_err(|error| match error {
                     DeviceError::Unsupported(why) => anyhow::anyhow!(
                         "the experts are {} ({why}); {} cannot hold them: \
