@@ -4,13 +4,12 @@
 //!
 //! What it owns: the instance, the logical device and every object made from it; the
 //! uploaded weights (one buffer per row part, see [`packing`], bound inside large shared
-//! memory blocks, see [`blocks`]); one device-local scratch
-//! buffer that every operation's inputs, intermediates and outputs live in, and one
-//! host-visible staging buffer that carries them to and from the host. Each operation is
-//! one command buffer, one submit and one fence wait (at most [`FENCE_TIMEOUT`]), under one
-//! lock: calls from several threads are serialised. What it must not do: decide what runs
-//! on the CPU (that is [`crate::backend`]'s policy) or keep results on the device between
-//! calls.
+//! memory blocks, see [`blocks`]); one device-local scratch buffer that every operation's
+//! inputs, intermediates and outputs live in, and one host-visible staging buffer that
+//! carries them to and from the host. Each operation is one command buffer, one submit and
+//! one fence wait (at most [`FENCE_TIMEOUT`]), under one lock: calls from several threads
+//! are serialised. What it must not do: decide what runs on the CPU (that is
+//! [`crate::backend`]'s policy) or keep results on the device between calls.
 //!
 //! Reductions use workgroup shared memory only; no subgroup operation is needed, so no
 //! subgroup feature is required or probed. Weights are read as u32 words, so no 8- or 16-bit
