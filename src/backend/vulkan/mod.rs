@@ -521,11 +521,11 @@ impl VulkanDevice {
             });
         let (memory, mapped, size) = allocated.map_err(|error| {
             DeviceError::Failed(anyhow!(
-                "no device memory left for a {} weight part ({error}); this device already \
-                 holds {} of weights in {} blocks on a {} heap: lower GPU_EXPERT_GB",
+                "no Vulkan memory left for a {} weight part ({error}); the device holds {} \
+                 weight blocks and {} of the {} device-local heap: lower GPU_EXPERT_GB",
                 mib(needs.size),
-                mib(self.allocated.load(Ordering::Relaxed)),
                 blocks.len(),
+                mib(self.allocated.load(Ordering::Relaxed)),
                 mib(heap)
             ))
         })?;
