@@ -61,12 +61,16 @@ fn magnitudes(matrix: &Matrix, input: &[f32], n: usize) -> Vec<f64> {
 }
 
 fn assert_matmul_matches(matrix: &Matrix, id: u64, n: usize, seed: u64) {
+    assert_matmul_matches_on(device(), matrix, id, n, seed);
+}
+
+fn assert_matmul_matches_on(device: &VulkanDevice, matrix: &Matrix, id: u64, n: usize, seed: u64) {
     let (rows, cols) = (matrix.rows(), matrix.cols());
     let input = random(n * cols, seed);
     let mut want = vec![0f32; n * rows];
     matrix.matmul_with(Isa::Scalar, &input, n, &mut want);
     let mut got = vec![f32::NAN; n * rows];
-    device()
+    device
         .matmul(id, &input, n, &mut got)
         .unwrap_or_else(|e| panic!("{} {rows}x{cols} n={n}: {e}", matrix.format()));
     let bound = 2.0 * (cols + 4) as f64 * UNIT;
@@ -119,16 +123,66 @@ fn uploads_through_a_staging_copy_match_too() {
         .args([
             "--exact",
             "matmul_matches_the_cpu_for_every_format_and_shape",
+            "thousands_of_small_weights_share_a_few_memory_blocks",
         ])
         .env("COLI_VK_STAGED", "1")
         .output()
         .expect("running the test binary again");
     let text = String::from_utf8_lossy(&status.stdout);
     assert!(
-        status.status.success() && text.contains("1 passed"),
+        status.status.success() && text.contains("2 passed"),
         "staged uploads: {text}{}",
         String::from_utf8_lossy(&status.stderr)
     );
+}
+
+/// More weights than the 4096 memory allocations many drivers allow: they share a few
+/// memory blocks, each computes with its own values (an overlap would show in the first
+/// ones, checked after the last is written), and released room serves the next uploads.
+#[test]
+fn thousands_of_small_weights_share_a_few_memory_blocks() {
+    const COUNT: usize = 5000;
+    // A device of its own, so that other tests' weights do not change its block count.
+    let own =
+        VulkanDevice::open().unwrap_or_else(|e| panic!("the Vulkan device did not open: {e:#}"));
+    let wave = |seed: u64| -> Vec<(Matrix, u64)> {
+        (0..COUNT)
+            .map(|i| {
+                let values = random(16 * 16, seed + i as u64);
+                let matrix = Matrix::from_f32_as(16, 16, &values, Format::F32).expect("f32");
+                let id = own
+                    .upload(&matrix.raw())
+                    .unwrap_or_else(|e| panic!("upload {i} of {COUNT}: {e}"));
+                (matrix, id)
+            })
+            .collect()
+    };
+    let check = |weights: &[(Matrix, u64)]| {
+        for i in (0..COUNT).step_by(499).chain([1, COUNT - 1]) {
+            let (matrix, id) = &weights[i];
+            assert_matmul_matches_on(&own, matrix, *id, 2, 50_000 + i as u64);
+        }
+    };
+    let first = wave(10_000);
+    check(&first);
+    let blocks = own.memory_blocks();
+    assert!(
+        (1..=8).contains(&blocks),
+        "{COUNT} weights of 1 KiB took {blocks} memory blocks"
+    );
+    for (_, id) in &first {
+        own.release(*id);
+    }
+    assert!(own.memory_blocks() <= blocks);
+    let second = wave(20_000);
+    check(&second);
+    assert_eq!(
+        own.memory_blocks(),
+        blocks,
+        "a second wave of the same size needed other blocks"
+    );
+    let memory = own.memory();
+    assert!(memory.free <= memory.total, "{memory:?}");
 }
 
 #[test]

@@ -3,13 +3,13 @@
 //! shaders of `kernels/vulkan` that `build.rs` compiles to SPIR-V.
 //!
 //! What it owns: the instance, the logical device and every object made from it; the
-//! uploaded weights (one buffer per row part, see [`packing`]); one device-local scratch
-//! buffer that every operation's inputs, intermediates and outputs live in, and one
-//! host-visible staging buffer that carries them to and from the host. Each operation is
-//! one command buffer, one submit and one fence wait (at most [`FENCE_TIMEOUT`]), under one
-//! lock: calls from several threads are serialised. What it must not do: decide what runs
-//! on the CPU (that is [`crate::backend`]'s policy) or keep results on the device between
-//! calls.
+//! uploaded weights (one buffer per row part, see [`packing`], bound inside large shared
+//! memory blocks, see [`blocks`]); one device-local scratch buffer that every operation's
+//! inputs, intermediates and outputs live in, and one host-visible staging buffer that
+//! carries them to and from the host. Each operation is one command buffer, one submit and
+//! one fence wait (at most [`FENCE_TIMEOUT`]), under one lock: calls from several threads
+//! are serialised. What it must not do: decide what runs on the CPU (that is
+//! [`crate::backend`]'s policy) or keep results on the device between calls.
 //!
 //! Reductions use workgroup shared memory only; no subgroup operation is needed, so no
 //! subgroup feature is required or probed. Weights are read as u32 words, so no 8- or 16-bit
@@ -20,6 +20,7 @@
 //! staging buffer with a copy; `COLI_VK_STAGED=1` forces the copy. `COLI_VK_LOADER=<path>`
 //! names the loader library, `COLI_VK_DEVICE=<index>` the physical device.
 
+mod blocks;
 mod packing;
 mod setup;
 
@@ -32,10 +33,11 @@ use std::time::Duration;
 use anyhow::{anyhow, Context, Result};
 use ash::vk;
 
+use self::blocks::{block_size, Block, Blocks, Placement};
 use self::packing::{Packing, Part};
 use self::setup::{
     choose_physical_device, create_instance, create_logical_device, find_memory_type,
-    has_large_mappable_device_memory, load_entry, pipeline_of,
+    has_large_mappable_device_memory, largest_device_local_heap, load_entry, pipeline_of,
 };
 use super::{Activation, Device, DeviceError, DeviceMemory, ExpertGroup, RawMatrix, WeightId};
 
@@ -82,6 +84,9 @@ pub struct VulkanDevice {
     direct_upload: bool,
     memory_budget: bool,
     memory_types: vk::PhysicalDeviceMemoryProperties,
+    /// The largest device-local heap, the one [`Device::memory`] reports.
+    heap: Option<usize>,
+    /// Bytes of device memory this device holds on `heap`.
     allocated: AtomicU64,
     failed: AtomicBool,
     state: Mutex<State>,
@@ -116,18 +121,21 @@ struct State {
     descriptor_capacity: u32,
     scratch: Option<Buffer>,
     staging: Option<Buffer>,
+    blocks: Blocks,
     weights: HashMap<WeightId, Weight>,
     next_id: WeightId,
 }
 
 struct Weight {
     packing: Packing,
-    parts: Vec<(Part, Buffer)>,
+    parts: Vec<(Part, WeightBuffer)>,
 }
 
+/// A buffer with a device-memory allocation of its own.
 struct Buffer {
     buffer: vk::Buffer,
     memory: vk::DeviceMemory,
+    type_index: u32,
     /// Bytes the buffer holds.
     size: u64,
     /// Bytes of device memory it took.
@@ -135,10 +143,16 @@ struct Buffer {
     mapped: Option<Mapped>,
 }
 
-/// A host mapping of a buffer's memory.
+/// One weight part's buffer, bound inside a block of [`State::blocks`].
+struct WeightBuffer {
+    buffer: vk::Buffer,
+    placement: Placement,
+}
+
+/// A host mapping of device memory.
 struct Mapped(NonNull<u8>);
 
-// SAFETY: the mapping belongs to a buffer inside `State`, which is only reached through the
+// SAFETY: the mapping belongs to memory inside `State`, which is only reached through the
 // device's mutex, so one thread at a time writes or reads it.
 unsafe impl Send for Mapped {}
 
@@ -171,6 +185,7 @@ impl VulkanDevice {
             max_binding: u64::from(chosen.max_storage_buffer_range),
             direct_upload: !staged && has_large_mappable_device_memory(&memory_types),
             memory_budget: chosen.memory_budget,
+            heap: largest_device_local_heap(&memory_types),
             memory_types,
             allocated: AtomicU64::new(0),
             failed: AtomicBool::new(false),
@@ -290,6 +305,106 @@ impl VulkanDevice {
         result
     }
 
+    /// How many device-memory blocks hold the uploaded weights.
+    pub fn memory_blocks(&self) -> usize {
+        match self.state.lock() {
+            Ok(state) => state.blocks.len(),
+            Err(poisoned) => poisoned.into_inner().blocks.len(),
+        }
+    }
+
+    /// Whether memory of type `type_index` lies on the heap [`Device::memory`] reports.
+    fn on_reported_heap(&self, type_index: u32) -> bool {
+        let heap = self.memory_types.memory_types[type_index as usize].heap_index as usize;
+        self.heap == Some(heap)
+    }
+
+    fn memory_type(
+        &self,
+        needs: &vk::MemoryRequirements,
+        required: vk::MemoryPropertyFlags,
+        preferred: vk::MemoryPropertyFlags,
+    ) -> Result<u32, DeviceError> {
+        find_memory_type(
+            &self.memory_types,
+            needs.memory_type_bits,
+            required,
+            preferred,
+        )
+        .ok_or_else(|| {
+            DeviceError::Failed(anyhow!(
+                "no Vulkan memory type with property flags {:#x} for a {}-byte buffer",
+                required.as_raw(),
+                needs.size
+            ))
+        })
+    }
+
+    /// `size` bytes of memory type `type_index`, mapped whole when `map` asks for it.
+    fn allocate_memory(
+        &self,
+        type_index: u32,
+        size: u64,
+        map: bool,
+    ) -> Result<(vk::DeviceMemory, Option<Mapped>), DeviceError> {
+        let info = vk::MemoryAllocateInfo::default()
+            .allocation_size(size)
+            .memory_type_index(type_index);
+        // SAFETY: the memory is freed on the error path below or by `free_memory`.
+        let memory = unsafe { self.device.allocate_memory(&info, None) }.map_err(|error| {
+            DeviceError::Failed(anyhow!(
+                "allocating {} of Vulkan memory: {error}",
+                mib(size)
+            ))
+        })?;
+        let mut mapped = None;
+        if map {
+            // SAFETY: the memory is host-visible (the caller chose its type for that) and
+            // not mapped yet.
+            match unsafe {
+                self.device
+                    .map_memory(memory, 0, vk::WHOLE_SIZE, vk::MemoryMapFlags::empty())
+            } {
+                Ok(pointer) => mapped = NonNull::new(pointer.cast()).map(Mapped),
+                Err(error) => {
+                    unsafe { self.device.free_memory(memory, None) };
+                    return Err(DeviceError::Failed(anyhow!(
+                        "mapping Vulkan memory: {error}"
+                    )));
+                }
+            }
+        }
+        if self.on_reported_heap(type_index) {
+            self.allocated.fetch_add(size, Ordering::Relaxed);
+        }
+        Ok((memory, mapped))
+    }
+
+    /// Free memory from [`VulkanDevice::allocate_memory`] (its mapping goes with it).
+    fn free_memory(&self, memory: vk::DeviceMemory, type_index: u32, size: u64) {
+        // SAFETY: no submission is in flight while the lock is held, nothing bound to the
+        // memory is used again, and the handle came from this device.
+        unsafe { self.device.free_memory(memory, None) };
+        if self.on_reported_heap(type_index) {
+            self.allocated.fetch_sub(size, Ordering::Relaxed);
+        }
+    }
+
+    fn new_buffer(
+        &self,
+        size: u64,
+        usage: vk::BufferUsageFlags,
+    ) -> Result<vk::Buffer, DeviceError> {
+        let info = vk::BufferCreateInfo::default()
+            .size(size)
+            .usage(usage)
+            .sharing_mode(vk::SharingMode::EXCLUSIVE);
+        // SAFETY: the caller destroys the buffer.
+        unsafe { self.device.create_buffer(&info, None) }
+            .map_err(|e| DeviceError::Failed(anyhow!("creating a {size}-byte buffer: {e}")))
+    }
+
+    /// A buffer with memory of its own, mapped when `required` is host-visible.
     fn create_buffer(
         &self,
         size: u64,
@@ -297,84 +412,144 @@ impl VulkanDevice {
         required: vk::MemoryPropertyFlags,
         preferred: vk::MemoryPropertyFlags,
     ) -> Result<Buffer, DeviceError> {
-        let device = &self.device;
-        let info = vk::BufferCreateInfo::default()
-            .size(size)
-            .usage(usage)
-            .sharing_mode(vk::SharingMode::EXCLUSIVE);
-        // SAFETY: every handle made here is destroyed on the error paths or by `destroy`.
-        unsafe {
-            let buffer = device
-                .create_buffer(&info, None)
-                .map_err(|e| anyhow!("creating a {size}-byte buffer: {e}"))?;
-            let needs = device.get_buffer_memory_requirements(buffer);
-            let Some(type_index) = find_memory_type(
-                &self.memory_types,
-                needs.memory_type_bits,
-                required,
-                preferred,
-            ) else {
-                device.destroy_buffer(buffer, None);
-                return Err(DeviceError::Failed(anyhow!(
-                    "no Vulkan memory type with property flags {:#x} for a {size}-byte buffer",
-                    required.as_raw()
-                )));
-            };
-            let allocate = vk::MemoryAllocateInfo::default()
-                .allocation_size(needs.size)
-                .memory_type_index(type_index);
-            let memory = match device.allocate_memory(&allocate, None) {
-                Ok(memory) => memory,
-                Err(error) => {
-                    device.destroy_buffer(buffer, None);
-                    return Err(DeviceError::Failed(anyhow!(
-                        "allocating {} MiB of Vulkan memory: {error}",
-                        needs.size >> 20
-                    )));
-                }
-            };
-            let mut made = Buffer {
-                buffer,
-                memory,
-                size,
-                allocated: needs.size,
-                mapped: None,
-            };
-            if let Err(error) = device.bind_buffer_memory(buffer, memory, 0) {
-                self.destroy(made);
-                return Err(DeviceError::Failed(anyhow!(
-                    "binding buffer memory: {error}"
-                )));
+        let buffer = self.new_buffer(size, usage)?;
+        // SAFETY: the buffer came from this device; it is destroyed on the error paths or
+        // by `destroy`.
+        let needs = unsafe { self.device.get_buffer_memory_requirements(buffer) };
+        let map = required.contains(vk::MemoryPropertyFlags::HOST_VISIBLE);
+        let allocated = self
+            .memory_type(&needs, required, preferred)
+            .and_then(|type_index| {
+                let (memory, mapped) = self.allocate_memory(type_index, needs.size, map)?;
+                Ok(Buffer {
+                    buffer,
+                    memory,
+                    type_index,
+                    size,
+                    allocated: needs.size,
+                    mapped,
+                })
+            });
+        let made = match allocated {
+            Ok(made) => made,
+            Err(error) => {
+                unsafe { self.device.destroy_buffer(buffer, None) };
+                return Err(error);
             }
-            let flags = self.memory_types.memory_types[type_index as usize].property_flags;
-            if flags.contains(
-                vk::MemoryPropertyFlags::HOST_VISIBLE | vk::MemoryPropertyFlags::HOST_COHERENT,
-            ) && required.contains(vk::MemoryPropertyFlags::HOST_VISIBLE)
-            {
-                match device.map_memory(memory, 0, vk::WHOLE_SIZE, vk::MemoryMapFlags::empty()) {
-                    Ok(pointer) => made.mapped = NonNull::new(pointer.cast()).map(Mapped),
-                    Err(error) => {
-                        self.destroy(made);
-                        return Err(DeviceError::Failed(anyhow!(
-                            "mapping buffer memory: {error}"
-                        )));
-                    }
-                }
-            }
-            self.allocated.fetch_add(made.allocated, Ordering::Relaxed);
-            Ok(made)
+        };
+        if let Err(error) = unsafe { self.device.bind_buffer_memory(buffer, made.memory, 0) } {
+            self.destroy(made);
+            return Err(DeviceError::Failed(anyhow!(
+                "binding buffer memory: {error}"
+            )));
         }
+        Ok(made)
     }
 
     fn destroy(&self, buffer: Buffer) {
-        // SAFETY: no submission is in flight while the lock is held, and the handles came
+        // SAFETY: no submission is in flight while the lock is held, and the buffer came
         // from this device.
-        unsafe {
-            self.device.destroy_buffer(buffer.buffer, None);
-            self.device.free_memory(buffer.memory, None);
+        unsafe { self.device.destroy_buffer(buffer.buffer, None) };
+        self.free_memory(buffer.memory, buffer.type_index, buffer.allocated);
+    }
+
+    /// A buffer of `bytes` for one weight part, bound at a suitable offset inside a block.
+    fn create_weight_buffer(
+        &self,
+        blocks: &mut Blocks,
+        bytes: u64,
+    ) -> Result<WeightBuffer, DeviceError> {
+        let buffer = self.new_buffer(
+            bytes,
+            vk::BufferUsageFlags::STORAGE_BUFFER | vk::BufferUsageFlags::TRANSFER_DST,
+        )?;
+        // SAFETY: the buffer came from this device; it is destroyed on the error paths or
+        // by `destroy_weight_buffer`.
+        let needs = unsafe { self.device.get_buffer_memory_requirements(buffer) };
+        let placement = match self.place(blocks, &needs) {
+            Ok(placement) => placement,
+            Err(error) => {
+                unsafe { self.device.destroy_buffer(buffer, None) };
+                return Err(error);
+            }
+        };
+        let made = WeightBuffer { buffer, placement };
+        // SAFETY: the placement is free room of the block, aligned as `needs` asks.
+        let bound = unsafe {
+            self.device
+                .bind_buffer_memory(buffer, placement.memory, placement.offset)
+        };
+        if let Err(error) = bound {
+            self.destroy_weight_buffer(blocks, made);
+            return Err(DeviceError::Failed(anyhow!(
+                "binding a weight buffer inside its memory block: {error}"
+            )));
         }
-        self.allocated
-            .fetch_sub(buffer.allocated, Ordering::Relaxed);
+        Ok(made)
+    }
+
+    /// Room for a weight part: in a block that has it, else in a new block.
+    fn place(
+        &self,
+        blocks: &mut Blocks,
+        needs: &vk::MemoryRequirements,
+    ) -> Result<Placement, DeviceError> {
+        let required = if self.direct_upload {
+            vk::MemoryPropertyFlags::DEVICE_LOCAL
+                | vk::MemoryPropertyFlags::HOST_VISIBLE
+                | vk::MemoryPropertyFlags::HOST_COHERENT
+        } else {
+            vk::MemoryPropertyFlags::DEVICE_LOCAL
+        };
+        let type_index = self.memory_type(needs, required, vk::MemoryPropertyFlags::empty())?;
+        if let Some(placement) = blocks.place(type_index, needs.size, needs.alignment) {
+            return Ok(placement);
+        }
+        let heap_index = self.memory_types.memory_types[type_index as usize].heap_index;
+        let heap = self.memory_types.memory_heaps[heap_index as usize].size;
+        let size = block_size(needs.size, heap);
+        // A nearly full heap may still hold the part when it no longer holds a whole block.
+        let allocated = self
+            .allocate_memory(type_index, size, self.direct_upload)
+            .map(|(memory, mapped)| (memory, mapped, size))
+            .or_else(|error| {
+                if size == needs.size {
+                    return Err(error);
+                }
+                self.allocate_memory(type_index, needs.size, self.direct_upload)
+                    .map(|(memory, mapped)| (memory, mapped, needs.size))
+            });
+        let (memory, mapped, size) = allocated.map_err(|error| {
+            DeviceError::Failed(anyhow!(
+                "no Vulkan memory left for a {} weight part ({error}); the device holds {} \
+                 weight blocks and {} of the {} device-local heap: lower GPU_EXPERT_GB",
+                mib(needs.size),
+                blocks.len(),
+                mib(self.allocated.load(Ordering::Relaxed)),
+                mib(heap)
+            ))
+        })?;
+        blocks.add(Block::new(memory, type_index, size, mapped));
+        blocks
+            .place(type_index, needs.size, needs.alignment)
+            .ok_or_else(|| {
+                DeviceError::Failed(anyhow!(
+                    "a new {} memory block does not hold a {} weight part aligned to {}",
+                    mib(size),
+                    mib(needs.size),
+                    needs.alignment
+                ))
+            })
+    }
+
+    /// Destroy a weight part's buffer and give its room back to the block.
+    fn destroy_weight_buffer(&self, blocks: &mut Blocks, weight: WeightBuffer) {
+        // SAFETY: no submission is in flight while the lock is held, and the buffer came
+        // from this device.
+        unsafe { self.device.destroy_buffer(weight.buffer, None) };
+        if let Some(block) = blocks.release(&weight.placement) {
+            self.free_memory(block.memory, block.type_index, block.size);
+        }
     }
 
     /// Make the scratch buffer hold `scratch` bytes and the staging buffer `staging` bytes.
@@ -483,35 +658,21 @@ impl VulkanDevice {
         matrix: &RawMatrix<'_>,
         packing: &Packing,
         part: Part,
-    ) -> Result<Buffer, DeviceError> {
+    ) -> Result<WeightBuffer, DeviceError> {
         let bytes = packing.part_bytes(part);
-        let usage = vk::BufferUsageFlags::STORAGE_BUFFER | vk::BufferUsageFlags::TRANSFER_DST;
+        let buffer = self.create_weight_buffer(&mut state.blocks, bytes as u64)?;
         if self.direct_upload {
-            let buffer = self.create_buffer(
-                bytes as u64,
-                usage,
-                vk::MemoryPropertyFlags::DEVICE_LOCAL
-                    | vk::MemoryPropertyFlags::HOST_VISIBLE
-                    | vk::MemoryPropertyFlags::HOST_COHERENT,
-                vk::MemoryPropertyFlags::empty(),
-            )?;
-            let Some(mapped) = &buffer.mapped else {
-                self.destroy(buffer);
+            let Some(mapped) = state.blocks.mapping(&buffer.placement) else {
+                self.destroy_weight_buffer(&mut state.blocks, buffer);
                 return Err(DeviceError::Failed(anyhow!(
-                    "a host-visible weight buffer has no mapping"
+                    "a host-visible weight block has no mapping"
                 )));
             };
-            // SAFETY: the mapping covers the buffer's memory, at least `bytes` long.
-            let target = unsafe { std::slice::from_raw_parts_mut(mapped.0.as_ptr(), bytes) };
+            // SAFETY: the block is mapped whole and the placement holds at least `bytes`.
+            let target = unsafe { std::slice::from_raw_parts_mut(mapped.as_ptr(), bytes) };
             packing.fill(matrix, part, target);
             return Ok(buffer);
         }
-        let buffer = self.create_buffer(
-            bytes as u64,
-            usage,
-            vk::MemoryPropertyFlags::DEVICE_LOCAL,
-            vk::MemoryPropertyFlags::empty(),
-        )?;
         let copied = self.reserve(state, 0, bytes as u64).and_then(|()| {
             let staging = state.staging.as_ref().expect("reserved");
             let mapped = staging.mapped.as_ref().expect("staging is mapped");
@@ -531,7 +692,7 @@ impl VulkanDevice {
         match copied {
             Ok(()) => Ok(buffer),
             Err(error) => {
-                self.destroy(buffer);
+                self.destroy_weight_buffer(&mut state.blocks, buffer);
                 Err(error)
             }
         }
@@ -942,19 +1103,15 @@ impl Device for VulkanDevice {
         self.description.clone()
     }
 
+    /// The reported heap's free memory (the driver's budget less its usage with
+    /// `VK_EXT_memory_budget`, else the heap less what this device allocated), plus the room
+    /// still free inside this device's weight blocks on that heap.
     fn memory(&self) -> DeviceMemory {
-        let heaps = &self.memory_types.memory_heaps[..self.memory_types.memory_heap_count as usize];
-        let device_local =
-            |heap: &vk::MemoryHeap| heap.flags.contains(vk::MemoryHeapFlags::DEVICE_LOCAL);
-        let Some((largest, heap)) = heaps
-            .iter()
-            .enumerate()
-            .filter(|(_, heap)| device_local(heap))
-            .max_by_key(|(_, heap)| heap.size)
-        else {
+        let Some(heap) = self.heap else {
             return DeviceMemory { free: 0, total: 0 };
         };
-        if self.memory_budget {
+        let total = self.memory_types.memory_heaps[heap].size;
+        let outside = if self.memory_budget {
             let mut budget = vk::PhysicalDeviceMemoryBudgetPropertiesEXT::default();
             let mut properties =
                 vk::PhysicalDeviceMemoryProperties2::default().push_next(&mut budget);
@@ -963,17 +1120,20 @@ impl Device for VulkanDevice {
                 self.instance
                     .get_physical_device_memory_properties2(self.physical, &mut properties)
             };
-            let total = heap.size;
-            let free = budget.heap_budget[largest].saturating_sub(budget.heap_usage[largest]);
-            return DeviceMemory {
-                free: free.min(total),
-                total,
-            };
-        }
-        let used = self.allocated.load(Ordering::Relaxed);
+            budget.heap_budget[heap].saturating_sub(budget.heap_usage[heap])
+        } else {
+            total.saturating_sub(self.allocated.load(Ordering::Relaxed))
+        };
+        let inside = match self.state.lock() {
+            Ok(state) => state.blocks.free_bytes(|t| self.on_reported_heap(t)),
+            Err(poisoned) => poisoned
+                .into_inner()
+                .blocks
+                .free_bytes(|t| self.on_reported_heap(t)),
+        };
         DeviceMemory {
-            free: heap.size.saturating_sub(used),
-            total: heap.size,
+            free: outside.saturating_add(inside).min(total),
+            total,
         }
     }
 
@@ -993,7 +1153,7 @@ impl Device for VulkanDevice {
                 Ok(buffer) => buffers.push((part, buffer)),
                 Err(error) => {
                     for (_, buffer) in buffers {
-                        self.destroy(buffer);
+                        self.destroy_weight_buffer(&mut state.blocks, buffer);
                     }
                     return self.watch(Err(error));
                 }
@@ -1017,7 +1177,7 @@ impl Device for VulkanDevice {
         };
         if let Some(weight) = state.weights.remove(&weight) {
             for (_, buffer) in weight.parts {
-                self.destroy(buffer);
+                self.destroy_weight_buffer(&mut state.blocks, buffer);
             }
         }
     }
@@ -1255,6 +1415,11 @@ impl VulkanDevice {
     }
 }
 
+/// `bytes` in MiB, for messages.
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+}
+
 impl Drop for VulkanDevice {
     fn drop(&mut self) {
         // A failed device may still be running a submission that timed out: destroying the
@@ -1266,14 +1431,17 @@ impl Drop for VulkanDevice {
         // (or is null, which the destroy calls ignore).
         unsafe {
             let _ = self.device.device_wait_idle();
-            let state = match self.state.get_mut() {
+            let mut state = match self.state.get_mut() {
                 Ok(state) => std::mem::take(state),
                 Err(poisoned) => std::mem::take(poisoned.into_inner()),
             };
             for (_, weight) in state.weights {
                 for (_, buffer) in weight.parts {
-                    self.destroy(buffer);
+                    self.device.destroy_buffer(buffer.buffer, None);
                 }
+            }
+            for block in state.blocks.take_all() {
+                self.free_memory(block.memory, block.type_index, block.size);
             }
             for buffer in [state.scratch, state.staging].into_iter().flatten() {
                 self.destroy(buffer);

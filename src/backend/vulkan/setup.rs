@@ -254,6 +254,18 @@ pub(super) fn find_memory_type(
         .or_else(|| (0..count).find(|&i| allowed(i, required)))
 }
 
+/// The index of the largest device-local heap, if any.
+pub(super) fn largest_device_local_heap(
+    types: &vk::PhysicalDeviceMemoryProperties,
+) -> Option<usize> {
+    types.memory_heaps[..types.memory_heap_count as usize]
+        .iter()
+        .enumerate()
+        .filter(|(_, heap)| heap.flags.contains(vk::MemoryHeapFlags::DEVICE_LOCAL))
+        .max_by_key(|(_, heap)| heap.size)
+        .map(|(index, _)| index)
+}
+
 /// Whether weights can be written in place: a memory type that is device-local, mappable
 /// and coherent, on a heap at least a quarter of the largest device-local heap (a discrete
 /// card without resizable BAR maps only a 256 MiB window, too small to hold weights).
