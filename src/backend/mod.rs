@@ -1,7 +1,7 @@
 //! Where the arithmetic runs: the CPU kernels of [`quant`](crate::quant), or a GPU through
 //! the [`Device`] interface ([`vulkan`] on ash, [`cuda`] on cudarc).
 //!
-//! `BACKEND=cpu|vulkan|cuda|auto` picks the device once, at startup ([`select`]); asking for
+//! `BACKEND=cpu|vulkan|cuda|auto` picks the device once, at startup ([`start`]); asking for
 //! a GPU that cannot start is an error naming the reason, never a quiet fallback. Once a
 //! device is installed:
 //! - every dense [`Matrix::matmul`](crate::quant::Matrix::matmul) runs on it, its weights
@@ -160,7 +160,8 @@ pub enum Choice {
     Cpu,
     Vulkan,
     Cuda,
-    /// A GPU when one starts (CUDA first), else the CPU; the startup line says which.
+    /// A GPU when one starts (CUDA first, then a Vulkan device that is not a software
+    /// driver), else the CPU; the startup line says which.
     Auto,
 }
 
@@ -177,8 +178,8 @@ impl Choice {
 }
 
 /// Open and install the device `BACKEND` names, saying on stderr which one computes. A
-/// named GPU that cannot start is an error with the reason; `auto` tries CUDA, then Vulkan,
-/// then settles on the CPU and says why. With `dense` false (`GPU_DENSE=0`) only the expert
+/// named GPU that cannot start is an error with the reason; `auto` tries CUDA, then Vulkan
+/// (passing over a software driver such as lavapipe), then settles on the CPU and says why. With `dense` false (`GPU_DENSE=0`) only the expert
 /// tier uses the device.
 pub fn start(choice: Choice, dense: bool) -> Result<()> {
     let device: Arc<dyn Device> = match choice {
@@ -193,7 +194,16 @@ pub fn start(choice: Choice, dense: bool) -> Result<()> {
         ),
         Choice::Auto => match cuda::CudaDevice::open() {
             Ok(device) => Arc::new(device),
-            Err(cuda) => match vulkan::VulkanDevice::open() {
+            Err(cuda) => match vulkan::VulkanDevice::open().and_then(|device| {
+                if device.is_software() {
+                    bail!(
+                        "{} is a driver that computes on the CPU, slower than BACKEND=cpu \
+                         (BACKEND=vulkan uses it anyway)",
+                        device.description().trim_start_matches("Vulkan: ")
+                    );
+                }
+                Ok(device)
+            }) {
                 Ok(device) => Arc::new(device),
                 Err(vulkan) => {
                     eprintln!(

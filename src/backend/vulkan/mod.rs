@@ -3,11 +3,11 @@
 //! shaders of `kernels/vulkan` that `build.rs` compiles to SPIR-V.
 //!
 //! What it owns: the instance, the logical device and every object made from it; the
-//! uploaded weights (one buffer per row part, see [`packing`], bound inside large shared
-//! memory blocks, see [`blocks`]); one device-local scratch buffer that every operation's
+//! uploaded weights (one buffer per row part, see `packing`, bound inside large shared
+//! memory blocks, see `blocks`); one device-local scratch buffer that every operation's
 //! inputs, intermediates and outputs live in, and one host-visible staging buffer that
 //! carries them to and from the host. Each operation is one command buffer, one submit and
-//! one fence wait (at most [`FENCE_TIMEOUT`]), under one lock: calls from several threads
+//! one fence wait (at most `FENCE_TIMEOUT`), under one lock: calls from several threads
 //! are serialised. What it must not do: decide what runs on the CPU (that is
 //! [`crate::backend`]'s policy) or keep results on the device between calls.
 //!
@@ -78,6 +78,7 @@ const EXPERT_SUM_SPV: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/expert_s
 /// A GPU (or the CPU driver) through Vulkan.
 pub struct VulkanDevice {
     description: String,
+    software: bool,
     /// The largest range one storage-buffer descriptor may bind.
     max_binding: u64,
     /// Whether weights are written through a mapping instead of a staged copy.
@@ -182,6 +183,7 @@ impl VulkanDevice {
         let staged = std::env::var("COLI_VK_STAGED").is_ok_and(|v| v == "1");
         let mut vulkan = VulkanDevice {
             description: chosen.description.clone(),
+            software: chosen.software,
             max_binding: u64::from(chosen.max_storage_buffer_range),
             direct_upload: !staged && has_large_mappable_device_memory(&memory_types),
             memory_budget: chosen.memory_budget,
@@ -303,6 +305,12 @@ impl VulkanDevice {
             self.failed.store(true, Ordering::Relaxed);
         }
         result
+    }
+
+    /// Whether the device is a driver computing on the host CPU (lavapipe): correct, and
+    /// slower than the CPU backend, so `BACKEND=auto` passes it over.
+    pub fn is_software(&self) -> bool {
+        self.software
     }
 
     /// How many device-memory blocks hold the uploaded weights.

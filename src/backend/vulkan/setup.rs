@@ -94,6 +94,8 @@ pub(super) struct Chosen {
     pub(super) handle: vk::PhysicalDevice,
     pub(super) queue_family: u32,
     pub(super) description: String,
+    /// A driver that computes on the host CPU (Mesa's lavapipe, SwiftShader).
+    pub(super) software: bool,
     pub(super) max_storage_buffer_range: u32,
     pub(super) memory_budget: bool,
     pub(super) portability_subset: bool,
@@ -151,6 +153,7 @@ pub(super) unsafe fn inspect(
         queue_family: queue_family as u32,
         // lavapipe's name already carries parentheses: "llvmpipe (LLVM 15.0.6, 256 bits)".
         description: format!("Vulkan: {name}, {driver_text}"),
+        software: properties.device_type == vk::PhysicalDeviceType::CPU,
         max_storage_buffer_range: properties.limits.max_storage_buffer_range,
         memory_budget: has(MEMORY_BUDGET),
         portability_subset: has(PORTABILITY_SUBSET),
