@@ -321,7 +321,7 @@ pub enum Step {
 impl Step {
     /// The products of `count` jobs at `jobs`, whose matrices have `blocks` blocks of rows
     /// in all and whose largest row count is `max_n`: `matmul_1` when that is one row,
-    /// else `matmul_8` with a block row per [`TILE`] input rows.
+    /// else `matmul_8` with a block row per 8 input rows.
     pub fn matmul(jobs: u64, count: usize, blocks: usize, max_n: usize) -> Step {
         let (name, tile) = if max_n == 1 {
             ("matmul_1", 1)
