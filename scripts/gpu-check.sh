@@ -37,21 +37,22 @@ run_logged() {
     fi
 }
 
+# cudarc loads libnvrtc.so or libnvrtc.so.12 (or older), never CUDA 13's libnvrtc.so.13.
 find_nvrtc() {
-    if ldconfig -p 2>/dev/null | grep -q 'libnvrtc\.so'; then
+    if ldconfig -p 2>/dev/null | grep -qE 'libnvrtc\.so(\.1[12])? '; then
         return
     fi
     local candidate
     for candidate in /usr/local/cuda/lib64 /usr/local/cuda-*/lib64 /usr/local/cuda-*/targets/*/lib \
         /usr/lib/x86_64-linux-gnu /usr/lib64 \
         $(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null | sed 's|\([^ ]*\)|\1/nvidia/cuda_nvrtc/lib|g'); do
-        if compgen -G "$candidate/libnvrtc.so*" >/dev/null; then
+        if [[ -e "$candidate/libnvrtc.so" ]] || compgen -G "$candidate/libnvrtc.so.1[12]" >/dev/null; then
             export LD_LIBRARY_PATH="$candidate${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
             log "libnvrtc from $candidate"
             return
         fi
     done
-    log "libnvrtc.so not found; the CUDA device can only start from a cached PTX"
+    log "libnvrtc.so.12 not found; the CUDA device can only start from a cached PTX"
 }
 
 section "machine"

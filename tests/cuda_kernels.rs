@@ -17,6 +17,8 @@
 //! 4096-wide row (about 2.4e-4 of it) fails. Where the arithmetic is exact (small integer
 //! weights and inputs, power-of-two scales) the results must be equal, whatever the order.
 
+mod cuda_reference;
+
 use std::sync::OnceLock;
 
 use coli::backend::cuda::{compile_kernels, CudaDevice};
@@ -24,6 +26,7 @@ use coli::backend::{Activation, Device, DeviceError, ExpertGroup, GroupExpert, R
 use coli::engines::layers;
 use coli::engines::situ::Situ;
 use coli::quant::{Format, Isa, Matrix};
+use cuda_reference::{cpu_group, magnitudes, routes_batched, routes_single};
 
 const FORMATS: [Format; 10] = [
     Format::F32,
@@ -99,24 +102,6 @@ fn gamma(d: usize) -> f64 {
 /// The bound of the module documentation for a row of `cols` products.
 fn relative_bound(cols: usize) -> f64 {
     gamma(cols / 8 + 8) + gamma(cols.div_ceil(32) + 40)
-}
-
-/// `Σ|w·x|` per output, from the decoded weights, in f64.
-fn magnitudes(matrix: &Matrix, input: &[f32], n: usize) -> Vec<f64> {
-    let (rows, cols) = (matrix.rows(), matrix.cols());
-    let weights = matrix.to_f32();
-    let mut out = vec![0f64; n * rows];
-    for t in 0..n {
-        let x = &input[t * cols..][..cols];
-        for r in 0..rows {
-            out[t * rows + r] = weights[r * cols..][..cols]
-                .iter()
-                .zip(x)
-                .map(|(&w, &v)| (f64::from(w) * f64::from(v)).abs())
-                .sum();
-        }
-    }
-    out
 }
 
 fn upload(matrix: &Matrix) -> u64 {
@@ -323,44 +308,6 @@ fn rms_norm_matches_the_cpu() {
     }
 }
 
-/// The CPU's computation of an expert group: each expert in order, its rows gathered,
-/// `down(act(gate x, up x))`, added into the rows with their gate weights; and the scale
-/// of each output (`Σ over experts of |weight| · Σ|down · h|`) for the tolerance.
-fn cpu_group(
-    matrices: &[[Matrix; 3]],
-    routes: &[Vec<(usize, f32)>],
-    input: &[f32],
-    width: usize,
-    activation: Activation,
-) -> (Vec<f32>, Vec<f64>) {
-    let rows = input.len() / width;
-    let mut out = vec![0f32; rows * width];
-    let mut scale = vec![0f64; rows * width];
-    for ([gate, up, down], routed) in matrices.iter().zip(routes) {
-        let n = routed.len();
-        let batch: Vec<f32> = routed
-            .iter()
-            .flat_map(|&(row, _)| input[row * width..][..width].to_vec())
-            .collect();
-        let inter = gate.rows();
-        let mut g = vec![0f32; n * inter];
-        let mut u = vec![0f32; n * inter];
-        gate.matmul_with(Isa::Scalar, &batch, n, &mut g);
-        up.matmul_with(Isa::Scalar, &batch, n, &mut u);
-        activation.apply(&mut g, &u);
-        let mut y = vec![0f32; n * width];
-        down.matmul_with(Isa::Scalar, &g, n, &mut y);
-        let magnitude = magnitudes(down, &g, n);
-        for (k, &(row, weight)) in routed.iter().enumerate() {
-            for c in 0..width {
-                out[row * width + c] += y[k * width + c] * weight;
-                scale[row * width + c] += f64::from(weight.abs()) * magnitude[k * width + c];
-            }
-        }
-    }
-    (out, scale)
-}
-
 fn check_group(activation: Activation, routes: &[Vec<(usize, f32)>], formats: [Format; 3]) {
     let (width, inter, rows) = (256, 96, 6);
     let input = values(rows * width, 77);
@@ -416,20 +363,6 @@ fn check_group(activation: Activation, routes: &[Vec<(usize, f32)>], formats: [F
     for id in ids.iter().flatten() {
         device().release(*id);
     }
-}
-
-/// Rows 0..5 of 6; row 5 is routed nowhere; row 1 goes to three experts.
-fn routes_batched() -> Vec<Vec<(usize, f32)>> {
-    vec![
-        vec![(0, 0.5), (1, 0.25), (3, 0.125)],
-        vec![(1, 0.3), (2, 0.7)],
-        vec![(1, -0.2), (4, 1.5), (0, 0.1), (2, 0.05)],
-    ]
-}
-
-/// One row per expert (the decode path).
-fn routes_single() -> Vec<Vec<(usize, f32)>> {
-    vec![vec![(2, 0.6)], vec![(2, 0.3)], vec![], vec![(0, 1.0)]]
 }
 
 #[test]

@@ -24,6 +24,9 @@
 // Rows per block: one warp per output row.
 #define WARPS 8
 
+// Threads per block of rms_norm, glu and combine.
+#define THREADS 256
+
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
@@ -359,16 +362,16 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) matmul_8(const Job* job
     matmul_jobs<8>(jobs, njobs);
 }
 
-// out = x / sqrt(mean(x^2) + eps) * weight, one block of 256 threads per row. The mean
+// out = x / sqrt(mean(x^2) + eps) * weight, one block of THREADS threads per row. The mean
 // square accumulates in double, as the CPU reference does.
-extern "C" __global__ void __launch_bounds__(256) rms_norm(const float* x, const float* weight,
-                                                          float* out, int width, float eps)
+extern "C" __global__ void __launch_bounds__(THREADS) rms_norm(const float* x, const float* weight,
+                                                              float* out, int width, float eps)
 {
-    __shared__ double partial[8];
+    __shared__ double partial[THREADS / 32];
     const float* xr = x + (u64)blockIdx.x * width;
     float* yr = out + (u64)blockIdx.x * width;
     double sum = 0.0;
-    for (int i = threadIdx.x; i < width; i += 256) {
+    for (int i = threadIdx.x; i < width; i += THREADS) {
         double v = (double)xr[i];
         sum = fma(v, v, sum);
     }
@@ -380,11 +383,11 @@ extern "C" __global__ void __launch_bounds__(256) rms_norm(const float* x, const
     }
     __syncthreads();
     double total = 0.0;
-    for (int k = 0; k < 8; ++k) {
+    for (int k = 0; k < THREADS / 32; ++k) {
         total += partial[k];
     }
     const float inv = (float)(1.0 / sqrt(total / (double)width + (double)eps));
-    for (int i = threadIdx.x; i < width; i += 256) {
+    for (int i = threadIdx.x; i < width; i += THREADS) {
         yr[i] = weight[i] * (xr[i] * inv);
     }
 }
@@ -394,12 +397,13 @@ extern "C" __global__ void __launch_bounds__(256) rms_norm(const float* x, const
 
 // gate = act(gate, up) over `count` elements, in place. SiTU-GLU:
 // beta tanh(g / beta) sigmoid(g) * (linear_beta tanh(u / linear_beta), or u without one).
-extern "C" __global__ void __launch_bounds__(256) glu(float* gate, const float* up, int count,
-                                                     int kind, float beta, float linear_beta,
-                                                     int has_linear_beta)
+extern "C" __global__ void __launch_bounds__(THREADS) glu(float* gate, const float* up, int count,
+                                                         int kind, float beta, float linear_beta,
+                                                         int has_linear_beta)
 {
-    const int i = blockIdx.x * 256 + threadIdx.x;
-    if (i >= count) {
+    // 64-bit: the last block of a count near 2^31 reaches past the int range.
+    const u64 i = (u64)blockIdx.x * THREADS + threadIdx.x;
+    if (i >= (u64)count) {
         return;
     }
     const float g = gate[i];
@@ -415,12 +419,12 @@ extern "C" __global__ void __launch_bounds__(256) glu(float* gate, const float* 
 
 // out[r][c] = sum over the entries of row r, in order, of weight * y[slot][c]; zero for a
 // row with no entries. Rounded as the CPU's `o += v * weight` (no fused multiply-add).
-extern "C" __global__ void __launch_bounds__(256) combine(const float* y, int width,
-                                                         const int* row_start,
-                                                         const int* entry_slot,
-                                                         const float* entry_weight, float* out)
+extern "C" __global__ void __launch_bounds__(THREADS) combine(const float* y, int width,
+                                                             const int* row_start,
+                                                             const int* entry_slot,
+                                                             const float* entry_weight, float* out)
 {
-    const int c = blockIdx.x * 256 + threadIdx.x;
+    const int c = blockIdx.x * THREADS + threadIdx.x;
     const int r = blockIdx.y;
     if (c >= width) {
         return;

@@ -14,10 +14,15 @@
 //! waits once. Weights are copied once at upload with each row padded to 16 bytes (the
 //! unit a kernel thread reads). This module computes and reports; what to do about an
 //! error is [`backend`](super)'s decision.
+//!
+//! What an operation stages and queues is decided by pure code, apart from the driver:
+//! [`MatmulPlan`] and [`GroupPlan`] write the staged bytes (input rows, jobs, combine tables)
+//! for buffers at given device addresses and list the [`Step`]s to queue. The CPU emulation
+//! of the kernels (`tests/cuda_kernels_emulated.rs`) runs the same bytes and steps.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, bail, Result};
 use cudarc::driver::{
@@ -46,7 +51,7 @@ const WARPS: usize = 8;
 const TILE: usize = 8;
 /// Bytes of one `Job` in the kernel source.
 const JOB_BYTES: usize = 80;
-/// Threads per block of the element-wise kernels and RMSNorm.
+/// Threads per block of the element-wise kernels and RMSNorm; `THREADS` in the kernel source.
 const THREADS: u32 = 256;
 /// Each host-to-device section starts on this boundary (the kernels read float4 and
 /// 8-byte fields).
@@ -78,17 +83,10 @@ fn round_up(value: usize, to: usize) -> usize {
 pub struct CudaDevice {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    kernels: Kernels,
+    /// The kernels of [`KERNEL_NAMES`], by name.
+    kernels: Vec<(&'static str, CudaFunction)>,
     description: String,
     state: Mutex<State>,
-}
-
-struct Kernels {
-    matmul_1: CudaFunction,
-    matmul_8: CudaFunction,
-    rms_norm: CudaFunction,
-    glu: CudaFunction,
-    combine: CudaFunction,
 }
 
 /// Everything the lock guards: the weights and the reusable buffers.
@@ -108,6 +106,24 @@ struct State {
     output: Scratch,
 }
 
+impl State {
+    /// Where the kernels find uploaded weight `id`.
+    fn placed(&self, id: WeightId, stream: &CudaStream) -> Result<Placed, DeviceError> {
+        let weight = self
+            .weights
+            .get(&id)
+            .ok_or_else(|| DeviceError::Unsupported(format!("unknown weight {id}")))?;
+        Ok(Placed {
+            layout: weight.layout,
+            data: device_address(&weight.data, stream),
+            scales: weight
+                .scales
+                .as_ref()
+                .map_or(0, |s| device_address(s, stream)),
+        })
+    }
+}
+
 /// An uploaded matrix.
 struct Weight {
     data: CudaSlice<u8>,
@@ -116,23 +132,25 @@ struct Weight {
 }
 
 /// How a matrix sits on the device.
-#[derive(Debug, Clone, Copy)]
-struct Layout {
-    code: i32,
-    rows: usize,
-    cols: usize,
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layout {
+    /// The kernel's `FMT_*` code.
+    pub code: i32,
+    pub rows: usize,
+    pub cols: usize,
     /// Bytes of one row as the host holds it.
-    row_bytes: usize,
+    pub row_bytes: usize,
     /// Bytes of one row on the device: `row_bytes` padded to 16.
-    stride: usize,
+    pub stride: usize,
     /// The int4-grouped group size (0 for other formats).
-    group: usize,
+    pub group: usize,
     /// Scales per row (per 128-row block for fp8; 0 for per-row and float formats).
-    per_row: usize,
+    pub per_row: usize,
 }
 
 impl Layout {
-    fn of(matrix: &RawMatrix<'_>) -> Result<Layout, DeviceError> {
+    /// The device layout of `matrix`, or why the kernels cannot take it.
+    pub fn of(matrix: &RawMatrix<'_>) -> Result<Layout, DeviceError> {
         let (rows, cols) = (matrix.rows, matrix.cols);
         let unsupported = |why: String| {
             Err(DeviceError::Unsupported(format!(
@@ -210,16 +228,34 @@ impl Layout {
             per_row,
         })
     }
+
+    /// Whole rows of `row_bytes` from `data` into rows of `stride` in `out`, zero-padded.
+    pub fn pad_rows(&self, data: &[u8], out: &mut [u8]) {
+        for (row, source) in out
+            .chunks_exact_mut(self.stride)
+            .zip(data.chunks_exact(self.row_bytes))
+        {
+            row[..self.row_bytes].copy_from_slice(source);
+            row[self.row_bytes..].fill(0);
+        }
+    }
+}
+
+/// A matrix where the kernels find it: its layout and the device addresses of its rows
+/// (`layout.stride` bytes apart) and of its scales (0 when it has none).
+#[derive(Debug, Clone, Copy)]
+pub struct Placed {
+    pub layout: Layout,
+    pub data: u64,
+    pub scales: u64,
 }
 
 /// One product the matmul kernels compute; written in the kernel's `struct Job` layout.
 struct Job {
-    weight: u64,
-    scales: u64,
+    matrix: Placed,
     x: u64,
     x_rows: u64,
     y: u64,
-    layout: Layout,
     xstride: usize,
     ystride: usize,
     n: usize,
@@ -229,8 +265,9 @@ struct Job {
 impl Job {
     /// Five device pointers, then ten `int`s, little-endian: 80 bytes.
     fn write(&self, out: &mut [u8]) {
-        let pointers = [self.weight, self.scales, self.x, self.x_rows, self.y];
-        let layout = &self.layout;
+        let matrix = &self.matrix;
+        let pointers = [matrix.data, matrix.scales, self.x, self.x_rows, self.y];
+        let layout = &matrix.layout;
         let ints = [
             layout.code as usize,
             layout.rows,
@@ -251,10 +288,455 @@ impl Job {
             slot.copy_from_slice(&(value as i32).to_le_bytes());
         }
     }
+}
 
-    /// Matmul blocks this job needs along grid x.
-    fn blocks(&self) -> usize {
-        self.layout.rows.div_ceil(WARPS)
+/// Matmul blocks (of [`WARPS`] rows) for a matrix of `rows` rows.
+fn blocks(rows: usize) -> usize {
+    rows.div_ceil(WARPS)
+}
+
+/// A kernel argument: a device address, an `int` or a `float`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Arg {
+    Address(u64),
+    Int(i32),
+    Float(f32),
+}
+
+/// One thing an operation queues on the stream, in order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Step {
+    /// Zero `bytes` bytes at device address `address`.
+    Clear { address: u64, bytes: usize },
+    /// Kernel `name` (one of [`KERNEL_NAMES`]) on a grid of `grid.0 x grid.1` blocks of
+    /// `threads` threads.
+    Launch {
+        name: &'static str,
+        grid: (usize, usize),
+        threads: u32,
+        args: Vec<Arg>,
+    },
+}
+
+impl Step {
+    /// The products of `count` jobs at `jobs`, whose matrices have `blocks` blocks of rows
+    /// in all and whose largest row count is `max_n`: `matmul_1` when that is one row,
+    /// else `matmul_8` with a block row per 8 input rows.
+    pub fn matmul(jobs: u64, count: usize, blocks: usize, max_n: usize) -> Step {
+        let (name, tile) = if max_n == 1 {
+            ("matmul_1", 1)
+        } else {
+            ("matmul_8", TILE)
+        };
+        Step::Launch {
+            name,
+            grid: (blocks, max_n.div_ceil(tile)),
+            threads: (WARPS * 32) as u32,
+            args: vec![Arg::Address(jobs), Arg::Int(count as i32)],
+        }
+    }
+
+    /// RMSNorm of `rows` rows of `width` floats at `x` into `out`, one block per row.
+    pub fn rms_norm(x: u64, weight: u64, out: u64, rows: usize, width: usize, eps: f32) -> Step {
+        Step::Launch {
+            name: "rms_norm",
+            grid: (rows, 1),
+            threads: THREADS,
+            args: vec![
+                Arg::Address(x),
+                Arg::Address(weight),
+                Arg::Address(out),
+                Arg::Int(width as i32),
+                Arg::Float(eps),
+            ],
+        }
+    }
+
+    /// `gate = activation(gate, up)` over `count` floats.
+    pub fn glu(gate: u64, up: u64, count: usize, activation: Activation) -> Step {
+        let (kind, beta, linear_beta, has_linear_beta) = match activation {
+            Activation::SwiGlu => (0, 0.0, 0.0, 0),
+            Activation::Situ(situ) => (
+                1,
+                situ.beta,
+                situ.linear_beta.unwrap_or(0.0),
+                i32::from(situ.linear_beta.is_some()),
+            ),
+        };
+        Step::Launch {
+            name: "glu",
+            grid: (count.div_ceil(THREADS as usize), 1),
+            threads: THREADS,
+            args: vec![
+                Arg::Address(gate),
+                Arg::Address(up),
+                Arg::Int(count as i32),
+                Arg::Int(kind),
+                Arg::Float(beta),
+                Arg::Float(linear_beta),
+                Arg::Int(has_linear_beta),
+            ],
+        }
+    }
+
+    /// `out` (`rows x width`) = the weighted sums of the rows of `y` that the compressed
+    /// row lists `row_start`, `entry_slot`, `entry_weight` name.
+    pub fn combine(
+        y: u64,
+        width: usize,
+        row_start: u64,
+        entry_slot: u64,
+        entry_weight: u64,
+        out: u64,
+        rows: usize,
+    ) -> Step {
+        Step::Launch {
+            name: "combine",
+            grid: (width.div_ceil(THREADS as usize), rows),
+            threads: THREADS,
+            args: vec![
+                Arg::Address(y),
+                Arg::Int(width as i32),
+                Arg::Address(row_start),
+                Arg::Address(entry_slot),
+                Arg::Address(entry_weight),
+                Arg::Address(out),
+            ],
+        }
+    }
+}
+
+/// One matrix product laid out for the kernels. The staged bytes are the `n` input rows,
+/// each padded with zeros to `xstride` floats, then the one job.
+pub struct MatmulPlan {
+    matrix: Placed,
+    n: usize,
+    xstride: usize,
+    sections: Sections,
+}
+
+impl MatmulPlan {
+    /// A product of `matrix` with `n` (at least one) input rows.
+    pub fn new(matrix: Placed, n: usize) -> Result<MatmulPlan, DeviceError> {
+        if n == 0 || n.div_ceil(TILE) > GRID_Y_MAX {
+            return Err(DeviceError::Unsupported(format!("{n} input rows")));
+        }
+        let xstride = round_up(matrix.layout.cols, 32);
+        Ok(MatmulPlan {
+            matrix,
+            n,
+            xstride,
+            sections: Sections::new(&[n * xstride * 4, JOB_BYTES]),
+        })
+    }
+
+    pub fn staged_bytes(&self) -> usize {
+        self.sections.total
+    }
+
+    pub fn output_bytes(&self) -> usize {
+        self.n * self.matrix.layout.rows * 4
+    }
+
+    /// Fill `bytes` (`staged_bytes` long) with `input` (`n x cols`) and the job, for the
+    /// staged bytes at device address `staged` and the output at `output`.
+    pub fn write(&self, input: &[f32], staged: u64, output: u64, bytes: &mut [u8]) {
+        let cols = self.matrix.layout.cols;
+        put_rows(
+            &mut bytes[..self.n * self.xstride * 4],
+            input,
+            cols,
+            self.xstride,
+        );
+        Job {
+            matrix: self.matrix,
+            x: staged,
+            x_rows: 0,
+            y: output,
+            xstride: self.xstride,
+            ystride: self.matrix.layout.rows,
+            n: self.n,
+            block0: 0,
+        }
+        .write(&mut bytes[self.sections.offsets[1]..]);
+    }
+
+    /// What to queue after the staged bytes are at `staged`.
+    pub fn steps(&self, staged: u64) -> Vec<Step> {
+        let jobs = staged + self.sections.offsets[1] as u64;
+        vec![Step::matmul(
+            jobs,
+            1,
+            blocks(self.matrix.layout.rows),
+            self.n,
+        )]
+    }
+}
+
+/// The device buffers of one expert group: the staged bytes, the gate and up products
+/// (`hidden_bytes` each), the down products and the output.
+#[derive(Debug, Clone, Copy)]
+pub struct GroupBuffers {
+    pub staged: u64,
+    pub gate: u64,
+    pub up: u64,
+    pub down: u64,
+    pub output: u64,
+}
+
+/// An expert with routed rows, as a [`GroupPlan`] lays it out.
+struct PlannedExpert {
+    /// Gate, up and down.
+    matrices: [Placed; 3],
+    /// Its first slot: its rows are slots `first..first + n`.
+    first: usize,
+    n: usize,
+    /// The first block of each of its three jobs.
+    block0: [usize; 3],
+}
+
+/// An expert group laid out for the kernels. Each routed (row, expert) pair is a slot, in
+/// expert order; slot `s` has a row of `inter_stride` floats in the gate and up buffers
+/// (zero past the expert's width, so the down product may read whole units) and a row of
+/// `width` floats in the down buffer. The staged sections are: the input rows (padded to
+/// `xstride`), each slot's input row, the gate and up jobs (alternating, expert by expert),
+/// the down jobs, and the combine kernel's compressed rows (each output row's start in the
+/// entry lists; each entry's slot; each entry's gate weight), entries in expert order.
+pub struct GroupPlan<'a> {
+    input: &'a [f32],
+    rows: usize,
+    width: usize,
+    activation: Activation,
+    experts: Vec<PlannedExpert>,
+    slots: usize,
+    xstride: usize,
+    inter_stride: usize,
+    sections: Sections,
+    max_n: usize,
+    gate_up_blocks: usize,
+    down_blocks: usize,
+    slot_rows: Vec<i32>,
+    row_start: Vec<i32>,
+    entry_slot: Vec<i32>,
+    entry_weight: Vec<f32>,
+}
+
+impl<'a> GroupPlan<'a> {
+    /// The layout of `group`, with `placed` saying where each weight is; `None` when no
+    /// expert has a row (the output is all zeros).
+    pub fn new(
+        group: &'a ExpertGroup<'a>,
+        mut placed: impl FnMut(WeightId) -> Result<Placed, DeviceError>,
+    ) -> Result<Option<GroupPlan<'a>>, DeviceError> {
+        let (rows, width) = (group.rows, group.width);
+        if group.input.len() != rows * width {
+            return Err(DeviceError::Unsupported(format!(
+                "expert group of {rows} rows of width {width} with {} inputs",
+                group.input.len()
+            )));
+        }
+        let routed: Vec<_> = group
+            .experts
+            .iter()
+            .filter(|e| !e.rows.is_empty())
+            .collect();
+        let slots: usize = routed.iter().map(|e| e.rows.len()).sum();
+        if slots == 0 {
+            return Ok(None);
+        }
+        if rows > GRID_Y_MAX {
+            return Err(DeviceError::Unsupported(format!(
+                "{rows} rows in one group"
+            )));
+        }
+
+        let mut experts = Vec::with_capacity(routed.len());
+        let (mut first, mut gate_up_blocks, mut down_blocks) = (0, 0, 0);
+        for expert in &routed {
+            let [gate, up, down] = [expert.gate, expert.up, expert.down].map(&mut placed);
+            let [gate, up, down] = [gate?, up?, down?];
+            let (g, u, d) = (gate.layout, up.layout, down.layout);
+            let fits = g.cols == width
+                && u.cols == width
+                && u.rows == g.rows
+                && d.cols == g.rows
+                && d.rows == width
+                && expert.rows.iter().all(|&(row, _)| row < rows);
+            if !fits {
+                return Err(DeviceError::Unsupported(format!(
+                    "expert of gate {}x{}, up {}x{}, down {}x{} in a group of width {width} and {rows} rows",
+                    g.rows, g.cols, u.rows, u.cols, d.rows, d.cols
+                )));
+            }
+            let n = expert.rows.len();
+            let block0 = [gate_up_blocks, gate_up_blocks + blocks(g.rows), down_blocks];
+            gate_up_blocks += blocks(g.rows) + blocks(u.rows);
+            down_blocks += blocks(d.rows);
+            experts.push(PlannedExpert {
+                matrices: [gate, up, down],
+                first,
+                n,
+                block0,
+            });
+            first += n;
+        }
+        let max_n = routed.iter().map(|e| e.rows.len()).max().unwrap_or(0);
+        let widest = experts
+            .iter()
+            .map(|e| e.matrices[0].layout.rows)
+            .max()
+            .unwrap_or(0);
+        let inter_stride = round_up(widest, 32);
+        if slots * inter_stride > i32::MAX as usize || max_n.div_ceil(TILE) > GRID_Y_MAX {
+            return Err(DeviceError::Unsupported(format!(
+                "{slots} expert rows of width {inter_stride}, {max_n} for one expert"
+            )));
+        }
+
+        let mut slot_rows = Vec::with_capacity(slots);
+        let mut row_start = vec![0i32; rows + 1];
+        for expert in &routed {
+            for &(row, _) in expert.rows {
+                slot_rows.push(row as i32);
+                row_start[row + 1] += 1;
+            }
+        }
+        for r in 0..rows {
+            row_start[r + 1] += row_start[r];
+        }
+        let mut next: Vec<usize> = row_start[..rows].iter().map(|&s| s as usize).collect();
+        let mut entry_slot = vec![0i32; slots];
+        let mut entry_weight = vec![0f32; slots];
+        let entries = routed.iter().flat_map(|e| e.rows.iter());
+        for (slot, &(row, weight)) in entries.enumerate() {
+            entry_slot[next[row]] = slot as i32;
+            entry_weight[next[row]] = weight;
+            next[row] += 1;
+        }
+
+        let xstride = round_up(width, 32);
+        let sections = Sections::new(&[
+            rows * xstride * 4,
+            slots * 4,
+            2 * experts.len() * JOB_BYTES,
+            experts.len() * JOB_BYTES,
+            (rows + 1) * 4,
+            slots * 4,
+            slots * 4,
+        ]);
+        Ok(Some(GroupPlan {
+            input: group.input,
+            rows,
+            width,
+            activation: group.activation,
+            experts,
+            slots,
+            xstride,
+            inter_stride,
+            sections,
+            max_n,
+            gate_up_blocks,
+            down_blocks,
+            slot_rows,
+            row_start,
+            entry_slot,
+            entry_weight,
+        }))
+    }
+
+    pub fn staged_bytes(&self) -> usize {
+        self.sections.total
+    }
+
+    /// Bytes of each of the gate and up buffers.
+    pub fn hidden_bytes(&self) -> usize {
+        self.slots * self.inter_stride * 4
+    }
+
+    pub fn down_bytes(&self) -> usize {
+        self.slots * self.width * 4
+    }
+
+    pub fn output_bytes(&self) -> usize {
+        self.rows * self.width * 4
+    }
+
+    /// Fill `bytes` (`staged_bytes` long) for the buffers at `at`.
+    pub fn write(&self, at: &GroupBuffers, bytes: &mut [u8]) {
+        let offsets = &self.sections.offsets;
+        let staged = |section: usize| at.staged + offsets[section] as u64;
+        put_rows(
+            &mut bytes[offsets[0]..][..self.rows * self.xstride * 4],
+            self.input,
+            self.width,
+            self.xstride,
+        );
+        put_i32(&mut bytes[offsets[1]..], &self.slot_rows);
+        let hidden_row = |slot: usize| (slot * self.inter_stride * 4) as u64;
+        for (k, expert) in self.experts.iter().enumerate() {
+            let [gate, up, down] = expert.matrices;
+            for (j, (matrix, y)) in [(gate, at.gate), (up, at.up)].into_iter().enumerate() {
+                Job {
+                    matrix,
+                    x: staged(0),
+                    x_rows: staged(1) + (expert.first * 4) as u64,
+                    y: y + hidden_row(expert.first),
+                    xstride: self.xstride,
+                    ystride: self.inter_stride,
+                    n: expert.n,
+                    block0: expert.block0[j],
+                }
+                .write(&mut bytes[offsets[2] + (2 * k + j) * JOB_BYTES..]);
+            }
+            Job {
+                matrix: down,
+                x: at.gate + hidden_row(expert.first),
+                x_rows: 0,
+                y: at.down + (expert.first * self.width * 4) as u64,
+                xstride: self.inter_stride,
+                ystride: self.width,
+                n: expert.n,
+                block0: expert.block0[2],
+            }
+            .write(&mut bytes[offsets[3] + k * JOB_BYTES..]);
+        }
+        put_i32(&mut bytes[offsets[4]..], &self.row_start);
+        put_i32(&mut bytes[offsets[5]..], &self.entry_slot);
+        put_f32(&mut bytes[offsets[6]..], &self.entry_weight);
+    }
+
+    /// What to queue after the staged bytes are at `at.staged`.
+    pub fn steps(&self, at: &GroupBuffers) -> Vec<Step> {
+        let staged = |section: usize| at.staged + self.sections.offsets[section] as u64;
+        let count = self.experts.len();
+        vec![
+            // The activation keeps zeros zero, so the padding the down product reads is 0.
+            Step::Clear {
+                address: at.gate,
+                bytes: self.hidden_bytes(),
+            },
+            Step::Clear {
+                address: at.up,
+                bytes: self.hidden_bytes(),
+            },
+            Step::matmul(staged(2), 2 * count, self.gate_up_blocks, self.max_n),
+            Step::glu(
+                at.gate,
+                at.up,
+                self.slots * self.inter_stride,
+                self.activation,
+            ),
+            Step::matmul(staged(3), count, self.down_blocks, self.max_n),
+            Step::combine(
+                at.down,
+                self.width,
+                staged(4),
+                staged(5),
+                staged(6),
+                at.output,
+                self.rows,
+            ),
+        ]
     }
 }
 
@@ -394,14 +876,26 @@ impl CudaDevice {
         }
     }
 
-    fn lock(&self) -> Result<MutexGuard<'_, State>, DeviceError> {
-        let state = self.state.lock().map_err(|_| {
+    /// Run `operation` under the lock, with the context bound to this thread. An operation
+    /// that fails may leave copies queued that still read the pinned staging buffer, which
+    /// the next operation rewrites (or frees, to grow it): the stream is drained before the
+    /// lock is released.
+    fn locked<T>(
+        &self,
+        operation: impl FnOnce(&mut State) -> Result<T, DeviceError>,
+    ) -> Result<T, DeviceError> {
+        let mut state = self.state.lock().map_err(|_| {
             DeviceError::Failed(anyhow!(
                 "CUDA device state is unusable after a panic in another thread"
             ))
         })?;
         self.ctx.bind_to_thread().map_err(failed("context"))?;
-        Ok(state)
+        let result = operation(&mut state);
+        if result.is_err() {
+            // The operation's own error is the one to report.
+            let _ = self.stream.synchronize();
+        }
+        result
     }
 
     /// Copy `staging[..bytes]` to the `input` buffer; returns its device address.
@@ -415,7 +909,8 @@ impl CudaDevice {
             .get(bytes)
             .map_err(failed("pinned allocation"))?;
         // SAFETY: `address` holds at least `bytes`; the staging memory stays untouched
-        // until the stream is synchronised at the end of the operation.
+        // until the stream is synchronised at the end of the operation (`locked` drains
+        // the stream when an operation fails).
         unsafe { driver::memcpy_htod_async(address, &staged[..bytes], self.stream.cu_stream()) }
             .map_err(failed("copy to the device"))?;
         Ok(address)
@@ -442,123 +937,129 @@ impl CudaDevice {
         Ok(())
     }
 
-    fn launch_matmul(
-        &self,
-        jobs: u64,
-        count: usize,
-        blocks: usize,
-        max_n: usize,
-    ) -> Result<(), DeviceError> {
-        let (kernel, tile) = if max_n == 1 {
-            (&self.kernels.matmul_1, 1)
-        } else {
-            (&self.kernels.matmul_8, TILE)
-        };
-        let count = count as i32;
-        let config = launch_config((blocks, max_n.div_ceil(tile)), (WARPS * 32) as u32);
-        // SAFETY: `jobs` holds `count` jobs whose buffers are live and large enough for
-        // the rows, columns and strides they name (checked by the callers).
-        unsafe {
-            self.stream
-                .launch_builder(kernel)
-                .arg(&jobs)
-                .arg(&count)
-                .launch(config)
+    /// Queue `steps` on the stream.
+    fn issue(&self, steps: &[Step]) -> Result<(), DeviceError> {
+        for step in steps {
+            match step {
+                Step::Clear { address, bytes } => {
+                    // SAFETY: the plans clear only buffers they sized to at least `bytes`.
+                    unsafe {
+                        driver::memset_d8_async(*address, 0, *bytes, self.stream.cu_stream())
+                    }
+                    .map_err(failed("clear"))?;
+                }
+                Step::Launch {
+                    name,
+                    grid,
+                    threads,
+                    args,
+                } => {
+                    let Some((_, kernel)) = self.kernels.iter().find(|(n, _)| n == name) else {
+                        return Err(DeviceError::Failed(anyhow!("no CUDA kernel {name}")));
+                    };
+                    let mut launch = self.stream.launch_builder(kernel);
+                    for arg in args {
+                        match arg {
+                            Arg::Address(value) => launch.arg(value),
+                            Arg::Int(value) => launch.arg(value),
+                            Arg::Float(value) => launch.arg(value),
+                        };
+                    }
+                    // SAFETY: the plans give every kernel buffers that are live and large
+                    // enough for the rows, columns and strides its arguments and jobs name.
+                    unsafe { launch.launch(launch_config(*grid, *threads)) }.map_err(|error| {
+                        DeviceError::Failed(anyhow!("CUDA {name} launch: {}", describe(error)))
+                    })?;
+                }
+            }
         }
-        .map(|_| ())
-        .map_err(failed("matmul launch"))
+        Ok(())
     }
 
     /// Device-to-device copy bandwidth in bytes per second: `bytes` copied `repeat` times
     /// between two buffers, timed on the stream (a benchmark probe).
     pub fn measure_copy(&self, bytes: usize, repeat: usize) -> Result<f64, DeviceError> {
-        let _serialised = self.lock()?;
-        // SAFETY: the copy only moves bytes; their values do not matter.
-        let alloc = |len| unsafe { self.stream.alloc::<u8>(len) }.map_err(failed("allocation"));
-        let (source, target) = (alloc(bytes)?, alloc(bytes)?);
-        let (from, to) = (
-            device_address(&source, &self.stream),
-            device_address(&target, &self.stream),
-        );
-        let seconds = self.timed(repeat, || {
-            // SAFETY: both buffers hold `bytes`.
-            unsafe { driver::memcpy_dtod_async(to, from, bytes, self.stream.cu_stream()) }
-                .map_err(failed("device copy"))
-        })?;
-        // A copy reads and writes every byte.
-        Ok(2.0 * bytes as f64 / seconds)
+        self.locked(|_| {
+            // SAFETY: the copy only moves bytes; their values do not matter.
+            let alloc = |len| unsafe { self.stream.alloc::<u8>(len) }.map_err(failed("allocation"));
+            let (source, target) = (alloc(bytes)?, alloc(bytes)?);
+            let (from, to) = (
+                device_address(&source, &self.stream),
+                device_address(&target, &self.stream),
+            );
+            let seconds = self.timed(repeat, || {
+                // SAFETY: both buffers hold `bytes`.
+                unsafe { driver::memcpy_dtod_async(to, from, bytes, self.stream.cu_stream()) }
+                    .map_err(failed("device copy"))
+            })?;
+            // A copy reads and writes every byte.
+            Ok(2.0 * bytes as f64 / seconds)
+        })
     }
 
     /// Seconds one single-row matmul kernel takes on the device, averaged over `repeat`
     /// launches that cycle through `weights` (all of one width), so that a set larger than
     /// the L2 cache streams from memory (a benchmark probe).
     pub fn measure_matmul(&self, weights: &[WeightId], repeat: usize) -> Result<f64, DeviceError> {
-        let mut state = self.lock()?;
-        let layouts: Vec<(Layout, u64, u64)> = weights
-            .iter()
-            .map(|id| {
-                state
-                    .weights
-                    .get(id)
-                    .map(|w| {
-                        let scales = w
-                            .scales
-                            .as_ref()
-                            .map_or(0, |s| device_address(s, &self.stream));
-                        (w.layout, device_address(&w.data, &self.stream), scales)
-                    })
-                    .ok_or_else(|| DeviceError::Unsupported(format!("unknown weight {id}")))
-            })
-            .collect::<Result<_, _>>()?;
-        let Some(&(first, ..)) = layouts.first() else {
-            return Err(DeviceError::Unsupported("no weights to time".into()));
-        };
-        let xstride = round_up(first.cols, 32);
-        let max_rows = layouts.iter().map(|(l, ..)| l.rows).max().unwrap_or(0);
-        let sections = Sections::new(&[xstride * 4, layouts.len() * JOB_BYTES]);
-        let input = state
-            .input
-            .get(&self.stream, sections.total)
-            .map_err(failed("allocation"))?;
-        let output = state
-            .output
-            .get(&self.stream, max_rows * 4)
-            .map_err(failed("allocation"))?;
-        let staged = state
-            .staging
-            .get(sections.total)
-            .map_err(failed("pinned allocation"))?;
-        staged[..xstride * 4].fill(0);
-        for (k, &(layout, weight, scales)) in layouts.iter().enumerate() {
-            if layout.cols != first.cols {
+        self.locked(|state| {
+            let matrices: Vec<Placed> = weights
+                .iter()
+                .map(|&id| state.placed(id, &self.stream))
+                .collect::<Result<_, _>>()?;
+            let Some(first) = matrices.first() else {
+                return Err(DeviceError::Unsupported("no weights to time".into()));
+            };
+            let cols = first.layout.cols;
+            if matrices.iter().any(|m| m.layout.cols != cols) {
                 return Err(DeviceError::Unsupported(
                     "timed weights must share a width".into(),
                 ));
             }
-            Job {
-                weight,
-                scales,
-                x: input,
-                x_rows: 0,
-                y: output,
-                layout,
-                xstride,
-                ystride: layout.rows,
-                n: 1,
-                block0: 0,
+            let xstride = round_up(cols, 32);
+            let max_rows = matrices.iter().map(|m| m.layout.rows).max().unwrap_or(0);
+            let sections = Sections::new(&[xstride * 4, matrices.len() * JOB_BYTES]);
+            let input = state
+                .input
+                .get(&self.stream, sections.total)
+                .map_err(failed("allocation"))?;
+            let output = state
+                .output
+                .get(&self.stream, max_rows * 4)
+                .map_err(failed("allocation"))?;
+            let staged = state
+                .staging
+                .get(sections.total)
+                .map_err(failed("pinned allocation"))?;
+            staged[..xstride * 4].fill(0);
+            for (k, &matrix) in matrices.iter().enumerate() {
+                Job {
+                    matrix,
+                    x: input,
+                    x_rows: 0,
+                    y: output,
+                    xstride,
+                    ystride: matrix.layout.rows,
+                    n: 1,
+                    block0: 0,
+                }
+                .write(&mut staged[sections.offsets[1] + k * JOB_BYTES..]);
             }
-            .write(&mut staged[sections.offsets[1] + k * JOB_BYTES..]);
-        }
-        self.send(&mut state, sections.total)?;
-        let jobs = input + sections.offsets[1] as u64;
-        let mut k = 0;
-        let seconds = self.timed(repeat, || {
-            let (layout, ..) = layouts[k % layouts.len()];
-            let job = jobs + (k % layouts.len() * JOB_BYTES) as u64;
-            k += 1;
-            self.launch_matmul(job, 1, layout.rows.div_ceil(WARPS), 1)
-        })?;
-        Ok(seconds / repeat as f64)
+            self.send(state, sections.total)?;
+            let jobs = input + sections.offsets[1] as u64;
+            let launches: Vec<Step> = matrices
+                .iter()
+                .enumerate()
+                .map(|(k, m)| {
+                    Step::matmul(jobs + (k * JOB_BYTES) as u64, 1, blocks(m.layout.rows), 1)
+                })
+                .collect();
+            let mut k = 0;
+            let seconds = self.timed(repeat, || {
+                k += 1;
+                self.issue(std::slice::from_ref(&launches[k % launches.len()]))
+            })?;
+            Ok(seconds / repeat as f64)
+        })
     }
 
     /// Run `step` `repeat` times between two timing events; seconds for all of them.
@@ -616,13 +1117,10 @@ fn open_device() -> Result<CudaDevice> {
             .load_function(name)
             .map_err(|e| anyhow!("kernel {name} missing: {}", describe(e)))
     };
-    let kernels = Kernels {
-        matmul_1: function("matmul_1")?,
-        matmul_8: function("matmul_8")?,
-        rms_norm: function("rms_norm")?,
-        glu: function("glu")?,
-        combine: function("combine")?,
-    };
+    let kernels = KERNEL_NAMES
+        .iter()
+        .map(|&name| Ok((name, function(name)?)))
+        .collect::<Result<_>>()?;
     let mut version = 0;
     // SAFETY: writes one int.
     unsafe { sys::cuDriverGetVersion(&mut version) }
@@ -780,81 +1278,78 @@ impl Device for CudaDevice {
 
     fn upload(&self, matrix: &RawMatrix<'_>) -> Result<WeightId, DeviceError> {
         let layout = Layout::of(matrix)?;
-        let mut state = self.lock()?;
-        let state = &mut *state;
-        // SAFETY: every byte is written by the copies below before a kernel reads it.
-        let data = unsafe { self.stream.alloc::<u8>(layout.rows * layout.stride) }
-            .map_err(failed("weight allocation"))?;
-        let address = device_address(&data, &self.stream);
-        let chunk_rows = (UPLOAD_CHUNK / layout.stride).max(1);
-        let half = chunk_rows * layout.stride;
-        for (k, first) in (0..layout.rows).step_by(chunk_rows).enumerate() {
-            let count = chunk_rows.min(layout.rows - first);
-            let side = k % 2;
-            if k >= 2 {
-                // The copy queued two chunks ago read this half.
+        self.locked(|state| {
+            // SAFETY: every byte is written by the copies below before a kernel reads it.
+            let data = unsafe { self.stream.alloc::<u8>(layout.rows * layout.stride) }
+                .map_err(failed("weight allocation"))?;
+            let address = device_address(&data, &self.stream);
+            let chunk_rows = (UPLOAD_CHUNK / layout.stride).max(1);
+            let half = chunk_rows * layout.stride;
+            for (k, first) in (0..layout.rows).step_by(chunk_rows).enumerate() {
+                let count = chunk_rows.min(layout.rows - first);
+                let side = k % 2;
+                if k >= 2 {
+                    // The copy queued two chunks ago read this half.
+                    state.upload_done[side]
+                        .synchronize()
+                        .map_err(failed("weight copy"))?;
+                }
+                let staged = state
+                    .staging
+                    .get(2 * half)
+                    .map_err(failed("pinned allocation"))?;
+                let staged = &mut staged[side * half..][..count * layout.stride];
+                layout.pad_rows(
+                    &matrix.data[first * layout.row_bytes..][..count * layout.row_bytes],
+                    staged,
+                );
+                let target = address + (first * layout.stride) as u64;
+                // SAFETY: the target range lies inside `data`; this half of the staging
+                // buffer is not written again until `upload_done[side]` has passed.
+                unsafe { driver::memcpy_htod_async(target, &*staged, self.stream.cu_stream()) }
+                    .map_err(failed("weight copy"))?;
                 state.upload_done[side]
-                    .synchronize()
+                    .record(&self.stream)
                     .map_err(failed("weight copy"))?;
             }
-            let staged = state
-                .staging
-                .get(2 * half)
-                .map_err(failed("pinned allocation"))?;
-            let staged = &mut staged[side * half..][..count * layout.stride];
-            let source = &matrix.data[first * layout.row_bytes..][..count * layout.row_bytes];
-            for (row, source) in staged
-                .chunks_exact_mut(layout.stride)
-                .zip(source.chunks_exact(layout.row_bytes))
-            {
-                row[..layout.row_bytes].copy_from_slice(source);
-                row[layout.row_bytes..].fill(0);
-            }
-            let target = address + (first * layout.stride) as u64;
-            // SAFETY: the target range lies inside `data`; this half of the staging buffer
-            // is not written again until `upload_done[side]` has passed.
-            unsafe { driver::memcpy_htod_async(target, &*staged, self.stream.cu_stream()) }
-                .map_err(failed("weight copy"))?;
-            state.upload_done[side]
-                .record(&self.stream)
-                .map_err(failed("weight copy"))?;
-        }
-        let scale_bytes: &[u8] = match matrix.scales {
-            RawScales::None => &[],
-            RawScales::F32(scales) => bytemuck::cast_slice(scales),
-            RawScales::E8m0(scales) => scales,
-        };
-        let scales = if scale_bytes.is_empty() {
-            None
-        } else {
-            // SAFETY: written by the copy below.
-            let scales = unsafe { self.stream.alloc::<u8>(scale_bytes.len()) }
-                .map_err(failed("scale allocation"))?;
-            let target = device_address(&scales, &self.stream);
-            // SAFETY: `scales` holds `scale_bytes.len()` bytes; the stream is synchronised
-            // below, before the borrowed source can go away.
-            unsafe { driver::memcpy_htod_async(target, scale_bytes, self.stream.cu_stream()) }
-                .map_err(failed("scale copy"))?;
-            Some(scales)
-        };
-        self.stream.synchronize().map_err(failed("weight copy"))?;
-        let id = state.next_id;
-        state.next_id += 1;
-        state.weights.insert(
-            id,
-            Weight {
-                data,
-                scales,
-                layout,
-            },
-        );
-        Ok(id)
+            let scale_bytes: &[u8] = match matrix.scales {
+                RawScales::None => &[],
+                RawScales::F32(scales) => bytemuck::cast_slice(scales),
+                RawScales::E8m0(scales) => scales,
+            };
+            let scales = if scale_bytes.is_empty() {
+                None
+            } else {
+                // SAFETY: written by the copy below.
+                let scales = unsafe { self.stream.alloc::<u8>(scale_bytes.len()) }
+                    .map_err(failed("scale allocation"))?;
+                let target = device_address(&scales, &self.stream);
+                // SAFETY: `scales` holds `scale_bytes.len()` bytes; the stream is
+                // synchronised below, before the borrowed source can go away.
+                unsafe { driver::memcpy_htod_async(target, scale_bytes, self.stream.cu_stream()) }
+                    .map_err(failed("scale copy"))?;
+                Some(scales)
+            };
+            self.stream.synchronize().map_err(failed("weight copy"))?;
+            let id = state.next_id;
+            state.next_id += 1;
+            state.weights.insert(
+                id,
+                Weight {
+                    data,
+                    scales,
+                    layout,
+                },
+            );
+            Ok(id)
+        })
     }
 
     fn release(&self, weight: WeightId) {
-        if let Ok(mut state) = self.lock() {
+        let _ = self.locked(|state| {
             state.weights.remove(&weight);
-        }
+            Ok(())
+        });
     }
 
     fn matmul(
@@ -864,64 +1359,37 @@ impl Device for CudaDevice {
         n: usize,
         out: &mut [f32],
     ) -> Result<(), DeviceError> {
-        let mut state = self.lock()?;
-        let Some(w) = state.weights.get(&weight) else {
-            return Err(DeviceError::Unsupported(format!("unknown weight {weight}")));
-        };
-        let layout = w.layout;
-        let (weight_address, scales) = (
-            device_address(&w.data, &self.stream),
-            w.scales
-                .as_ref()
-                .map_or(0, |s| device_address(s, &self.stream)),
-        );
-        if input.len() != n * layout.cols || out.len() != n * layout.rows {
-            return Err(DeviceError::Unsupported(format!(
-                "matmul of a {}x{} matrix with {} inputs and {} outputs for n = {n}",
-                layout.rows,
-                layout.cols,
-                input.len(),
-                out.len()
-            )));
-        }
-        if n == 0 {
-            return Ok(());
-        }
-        if n.div_ceil(TILE) > GRID_Y_MAX {
-            return Err(DeviceError::Unsupported(format!("{n} input rows")));
-        }
-        let xstride = round_up(layout.cols, 32);
-        let sections = Sections::new(&[n * xstride * 4, JOB_BYTES]);
-        let input_address = state
-            .input
-            .get(&self.stream, sections.total)
-            .map_err(failed("allocation"))?;
-        let output = state
-            .output
-            .get(&self.stream, n * layout.rows * 4)
-            .map_err(failed("allocation"))?;
-        let staged = state
-            .staging
-            .get(sections.total)
-            .map_err(failed("pinned allocation"))?;
-        put_rows(&mut staged[..n * xstride * 4], input, layout.cols, xstride);
-        Job {
-            weight: weight_address,
-            scales,
-            x: input_address,
-            x_rows: 0,
-            y: output,
-            layout,
-            xstride,
-            ystride: layout.rows,
-            n,
-            block0: 0,
-        }
-        .write(&mut staged[sections.offsets[1]..]);
-        self.send(&mut state, sections.total)?;
-        let jobs = input_address + sections.offsets[1] as u64;
-        self.launch_matmul(jobs, 1, layout.rows.div_ceil(WARPS), n)?;
-        self.receive(&mut state, output, out)
+        self.locked(|state| {
+            let matrix = state.placed(weight, &self.stream)?;
+            let (rows, cols) = (matrix.layout.rows, matrix.layout.cols);
+            if input.len() != n * cols || out.len() != n * rows {
+                return Err(DeviceError::Unsupported(format!(
+                    "matmul of a {rows}x{cols} matrix with {} inputs and {} outputs for n = {n}",
+                    input.len(),
+                    out.len()
+                )));
+            }
+            if n == 0 {
+                return Ok(());
+            }
+            let plan = MatmulPlan::new(matrix, n)?;
+            let staged = state
+                .input
+                .get(&self.stream, plan.staged_bytes())
+                .map_err(failed("allocation"))?;
+            let output = state
+                .output
+                .get(&self.stream, plan.output_bytes())
+                .map_err(failed("allocation"))?;
+            let bytes = state
+                .staging
+                .get(plan.staged_bytes())
+                .map_err(failed("pinned allocation"))?;
+            plan.write(input, staged, output, bytes);
+            self.send(state, plan.staged_bytes())?;
+            self.issue(&plan.steps(staged))?;
+            self.receive(state, output, out)
+        })
     }
 
     fn rms_norm(
@@ -943,294 +1411,72 @@ impl Device for CudaDevice {
         if rows == 0 {
             return Ok(());
         }
-        let mut state = self.lock()?;
-        let sections = Sections::new(&[x.len() * 4, width * 4]);
-        let staged = state
-            .staging
-            .get(sections.total)
-            .map_err(failed("pinned allocation"))?;
-        put_f32(&mut staged[sections.offsets[0]..], x);
-        put_f32(&mut staged[sections.offsets[1]..], weight);
-        let input = self.send(&mut state, sections.total)?;
-        let output = state
-            .output
-            .get(&self.stream, x.len() * 4)
-            .map_err(failed("allocation"))?;
-        let weights = input + sections.offsets[1] as u64;
-        let width = width as i32;
-        // SAFETY: `input` holds `rows x width` floats and then the weight; `output` holds
-        // `rows x width` floats.
-        unsafe {
-            self.stream
-                .launch_builder(&self.kernels.rms_norm)
-                .arg(&input)
-                .arg(&weights)
-                .arg(&output)
-                .arg(&width)
-                .arg(&eps)
-                .launch(launch_config((rows, 1), THREADS))
+        if width > i32::MAX as usize {
+            return Err(DeviceError::Unsupported(format!(
+                "RMSNorm rows of {width} values"
+            )));
         }
-        .map_err(failed("RMSNorm launch"))?;
-        self.receive(&mut state, output, out)
+        self.locked(|state| {
+            let sections = Sections::new(&[x.len() * 4, width * 4]);
+            let staged = state
+                .staging
+                .get(sections.total)
+                .map_err(failed("pinned allocation"))?;
+            put_f32(&mut staged[sections.offsets[0]..], x);
+            put_f32(&mut staged[sections.offsets[1]..], weight);
+            let input = self.send(state, sections.total)?;
+            let output = state
+                .output
+                .get(&self.stream, x.len() * 4)
+                .map_err(failed("allocation"))?;
+            let weights = input + sections.offsets[1] as u64;
+            self.issue(&[Step::rms_norm(input, weights, output, rows, width, eps)])?;
+            self.receive(state, output, out)
+        })
     }
 
     fn expert_group(&self, group: &ExpertGroup<'_>, out: &mut [f32]) -> Result<(), DeviceError> {
-        let (rows, width) = (group.rows, group.width);
-        if group.input.len() != rows * width || out.len() != rows * width {
+        if out.len() != group.rows * group.width {
             return Err(DeviceError::Unsupported(format!(
-                "expert group of {rows} rows of width {width} with {} inputs and {} outputs",
-                group.input.len(),
+                "expert group of {} rows of width {} into {} outputs",
+                group.rows,
+                group.width,
                 out.len()
             )));
         }
-        let experts: Vec<_> = group
-            .experts
-            .iter()
-            .filter(|e| !e.rows.is_empty())
-            .collect();
-        let slots: usize = experts.iter().map(|e| e.rows.len()).sum();
-        if slots == 0 {
-            out.fill(0.0);
-            return Ok(());
-        }
-        if rows > GRID_Y_MAX {
-            return Err(DeviceError::Unsupported(format!(
-                "{rows} rows in one group"
-            )));
-        }
-        let mut state = self.lock()?;
-
-        // Every expert's three matrices, checked against the group's shape.
-        let mut matrices = Vec::with_capacity(experts.len());
-        for expert in &experts {
-            let find = |id: WeightId| {
-                state
-                    .weights
-                    .get(&id)
-                    .map(|w| {
-                        let scales = w
-                            .scales
-                            .as_ref()
-                            .map_or(0, |s| device_address(s, &self.stream));
-                        (w.layout, device_address(&w.data, &self.stream), scales)
-                    })
-                    .ok_or_else(|| DeviceError::Unsupported(format!("unknown weight {id}")))
+        self.locked(|state| {
+            let Some(plan) = GroupPlan::new(group, |id| state.placed(id, &self.stream))? else {
+                out.fill(0.0);
+                return Ok(());
             };
-            let (gate, up, down) = (find(expert.gate)?, find(expert.up)?, find(expert.down)?);
-            let inter = gate.0.rows;
-            let fits = gate.0.cols == width
-                && up.0.cols == width
-                && up.0.rows == inter
-                && down.0.cols == inter
-                && down.0.rows == width
-                && expert.rows.iter().all(|&(row, _)| row < rows);
-            if !fits {
-                return Err(DeviceError::Unsupported(format!(
-                    "expert of gate {}x{}, up {}x{}, down {}x{} in a group of width {width} and {rows} rows",
-                    gate.0.rows, gate.0.cols, up.0.rows, up.0.cols, down.0.rows, down.0.cols
-                )));
-            }
-            matrices.push([gate, up, down]);
-        }
-        let inter_stride = round_up(
-            matrices
-                .iter()
-                .map(|[gate, ..]| gate.0.rows)
-                .max()
-                .unwrap_or(0),
-            32,
-        );
-        let xstride = round_up(width, 32);
-        if slots * inter_stride > i32::MAX as usize {
-            return Err(DeviceError::Unsupported(format!(
-                "{slots} expert rows of width {inter_stride}"
-            )));
-        }
-
-        // Slots: the expert rows in expert order; each output row's entries (slot,
-        // weight) in expert order, as compressed rows.
-        let mut slot_rows = Vec::with_capacity(slots);
-        let mut first_slot = Vec::with_capacity(experts.len());
-        let mut row_start = vec![0i32; rows + 1];
-        for expert in &experts {
-            first_slot.push(slot_rows.len());
-            for &(row, _) in expert.rows {
-                slot_rows.push(row as i32);
-                row_start[row + 1] += 1;
-            }
-        }
-        for r in 0..rows {
-            row_start[r + 1] += row_start[r];
-        }
-        let mut next: Vec<usize> = row_start[..rows].iter().map(|&s| s as usize).collect();
-        let mut entry_slot = vec![0i32; slots];
-        let mut entry_weight = vec![0f32; slots];
-        let mut slot = 0i32;
-        for expert in &experts {
-            for &(row, weight) in expert.rows {
-                entry_slot[next[row]] = slot;
-                entry_weight[next[row]] = weight;
-                next[row] += 1;
-                slot += 1;
-            }
-        }
-
-        let sections = Sections::new(&[
-            rows * xstride * 4,
-            slots * 4,
-            2 * experts.len() * JOB_BYTES,
-            experts.len() * JOB_BYTES,
-            (rows + 1) * 4,
-            slots * 4,
-            slots * 4,
-        ]);
-        let at = &sections.offsets;
-        let input = state
-            .input
-            .get(&self.stream, sections.total)
-            .map_err(failed("allocation"))?;
-        let hidden_bytes = slots * inter_stride * 4;
-        let gate_out = state
-            .gate
-            .get(&self.stream, hidden_bytes)
-            .map_err(failed("allocation"))?;
-        let up_out = state
-            .up
-            .get(&self.stream, hidden_bytes)
-            .map_err(failed("allocation"))?;
-        let down_out = state
-            .down
-            .get(&self.stream, slots * width * 4)
-            .map_err(failed("allocation"))?;
-        let output = state
-            .output
-            .get(&self.stream, rows * width * 4)
-            .map_err(failed("allocation"))?;
-        let address = |section: usize| input + at[section] as u64;
-
-        let staged = state
-            .staging
-            .get(sections.total)
-            .map_err(failed("pinned allocation"))?;
-        put_rows(
-            &mut staged[at[0]..at[0] + rows * xstride * 4],
-            group.input,
-            width,
-            xstride,
-        );
-        put_i32(&mut staged[at[1]..], &slot_rows);
-        let (mut gate_up_blocks, mut down_blocks, mut max_n) = (0, 0, 0);
-        for (k, (matrices, &first)) in matrices.iter().zip(&first_slot).enumerate() {
-            let n = experts[k].rows.len();
-            max_n = max_n.max(n);
-            let [gate, up, down] = *matrices;
-            for (j, ((layout, weight, scales), y)) in
-                [(gate, gate_out), (up, up_out)].into_iter().enumerate()
-            {
-                let job = Job {
-                    weight,
-                    scales,
-                    x: address(0),
-                    x_rows: address(1) + (first * 4) as u64,
-                    y: y + (first * inter_stride * 4) as u64,
-                    layout,
-                    xstride,
-                    ystride: inter_stride,
-                    n,
-                    block0: gate_up_blocks,
-                };
-                gate_up_blocks += job.blocks();
-                job.write(&mut staged[at[2] + (2 * k + j) * JOB_BYTES..]);
-            }
-            let (layout, weight, scales) = down;
-            let job = Job {
-                weight,
-                scales,
-                x: gate_out + (first * inter_stride * 4) as u64,
-                x_rows: 0,
-                y: down_out + (first * width * 4) as u64,
-                layout,
-                xstride: inter_stride,
-                ystride: width,
-                n,
-                block0: down_blocks,
+            let alloc = |scratch: &mut Scratch, bytes| {
+                scratch
+                    .get(&self.stream, bytes)
+                    .map_err(failed("allocation"))
             };
-            down_blocks += job.blocks();
-            job.write(&mut staged[at[3] + k * JOB_BYTES..]);
-        }
-        put_i32(&mut staged[at[4]..], &row_start);
-        put_i32(&mut staged[at[5]..], &entry_slot);
-        put_f32(&mut staged[at[6]..], &entry_weight);
-        if max_n.div_ceil(TILE) > GRID_Y_MAX {
-            return Err(DeviceError::Unsupported(format!(
-                "{max_n} rows for one expert"
-            )));
-        }
-        self.send(&mut state, sections.total)?;
-
-        let stream = self.stream.cu_stream();
-        // SAFETY: both buffers hold `hidden_bytes`. Columns past an expert's width must
-        // read as zero in the down product's input.
-        unsafe {
-            driver::memset_d8_async(gate_out, 0, hidden_bytes, stream)
-                .and_then(|()| driver::memset_d8_async(up_out, 0, hidden_bytes, stream))
-        }
-        .map_err(failed("clear"))?;
-        self.launch_matmul(address(2), 2 * experts.len(), gate_up_blocks, max_n)?;
-        let count = (slots * inter_stride) as i32;
-        let (kind, beta, linear_beta, has_linear_beta) = match group.activation {
-            Activation::SwiGlu => (0i32, 0f32, 0f32, 0i32),
-            Activation::Situ(situ) => (
-                1,
-                situ.beta,
-                situ.linear_beta.unwrap_or(0.0),
-                i32::from(situ.linear_beta.is_some()),
-            ),
-        };
-        // SAFETY: both buffers hold `count` floats.
-        unsafe {
-            self.stream
-                .launch_builder(&self.kernels.glu)
-                .arg(&gate_out)
-                .arg(&up_out)
-                .arg(&count)
-                .arg(&kind)
-                .arg(&beta)
-                .arg(&linear_beta)
-                .arg(&has_linear_beta)
-                .launch(launch_config(
-                    ((count as usize).div_ceil(THREADS as usize), 1),
-                    THREADS,
-                ))
-        }
-        .map_err(failed("activation launch"))?;
-        self.launch_matmul(address(3), experts.len(), down_blocks, max_n)?;
-        let width_arg = width as i32;
-        let (starts, entry_slots, entry_weights) = (address(4), address(5), address(6));
-        // SAFETY: `down_out` holds `slots x width` floats, the entry lists name slots below
-        // `slots`, and `output` holds `rows x width` floats.
-        unsafe {
-            self.stream
-                .launch_builder(&self.kernels.combine)
-                .arg(&down_out)
-                .arg(&width_arg)
-                .arg(&starts)
-                .arg(&entry_slots)
-                .arg(&entry_weights)
-                .arg(&output)
-                .launch(launch_config(
-                    (width.div_ceil(THREADS as usize), rows),
-                    THREADS,
-                ))
-        }
-        .map_err(failed("combine launch"))?;
-        self.receive(&mut state, output, out)
+            let at = GroupBuffers {
+                staged: alloc(&mut state.input, plan.staged_bytes())?,
+                gate: alloc(&mut state.gate, plan.hidden_bytes())?,
+                up: alloc(&mut state.up, plan.hidden_bytes())?,
+                down: alloc(&mut state.down, plan.down_bytes())?,
+                output: alloc(&mut state.output, plan.output_bytes())?,
+            };
+            let bytes = state
+                .staging
+                .get(plan.staged_bytes())
+                .map_err(failed("pinned allocation"))?;
+            plan.write(&at, bytes);
+            self.send(state, plan.staged_bytes())?;
+            self.issue(&plan.steps(&at))?;
+            self.receive(state, at.output, out)
+        })
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::GroupExpert;
 
     /// The value of `#define NAME value` in the kernel source.
     fn defined(name: &str) -> Option<i64> {
@@ -1249,6 +1495,7 @@ mod tests {
             );
         }
         assert_eq!(defined("WARPS"), Some(WARPS as i64));
+        assert_eq!(defined("THREADS"), Some(i64::from(THREADS)));
         assert!(KERNEL_SOURCE.contains(&format!("sizeof(Job) == {JOB_BYTES}")));
         let formats = [
             ("FMT_F32", Format::F32),
@@ -1279,12 +1526,14 @@ mod tests {
             per_row: 5,
         };
         let job = Job {
-            weight: 0x1000,
-            scales: 0x2000,
+            matrix: Placed {
+                layout,
+                data: 0x1000,
+                scales: 0x2000,
+            },
             x: 0x3000,
             x_rows: 0,
             y: 0x5000,
-            layout,
             xstride: 96,
             ystride: 3,
             n: 17,
@@ -1348,5 +1597,117 @@ mod tests {
         let sections = Sections::new(&[4, 300, 0, 8]);
         assert_eq!(sections.offsets, [0, 256, 768, 768]);
         assert_eq!(sections.total, 1024);
+    }
+
+    /// A float matrix of `rows x cols` at `data`.
+    fn float_matrix(rows: usize, cols: usize, data: u64) -> Placed {
+        Placed {
+            layout: Layout {
+                code: 0,
+                rows,
+                cols,
+                row_bytes: cols * 4,
+                stride: round_up(cols * 4, 16),
+                group: 0,
+                per_row: 0,
+            },
+            data,
+            scales: 0,
+        }
+    }
+
+    #[test]
+    fn a_group_plan_lays_out_slots_jobs_and_combine_lists() {
+        // Expert 0 takes rows 2 and 0, expert 1 none, expert 2 rows 0 and 1; row 3 none.
+        let routes: [&[(usize, f32)]; 3] = [&[(2, 0.5), (0, 0.25)], &[], &[(0, 2.0), (1, 1.0)]];
+        let experts: Vec<GroupExpert<'_>> = (0..3)
+            .map(|e| GroupExpert {
+                gate: 3 * e as u64,
+                up: 3 * e as u64 + 1,
+                down: 3 * e as u64 + 2,
+                rows: routes[e],
+            })
+            .collect();
+        let input = vec![0f32; 4 * 8];
+        let group = ExpertGroup {
+            experts: &experts,
+            input: &input,
+            rows: 4,
+            width: 8,
+            activation: Activation::SwiGlu,
+        };
+        // Experts 12 wide: two blocks of rows for each gate and up product, one for a down.
+        let plan = GroupPlan::new(&group, |id| {
+            let data = 0x1000 * (id + 1);
+            Ok(if id % 3 == 2 {
+                float_matrix(8, 12, data)
+            } else {
+                float_matrix(12, 8, data)
+            })
+        })
+        .unwrap()
+        .expect("routed rows");
+        // Slots: expert 0's rows 2, 0, then expert 2's rows 0, 1. Each output row lists
+        // its (slot, weight) entries in expert order.
+        assert_eq!(plan.slot_rows, [2, 0, 0, 1]);
+        assert_eq!(plan.row_start, [0, 2, 3, 4, 4]);
+        assert_eq!(plan.entry_slot, [1, 2, 3, 0]);
+        assert_eq!(plan.entry_weight, [0.25, 2.0, 1.0, 0.5]);
+        assert_eq!((plan.inter_stride, plan.hidden_bytes()), (32, 4 * 32 * 4));
+
+        let at = GroupBuffers {
+            staged: 0x10_0000,
+            gate: 0x20_0000,
+            up: 0x30_0000,
+            down: 0x40_0000,
+            output: 0x50_0000,
+        };
+        let mut bytes = vec![0u8; plan.staged_bytes()];
+        plan.write(&at, &mut bytes);
+        let offsets = &plan.sections.offsets;
+        let job = |section: usize, k: usize| {
+            let job = &bytes[offsets[section] + k * JOB_BYTES..][..JOB_BYTES];
+            let pointers: Vec<u64> = job[..40]
+                .chunks_exact(8)
+                .map(|b| u64::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            let ints: Vec<i32> = job[40..]
+                .chunks_exact(4)
+                .map(|b| i32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            (pointers, ints)
+        };
+        // Expert 2's up product (ids 6, 7, 8): its slots 2 and 3 gathered from the input.
+        let (pointers, ints) = job(2, 3);
+        let x_rows = at.staged + offsets[1] as u64 + 2 * 4;
+        let y = at.up + 2 * 32 * 4;
+        assert_eq!(pointers, [0x8000, 0, at.staged, x_rows, y]);
+        assert_eq!(ints, [0, 12, 8, 32, 0, 0, 32, 32, 2, 6]);
+        // Its down product reads the activations in the gate buffer.
+        let (pointers, ints) = job(3, 1);
+        let (x, y) = (at.gate + 2 * 32 * 4, at.down + 2 * 8 * 4);
+        assert_eq!(pointers, [0x9000, 0, x, 0, y]);
+        assert_eq!(ints, [0, 8, 12, 48, 0, 0, 32, 8, 2, 1]);
+
+        let staged = |section: usize| at.staged + offsets[section] as u64;
+        let clear = |address| Step::Clear {
+            address,
+            bytes: 4 * 32 * 4,
+        };
+        assert_eq!(
+            plan.steps(&at),
+            [
+                clear(at.gate),
+                clear(at.up),
+                Step::matmul(staged(2), 4, 8, 2),
+                Step::glu(at.gate, at.up, 4 * 32, Activation::SwiGlu),
+                Step::matmul(staged(3), 2, 2, 2),
+                Step::combine(at.down, 8, staged(4), staged(5), staged(6), at.output, 4),
+            ]
+        );
+        let Step::Launch { name, grid, .. } = &plan.steps(&at)[2] else {
+            panic!("a launch");
+        };
+        assert_eq!((*name, *grid), ("matmul_8", (8, 1)));
     }
 }
