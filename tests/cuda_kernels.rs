@@ -158,7 +158,8 @@ fn open_names_what_is_missing() {
 #[test]
 #[ignore = "needs libnvrtc (the CUDA toolkit or the nvidia-cuda-nvrtc package) on LD_LIBRARY_PATH; run scripts/gpu-check.sh"]
 fn the_kernels_compile_for_every_architecture() {
-    for arch in [70, 80, 90] {
+    // Turing, Ampere, Hopper: every NVRTC from CUDA 12 on knows them (CUDA 13 dropped 70).
+    for arch in [75, 80, 90] {
         let ptx = compile_kernels(arch).unwrap_or_else(|e| panic!("{e:#}"));
         for name in coli::backend::cuda::KERNEL_NAMES {
             assert!(
