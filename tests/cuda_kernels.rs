@@ -26,7 +26,7 @@ use coli::backend::{Activation, Device, DeviceError, ExpertGroup, GroupExpert, R
 use coli::engines::layers;
 use coli::engines::situ::Situ;
 use coli::quant::{Format, Isa, Matrix};
-use cuda_reference::{cpu_group, magnitudes, routes_batched, routes_single};
+use cuda_reference::{cpu_group, expert_matrices, magnitudes, routes_batched, routes_single};
 
 const FORMATS: [Format; 10] = [
     Format::F32,
@@ -312,17 +312,7 @@ fn rms_norm_matches_the_cpu() {
 fn check_group(activation: Activation, routes: &[Vec<(usize, f32)>], formats: [Format; 3]) {
     let (width, inter, rows) = (256, 96, 6);
     let input = values(rows * width, 77);
-    let matrices: Vec<[Matrix; 3]> = (0..routes.len())
-        .map(|e| {
-            let seed = 500 + 10 * e as u64;
-            [
-                Matrix::from_f32_as(inter, width, &values(inter * width, seed), formats[0]),
-                Matrix::from_f32_as(inter, width, &values(inter * width, seed + 1), formats[1]),
-                Matrix::from_f32_as(width, inter, &values(width * inter, seed + 2), formats[2]),
-            ]
-            .map(|m| m.expect("encodable"))
-        })
-        .collect();
+    let matrices = expert_matrices(routes.len(), (width, inter), formats, values);
     let ids: Vec<[u64; 3]> = matrices
         .iter()
         .map(|m| [0, 1, 2].map(|k| upload(&m[k])))

@@ -19,7 +19,7 @@ use coli::engines::layers;
 use coli::engines::situ::Situ;
 use coli::quant::{Format, Isa, Matrix};
 use common::random;
-use cuda_reference::{cpu_group, magnitudes, routes_batched, routes_single};
+use cuda_reference::{cpu_group, expert_matrices, magnitudes, routes_batched, routes_single};
 
 /// Device allocations start on this boundary, as `cuMemAlloc`'s do.
 const ALIGN: usize = 256;
@@ -309,17 +309,7 @@ fn experts(
     (width, inter): (usize, usize),
     formats: [Format; 3],
 ) -> (Vec<[Matrix; 3]>, Vec<[Placed; 3]>) {
-    let matrices: Vec<[Matrix; 3]> = (0..count)
-        .map(|e| {
-            let seed = 500 + 10 * e as u64;
-            [
-                Matrix::from_f32_as(inter, width, &random(inter * width, seed), formats[0]),
-                Matrix::from_f32_as(inter, width, &random(inter * width, seed + 1), formats[1]),
-                Matrix::from_f32_as(width, inter, &random(width * inter, seed + 2), formats[2]),
-            ]
-            .map(|m| m.expect("encodable"))
-        })
-        .collect();
+    let matrices = expert_matrices(count, (width, inter), formats, random);
     let placed = matrices
         .iter()
         .map(|m| [0, 1, 2].map(|k| emulation.upload(&m[k].raw())))

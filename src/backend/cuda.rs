@@ -1400,14 +1400,7 @@ impl Device for CudaDevice {
         out: &mut [f32],
     ) -> Result<(), DeviceError> {
         let width = weight.len();
-        if width == 0 || !x.len().is_multiple_of(width) || out.len() != x.len() {
-            return Err(DeviceError::Unsupported(format!(
-                "RMSNorm of {} values of width {width} into {}",
-                x.len(),
-                out.len()
-            )));
-        }
-        let rows = x.len() / width;
+        let rows = super::rms_norm_rows(x, weight, out)?;
         if rows == 0 {
             return Ok(());
         }

@@ -154,6 +154,20 @@ pub trait Device: Send + Sync {
     fn expert_group(&self, group: &ExpertGroup<'_>, out: &mut [f32]) -> Result<(), DeviceError>;
 }
 
+/// The rows of an RMSNorm call (`x` and `out` are rows of `weight.len()` values), or why
+/// the call is malformed: the check every device makes before it stages anything.
+pub fn rms_norm_rows(x: &[f32], weight: &[f32], out: &[f32]) -> Result<usize, DeviceError> {
+    let width = weight.len();
+    if width == 0 || !x.len().is_multiple_of(width) || out.len() != x.len() {
+        return Err(DeviceError::Unsupported(format!(
+            "RMSNorm of {} values into {} with a {width}-wide weight",
+            x.len(),
+            out.len()
+        )));
+    }
+    Ok(x.len() / width)
+}
+
 /// The `BACKEND` setting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Choice {

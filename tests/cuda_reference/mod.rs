@@ -4,7 +4,28 @@
 #![allow(dead_code)]
 
 use coli::backend::Activation;
-use coli::quant::{Isa, Matrix};
+use coli::quant::{Format, Isa, Matrix};
+
+/// `count` experts of `width` inputs and `inter` hidden units: gate, up and down in
+/// `formats`, their weights drawn from `values(len, seed)`.
+pub fn expert_matrices(
+    count: usize,
+    (width, inter): (usize, usize),
+    formats: [Format; 3],
+    values: impl Fn(usize, u64) -> Vec<f32>,
+) -> Vec<[Matrix; 3]> {
+    (0..count)
+        .map(|e| {
+            let seed = 500 + 10 * e as u64;
+            [
+                Matrix::from_f32_as(inter, width, &values(inter * width, seed), formats[0]),
+                Matrix::from_f32_as(inter, width, &values(inter * width, seed + 1), formats[1]),
+                Matrix::from_f32_as(width, inter, &values(width * inter, seed + 2), formats[2]),
+            ]
+            .map(|m| m.expect("encodable"))
+        })
+        .collect()
+}
 
 /// `Σ|w·x|` per output of `matrix · input` (`n` rows), from the decoded weights, in f64.
 pub fn magnitudes(matrix: &Matrix, input: &[f32], n: usize) -> Vec<f64> {

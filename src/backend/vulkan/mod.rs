@@ -1209,14 +1209,7 @@ impl Device for VulkanDevice {
         out: &mut [f32],
     ) -> Result<(), DeviceError> {
         let width = weight.len();
-        if width == 0 || !x.len().is_multiple_of(width) || out.len() != x.len() {
-            return Err(DeviceError::Unsupported(format!(
-                "RMSNorm of {} values into {} with a {width}-wide weight",
-                x.len(),
-                out.len()
-            )));
-        }
-        let rows = x.len() / width;
+        let rows = super::rms_norm_rows(x, weight, out)?;
         let output = x.len() + width;
         let params = [
             rows as u32,
