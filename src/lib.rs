@@ -22,6 +22,7 @@ pub mod experts;
 pub mod generate;
 pub mod interrupt;
 pub mod oracle;
+pub mod profile;
 pub mod quant;
 pub mod route_trace;
 pub mod run;

@@ -11,6 +11,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::backend;
 use crate::engines::{self, Engine, LoadOptions};
+use crate::experts::{Budget, ExpertIo, Policy, StoreOptions};
 use crate::generate::greedy_with;
 use crate::interrupt;
 use crate::oracle::{self, Reference};
@@ -73,16 +74,24 @@ pub fn main_job(
         settings.flag("GPU_DENSE"),
     )?;
     let options = LoadOptions {
-        cap,
-        expert_width,
+        store: StoreOptions {
+            cap,
+            width: expert_width,
+            budget: Budget::detect(settings.number("RAM_GB")),
+            io: ExpertIo::from_setting(settings.text("EXPERT_IO").unwrap_or("auto"))?,
+            direct: settings.flag_if_set("DIRECT"),
+            io_threads: settings.count("IO_THREADS").clamp(1, 64) as usize,
+            policy: Policy::from_setting(settings.text("COLI_POLICY").unwrap_or("lru"))?,
+            pilot: settings.count("PILOT") as usize,
+        },
         dense_width,
-        ram_budget: ram_budget(settings.number("RAM_GB")),
         draft: settings.count_if_set("DRAFT").map(|depth| depth as usize),
         dsa_force: settings.flag("DSA_FORCE"),
     };
 
     let started = Instant::now();
     let loading = loading_spinner(name);
+    let budget = options.store.budget.bytes;
     let loaded = engines::load(name, &snapshot, options);
     loading.finish_and_clear();
     let mut engine = loaded?;
@@ -97,6 +106,7 @@ pub fn main_job(
         started.elapsed().as_secs_f64(),
         engine.resident_bytes() as f64 / 1e6
     );
+    eprintln!("{}", engine.routed().store.summary());
     for note in engine.notes() {
         eprintln!("{note}");
     }
@@ -115,12 +125,8 @@ pub fn main_job(
     };
 
     interrupt::install();
-    let mut session = Session::start(
-        settings,
-        snapshot.dir(),
-        engine.as_mut(),
-        options.ram_budget,
-    )?;
+    let run_started = Instant::now();
+    let mut session = Session::start(settings, snapshot.dir(), engine.as_mut(), budget)?;
 
     if let Some(job) = text_job.as_mut() {
         let mut on_tokens =
@@ -139,6 +145,7 @@ pub fn main_job(
         }
         println!("{}", job.summary(&generation));
         report(engine.as_ref(), generation.decode_tokens_per_second());
+        println!("{}", profile_line(engine.as_ref(), &run_started));
         session.finish(engine.as_mut(), RunKind::Generating)?;
         return Ok(ExitCode::SUCCESS);
     }
@@ -147,6 +154,14 @@ pub fn main_job(
         let vocab = engine.vocab_size();
         if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
             bail!("IDS: token id {bad} is outside the vocabulary (vocab_size {vocab})");
+        }
+        if settings.flag("REPLAY") {
+            let line = replay(engine.as_mut(), ids, &mut session)?;
+            println!("{line}");
+            report(engine.as_ref(), 0.0);
+            println!("{}", profile_line(engine.as_ref(), &run_started));
+            session.finish(engine.as_mut(), RunKind::Generating)?;
+            return Ok(ExitCode::SUCCESS);
         }
         let mut on_tokens =
             |engine: &mut dyn Engine, emitted: u64| session.after_tokens(engine, emitted);
@@ -161,8 +176,12 @@ pub fn main_job(
             println!("{speculation}");
         }
         report(engine.as_ref(), generation.decode_tokens_per_second());
+        println!("{}", profile_line(engine.as_ref(), &run_started));
         session.finish(engine.as_mut(), RunKind::Generating)?;
         return Ok(ExitCode::SUCCESS);
+    }
+    if settings.flag("REPLAY") {
+        bail!("REPLAY=1 decodes the ids given with IDS=\"...\"; IDS is not set");
     }
 
     let ref_path = settings
@@ -224,13 +243,73 @@ fn loading_spinner(name: &str) -> ProgressBar {
     spinner
 }
 
-/// `RAM_GB` in bytes, or 88% of the memory available now.
-fn ram_budget(ram_gb: f64) -> u64 {
-    if ram_gb > 0.0 {
-        return (ram_gb * 1e9) as u64;
+/// `REPLAY=1`: decode `ids` one token at a time (a short untimed warm-up over the first
+/// few, then the whole sequence from a fresh KV cache, the expert cache kept), no
+/// sampling, and describe the timed pass: tokens per second, hit rate, and what was read
+/// from disk (the process's `read_bytes`: expert reads and page faults alike).
+fn replay(engine: &mut dyn Engine, ids: &[u32], session: &mut Session) -> Result<String> {
+    if ids.is_empty() {
+        bail!("REPLAY=1: IDS has no token ids to decode");
     }
-    let available = meminfo_kib("MemAvailable:").map_or(8 << 30, |kib| kib * 1024);
-    available / 100 * 88
+    for &id in ids.iter().take(REPLAY_WARMUP) {
+        engine.forward(&[id], false)?;
+    }
+    engine.reset();
+    let before = engine.cache_stats();
+    let read_before = process_read_bytes();
+    let started = Instant::now();
+    let mut decoded = 0u64;
+    for &id in ids {
+        if interrupt::requested() {
+            break;
+        }
+        engine.forward(&[id], false)?;
+        decoded += 1;
+        session.after_tokens(engine, decoded)?;
+    }
+    let seconds = started.elapsed().as_secs_f64().max(1e-9);
+    let window = engine.cache_stats().since(&before);
+    let disk = match (read_before, process_read_bytes()) {
+        (Some(a), Some(b)) => b.saturating_sub(a),
+        _ => window.bytes_read,
+    };
+    Ok(format!(
+        "REPLAY decode: {decoded} tokens | {:.2} tok/s | hit {:.1}% | disk {:.2} GB ({:.1} MB/token, {:.2} GB/s)",
+        decoded as f64 / seconds,
+        window.hit_rate(),
+        disk as f64 / 1e9,
+        disk as f64 / 1e6 / decoded.max(1) as f64,
+        disk as f64 / 1e9 / seconds
+    ))
+}
+
+/// Tokens decoded before REPLAY's timed pass, to fault in the trunk and start the threads.
+const REPLAY_WARMUP: usize = 4;
+
+/// The `PROFILE:` line: where the run's time went since `started`.
+fn profile_line(engine: &dyn Engine, started: &Instant) -> String {
+    use crate::profile::{total, Phase};
+    let stats = engine.cache_stats();
+    let wall = started.elapsed().as_secs_f64();
+    let wait = stats.wait_nanos as f64 / 1e9;
+    let matmul = total(Phase::ExpertMatmul).as_secs_f64();
+    let attention = total(Phase::Attention).as_secs_f64();
+    let head = total(Phase::LmHead).as_secs_f64();
+    let other = (wall - wait - matmul - attention - head).max(0.0);
+    let wasted = stats.ahead_wasted + engine.routed().store.ahead_unused();
+    format!(
+        "PROFILE: expert-disk {:.2} s service / {wait:.2} s wait | expert-matmul {matmul:.2} s | attention {attention:.2} s | lm_head {head:.2} s | other {other:.2} s | prefetch {} useful / {wasted} wasted",
+        stats.read_nanos as f64 / 1e9,
+        stats.ahead_useful
+    )
+}
+
+/// Bytes this process has caused to be read from storage (`/proc/self/io`).
+fn process_read_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/io").ok()?;
+    text.lines()
+        .find_map(|line| line.strip_prefix("read_bytes:"))
+        .and_then(|n| n.trim().parse().ok())
 }
 
 fn resident_set_bytes() -> u64 {
@@ -238,10 +317,6 @@ fn resident_set_bytes() -> u64 {
         .ok()
         .and_then(|status| field_kib(&status, "VmRSS:"))
         .map_or(0, |kib| kib * 1024)
-}
-
-fn meminfo_kib(field: &str) -> Option<u64> {
-    field_kib(&std::fs::read_to_string("/proc/meminfo").ok()?, field)
 }
 
 fn field_kib(text: &str, field: &str) -> Option<u64> {

@@ -13,6 +13,7 @@ use anyhow::{bail, Result};
 
 use crate::backend::{self, tier::ExpertTier};
 use crate::engines::Engine;
+use crate::experts::Policy;
 use crate::route_trace::placement::rank;
 use crate::route_trace::repin::{plan_repin, RepinSchedule, REPIN_PASS_LIMIT};
 use crate::route_trace::{Decay, PinGb, PinPlan, PinRequest, PinSetting, SaveOptions};
@@ -57,6 +58,14 @@ impl Session {
             let _ = telemetry.open_trace(Path::new(trace));
         }
         telemetry.load_history(&history);
+        if engine.expert_store().policy() == Policy::Lfru {
+            // LFRU's frequencies start from the history's selections.
+            let seeds: Vec<(usize, usize, u32)> = engine.telemetry().counts().nonzero().collect();
+            let store = engine.expert_store();
+            for (layer, expert, count) in seeds {
+                store.seed_heat(layer, expert, u64::from(count));
+            }
+        }
 
         let pin = PinSetting::from_setting(settings.text("PIN"));
         let cap = engine.cache_capacity();
@@ -92,6 +101,13 @@ impl Session {
             }
         }
         engine.routed_mut().tier = tier;
+        let skipped = engine.expert_store().pins_skipped();
+        if skipped > 0 {
+            eprintln!(
+                "[PIN] {skipped} pins skipped: with streamed experts a pin takes one of its layer's {} slots, and each layer keeps one for the rest (raise the budget or lower PIN_N/PIN_GB)",
+                engine.cache_capacity()
+            );
+        }
         if let Some(line) = plan.line(vram, started.elapsed().as_secs_f64()) {
             eprintln!("{line}");
         }

@@ -67,7 +67,43 @@ pub const KEYS: &[Key] = &[
         name: "RAM_GB",
         kind: Kind::Number,
         default: "0",
-        doc: "RAM budget for CAP=0 in GB; 0 = 88% of MemAvailable",
+        doc: "memory budget in GB; 0 = the lower of MemAvailable and the memory cgroup's limit",
+    },
+    Key {
+        name: "EXPERT_IO",
+        kind: Kind::Text,
+        default: "auto",
+        doc: "how experts come into memory: auto (mapped when all fit the budget, else streamed), mmap, pread, direct",
+    },
+    Key {
+        name: "DIRECT",
+        kind: Kind::Bool,
+        default: "",
+        doc: "streamed experts: 1 = O_DIRECT, 0 = buffered reads whose pages are dropped; unset = direct where the file system takes it",
+    },
+    Key {
+        name: "IO_THREADS",
+        kind: Kind::Count,
+        default: "4",
+        doc: "streamed experts: loader threads reading a layer's misses and read-ahead in parallel",
+    },
+    Key {
+        name: "PILOT",
+        kind: Kind::Count,
+        default: "0",
+        doc: "streamed experts: apply the routers of the next N MoE layers to the current hidden state and read their experts ahead",
+    },
+    Key {
+        name: "COLI_POLICY",
+        kind: Kind::Text,
+        default: "lru",
+        doc: "expert-cache eviction: lru, or lfru (frequency from the history and this run, recency breaking ties)",
+    },
+    Key {
+        name: "REPLAY",
+        kind: Kind::Bool,
+        default: "0",
+        doc: "with IDS: decode the ids one token at a time, no sampling, and print the REPLAY line (the fixed-workload decode benchmark)",
     },
     Key {
         name: "THREADS",
@@ -311,6 +347,15 @@ impl Settings {
 
     pub fn flag(&self, name: &str) -> bool {
         matches!(self.values.get(name), Some(Value::Bool(true)))
+    }
+
+    /// A boolean that may be unset (no default): `None` when neither argument nor
+    /// environment gives it.
+    pub fn flag_if_set(&self, name: &str) -> Option<bool> {
+        match self.values.get(name) {
+            Some(Value::Bool(b)) => Some(*b),
+            _ => None,
+        }
     }
 
     pub fn count(&self, name: &str) -> u64 {

@@ -11,6 +11,7 @@
 //! its own latent cache, then `shared_head.norm` and the main LM head.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Context, Result};
 use serde::Deserialize;
@@ -20,10 +21,11 @@ use super::layers::{add_in_place, rms_norm, Rope, SwigluMlp};
 use super::mla::{
     attend_absorbed, attend_plain, Keys, LatentCache, MlaProjections, MlaShape, Projected,
 };
-use super::moe::{Route, RoutedExperts, SigmoidRouter};
+use super::moe::{Predictor, Route, RoutedExperts, SigmoidRouter};
 use super::{Engine, LoadOptions};
 use crate::experts::{ExpertStore, ExpertTensors};
 use crate::generate::argmax;
+use crate::profile::{self, Phase};
 use crate::quant::{load_vector, Matrix, Width};
 use crate::route_trace::RouteTrace;
 use crate::snapshot::Snapshot;
@@ -379,7 +381,7 @@ enum Selection {
 enum Ffn {
     Dense(SwigluMlp),
     Moe {
-        router: Matrix,
+        router: Arc<Matrix>,
         gate: SigmoidRouter,
         shared: Option<SwigluMlp>,
     },
@@ -471,7 +473,11 @@ impl Layer {
         let ffn = if sparse {
             let shared_inter = config.moe_intermediate_size * config.n_shared_experts;
             Ffn::Moe {
-                router: matrix("mlp.gate.weight", [config.n_routed_experts, d], Width::F32)?,
+                router: Arc::new(matrix(
+                    "mlp.gate.weight",
+                    [config.n_routed_experts, d],
+                    Width::F32,
+                )?),
                 gate: SigmoidRouter {
                     bias: vector("mlp.gate.e_score_correction_bias", config.n_routed_experts)?,
                     top_k: config.num_experts_per_tok,
@@ -543,7 +549,7 @@ impl Layer {
         let eps = pass.config.rms_norm_eps;
         let mut h = vec![0f32; x.len()];
         rms_norm(x, &self.input_norm, eps, &mut h);
-        let attention = self.attention(cache, pass, &h);
+        let attention = profile::time(Phase::Attention, || self.attention(cache, pass, &h));
         add_in_place(x, &attention);
         rms_norm(x, &self.post_attention_norm, eps, &mut h);
         let ffn = self.ffn(id, pass, &h)?;
@@ -619,6 +625,7 @@ impl Layer {
                     .map(|row| gate.route(row))
                     .collect();
                 let mut out = vec![0f32; n * d];
+                pass.routed.look_ahead(id, h, n)?;
                 pass.routed.run(id, h, &routes, d, &mut out)?;
                 // transformers adds the shared expert after the routed sum.
                 if let Some(shared) = shared {
@@ -818,7 +825,7 @@ impl GlmMoeDsa {
             mtp_cache: cache(false),
             mtp,
             routed: RoutedExperts::new(
-                ExpertStore::new(Vec::new(), 1, options.expert_width),
+                ExpertStore::new(Vec::new(), 1, options.store.width),
                 telemetry,
             ),
             dsa_force: options.dsa_force,
@@ -830,13 +837,19 @@ impl GlmMoeDsa {
             config,
         };
         let resident = engine.resident_bytes() as u64;
-        engine.routed.store = ExpertStore::provision(
-            expert_tensors,
-            options.cap,
-            options.expert_width,
-            options.ram_budget,
-            resident,
-        );
+        engine.routed.store = ExpertStore::provision(expert_tensors, &options.store, resident)?;
+        for (l, layer) in engine.layers.iter().enumerate() {
+            if let Ffn::Moe { router, gate, .. } = &layer.ffn {
+                let gate = gate.clone();
+                engine.routed.predict_with(
+                    l,
+                    Predictor {
+                        router: Arc::clone(router),
+                        choose: Box::new(move |row| gate.route(row)),
+                    },
+                );
+            }
+        }
         Ok(engine)
     }
 
@@ -984,7 +997,7 @@ impl Engine for GlmMoeDsa {
         };
         let m = heads.len() / d;
         let mut logits = vec![0f32; m * vocab];
-        self.lm_head.matmul(heads, m, &mut logits);
+        profile::time(Phase::LmHead, || self.lm_head.matmul(heads, m, &mut logits));
         Ok(logits)
     }
 

@@ -8,15 +8,18 @@
 //! with them (the "shared-expert sink"). The final hidden state is divided by the muP width
 //! multiplier before the head, whose logits are cut to the unpadded vocabulary.
 
+use std::sync::Arc;
+
 use anyhow::{anyhow, bail, Result};
 use serde::Deserialize;
 
 use super::layers::{rms_norm, rms_norm_in_place, AttentionShape, SwigluMlp};
-use super::moe::{biased_top_k, Route, RoutedExperts};
+use super::moe::{biased_top_k, Predictor, Route, RoutedExperts};
 use super::short_conv::{ConvState, ShortConv};
 use super::window_attention::{windowed_attention, DistanceBias, WindowKvCache};
 use super::{Engine, LoadOptions};
 use crate::experts::{ExpertStore, ExpertTensors};
+use crate::profile::{self, Phase};
 use crate::quant::{load_vector, Matrix, Width};
 use crate::route_trace::RouteTrace;
 use crate::snapshot::Snapshot;
@@ -348,7 +351,7 @@ struct Attention {
 /// The router and shared experts of a sparse layer; the routed experts are in the store.
 struct Moe {
     /// `[routed + shared, hidden]`: one row per shared expert too.
-    router: Matrix,
+    router: Arc<Matrix>,
     bias: Vec<f32>,
     global_scale: f32,
     shared: Vec<SwigluMlp>,
@@ -483,11 +486,11 @@ impl Inkling {
                 let up = shared("up_proj", [n_shared, moe_inter, d])?;
                 let down_shared = shared("down_proj", [n_shared, d, moe_inter])?;
                 let moe = Moe {
-                    router: matrix(
+                    router: Arc::new(matrix(
                         &format!("{m}.gate.weight"),
                         [n_experts + n_shared, d],
                         Width::F32,
-                    )?,
+                    )?),
                     bias: vector(&format!("{m}.gate.e_score_correction_bias"), n_experts)?,
                     global_scale: scalar(snapshot, &format!("{m}.gate.global_scale"))?,
                     shared: (0..n_shared)
@@ -554,19 +557,29 @@ impl Inkling {
             layers,
             states,
             routed: RoutedExperts::new(
-                ExpertStore::new(Vec::new(), 1, options.expert_width),
+                ExpertStore::new(Vec::new(), 1, options.store.width),
                 telemetry,
             ),
             config,
         };
         let resident = inkling.resident_bytes() as u64;
-        inkling.routed.store = ExpertStore::provision(
-            expert_tensors,
-            options.cap,
-            options.expert_width,
-            options.ram_budget,
-            resident,
+        inkling.routed.store = ExpertStore::provision(expert_tensors, &options.store, resident)?;
+        let (n_experts, k) = (
+            inkling.config.n_routed_experts,
+            inkling.config.num_experts_per_tok,
         );
+        for (l, layer) in inkling.layers.iter().enumerate() {
+            if let Mlp::Sparse(moe) = &layer.mlp {
+                let bias = moe.bias.clone();
+                inkling.routed.predict_with(
+                    l,
+                    Predictor {
+                        router: Arc::clone(&moe.router),
+                        choose: Box::new(move |row| sink_route(row, n_experts, &bias, k, 1.0).0),
+                    },
+                );
+            }
+        }
         Ok(inkling)
     }
 
@@ -659,6 +672,7 @@ impl Inkling {
             .map(|row| sink_route(row, n_experts, &moe.bias, k, scale))
             .unzip();
         let mut out = vec![0f32; n * d];
+        self.routed.look_ahead(l, h, n)?;
         self.routed.run(l, h, &routes, d, &mut out)?;
         let mut shared_sum = vec![0f32; n * d];
         for (j, expert) in moe.shared.iter().enumerate() {
@@ -805,7 +819,7 @@ impl Engine for Inkling {
         let mut h = vec![0f32; n * d];
         for l in 0..self.layers.len() {
             rms_norm(&x, &self.layers[l].input_norm, eps, &mut h);
-            let attention = self.attention(l, &h, n);
+            let attention = profile::time(Phase::Attention, || self.attention(l, &h, n));
             let layer = &self.layers[l];
             let conv = layer
                 .attn_conv
@@ -829,7 +843,9 @@ impl Engine for Inkling {
         let multiplier = self.config.logits_mup_width_multiplier as f32;
         normed.iter_mut().for_each(|v| *v /= multiplier);
         let mut logits = vec![0f32; m * rows];
-        self.lm_head.matmul(&normed, m, &mut logits);
+        profile::time(Phase::LmHead, || {
+            self.lm_head.matmul(&normed, m, &mut logits)
+        });
         let kept = self.config.logit_count();
         if kept == rows {
             return Ok(logits);

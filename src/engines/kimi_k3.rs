@@ -19,6 +19,7 @@
 //! across chunks, so any split of a sequence computes the same tokens.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Context, Result};
 use serde::Deserialize;
@@ -27,11 +28,12 @@ use super::attn_res::{ResMix, ResidualStream};
 use super::kda::{Kda, KdaShape, KdaState};
 use super::layers::{rms_norm, rms_norm_in_place};
 use super::mla::{attend_absorbed, attend_plain, Keys, LatentCache, MlaProjections, MlaShape};
-use super::moe::{Route, RoutedExperts, SigmoidRouter};
+use super::moe::{Predictor, Route, RoutedExperts, SigmoidRouter};
 use super::situ::{Situ, SituMlp};
 use super::{Engine, LoadOptions};
 use crate::backend::Activation;
 use crate::experts::{ExpertStore, ExpertTensors};
+use crate::profile::{self, Phase};
 use crate::quant::{load_vector, Matrix, Width};
 use crate::route_trace::RouteTrace;
 use crate::snapshot::Snapshot;
@@ -409,7 +411,7 @@ enum MixerState {
 
 /// The stable LatentMoE block.
 struct LatentMoe {
-    router: Matrix,
+    router: Arc<Matrix>,
     choose: SigmoidRouter,
     down: Matrix,
     norm: Option<Vec<f32>>,
@@ -494,12 +496,12 @@ impl Layer {
             let (n_group, topk_group) = config.groups();
             let shared = config.moe_intermediate_size * config.num_shared_experts;
             Ffn::Moe(Box::new(LatentMoe {
-                router: matrix(
+                router: Arc::new(matrix(
                     "block_sparse_moe.gate.weight",
                     config.num_experts,
                     d,
                     Width::F32,
-                )?,
+                )?),
                 choose: SigmoidRouter {
                     bias: load_vector(
                         &snapshot.tensor(&format!("{m}.gate.e_score_correction_bias"))?,
@@ -629,6 +631,7 @@ impl Layer {
             .chunks_exact(experts)
             .map(|row| moe.choose.route(row))
             .collect();
+        pass.routed.look_ahead(id, h, n)?;
         let latent = moe.down.rows();
         let mut z = vec![0f32; n * latent];
         moe.down.matmul(h, n, &mut z);
@@ -779,7 +782,7 @@ impl KimiK3 {
             layers,
             states,
             routed: RoutedExperts::new(
-                ExpertStore::new(Vec::new(), 1, options.expert_width),
+                ExpertStore::new(Vec::new(), 1, options.store.width),
                 telemetry,
             ),
             stop: stop_tokens(snapshot, &config)?,
@@ -787,13 +790,19 @@ impl KimiK3 {
             config,
         };
         let resident = engine.resident_bytes() as u64;
-        engine.routed.store = ExpertStore::provision(
-            expert_tensors,
-            options.cap,
-            options.expert_width,
-            options.ram_budget,
-            resident,
-        );
+        engine.routed.store = ExpertStore::provision(expert_tensors, &options.store, resident)?;
+        for (l, layer) in engine.layers.iter().enumerate() {
+            if let Ffn::Moe(moe) = &layer.ffn {
+                let choose = moe.choose.clone();
+                engine.routed.predict_with(
+                    l,
+                    Predictor {
+                        router: Arc::clone(&moe.router),
+                        choose: Box::new(move |row| choose.route(row)),
+                    },
+                );
+            }
+        }
         Ok(engine)
     }
 
@@ -824,7 +833,7 @@ impl KimiK3 {
         for (l, (layer, state)) in self.layers.iter().zip(self.states.iter_mut()).enumerate() {
             let input = stream.attention_input(l, &layer.attention_mix);
             rms_norm(&input, &layer.input_norm, eps, &mut h);
-            let attention = layer.attention(state, &pass, &h)?;
+            let attention = profile::time(Phase::Attention, || layer.attention(state, &pass, &h))?;
             let input = stream.after_attention(&attention, &layer.mlp_mix);
             rms_norm(&input, &layer.post_attention_norm, eps, &mut h);
             let mlp = layer.ffn(l, &mut pass, &h)?;
@@ -874,7 +883,9 @@ impl Engine for KimiK3 {
         let (d, vocab) = (self.config.hidden_size, self.config.vocab_size);
         let m = hidden.len() / d;
         let mut logits = vec![0f32; m * vocab];
-        self.lm_head.matmul(&hidden, m, &mut logits);
+        profile::time(Phase::LmHead, || {
+            self.lm_head.matmul(&hidden, m, &mut logits)
+        });
         Ok(logits)
     }
 

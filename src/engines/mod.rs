@@ -22,7 +22,7 @@ pub mod window_attention;
 
 use anyhow::{bail, Result};
 
-use crate::experts::{CacheStats, ExpertStore};
+use crate::experts::{CacheStats, ExpertStore, StoreOptions};
 use crate::quant::Width;
 use crate::route_trace::RouteTrace;
 use crate::snapshot::Snapshot;
@@ -30,16 +30,13 @@ use crate::text::PromptConvention;
 use moe::RoutedExperts;
 
 /// How to build an engine from a snapshot.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct LoadOptions {
-    /// Expert-cache slots per MoE layer; 0 means "size from the RAM budget".
-    pub cap: usize,
-    /// Width of routed experts stored in float.
-    pub expert_width: Width,
+    /// The expert store: slots, width of routed experts stored in float, memory budget,
+    /// how experts are read.
+    pub store: StoreOptions,
     /// Width of dense tensors stored in float.
     pub dense_width: Width,
-    /// RAM budget in bytes for `cap == 0`.
-    pub ram_budget: u64,
     /// `DRAFT`: speculative draft depth; `None` lets an engine with a draft head pick.
     pub draft: Option<usize>,
     /// `DSA_FORCE`: sparse-attention engines select on every query but keep every key.
@@ -50,10 +47,8 @@ impl LoadOptions {
     /// Everything in f32 (the oracle setting) with `cap` slots per layer and no drafting.
     pub fn exact(cap: usize) -> LoadOptions {
         LoadOptions {
-            cap,
-            expert_width: Width::F32,
+            store: StoreOptions::mapped(cap, Width::F32),
             dense_width: Width::F32,
-            ram_budget: 1 << 30,
             draft: None,
             dsa_force: false,
         }

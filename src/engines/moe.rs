@@ -3,6 +3,8 @@
 //! expert once over the rows routed to it (on the CPU, or on the GPU for experts in the
 //! VRAM tier) and sums the gated outputs.
 
+use std::sync::Arc;
+
 use anyhow::Result;
 use rayon::prelude::*;
 
@@ -10,6 +12,8 @@ use super::layers::{add_in_place, glu_ffn, softmax, top_k};
 use crate::backend::tier::ExpertTier;
 use crate::backend::{self, Activation, ExpertGroup, GroupExpert};
 use crate::experts::{Expert, ExpertStore};
+use crate::profile::{self, Phase};
+use crate::quant::Matrix;
 use crate::route_trace::RouteTrace;
 
 /// The experts one row of the batch routes to, with the gates the layer applies.
@@ -62,6 +66,7 @@ pub fn biased_top_k(
 /// The sigmoid router with a score-correction bias: choose by `sigmoid(logit) + bias`
 /// (optionally group-limited), weigh by the unbiased sigmoid, optionally renormalise over
 /// the chosen experts, then scale.
+#[derive(Clone)]
 pub struct SigmoidRouter {
     pub bias: Vec<f32>,
     pub top_k: usize,
@@ -91,14 +96,27 @@ impl SigmoidRouter {
     }
 }
 
-/// The routed half of a MoE model: the expert store, the experts resident on a GPU, and the
-/// telemetry its routing feeds.
+/// A MoE layer's router as the lookahead applies it: its weight (shared with the layer)
+/// and the engine's own choice of experts from one row of its logits.
+pub struct Predictor {
+    pub router: Arc<Matrix>,
+    pub choose: Box<dyn Fn(&[f32]) -> Route + Send + Sync>,
+}
+
+/// Rows of a forward above which the lookahead stays idle: a prompt's batch already
+/// touches most experts of every layer, and its reads are better spent on demand.
+const LOOKAHEAD_ROWS: usize = 4;
+
+/// The routed half of a MoE model: the expert store, the experts resident on a GPU, the
+/// telemetry its routing feeds, and the routers the lookahead (`PILOT`) applies ahead.
 pub struct RoutedExperts {
     pub store: ExpertStore,
     pub tier: ExpertTier,
     pub telemetry: RouteTrace,
     /// Expert lookups the VRAM tier answered.
     pub tier_hits: u64,
+    /// By MoE layer: its router, for the layers before it to predict with.
+    predictors: Vec<Option<Predictor>>,
 }
 
 impl RoutedExperts {
@@ -108,7 +126,48 @@ impl RoutedExperts {
             tier: ExpertTier::default(),
             telemetry,
             tier_hits: 0,
+            predictors: Vec::new(),
         }
+    }
+
+    /// Register MoE layer `layer`'s router for the lookahead.
+    pub fn predict_with(&mut self, layer: usize, predictor: Predictor) {
+        if self.predictors.len() <= layer {
+            self.predictors.resize_with(layer + 1, || None);
+        }
+        self.predictors[layer] = Some(predictor);
+    }
+
+    /// The router lookahead (`PILOT=N`), called by MoE layer `layer` with its router input
+    /// `h` (`n` rows): apply the routers of layers `layer+1..=layer+N` to it and have the
+    /// store read the experts they choose ahead. It changes only what is resident, never
+    /// a routing decision, so never a token.
+    pub fn look_ahead(&mut self, layer: usize, h: &[f32], n: usize) -> Result<()> {
+        let depth = self.store.pilot();
+        if depth == 0 || n == 0 || n > LOOKAHEAD_ROWS {
+            return Ok(());
+        }
+        for target in layer + 1..=layer + depth {
+            let Some(Some(predictor)) = self.predictors.get(target) else {
+                continue;
+            };
+            let width = predictor.router.cols();
+            if h.len() != n * width {
+                continue;
+            }
+            let experts = predictor.router.rows();
+            let mut logits = vec![0f32; n * experts];
+            predictor.router.matmul(h, n, &mut logits);
+            let mut ids: Vec<usize> = logits
+                .chunks_exact(experts)
+                .flat_map(|row| (predictor.choose)(row))
+                .map(|(expert, _)| expert)
+                .collect();
+            ids.sort_unstable();
+            ids.dedup();
+            self.store.prefetch(target, &ids)?;
+        }
+        Ok(())
     }
 
     /// `out[row] = sum of gate * down(silu(gate_proj x) * up_proj x)` over each row's route.
@@ -265,18 +324,24 @@ fn run_on_host(
     };
     let ids: Vec<usize> = assignments.iter().map(|(expert, _)| *expert).collect();
     let together = store.with_experts(layer, &ids, |weights| {
-        weights
-            .par_iter()
-            .zip(&batches)
-            .map(|(weights, batch)| ffn(weights, batch))
-            .collect::<Vec<_>>()
+        profile::time(Phase::ExpertMatmul, || {
+            weights
+                .par_iter()
+                .zip(&batches)
+                .map(|(weights, batch)| ffn(weights, batch))
+                .collect::<Vec<_>>()
+        })
     })?;
     let results = match together {
         Some(results) => results,
         None => assignments
             .iter()
             .zip(&batches)
-            .map(|((expert, _), batch)| store.with_expert(layer, *expert, |w| ffn(w, batch)))
+            .map(|((expert, _), batch)| {
+                store.with_expert(layer, *expert, |w| {
+                    profile::time(Phase::ExpertMatmul, || ffn(w, batch))
+                })
+            })
             .collect::<Result<_>>()?,
     };
     for ((_, rows), result) in assignments.iter().map(|a| (a.0, &a.1)).zip(results) {

@@ -2,14 +2,17 @@
 //! whole q and k projections and rotate-half RoPE, then a softmax-routed top-k MoE of
 //! SwiGLU experts. No dense layers, no shared experts, no router bias.
 
+use std::sync::Arc;
+
 use anyhow::{bail, Result};
 use serde::Deserialize;
 
 use super::layers::{rms_norm, rms_norm_in_place, AttentionShape, Rope};
-use super::moe::{softmax_top_k, Route, RoutedExperts};
+use super::moe::{softmax_top_k, Predictor, Route, RoutedExperts};
 use super::window_attention::{windowed_attention, WindowKvCache};
 use super::{Engine, LoadOptions};
 use crate::experts::{ExpertStore, ExpertTensors};
+use crate::profile::{self, Phase};
 use crate::quant::{load_vector, matmul_shared_input, Matrix, Width};
 use crate::route_trace::RouteTrace;
 use crate::snapshot::Snapshot;
@@ -145,7 +148,7 @@ struct Layer {
     input_norm: Vec<f32>,
     post_attention_norm: Vec<f32>,
     attention: Attention,
-    router: Matrix,
+    router: Arc<Matrix>,
 }
 
 pub struct Olmoe {
@@ -204,11 +207,11 @@ impl Olmoe {
                     q_norm: vector(&format!("{p}.self_attn.q_norm.weight"), heads * hd)?,
                     k_norm: vector(&format!("{p}.self_attn.k_norm.weight"), kv_heads * hd)?,
                 },
-                router: matrix(
+                router: Arc::new(matrix(
                     &format!("{p}.mlp.gate.weight"),
                     [config.num_experts, d],
                     Width::F32,
-                )?,
+                )?),
             });
             expert_tensors.push(layer_experts(snapshot, &config, l)?);
         }
@@ -241,7 +244,7 @@ impl Olmoe {
                 .collect(),
             // Every layer routes; the row after the last layer (an MTP head in other
             // models) does not exist here.
-            routed: RoutedExperts::new(ExpertStore::new(Vec::new(), 1, options.expert_width), {
+            routed: RoutedExperts::new(ExpertStore::new(Vec::new(), 1, options.store.width), {
                 let mut telemetry =
                     RouteTrace::new(NAME, config.num_hidden_layers, config.num_experts)?;
                 telemetry.drop_row(config.num_hidden_layers);
@@ -254,13 +257,17 @@ impl Olmoe {
             config,
         };
         let resident = olmoe.resident_bytes() as u64;
-        olmoe.routed.store = ExpertStore::provision(
-            expert_tensors,
-            options.cap,
-            options.expert_width,
-            options.ram_budget,
-            resident,
-        );
+        olmoe.routed.store = ExpertStore::provision(expert_tensors, &options.store, resident)?;
+        let k = olmoe.config.num_experts_per_tok;
+        for (l, layer) in olmoe.layers.iter().enumerate() {
+            olmoe.routed.predict_with(
+                l,
+                Predictor {
+                    router: Arc::clone(&layer.router),
+                    choose: Box::new(move |row| softmax_top_k(row, k, false)),
+                },
+            );
+        }
         Ok(olmoe)
     }
 
@@ -329,6 +336,7 @@ impl Olmoe {
             })
             .collect();
         let mut out = vec![0f32; n * d];
+        self.routed.look_ahead(l, &h, n)?;
         self.routed.run(l, &h, &routes, d, &mut out)?;
         Ok(out)
     }
@@ -406,7 +414,7 @@ impl Engine for Olmoe {
             self.embed.row_into(token as usize, row);
         }
         for l in 0..self.layers.len() {
-            let attention = self.attention(l, &x, n, start);
+            let attention = profile::time(Phase::Attention, || self.attention(l, &x, n, start));
             add(&mut x, &attention);
             let moe = self.moe(l, &x, n)?;
             add(&mut x, &moe);
@@ -425,7 +433,9 @@ impl Engine for Olmoe {
             &mut normed,
         );
         let mut logits = vec![0f32; m * vocab];
-        self.lm_head.matmul(&normed, m, &mut logits);
+        profile::time(Phase::LmHead, || {
+            self.lm_head.matmul(&normed, m, &mut logits)
+        });
         Ok(logits)
     }
 

@@ -1,14 +1,34 @@
-//! The expert store: for every MoE layer, a cache of `CAP` expert slots filled from the
-//! mapped shards on a miss and evicted least-recently-used, with hit/miss/byte counters.
+//! The expert store: for every MoE layer, `CAP` expert slots filled on a miss and evicted
+//! by the eviction policy (`COLI_POLICY`: LRU, or LFRU), a pinned set, hit/miss/byte
+//! counters, and how experts come into memory.
+//!
+//! Two ways in (`EXPERT_IO`): when every expert fits the memory budget (or `mmap` is
+//! asked for), a slot is a zero-copy view into the mapped shard and the kernel pages it
+//! in; otherwise experts *stream*: each slot is a buffer the store owns, read from the
+//! shard by a pool of loader threads ([`io`]: one read per contiguous run of the expert's
+//! bytes, direct I/O where the file system takes it), so what is resident is exactly what
+//! the slots and pins hold, within the budget ([`budget`]), and a miss is a read from
+//! disk. A layer's misses are read in parallel; [`ExpertStore::prefetch`] reads experts
+//! the router lookahead predicts into free or cold slots ahead of their layer.
 //!
 //! It owns where experts live in memory and what loading one costs; it does not decide
-//! which experts a token uses (the engine's router does) and it does not compute with them
-//! (the engine runs the FFN on the weights it is handed).
+//! which experts a token uses (the engine's router and lookahead do) and it does not
+//! compute with them (the engine runs the FFN on the weights it is handed). No lookup,
+//! eviction or read-ahead changes an expert's weights, so none can change a token.
+
+pub mod budget;
+pub mod io;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
 
 use anyhow::{bail, Result};
 
 use crate::quant::{Matrix, Width};
-use crate::snapshot::TensorView;
+use crate::snapshot::{Dtype, TensorView};
+pub use budget::Budget;
+use io::{Files, IoMode, Loaded, Loader, ReadPlan};
 
 /// The tensors of one expert's SwiGLU FFN in the snapshot: gate and up `[inter, hidden]`,
 /// down `[hidden, inter]`.
@@ -46,8 +66,24 @@ impl ExpertTensors {
         })
     }
 
+    /// The three matrices and their scale tensors.
+    fn views(&self) -> impl Iterator<Item = &TensorView> {
+        [&self.gate, &self.up, &self.down]
+            .into_iter()
+            .flat_map(|view| std::iter::once(view).chain(view.scales.as_deref()))
+    }
+
     fn source_bytes(&self) -> usize {
-        self.gate.bytes.len() + self.up.bytes.len() + self.down.bytes.len()
+        self.views().map(|view| view.bytes.len()).sum()
+    }
+
+    /// Whether loading at `width` converts a float tensor into another format (so the
+    /// slot holds the converted copy, not the bytes read).
+    fn converts(&self, width: Width) -> bool {
+        width != Width::F32
+            && [&self.gate, &self.up, &self.down].iter().any(|view| {
+                view.scales.is_none() && matches!(view.dtype, Dtype::F32 | Dtype::BF16 | Dtype::F16)
+            })
     }
 }
 
@@ -72,8 +108,96 @@ impl Expert {
     }
 }
 
+/// Which slot a miss (or a read-ahead) replaces when the layer is full.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Policy {
+    /// The least recently used slot.
+    Lru,
+    /// Frequency first: the lowest `(heat << 8) | recent`, where heat counts the expert's
+    /// selections in the history plus its lookups in this run and `recent = 255 - age`
+    /// (age in lookups of the layer, 0 beyond 255); ties to the least recently used. The
+    /// rule `coli trace simulate --policy lfru` replays.
+    Lfru,
+}
+
+impl Policy {
+    pub fn from_setting(value: &str) -> Result<Policy> {
+        match value {
+            "lru" => Ok(Policy::Lru),
+            "lfru" => Ok(Policy::Lfru),
+            other => bail!("setting COLI_POLICY={other}: expected lru or lfru"),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::Lru => "lru",
+            Policy::Lfru => "lfru",
+        }
+    }
+}
+
+/// How experts come into memory (`EXPERT_IO`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertIo {
+    /// Mapped when every expert fits the budget, streamed when not.
+    Auto,
+    /// Views into the shard mapping; the kernel's page cache decides what is resident.
+    Mmap,
+    /// Streamed into owned slots with buffered reads (pages dropped after each).
+    Pread,
+    /// Streamed into owned slots with `O_DIRECT`.
+    Direct,
+}
+
+impl ExpertIo {
+    pub fn from_setting(value: &str) -> Result<ExpertIo> {
+        match value {
+            "auto" => Ok(ExpertIo::Auto),
+            "mmap" => Ok(ExpertIo::Mmap),
+            "pread" => Ok(ExpertIo::Pread),
+            "direct" => Ok(ExpertIo::Direct),
+            other => bail!("setting EXPERT_IO={other}: expected auto, mmap, pread or direct"),
+        }
+    }
+}
+
+/// How the store is sized and fed.
+#[derive(Debug, Clone)]
+pub struct StoreOptions {
+    /// Slots per MoE layer; 0 sizes them from the budget.
+    pub cap: usize,
+    /// Width of routed experts stored in float.
+    pub width: Width,
+    pub budget: Budget,
+    pub io: ExpertIo,
+    /// `DIRECT`: `None` takes direct I/O where the file system accepts it.
+    pub direct: Option<bool>,
+    pub io_threads: usize,
+    pub policy: Policy,
+    /// `PILOT`: MoE layers the router lookahead reads ahead.
+    pub pilot: usize,
+}
+
+impl StoreOptions {
+    /// Mapped experts, `cap` slots, LRU, no lookahead: the oracle setting of tests.
+    pub fn mapped(cap: usize, width: Width) -> StoreOptions {
+        StoreOptions {
+            cap,
+            width,
+            budget: Budget::fixed(1 << 30),
+            io: ExpertIo::Mmap,
+            direct: None,
+            io_threads: 1,
+            policy: Policy::Lru,
+            pilot: 0,
+        }
+    }
+}
+
 /// Counters of the whole store. Hits and misses count each distinct expert a layer needs in
-/// one forward once, however many rows of the batch route to it.
+/// one forward once, however many rows of the batch route to it. A lookup answered by an
+/// expert read ahead is a hit (and a useful read-ahead); a miss is a read on demand.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CacheStats {
     /// Lookups answered by the GPU's expert tier (counted by the MoE pass, not the store).
@@ -81,7 +205,18 @@ pub struct CacheStats {
     pub pin_hits: u64,
     pub lru_hits: u64,
     pub misses: u64,
+    /// Bytes of expert tensors loaded (on demand, ahead and for pins).
     pub bytes_loaded: u64,
+    /// Bytes the store read from the shard files (ranges rounded for direct I/O); 0 when
+    /// experts are mapped and the kernel reads them.
+    pub bytes_read: u64,
+    /// Experts read ahead by the lookahead; of those, later used and evicted unused.
+    pub ahead_reads: u64,
+    pub ahead_useful: u64,
+    pub ahead_wasted: u64,
+    /// Time the loader threads spent reading experts, and the compute thread waiting.
+    pub read_nanos: u64,
+    pub wait_nanos: u64,
 }
 
 impl CacheStats {
@@ -95,47 +230,135 @@ impl CacheStats {
             100.0 * hits as f64 / total as f64
         }
     }
+
+    /// `self - earlier`, counter by counter (a window of a run, e.g. REPLAY's timed pass).
+    pub fn since(&self, earlier: &CacheStats) -> CacheStats {
+        CacheStats {
+            vram_hits: self.vram_hits - earlier.vram_hits,
+            pin_hits: self.pin_hits - earlier.pin_hits,
+            lru_hits: self.lru_hits - earlier.lru_hits,
+            misses: self.misses - earlier.misses,
+            bytes_loaded: self.bytes_loaded - earlier.bytes_loaded,
+            bytes_read: self.bytes_read - earlier.bytes_read,
+            ahead_reads: self.ahead_reads - earlier.ahead_reads,
+            ahead_useful: self.ahead_useful - earlier.ahead_useful,
+            ahead_wasted: self.ahead_wasted - earlier.ahead_wasted,
+            read_nanos: self.read_nanos - earlier.read_nanos,
+            wait_nanos: self.wait_nanos - earlier.wait_nanos,
+        }
+    }
+}
+
+enum State {
+    Ready(Loaded),
+    /// A loader thread is reading it.
+    Loading,
 }
 
 struct Slot {
     expert: usize,
+    /// The layer's lookup clock at its last use (or when it was read ahead).
     last_used: u64,
-    weights: Expert,
+    state: State,
+    /// Read ahead and not yet used.
+    ahead: bool,
+}
+
+impl Slot {
+    fn weights(&self) -> Option<&Expert> {
+        match &self.state {
+            State::Ready(loaded) => Some(&loaded.weights),
+            State::Loading => None,
+        }
+    }
 }
 
 struct LayerCache {
     tensors: Vec<ExpertTensors>,
-    /// Experts placed by the pin plan: loaded once, never evicted, outside `CAP`.
-    pinned: Vec<(usize, Expert)>,
+    /// Experts placed by the pin plan: loaded once, never evicted.
+    pinned: Vec<(usize, Loaded)>,
     slots: Vec<Slot>,
+    /// Lookups of this layer so far (LFRU ages are counted in them).
+    clock: u64,
+    /// LFRU: selections from the history plus lookups in this run, per expert.
+    heat: Vec<u64>,
 }
 
-/// The per-layer LRU caches of every MoE layer.
+impl LayerCache {
+    fn new(tensors: Vec<ExpertTensors>) -> LayerCache {
+        LayerCache {
+            heat: vec![0; tensors.len()],
+            tensors,
+            pinned: Vec::new(),
+            slots: Vec::new(),
+            clock: 0,
+        }
+    }
+
+    fn is_pinned(&self, expert: usize) -> bool {
+        self.pinned.iter().any(|(e, _)| *e == expert)
+    }
+
+    fn slot(&self, expert: usize) -> Option<usize> {
+        self.slots.iter().position(|s| s.expert == expert)
+    }
+
+    /// The slot `policy` replaces among those `eligible` allows.
+    fn victim(&self, policy: Policy, eligible: impl Fn(&Slot) -> bool) -> Option<usize> {
+        let now = self.clock;
+        let key = |slot: &Slot| match policy {
+            Policy::Lru => (0, slot.last_used),
+            Policy::Lfru => {
+                let recent = 255u64.saturating_sub(now - slot.last_used);
+                let heat = self.heat.get(slot.expert).copied().unwrap_or(0);
+                (heat << 8 | recent, slot.last_used)
+            }
+        };
+        self.slots
+            .iter()
+            .enumerate()
+            .filter(|(_, slot)| eligible(slot))
+            .min_by_key(|(_, slot)| key(slot))
+            .map(|(i, _)| i)
+    }
+}
+
+/// Experts that stream: the loader pool and each expert's read plan.
+struct Stream {
+    loader: Loader,
+    plans: Vec<Vec<Arc<ReadPlan>>>,
+}
+
+/// The expert caches of every MoE layer.
 pub struct ExpertStore {
+    /// Slots per layer; when streaming, pins take slots from it.
     capacity: usize,
     width: Width,
+    policy: Policy,
+    pilot: usize,
     layers: Vec<LayerCache>,
-    clock: u64,
     stats: CacheStats,
+    stream: Option<Stream>,
+    /// Pins refused because their layer had no slot to give.
+    pins_skipped: usize,
+    /// The startup line: budget, slots, how experts are read.
+    summary: String,
 }
 
 impl ExpertStore {
-    /// `layers[l][e]` are the tensors of expert `e` in MoE layer `l`; `capacity` slots per
-    /// layer (at least 1).
+    /// Mapped experts: `layers[l][e]` are the tensors of expert `e` in MoE layer `l`;
+    /// `capacity` slots per layer (at least 1), LRU.
     pub fn new(layers: Vec<Vec<ExpertTensors>>, capacity: usize, width: Width) -> ExpertStore {
         ExpertStore {
             capacity: capacity.max(1),
             width,
-            layers: layers
-                .into_iter()
-                .map(|tensors| LayerCache {
-                    tensors,
-                    pinned: Vec::new(),
-                    slots: Vec::new(),
-                })
-                .collect(),
-            clock: 0,
+            policy: Policy::Lru,
+            pilot: 0,
+            layers: layers.into_iter().map(LayerCache::new).collect(),
             stats: CacheStats::default(),
+            stream: None,
+            pins_skipped: 0,
+            summary: String::new(),
         }
     }
 
@@ -152,33 +375,383 @@ impl ExpertStore {
         self.stats
     }
 
+    /// `PILOT`: how many MoE layers ahead the router lookahead reads (0 when experts are
+    /// mapped: there is nothing to read).
+    pub fn pilot(&self) -> usize {
+        if self.stream.is_some() {
+            self.pilot
+        } else {
+            0
+        }
+    }
+
+    /// Whether experts stream into owned slots.
+    pub fn streams(&self) -> bool {
+        self.stream.is_some()
+    }
+
+    /// The startup line: the budget and where it came from, the slots, how experts are read.
+    pub fn summary(&self) -> &str {
+        &self.summary
+    }
+
+    /// Pins refused so far because their layer had no slot left for the LRU.
+    pub fn pins_skipped(&self) -> usize {
+        self.pins_skipped
+    }
+
+    /// Experts read ahead that are still waiting for their first use.
+    pub fn ahead_unused(&self) -> u64 {
+        self.layers
+            .iter()
+            .flat_map(|cache| &cache.slots)
+            .filter(|slot| slot.ahead)
+            .count() as u64
+    }
+
+    /// Add `count` history selections to expert `expert` of layer `layer` (LFRU's heat).
+    pub fn seed_heat(&mut self, layer: usize, expert: usize, count: u64) {
+        if let Some(heat) = self
+            .layers
+            .get_mut(layer)
+            .and_then(|cache| cache.heat.get_mut(expert))
+        {
+            *heat += count;
+        }
+    }
+
+    pub fn policy(&self) -> Policy {
+        self.policy
+    }
+
+    /// Slots the LRU part of layer `layer` may use: every slot for mapped experts (pins are
+    /// views and cost nothing); what the pins leave, at least one, when streaming.
+    fn lru_capacity(&self, layer: usize) -> usize {
+        match (&self.stream, self.layers.get(layer)) {
+            (Some(_), Some(cache)) => self.capacity.saturating_sub(cache.pinned.len()).max(1),
+            _ => self.capacity,
+        }
+    }
+
+    fn tensors(&self, layer: usize, expert: usize) -> Result<&ExpertTensors> {
+        let Some(cache) = self.layers.get(layer) else {
+            bail!(
+                "MoE layer {layer} does not exist ({} layers)",
+                self.layers.len()
+            );
+        };
+        match cache.tensors.get(expert) {
+            Some(tensors) => Ok(tensors),
+            None => bail!(
+                "expert {expert} of MoE layer {layer} does not exist ({} experts)",
+                cache.tensors.len()
+            ),
+        }
+    }
+
+    /// Load an expert now, on this thread.
+    fn load_now(&mut self, layer: usize, expert: usize) -> Result<Loaded> {
+        self.stats.bytes_loaded += self.tensors(layer, expert)?.source_bytes() as u64;
+        let tensors = &self.layers[layer].tensors[expert];
+        match &self.stream {
+            None => Ok(Loaded {
+                weights: Expert::load(tensors, self.width)?,
+                buffer: None,
+            }),
+            Some(stream) => {
+                let plan = &stream.plans[layer][expert];
+                let started = Instant::now();
+                let loaded = stream.loader.load_now(tensors, plan)?;
+                self.stats.read_nanos += started.elapsed().as_nanos() as u64;
+                self.stats.bytes_read += plan.read_bytes();
+                Ok(loaded)
+            }
+        }
+    }
+
+    /// Drop an expert taken out of a slot or the pins, recycling its buffer.
+    fn release(&mut self, slot: Slot) {
+        if slot.ahead {
+            self.stats.ahead_wasted += 1;
+        }
+        if let (State::Ready(loaded), Some(stream)) = (slot.state, &self.stream) {
+            stream.loader.recycle(loaded);
+        }
+    }
+
+    /// Put `slot` into layer `layer`: into a free slot, else in place of the one the
+    /// policy picks among those `eligible` allows.
+    fn place(&mut self, layer: usize, slot: Slot, eligible: impl Fn(&Slot) -> bool) {
+        let limit = self.lru_capacity(layer);
+        let cache = &mut self.layers[layer];
+        if cache.slots.len() < limit {
+            cache.slots.push(slot);
+            return;
+        }
+        match cache.victim(self.policy, eligible) {
+            Some(index) => {
+                let old = std::mem::replace(&mut cache.slots[index], slot);
+                self.release(old);
+            }
+            // Unreachable while a call takes no more experts than there are slots; holding
+            // one more expert is better than failing the token.
+            None => cache.slots.push(slot),
+        }
+    }
+
+    /// File a finished read into its slot. A failed read on demand is the caller's error;
+    /// a failed read-ahead only frees its slot (the demand read will say what is wrong).
+    fn file(&mut self, done: io::Done) -> Result<()> {
+        self.stats.read_nanos += done.service.as_nanos() as u64;
+        let cache = &mut self.layers[done.layer];
+        let index = cache
+            .slots
+            .iter()
+            .position(|s| s.expert == done.expert && matches!(s.state, State::Loading));
+        match (index, done.result) {
+            (Some(index), Ok(loaded)) => cache.slots[index].state = State::Ready(loaded),
+            (Some(index), Err(err)) => {
+                let slot = cache.slots.swap_remove(index);
+                if !done.ahead {
+                    return Err(err);
+                }
+                self.release(slot);
+            }
+            // Evicted while it was being read.
+            (None, Ok(loaded)) => {
+                if let Some(stream) = &self.stream {
+                    stream.loader.recycle(loaded);
+                }
+            }
+            (None, Err(_)) => {}
+        }
+        Ok(())
+    }
+
+    /// File every read that has finished, without waiting.
+    fn collect_finished(&mut self) -> Result<()> {
+        while let Some(done) = self.stream.as_ref().and_then(|s| s.loader.poll()) {
+            self.file(done)?;
+        }
+        Ok(())
+    }
+
+    /// Wait until none of `experts` of layer `layer` is still being read.
+    fn settle(&mut self, layer: usize, experts: &[usize]) -> Result<()> {
+        loop {
+            let cache = &self.layers[layer];
+            let pending = experts.iter().any(|&e| {
+                cache
+                    .slots
+                    .iter()
+                    .any(|s| s.expert == e && matches!(s.state, State::Loading))
+            });
+            if !pending {
+                return Ok(());
+            }
+            let Some(stream) = &self.stream else {
+                return Ok(());
+            };
+            let started = Instant::now();
+            let done = stream.loader.wait()?;
+            self.stats.wait_nanos += started.elapsed().as_nanos() as u64;
+            self.file(done)?;
+        }
+    }
+
+    /// One lookup of a call that began at layer clock `call_start`: a hit refreshes the
+    /// slot; a miss takes a free slot or replaces one not used by this call, and is read
+    /// (mapped: now; streaming: queued for the loader pool).
+    fn lookup(&mut self, layer: usize, expert: usize, call_start: u64) -> Result<()> {
+        self.tensors(layer, expert)?;
+        let cache = &mut self.layers[layer];
+        cache.clock += 1;
+        let now = cache.clock;
+        cache.heat[expert] += 1;
+        if cache.is_pinned(expert) {
+            self.stats.pin_hits += 1;
+            return Ok(());
+        }
+        if let Some(index) = cache.slot(expert) {
+            let slot = &mut cache.slots[index];
+            slot.last_used = now;
+            self.stats.lru_hits += 1;
+            if std::mem::take(&mut slot.ahead) {
+                self.stats.ahead_useful += 1;
+            }
+            return Ok(());
+        }
+        self.stats.misses += 1;
+        let state = match &self.stream {
+            None => State::Ready(self.load_now(layer, expert)?),
+            Some(stream) => {
+                let tensors = &self.layers[layer].tensors[expert];
+                let plan = &stream.plans[layer][expert];
+                stream.loader.submit(layer, expert, tensors, plan, false);
+                self.stats.bytes_loaded += tensors.source_bytes() as u64;
+                self.stats.bytes_read += plan.read_bytes();
+                State::Loading
+            }
+        };
+        let slot = Slot {
+            expert,
+            last_used: now,
+            state,
+            ahead: false,
+        };
+        self.place(layer, slot, |s| s.last_used < call_start);
+        Ok(())
+    }
+
+    /// The weights of a resident expert.
+    fn resident(&self, layer: usize, expert: usize) -> Option<&Expert> {
+        let cache = &self.layers[layer];
+        cache
+            .pinned
+            .iter()
+            .find(|(e, _)| *e == expert)
+            .map(|(_, loaded)| &loaded.weights)
+            .or_else(|| cache.slots.iter().find(|s| s.expert == expert)?.weights())
+    }
+
+    /// Run `compute` with all of `experts` (distinct ids) of MoE layer `layer` at once.
+    /// They are looked up in order (counted, and slots replaced, exactly as that sequence
+    /// of [`ExpertStore::with_expert`] calls would, except that no expert this call took is
+    /// replaced for a later one), their misses read in parallel, then computed. `None`
+    /// (nothing loaded, nothing counted) when the layer's slots cannot hold every one that
+    /// is not pinned: the caller then takes them one at a time.
+    pub fn with_experts<R>(
+        &mut self,
+        layer: usize,
+        experts: &[usize],
+        compute: impl FnOnce(&[&Expert]) -> R,
+    ) -> Result<Option<R>> {
+        let Some(cache) = self.layers.get(layer) else {
+            bail!(
+                "MoE layer {layer} does not exist ({} layers)",
+                self.layers.len()
+            );
+        };
+        let unpinned = experts.iter().filter(|&&e| !cache.is_pinned(e)).count();
+        if unpinned > self.lru_capacity(layer) {
+            return Ok(None);
+        }
+        self.collect_finished()?;
+        let call_start = self.layers[layer].clock + 1;
+        for &expert in experts {
+            self.lookup(layer, expert, call_start)?;
+        }
+        self.settle(layer, experts)?;
+        let weights: Vec<&Expert> = experts
+            .iter()
+            .map(|&expert| {
+                self.resident(layer, expert)
+                    .expect("every requested expert was just made resident")
+            })
+            .collect();
+        Ok(Some(compute(&weights)))
+    }
+
+    /// Run `compute` with expert `expert` of MoE layer `layer`, loading it on a miss into a
+    /// free slot or in place of the one the policy picks; so a batch may use more distinct
+    /// experts than there are slots, one after another.
+    pub fn with_expert<R>(
+        &mut self,
+        layer: usize,
+        expert: usize,
+        compute: impl FnOnce(&Expert) -> R,
+    ) -> Result<R> {
+        let result = self.with_experts(layer, &[expert], |weights| compute(weights[0]))?;
+        Ok(result.expect("one expert always fits: every layer keeps a slot"))
+    }
+
+    /// Read `experts` of layer `layer` ahead of their use, into free slots or in place of
+    /// cold ones (never a pinned expert, one being read, or one read ahead and not yet
+    /// used). Only when experts stream; returns how many reads were queued.
+    pub fn prefetch(&mut self, layer: usize, experts: &[usize]) -> Result<usize> {
+        if self.stream.is_none() || layer >= self.layers.len() {
+            return Ok(0);
+        }
+        self.collect_finished()?;
+        let mut queued = 0;
+        for &expert in experts {
+            let cache = &self.layers[layer];
+            if expert >= cache.tensors.len()
+                || cache.is_pinned(expert)
+                || cache.slot(expert).is_some()
+            {
+                continue;
+            }
+            let eligible = |s: &Slot| !s.ahead && matches!(s.state, State::Ready(_));
+            let full = cache.slots.len() >= self.lru_capacity(layer);
+            if full && cache.victim(self.policy, eligible).is_none() {
+                break;
+            }
+            if let Some(stream) = &self.stream {
+                let plan = &stream.plans[layer][expert];
+                let tensors = &cache.tensors[expert];
+                stream.loader.submit(layer, expert, tensors, plan, true);
+                self.stats.bytes_loaded += tensors.source_bytes() as u64;
+                self.stats.bytes_read += plan.read_bytes();
+            }
+            self.stats.ahead_reads += 1;
+            queued += 1;
+            let slot = Slot {
+                expert,
+                last_used: cache.clock,
+                state: State::Loading,
+                ahead: true,
+            };
+            self.place(layer, slot, eligible);
+        }
+        Ok(queued)
+    }
+
     /// Load expert `expert` of layer `layer` into the pinned tier (a no-op when it is
-    /// already pinned). Returns the bytes it occupies.
+    /// already pinned). Returns the bytes it occupies, or 0 when streaming and the layer
+    /// has no slot to give it (one is always left for the experts not pinned; counted in
+    /// [`ExpertStore::pins_skipped`]).
     pub fn pin(&mut self, layer: usize, expert: usize) -> Result<usize> {
-        let Some(cache) = self.layers.get_mut(layer) else {
+        let Some(cache) = self.layers.get(layer) else {
             bail!(
                 "cannot pin expert {expert} of layer {layer}: the model has {} layers",
                 self.layers.len()
             );
         };
-        if let Some((_, weights)) = cache.pinned.iter().find(|(e, _)| *e == expert) {
-            return Ok(weights.size_bytes());
+        if let Some((_, loaded)) = cache.pinned.iter().find(|(e, _)| *e == expert) {
+            return Ok(loaded.weights.size_bytes());
         }
-        let Some(tensors) = cache.tensors.get(expert) else {
+        if expert >= cache.tensors.len() {
             bail!(
                 "cannot pin expert {expert} of layer {layer}: the layer has {} experts",
                 cache.tensors.len()
             );
+        }
+        if self.stream.is_some() && cache.pinned.len() + 1 >= self.capacity {
+            self.pins_skipped += 1;
+            return Ok(0);
+        }
+        self.settle(layer, &[expert])?;
+        let cache = &mut self.layers[layer];
+        let loaded = match cache.slot(expert) {
+            Some(index) => match cache.slots.swap_remove(index).state {
+                State::Ready(loaded) => loaded,
+                State::Loading => unreachable!("settled above"),
+            },
+            None => self.load_now(layer, expert)?,
         };
-        let weights = match cache.slots.iter().position(|s| s.expert == expert) {
-            Some(slot) => cache.slots.swap_remove(slot).weights,
-            None => {
-                self.stats.bytes_loaded += tensors.source_bytes() as u64;
-                Expert::load(tensors, self.width)?
-            }
-        };
-        let bytes = weights.size_bytes();
-        cache.pinned.push((expert, weights));
+        let bytes = loaded.weights.size_bytes();
+        self.layers[layer].pinned.push((expert, loaded));
+        // When streaming the pin took a slot: the LRU gives one back.
+        while self.layers[layer].slots.len() > self.lru_capacity(layer) {
+            let cache = &mut self.layers[layer];
+            let Some(index) = cache.victim(self.policy, |s| matches!(s.state, State::Ready(_)))
+            else {
+                break;
+            };
+            let old = cache.slots.swap_remove(index);
+            self.release(old);
+        }
         Ok(bytes)
     }
 
@@ -191,14 +764,17 @@ impl ExpertStore {
         let Some(index) = cache.pinned.iter().position(|(e, _)| *e == expert) else {
             return false;
         };
-        let (_, weights) = cache.pinned.swap_remove(index);
-        if cache.slots.len() < self.capacity {
-            self.clock += 1;
-            cache.slots.push(Slot {
-                expert,
-                last_used: self.clock,
-                weights,
-            });
+        let (_, loaded) = cache.pinned.swap_remove(index);
+        let slot = Slot {
+            expert,
+            last_used: cache.clock,
+            state: State::Ready(loaded),
+            ahead: false,
+        };
+        if self.layers[layer].slots.len() < self.lru_capacity(layer) {
+            self.layers[layer].slots.push(slot);
+        } else {
+            self.release(slot);
         }
         true
     }
@@ -220,6 +796,20 @@ impl ExpertStore {
         (elements as u64 * u64::from(self.width.bits())).div_ceil(8)
     }
 
+    /// The memory one slot of layer `layer` holds: the converted matrices when the width
+    /// converts a float expert, else the buffer its bytes are read into.
+    fn slot_bytes(&self, layer: usize) -> u64 {
+        let Some(tensors) = self.layers.get(layer).and_then(|c| c.tensors.first()) else {
+            return 0;
+        };
+        if tensors.converts(self.width) {
+            self.expert_bytes(layer)
+        } else {
+            // Up to one block of rounding at each end of each of (at most) six ranges.
+            (tensors.source_bytes() + 6 * 2 * io::ALIGN) as u64
+        }
+    }
+
     /// The experts pinned in each layer.
     pub fn pinned(&self) -> Vec<Vec<usize>> {
         self.layers
@@ -232,83 +822,7 @@ impl ExpertStore {
     pub fn is_pinned(&self, layer: usize, expert: usize) -> bool {
         self.layers
             .get(layer)
-            .is_some_and(|cache| cache.pinned.iter().any(|(e, _)| *e == expert))
-    }
-
-    /// Run `compute` with all of `experts` (distinct ids) of MoE layer `layer` at once,
-    /// loading the missing ones in order; looked up, evicted and counted exactly as that
-    /// sequence of [`ExpertStore::with_expert`] calls would be. `None`
-    /// (nothing loaded, nothing counted) when the layer's slots cannot hold every one that
-    /// is not pinned: the caller then takes them one at a time.
-    pub fn with_experts<R>(
-        &mut self,
-        layer: usize,
-        experts: &[usize],
-        compute: impl FnOnce(&[&Expert]) -> R,
-    ) -> Result<Option<R>> {
-        let Some(cache) = self.layers.get_mut(layer) else {
-            bail!(
-                "MoE layer {layer} does not exist ({} layers)",
-                self.layers.len()
-            );
-        };
-        let is_pinned = |cache: &LayerCache, e: usize| cache.pinned.iter().any(|(p, _)| *p == e);
-        let unpinned = experts.iter().filter(|&&e| !is_pinned(cache, e)).count();
-        if unpinned > self.capacity {
-            return Ok(None);
-        }
-        for &expert in experts {
-            self.clock += 1;
-            if is_pinned(cache, expert) {
-                self.stats.pin_hits += 1;
-                continue;
-            }
-            if let Some(slot) = cache.slots.iter_mut().find(|s| s.expert == expert) {
-                slot.last_used = self.clock;
-                self.stats.lru_hits += 1;
-                continue;
-            }
-            let Some(tensors) = cache.tensors.get(expert) else {
-                bail!(
-                    "expert {expert} of MoE layer {layer} does not exist ({} experts)",
-                    cache.tensors.len()
-                );
-            };
-            let slot = Slot {
-                expert,
-                last_used: self.clock,
-                weights: Expert::load(tensors, self.width)?,
-            };
-            self.stats.misses += 1;
-            self.stats.bytes_loaded += tensors.source_bytes() as u64;
-            if cache.slots.len() < self.capacity {
-                cache.slots.push(slot);
-            } else if let Some(victim) = cache.slots.iter_mut().min_by_key(|s| s.last_used) {
-                // The same choice one-at-a-time lookups make, so `coli trace simulate`
-                // replays this cache exactly. It never evicts an expert this call already
-                // took: while fewer than `capacity` of them are taken, an older slot exists.
-                *victim = slot;
-            }
-        }
-        let weights: Vec<&Expert> = experts
-            .iter()
-            .map(|&expert| {
-                cache
-                    .pinned
-                    .iter()
-                    .find(|(e, _)| *e == expert)
-                    .map(|(_, weights)| weights)
-                    .or_else(|| {
-                        cache
-                            .slots
-                            .iter()
-                            .find(|s| s.expert == expert)
-                            .map(|s| &s.weights)
-                    })
-                    .expect("every requested expert was just made resident")
-            })
-            .collect();
-        Ok(Some(compute(&weights)))
+            .is_some_and(|cache| cache.is_pinned(expert))
     }
 
     /// How many experts MoE layer `layer` has (0 for a layer without experts).
@@ -325,108 +839,161 @@ impl ExpertStore {
     /// Load an expert outside the cache (no slot taken, no counter moved): for a tier
     /// that keeps its own copy elsewhere.
     pub fn load_expert(&self, layer: usize, expert: usize) -> Result<Expert> {
-        match self
-            .layers
-            .get(layer)
-            .and_then(|cache| cache.tensors.get(expert))
-        {
-            Some(tensors) => Expert::load(tensors, self.width),
-            None => bail!("expert {expert} of MoE layer {layer} does not exist"),
+        let tensors = self.tensors(layer, expert)?;
+        match &self.stream {
+            None => Expert::load(tensors, self.width),
+            Some(stream) => Ok(stream
+                .loader
+                .load_now(tensors, &stream.plans[layer][expert])?
+                .weights),
         }
-    }
-
-    /// Run `compute` with expert `expert` of MoE layer `layer`, loading it on a miss. A
-    /// loaded expert takes a slot afterwards, evicting the least recently used one when the
-    /// layer is full; so a batch may use more distinct experts than there are slots.
-    pub fn with_expert<R>(
-        &mut self,
-        layer: usize,
-        expert: usize,
-        compute: impl FnOnce(&Expert) -> R,
-    ) -> Result<R> {
-        self.clock += 1;
-        let cache = &mut self.layers[layer];
-        if let Some((_, weights)) = cache.pinned.iter().find(|(e, _)| *e == expert) {
-            self.stats.pin_hits += 1;
-            return Ok(compute(weights));
-        }
-        if let Some(slot) = cache.slots.iter_mut().find(|s| s.expert == expert) {
-            slot.last_used = self.clock;
-            self.stats.lru_hits += 1;
-            return Ok(compute(&slot.weights));
-        }
-        let Some(tensors) = cache.tensors.get(expert) else {
-            bail!(
-                "expert {expert} of MoE layer {layer} does not exist ({} experts)",
-                cache.tensors.len()
-            );
-        };
-        let weights = Expert::load(tensors, self.width)?;
-        self.stats.misses += 1;
-        self.stats.bytes_loaded += tensors.source_bytes() as u64;
-        let result = compute(&weights);
-        let slot = Slot {
-            expert,
-            last_used: self.clock,
-            weights,
-        };
-        if cache.slots.len() < self.capacity {
-            cache.slots.push(slot);
-        } else if let Some(victim) = cache.slots.iter_mut().min_by_key(|s| s.last_used) {
-            *victim = slot;
-        }
-        Ok(result)
     }
 }
 
 impl ExpertStore {
-    /// A store sized by the `CAP` setting: `cap` slots per layer (at most the number of
-    /// experts), or with `cap == 0` as many as [`auto_capacity`] finds room for in
-    /// `ram_budget` next to `resident_bytes` of other weights.
+    /// The store `options` ask for, next to `trunk_bytes` of weights resident outside it:
+    /// mapped when every expert fits the budget (or `EXPERT_IO=mmap`), streaming into owned
+    /// slots otherwise; `cap` slots per layer (at most the experts, and when streaming at
+    /// most what the budget holds), or with `cap == 0` as many as the budget holds. A budget
+    /// that cannot hold the trunk and one expert per layer is refused with the numbers.
     pub fn provision(
         layers: Vec<Vec<ExpertTensors>>,
-        cap: usize,
-        width: Width,
-        ram_budget: u64,
-        resident_bytes: u64,
-    ) -> ExpertStore {
+        options: &StoreOptions,
+        trunk_bytes: u64,
+    ) -> Result<ExpertStore> {
         let n_experts = layers.iter().map(Vec::len).max().unwrap_or(0);
-        let capacity = match cap {
-            0 => {
-                let moe_layers = layers.iter().filter(|layer| !layer.is_empty()).count();
-                let probe = ExpertStore::new(layers, 1, width);
-                let expert_bytes = (0..probe.layers())
-                    .map(|l| probe.expert_bytes(l))
-                    .max()
-                    .unwrap_or(0);
-                let capacity = auto_capacity(
-                    ram_budget,
-                    resident_bytes,
-                    moe_layers,
-                    expert_bytes,
-                    n_experts,
-                );
-                return ExpertStore { capacity, ..probe };
-            }
+        let moe_layers = layers.iter().filter(|layer| !layer.is_empty()).count() as u64;
+        let converts = layers
+            .iter()
+            .flatten()
+            .next()
+            .is_some_and(|t| t.converts(options.width));
+        let largest_source = layers
+            .iter()
+            .flatten()
+            .map(ExpertTensors::source_bytes)
+            .max()
+            .unwrap_or(0) as u64;
+        let mut store = ExpertStore::new(layers, 1, options.width);
+        store.policy = options.policy;
+        store.pilot = options.pilot;
+        let slot_bytes = (0..store.layers())
+            .map(|l| store.slot_bytes(l))
+            .max()
+            .unwrap_or(0);
+        let every_expert: u64 = (0..store.layers())
+            .map(|l| store.slot_bytes(l) * store.experts_in(l) as u64)
+            .sum();
+        let budget = &options.budget;
+        // Reads that convert hold the bytes read beside the converted copy, one per loader.
+        let in_flight = if converts {
+            options.io_threads.max(1) as u64 * largest_source
+        } else {
+            0
+        };
+        let reserve = budget::reserve(budget.bytes) + in_flight;
+        let free = budget.bytes.saturating_sub(trunk_bytes + reserve);
+        let streaming = match options.io {
+            ExpertIo::Mmap => false,
+            ExpertIo::Pread | ExpertIo::Direct => true,
+            ExpertIo::Auto => every_expert > free,
+        } && moe_layers > 0;
+        let gb = |bytes: u64| bytes as f64 / 1e9;
+        let budget_text = format!(
+            "budget {:.2} GB ({}) - trunk {:.2} GB - reserve {:.2} GB = {:.2} GB for experts",
+            gb(budget.bytes),
+            budget.source,
+            gb(trunk_bytes),
+            gb(reserve),
+            gb(free)
+        );
+        let per_slot = (moe_layers * slot_bytes).max(1);
+        let fits = ((free / per_slot) as usize).min(n_experts.max(1));
+        if streaming && fits == 0 {
+            bail!(
+                "the memory budget is too small: {budget_text}, but one expert per MoE layer needs {:.3} GB ({moe_layers} layers x {:.1} MB); raise RAM_GB or the container's memory limit",
+                gb(per_slot),
+                slot_bytes as f64 / 1e6
+            );
+        }
+        let capacity = match options.cap {
+            0 => fits.max(1),
+            cap if streaming => cap.min(n_experts).min(fits),
             cap => cap.min(n_experts),
         };
-        ExpertStore::new(layers, capacity, width)
+        let mut lowered = String::new();
+        if streaming && options.cap > capacity && options.cap <= n_experts {
+            lowered = format!(" (CAP {} lowered to what the budget holds)", options.cap);
+        }
+        store.capacity = capacity.max(1);
+        let slots = format!(
+            "{} slots/layer{lowered} x {moe_layers} layers of {:.1} MB",
+            store.capacity,
+            slot_bytes as f64 / 1e6
+        );
+        if !streaming {
+            let how = if options.io == ExpertIo::Mmap {
+                "mapped (EXPERT_IO=mmap): the page cache decides what is resident"
+            } else {
+                "every expert fits: mapped, zero-copy"
+            };
+            store.summary = format!("[experts] {budget_text} | {slots} | {how}");
+            return Ok(store);
+        }
+        let mut paths: Vec<PathBuf> = store
+            .layers
+            .iter()
+            .flat_map(|cache| &cache.tensors)
+            .flat_map(|t| t.views())
+            .map(|view| view.file.clone())
+            .collect();
+        paths.sort();
+        paths.dedup();
+        let direct = match options.io {
+            ExpertIo::Pread => Some(false),
+            ExpertIo::Direct => Some(true),
+            _ => options.direct,
+        };
+        let (files, note) = Files::open(paths, direct)?;
+        let plans: Vec<Vec<Arc<ReadPlan>>> = store
+            .layers
+            .iter()
+            .map(|cache| {
+                cache
+                    .tensors
+                    .iter()
+                    .map(|t| files.plan(t).map(Arc::new))
+                    .collect::<Result<_>>()
+            })
+            .collect::<Result<_>>()?;
+        let reads = plans
+            .iter()
+            .flatten()
+            .map(|plan| plan.reads())
+            .max()
+            .unwrap_or(0);
+        let mode = files.mode();
+        let loader = Loader::start(files, options.width, options.io_threads)?;
+        let mode_text = match (mode, note) {
+            (IoMode::Direct, _) => mode.describe().to_string(),
+            (IoMode::Buffered, Some(note)) => {
+                eprintln!("{note}");
+                mode.describe().to_string()
+            }
+            (IoMode::Buffered, None) => mode.describe().to_string(),
+        };
+        store.summary = format!(
+            "[experts] {budget_text} | {slots} | streaming: {mode_text}, {} read{} per expert, {} loader thread{}, PILOT {}, policy {}",
+            reads,
+            if reads == 1 { "" } else { "s" },
+            loader.threads(),
+            if loader.threads() == 1 { "" } else { "s" },
+            options.pilot,
+            options.policy.name()
+        );
+        store.stream = Some(Stream { loader, plans });
+        Ok(store)
     }
-}
-
-/// `CAP=0`: as many slots per layer as the RAM budget holds after the resident weights and
-/// a fixed reserve, between 1 and the number of experts.
-pub fn auto_capacity(
-    budget_bytes: u64,
-    resident_bytes: u64,
-    moe_layers: usize,
-    expert_bytes: u64,
-    n_experts: usize,
-) -> usize {
-    const RESERVE: u64 = 2 << 30;
-    let free = budget_bytes.saturating_sub(resident_bytes + RESERVE);
-    let per_slot = (moe_layers as u64 * expert_bytes).max(1);
-    ((free / per_slot) as usize).clamp(1, n_experts.max(1))
 }
 
 #[cfg(test)]
@@ -434,11 +1001,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn auto_capacity_is_bounded_by_budget_and_experts() {
-        let gib = 1u64 << 30;
-        assert_eq!(auto_capacity(100 * gib, gib, 10, gib / 10, 64), 64);
-        assert_eq!(auto_capacity(4 * gib, gib, 10, gib / 10, 64), 1);
-        assert_eq!(auto_capacity(5 * gib, gib, 10, gib / 10, 64), 2);
-        assert_eq!(auto_capacity(0, 0, 1, 1, 8), 1);
+    fn policies_and_io_modes_parse_by_name() {
+        assert_eq!(Policy::from_setting("lfru").unwrap(), Policy::Lfru);
+        assert!(Policy::from_setting("fifo")
+            .unwrap_err()
+            .to_string()
+            .contains("COLI_POLICY=fifo"));
+        assert_eq!(ExpertIo::from_setting("direct").unwrap(), ExpertIo::Direct);
+        assert!(ExpertIo::from_setting("uring").is_err());
     }
 }

@@ -148,6 +148,12 @@ impl MappedBytes {
         self.start == self.end
     }
 
+    /// `[start, end)` of the window in its mapping: the byte offsets in the shard file for
+    /// a window of a shard.
+    pub fn range(&self) -> (usize, usize) {
+        (self.start, self.end)
+    }
+
     /// A sub-window `[offset, offset + len)` of this window.
     pub fn slice(&self, offset: usize, len: usize) -> MappedBytes {
         debug_assert!(offset + len <= self.len());

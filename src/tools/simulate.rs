@@ -9,7 +9,8 @@
 //! Policies, each with the same number of slots in every layer:
 //! - `lru`: evict the least recently used expert (the engine's cache).
 //! - `lfru`: frequency first: evict the lowest `(heat << 8) | recent`, where heat counts
-//!   every lookup of the expert so far and `recent = 255 - age` (age in lookups of that
+//!   every lookup of the expert so far (plus its selections in `--history`, as the engine's
+//!   `COLI_POLICY=lfru` starts from its history) and `recent = 255 - age` (age in lookups of that
 //!   layer, 0 beyond 255); ties go to the least recently used. colibri's REPIN and tier
 //!   score, used as an eviction rule. Heat is never decayed here.
 //! - `pinned`: a fixed set, the hottest experts of each layer in a history (`--history`)
@@ -198,7 +199,9 @@ struct LayerCache {
 }
 
 impl LayerCache {
-    fn lookup(&mut self, expert: usize, slots: usize, lfru: bool) -> bool {
+    /// One lookup of a call; `together` when the call's experts all fit the slots, so that
+    /// (as in the engine's store) none taken earlier in the call is replaced for a later one.
+    fn lookup(&mut self, expert: usize, slots: usize, lfru: bool, call_start: u64) -> bool {
         self.clock += 1;
         let now = self.clock;
         if lfru {
@@ -220,9 +223,17 @@ impl LayerCache {
                 let recent = 255u64.saturating_sub(age);
                 (heat.get(e).copied().unwrap_or(0) << 8 | recent, last)
             };
-            self.resident.iter().enumerate().min_by_key(|(_, s)| key(s))
+            self.resident
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| s.1 < call_start)
+                .min_by_key(|(_, s)| key(s))
         } else {
-            self.resident.iter().enumerate().min_by_key(|(_, s)| s.1)
+            self.resident
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| s.1 < call_start)
+                .min_by_key(|(_, s)| s.1)
         };
         if let Some((i, _)) = victim {
             self.resident[i] = (expert, now);
@@ -485,9 +496,13 @@ pub fn simulate(trace: &Path, opts: &SimOptions) -> Result<SimReport> {
     let policies = policies(opts)?;
     let sizes = &opts.slots;
     let most = sizes.iter().copied().max().unwrap_or(1);
+    let mut heat_prior: Vec<Vec<u64>> = Vec::new();
     let (mut pins, pins_from) = match &opts.history {
         Some(h) => {
             let hist = history_file::open_readable(h)?;
+            for (layer, expert, count) in hist.counts.nonzero() {
+                *layer_mut(layer_mut(&mut heat_prior, layer), expert) += u64::from(count);
+            }
             (
                 Some(ranked_pins(&hist.counts, most)),
                 Some(h.display().to_string()),
@@ -540,14 +555,35 @@ pub fn simulate(trace: &Path, opts: &SimOptions) -> Result<SimReport> {
             calls += 1;
             lookups += call.experts.len() as u64;
         }
+        // The clock each size's caches start this call at: a call whose experts fit takes
+        // them together, and none it took is replaced for a later one.
+        let starts: Vec<(u64, u64)> = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &slots)| {
+                if call.experts.len() > slots {
+                    return (u64::MAX, u64::MAX);
+                }
+                let start = |caches: &mut Vec<LayerCache>| layer_mut(caches, call.layer).clock + 1;
+                (start(&mut lru[i]), start(&mut lfru[i]))
+            })
+            .collect();
         for &e in &call.experts {
             for (i, &slots) in sizes.iter().enumerate() {
-                if want(Policy::Lru) && layer_mut(&mut lru[i], call.layer).lookup(e, slots, false) {
+                let (lru_start, lfru_start) = starts[i];
+                if want(Policy::Lru)
+                    && layer_mut(&mut lru[i], call.layer).lookup(e, slots, false, lru_start)
+                {
                     hits[i][0] += u64::from(scored);
                 }
-                if want(Policy::Lfru) && layer_mut(&mut lfru[i], call.layer).lookup(e, slots, true)
-                {
-                    hits[i][1] += u64::from(scored);
+                if want(Policy::Lfru) {
+                    let cache = layer_mut(&mut lfru[i], call.layer);
+                    if cache.heat.is_empty() {
+                        cache.heat = heat_prior.get(call.layer).cloned().unwrap_or_default();
+                    }
+                    if cache.lookup(e, slots, true, lfru_start) {
+                        hits[i][1] += u64::from(scored);
+                    }
                 }
                 if scored {
                     let pinned = pins
@@ -682,7 +718,7 @@ mod tests {
     fn lru_evicts_the_oldest() {
         let mut c = LayerCache::default();
         let seq = [1, 2, 1, 3, 2];
-        let hits: Vec<bool> = seq.iter().map(|&e| c.lookup(e, 2, false)).collect();
+        let hits: Vec<bool> = seq.iter().map(|&e| c.lookup(e, 2, false, u64::MAX)).collect();
         // 1 2 | 1 hit | 3 evicts 2 | 2 misses
         assert_eq!(hits, vec![false, false, true, false, false]);
     }
@@ -691,7 +727,7 @@ mod tests {
     fn lfru_keeps_the_frequent() {
         let mut c = LayerCache::default();
         let seq = [1, 1, 1, 2, 3, 1];
-        let hits: Vec<bool> = seq.iter().map(|&e| c.lookup(e, 2, true)).collect();
+        let hits: Vec<bool> = seq.iter().map(|&e| c.lookup(e, 2, true, u64::MAX)).collect();
         // 3 evicts 2 (heat 1) rather than 1 (heat 3), so 1 still hits.
         assert_eq!(hits, vec![false, true, true, false, false, true]);
     }
