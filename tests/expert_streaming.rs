@@ -115,7 +115,9 @@ fn streamed_slots_hold_the_same_weights_and_counts_as_mapped_ones() {
         for call in calls {
             let prints = |store: &mut ExpertStore| {
                 store
-                    .with_experts(0, call, |w| w.iter().map(|e| fingerprint(e)).collect::<Vec<_>>())
+                    .with_experts(0, call, |w| {
+                        w.iter().map(|e| fingerprint(e)).collect::<Vec<_>>()
+                    })
                     .unwrap()
                     .unwrap()
             };
@@ -133,29 +135,29 @@ fn streamed_slots_hold_the_same_weights_and_counts_as_mapped_ones() {
 }
 
 #[test]
-fn read_ahead_fills_cold_slots_and_is_counted() {
-    let mut store = store(ExpertIo::Direct, 3, Policy::Lru, 1);
+fn read_ahead_is_staged_and_never_displaces_a_slot() {
+    let mut store = store(ExpertIo::Direct, 2, Policy::Lru, 1);
     let ids = |w: &[&coli::experts::Expert]| w.len();
+    assert_eq!(store.prefetch(0, &[4]).unwrap(), 0, "no staging room asked for");
+    store.set_stage(3);
     store.with_experts(0, &[0, 1], ids).unwrap();
-    // One free slot: 4 is read there; 5 and 6 would replace 0 and 1.
-    assert_eq!(store.prefetch(0, &[4, 5, 6, 1]).unwrap(), 3);
+    // 1 is in a slot; 4, 5, 6 are staged; 7 finds no room.
+    assert_eq!(store.prefetch(0, &[1, 4, 5, 6, 7]).unwrap(), 3);
+    assert_eq!(store.prefetch(0, &[4]).unwrap(), 0, "never staged twice");
     let stats = store.stats();
-    assert_eq!((stats.ahead_reads, stats.misses), (3, 2));
-    // 5 and 6 are hits; another read ahead of 4 is not queued twice.
-    assert_eq!(store.with_experts(0, &[5, 6], ids).unwrap(), Some(2));
+    assert_eq!((stats.ahead_reads, stats.misses, store.ahead_unused()), (3, 2, 3));
+    // 5 is a hit from the staging area and takes the slot a miss would (0's); 6 and 4
+    // were not asked for and are dropped.
+    assert_eq!(store.with_experts(0, &[1, 5], ids).unwrap(), Some(2));
     let stats = store.stats();
-    assert_eq!((stats.lru_hits, stats.misses, stats.ahead_useful), (2, 2, 2));
-    assert_eq!(store.ahead_unused(), 1);
-    assert_eq!(store.prefetch(0, &[4]).unwrap(), 0);
-    // A miss replaces the slot 4 took (read ahead before 5 and 6 were used): wasted.
-    store.with_experts(0, &[7], ids).unwrap();
-    let stats = store.stats();
-    assert_eq!((stats.ahead_wasted, stats.misses), (1, 3));
+    assert_eq!((stats.lru_hits, stats.misses), (2, 2));
+    assert_eq!((stats.ahead_useful, stats.ahead_wasted), (1, 2));
     assert_eq!(store.ahead_unused(), 0);
-    // A read-ahead never replaces what was itself read ahead and not yet used.
-    let mut small = self::store(ExpertIo::Direct, 1, Policy::Lru, 1);
-    assert_eq!(small.prefetch(0, &[2, 3]).unwrap(), 1);
-    assert_eq!(small.stats().ahead_reads, 1);
+    // The slots hold 1 and 5, exactly as if 5 had been a miss.
+    assert_eq!(store.with_experts(0, &[1, 5], ids).unwrap(), Some(2));
+    assert_eq!(store.stats().misses, 2);
+    store.with_experts(0, &[0], ids).unwrap();
+    assert_eq!(store.stats().misses, 3, "0 was replaced by 5");
 }
 
 #[test]
@@ -163,7 +165,11 @@ fn a_streamed_pin_takes_a_slot_and_one_is_left_for_the_rest() {
     let mut store = store(ExpertIo::Direct, 2, Policy::Lru, 0);
     let bytes = store.pin(0, 3).unwrap();
     assert!(bytes >= 3 * 32 * 64 * 4);
-    assert_eq!(store.pin(0, 4).unwrap(), 0, "the last slot stays with the LRU");
+    assert_eq!(
+        store.pin(0, 4).unwrap(),
+        0,
+        "the last slot stays with the LRU"
+    );
     assert_eq!(store.pins_skipped(), 1);
     let ids = |w: &[&coli::experts::Expert]| w.len();
     // One LRU slot: two unpinned experts cannot be held together.
@@ -190,7 +196,10 @@ fn a_budget_below_the_trunk_and_one_expert_per_layer_is_refused() {
     assert!(message.contains("trunk 0.04 GB"), "{message}");
 
     let snap = format!("SNAP={}", fixture("olmoe_tiny").display());
-    let out = coli(&[&snap, "EXPERT_IO=direct", "RAM_GB=0.05", "2", "16", "16"], &[]);
+    let out = coli(
+        &[&snap, "EXPERT_IO=direct", "RAM_GB=0.05", "2", "16", "16"],
+        &[],
+    );
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
     assert!(stderr(&out).contains("raise RAM_GB"), "{}", stderr(&out));
 }
@@ -221,17 +230,16 @@ fn a_truncated_shard_is_refused_at_load() {
     let dir = common::copy_fixture("olmoe_tiny");
     let shard = dir.path().join("model.safetensors");
     let len = std::fs::metadata(&shard).unwrap().len();
-    let file = std::fs::OpenOptions::new().write(true).open(&shard).unwrap();
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&shard)
+        .unwrap();
     file.set_len(len - 1000).unwrap();
     let snap = format!("SNAP={}", dir.path().display());
     for io in ["EXPERT_IO=direct", "EXPERT_IO=mmap"] {
         let out = coli(&[&snap, io, "2", "16", "16"], &[]);
         assert_eq!(out.status.code(), Some(2), "{io}");
-        assert!(
-            stderr(&out).contains("truncated"),
-            "{io}: {}",
-            stderr(&out)
-        );
+        assert!(stderr(&out).contains("truncated"), "{io}: {}", stderr(&out));
     }
 }
 
@@ -324,7 +332,11 @@ fn the_simulator_replays_a_streamed_cache_under_either_policy() {
             opts.policies = vec![sim];
             let s = simulate::simulate(&trace, &opts).unwrap();
             assert_eq!(s.lookups, lru + miss, "{policy} CAP {cap}");
-            assert_eq!(s.hits(s.sizes[0].slots, sim), Some(lru), "{policy} CAP {cap}");
+            assert_eq!(
+                s.hits(s.sizes[0].slots, sim),
+                Some(lru),
+                "{policy} CAP {cap}"
+            );
         }
     }
 }

@@ -845,6 +845,7 @@ impl GlmMoeDsa {
                     l,
                     Predictor {
                         router: Arc::clone(router),
+                        top_k: gate.top_k,
                         choose: Box::new(move |row| gate.route(row)),
                     },
                 );

@@ -575,6 +575,7 @@ impl Inkling {
                     l,
                     Predictor {
                         router: Arc::clone(&moe.router),
+                        top_k: k,
                         choose: Box::new(move |row| sink_route(row, n_experts, &bias, k, 1.0).0),
                     },
                 );

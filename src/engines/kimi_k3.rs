@@ -798,6 +798,7 @@ impl KimiK3 {
                     l,
                     Predictor {
                         router: Arc::clone(&moe.router),
+                        top_k: choose.top_k,
                         choose: Box::new(move |row| choose.route(row)),
                     },
                 );

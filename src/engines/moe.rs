@@ -100,6 +100,8 @@ impl SigmoidRouter {
 /// and the engine's own choice of experts from one row of its logits.
 pub struct Predictor {
     pub router: Arc<Matrix>,
+    /// Experts a row routes to.
+    pub top_k: usize,
     pub choose: Box<dyn Fn(&[f32]) -> Route + Send + Sync>,
 }
 
@@ -130,8 +132,10 @@ impl RoutedExperts {
         }
     }
 
-    /// Register MoE layer `layer`'s router for the lookahead.
+    /// Register MoE layer `layer`'s router for the lookahead, and give the store room to
+    /// stage what a decode step predicts (`PILOT` layers of `top_k` experts).
     pub fn predict_with(&mut self, layer: usize, predictor: Predictor) {
+        self.store.set_stage(self.store.pilot() * predictor.top_k);
         if self.predictors.len() <= layer {
             self.predictors.resize_with(layer + 1, || None);
         }

@@ -264,6 +264,7 @@ impl Olmoe {
                 l,
                 Predictor {
                     router: Arc::clone(&layer.router),
+                    top_k: k,
                     choose: Box::new(move |row| softmax_top_k(row, k, false)),
                 },
             );

@@ -9,7 +9,10 @@
 //! bytes, direct I/O where the file system takes it), so what is resident is exactly what
 //! the slots and pins hold, within the budget ([`budget`]), and a miss is a read from
 //! disk. A layer's misses are read in parallel; [`ExpertStore::prefetch`] reads experts
-//! the router lookahead predicts into free or cold slots ahead of their layer.
+//! the router lookahead predicts into a small staging area ahead of their layer: a
+//! staged expert that its layer then asks for moves into a slot as a miss would, without
+//! the read, and one it does not ask for is dropped, so a wrong prediction costs a read
+//! but never displaces a slot (the slots see exactly the lookups they would without it).
 //!
 //! It owns where experts live in memory and what loading one costs; it does not decide
 //! which experts a token uses (the engine's router and lookahead do) and it does not
@@ -257,11 +260,9 @@ enum State {
 
 struct Slot {
     expert: usize,
-    /// The layer's lookup clock at its last use (or when it was read ahead).
+    /// The layer's lookup clock at its last use.
     last_used: u64,
     state: State,
-    /// Read ahead and not yet used.
-    ahead: bool,
 }
 
 impl Slot {
@@ -341,6 +342,12 @@ pub struct ExpertStore {
     stream: Option<Stream>,
     /// Pins refused because their layer had no slot to give.
     pins_skipped: usize,
+    /// Experts read ahead, not yet asked for: `(layer, expert, state)`.
+    staged: Vec<(usize, usize, State)>,
+    /// How many experts may be staged at once.
+    stage_limit: usize,
+    /// What provisioning found: bytes for slots, bytes of one slot, MoE layers.
+    room: (u64, u64, u64),
     /// The startup line: budget, slots, how experts are read.
     summary: String,
 }
@@ -358,6 +365,9 @@ impl ExpertStore {
             stats: CacheStats::default(),
             stream: None,
             pins_skipped: 0,
+            staged: Vec::new(),
+            stage_limit: 0,
+            room: (0, 0, 0),
             summary: String::new(),
         }
     }
@@ -400,13 +410,31 @@ impl ExpertStore {
         self.pins_skipped
     }
 
-    /// Experts read ahead that are still waiting for their first use.
+    /// Experts read ahead that are still waiting for their layer.
     pub fn ahead_unused(&self) -> u64 {
-        self.layers
-            .iter()
-            .flat_map(|cache| &cache.slots)
-            .filter(|slot| slot.ahead)
-            .count() as u64
+        self.staged.len() as u64
+    }
+
+    /// Let the lookahead stage up to `experts` experts at once (its depth times the
+    /// experts a row routes to), taking their memory from the slots when the budget is
+    /// spent: capacity falls, never below one slot per layer.
+    pub fn set_stage(&mut self, experts: usize) {
+        if self.stream.is_none() || experts <= self.stage_limit {
+            return;
+        }
+        self.stage_limit = experts;
+        let (free, slot_bytes, moe_layers) = self.room;
+        let staging = experts as u64 * slot_bytes;
+        let fits = (free.saturating_sub(staging) / (moe_layers * slot_bytes).max(1)) as usize;
+        if fits < self.capacity {
+            self.capacity = fits.max(1);
+        }
+        self.summary = format!(
+            "{} | read-ahead stages up to {experts} experts ({:.1} MB): {} slots/layer",
+            self.summary,
+            staging as f64 / 1e6,
+            self.capacity
+        );
     }
 
     /// Add `count` history selections to expert `expert` of layer `layer` (LFRU's heat).
@@ -469,13 +497,23 @@ impl ExpertStore {
         }
     }
 
-    /// Drop an expert taken out of a slot or the pins, recycling its buffer.
-    fn release(&mut self, slot: Slot) {
-        if slot.ahead {
-            self.stats.ahead_wasted += 1;
-        }
-        if let (State::Ready(loaded), Some(stream)) = (slot.state, &self.stream) {
+    /// Drop an expert taken out of a slot, the pins or the staging area, recycling its
+    /// buffer (a read still under way is recycled when it finishes and finds no place).
+    fn release(&mut self, state: State) {
+        if let (State::Ready(loaded), Some(stream)) = (state, &self.stream) {
             stream.loader.recycle(loaded);
+        }
+    }
+
+    /// Drop what was staged for layer `layer` and not asked for.
+    fn drop_staged(&mut self, layer: usize) {
+        let (unused, kept) = std::mem::take(&mut self.staged)
+            .into_iter()
+            .partition(|(l, _, _)| *l == layer);
+        self.staged = kept;
+        for (_, _, state) in unused {
+            self.stats.ahead_wasted += 1;
+            self.release(state);
         }
     }
 
@@ -491,7 +529,7 @@ impl ExpertStore {
         match cache.victim(self.policy, eligible) {
             Some(index) => {
                 let old = std::mem::replace(&mut cache.slots[index], slot);
-                self.release(old);
+                self.release(old.state);
             }
             // Unreachable while a call takes no more experts than there are slots; holding
             // one more expert is better than failing the token.
@@ -499,31 +537,33 @@ impl ExpertStore {
         }
     }
 
-    /// File a finished read into its slot. A failed read on demand is the caller's error;
-    /// a failed read-ahead only frees its slot (the demand read will say what is wrong).
+    /// File a finished read into its slot (or its place in the staging area). A failed
+    /// read is an error for the layer waiting on it; a failed read-ahead still staged only
+    /// frees its place (the demand read will say what is wrong).
     fn file(&mut self, done: io::Done) -> Result<()> {
         self.stats.read_nanos += done.service.as_nanos() as u64;
         let cache = &mut self.layers[done.layer];
-        let index = cache
+        let slot = cache
             .slots
             .iter()
             .position(|s| s.expert == done.expert && matches!(s.state, State::Loading));
-        match (index, done.result) {
-            (Some(index), Ok(loaded)) => cache.slots[index].state = State::Ready(loaded),
-            (Some(index), Err(err)) => {
-                let slot = cache.slots.swap_remove(index);
-                if !done.ahead {
-                    return Err(err);
-                }
-                self.release(slot);
+        let staged = self.staged.iter().position(|(l, e, state)| {
+            *l == done.layer && *e == done.expert && matches!(state, State::Loading)
+        });
+        match (slot, staged, done.result) {
+            (Some(index), _, Ok(loaded)) => cache.slots[index].state = State::Ready(loaded),
+            (Some(index), _, Err(err)) => {
+                cache.slots.swap_remove(index);
+                return Err(err);
             }
-            // Evicted while it was being read.
-            (None, Ok(loaded)) => {
-                if let Some(stream) = &self.stream {
-                    stream.loader.recycle(loaded);
-                }
+            (None, Some(index), Ok(loaded)) => self.staged[index].2 = State::Ready(loaded),
+            (None, Some(index), Err(_)) => {
+                self.staged.swap_remove(index);
+                self.stats.ahead_wasted += 1;
             }
-            (None, Err(_)) => {}
+            // Replaced or dropped while it was being read.
+            (None, None, Ok(loaded)) => self.release(State::Ready(loaded)),
+            (None, None, Err(_)) => {}
         }
         Ok(())
     }
@@ -573,18 +613,27 @@ impl ExpertStore {
             return Ok(());
         }
         if let Some(index) = cache.slot(expert) {
-            let slot = &mut cache.slots[index];
-            slot.last_used = now;
+            cache.slots[index].last_used = now;
             self.stats.lru_hits += 1;
-            if std::mem::take(&mut slot.ahead) {
-                self.stats.ahead_useful += 1;
-            }
             return Ok(());
         }
-        self.stats.misses += 1;
-        let state = match &self.stream {
-            None => State::Ready(self.load_now(layer, expert)?),
-            Some(stream) => {
+        let staged = self
+            .staged
+            .iter()
+            .position(|(l, e, _)| *l == layer && *e == expert);
+        let state = match (&self.stream, staged) {
+            // Read ahead: a hit, taking its slot as a miss would.
+            (_, Some(index)) => {
+                self.stats.lru_hits += 1;
+                self.stats.ahead_useful += 1;
+                self.staged.swap_remove(index).2
+            }
+            (None, None) => {
+                self.stats.misses += 1;
+                State::Ready(self.load_now(layer, expert)?)
+            }
+            (Some(stream), None) => {
+                self.stats.misses += 1;
                 let tensors = &self.layers[layer].tensors[expert];
                 let plan = &stream.plans[layer][expert];
                 stream.loader.submit(layer, expert, tensors, plan, false);
@@ -597,7 +646,6 @@ impl ExpertStore {
             expert,
             last_used: now,
             state,
-            ahead: false,
         };
         self.place(layer, slot, |s| s.last_used < call_start);
         Ok(())
@@ -642,6 +690,7 @@ impl ExpertStore {
             self.lookup(layer, expert, call_start)?;
         }
         self.settle(layer, experts)?;
+        self.drop_staged(layer);
         let weights: Vec<&Expert> = experts
             .iter()
             .map(|&expert| {
@@ -665,44 +714,39 @@ impl ExpertStore {
         Ok(result.expect("one expert always fits: every layer keeps a slot"))
     }
 
-    /// Read `experts` of layer `layer` ahead of their use, into free slots or in place of
-    /// cold ones (never a pinned expert, one being read, or one read ahead and not yet
-    /// used). Only when experts stream; returns how many reads were queued.
+    /// Read `experts` of layer `layer` ahead of their use into the staging area (those
+    /// not already pinned, in a slot or staged, while there is room). Only when experts
+    /// stream; returns how many reads were queued.
     pub fn prefetch(&mut self, layer: usize, experts: &[usize]) -> Result<usize> {
-        if self.stream.is_none() || layer >= self.layers.len() {
+        let Some(stream) = &self.stream else {
             return Ok(0);
-        }
-        self.collect_finished()?;
+        };
+        let Some(cache) = self.layers.get(layer) else {
+            return Ok(0);
+        };
         let mut queued = 0;
         for &expert in experts {
-            let cache = &self.layers[layer];
+            if self.staged.len() >= self.stage_limit {
+                break;
+            }
             if expert >= cache.tensors.len()
                 || cache.is_pinned(expert)
                 || cache.slot(expert).is_some()
+                || self
+                    .staged
+                    .iter()
+                    .any(|(l, e, _)| *l == layer && *e == expert)
             {
                 continue;
             }
-            let eligible = |s: &Slot| !s.ahead && matches!(s.state, State::Ready(_));
-            let full = cache.slots.len() >= self.lru_capacity(layer);
-            if full && cache.victim(self.policy, eligible).is_none() {
-                break;
-            }
-            if let Some(stream) = &self.stream {
-                let plan = &stream.plans[layer][expert];
-                let tensors = &cache.tensors[expert];
-                stream.loader.submit(layer, expert, tensors, plan, true);
-                self.stats.bytes_loaded += tensors.source_bytes() as u64;
-                self.stats.bytes_read += plan.read_bytes();
-            }
+            let plan = &stream.plans[layer][expert];
+            let tensors = &cache.tensors[expert];
+            stream.loader.submit(layer, expert, tensors, plan, true);
+            self.stats.bytes_loaded += tensors.source_bytes() as u64;
+            self.stats.bytes_read += plan.read_bytes();
             self.stats.ahead_reads += 1;
+            self.staged.push((layer, expert, State::Loading));
             queued += 1;
-            let slot = Slot {
-                expert,
-                last_used: cache.clock,
-                state: State::Loading,
-                ahead: true,
-            };
-            self.place(layer, slot, eligible);
         }
         Ok(queued)
     }
@@ -750,7 +794,7 @@ impl ExpertStore {
                 break;
             };
             let old = cache.slots.swap_remove(index);
-            self.release(old);
+            self.release(old.state);
         }
         Ok(bytes)
     }
@@ -769,12 +813,11 @@ impl ExpertStore {
             expert,
             last_used: cache.clock,
             state: State::Ready(loaded),
-            ahead: false,
         };
         if self.layers[layer].slots.len() < self.lru_capacity(layer) {
             self.layers[layer].slots.push(slot);
         } else {
-            self.release(slot);
+            self.release(slot.state);
         }
         true
     }
@@ -926,6 +969,7 @@ impl ExpertStore {
             lowered = format!(" (CAP {} lowered to what the budget holds)", options.cap);
         }
         store.capacity = capacity.max(1);
+        store.room = (free, slot_bytes, moe_layers);
         let slots = format!(
             "{} slots/layer{lowered} x {moe_layers} layers of {:.1} MB",
             store.capacity,

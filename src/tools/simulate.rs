@@ -718,7 +718,10 @@ mod tests {
     fn lru_evicts_the_oldest() {
         let mut c = LayerCache::default();
         let seq = [1, 2, 1, 3, 2];
-        let hits: Vec<bool> = seq.iter().map(|&e| c.lookup(e, 2, false, u64::MAX)).collect();
+        let hits: Vec<bool> = seq
+            .iter()
+            .map(|&e| c.lookup(e, 2, false, u64::MAX))
+            .collect();
         // 1 2 | 1 hit | 3 evicts 2 | 2 misses
         assert_eq!(hits, vec![false, false, true, false, false]);
     }
@@ -727,7 +730,10 @@ mod tests {
     fn lfru_keeps_the_frequent() {
         let mut c = LayerCache::default();
         let seq = [1, 1, 1, 2, 3, 1];
-        let hits: Vec<bool> = seq.iter().map(|&e| c.lookup(e, 2, true, u64::MAX)).collect();
+        let hits: Vec<bool> = seq
+            .iter()
+            .map(|&e| c.lookup(e, 2, true, u64::MAX))
+            .collect();
         // 3 evicts 2 (heat 1) rather than 1 (heat 3), so 1 still hits.
         assert_eq!(hits, vec![false, true, true, false, false, true]);
     }
