@@ -138,14 +138,21 @@ fn streamed_slots_hold_the_same_weights_and_counts_as_mapped_ones() {
 fn read_ahead_is_staged_and_never_displaces_a_slot() {
     let mut store = store(ExpertIo::Direct, 2, Policy::Lru, 1);
     let ids = |w: &[&coli::experts::Expert]| w.len();
-    assert_eq!(store.prefetch(0, &[4]).unwrap(), 0, "no staging room asked for");
+    assert_eq!(
+        store.prefetch(0, &[4]).unwrap(),
+        0,
+        "no staging room asked for"
+    );
     store.set_stage(3);
     store.with_experts(0, &[0, 1], ids).unwrap();
     // 1 is in a slot; 4, 5, 6 are staged; 7 finds no room.
     assert_eq!(store.prefetch(0, &[1, 4, 5, 6, 7]).unwrap(), 3);
     assert_eq!(store.prefetch(0, &[4]).unwrap(), 0, "never staged twice");
     let stats = store.stats();
-    assert_eq!((stats.ahead_reads, stats.misses, store.ahead_unused()), (3, 2, 3));
+    assert_eq!(
+        (stats.ahead_reads, stats.misses, store.ahead_unused()),
+        (3, 2, 3)
+    );
     // 5 is a hit from the staging area and takes the slot a miss would (0's); 6 and 4
     // were not asked for and are dropped.
     assert_eq!(store.with_experts(0, &[1, 5], ids).unwrap(), Some(2));

@@ -96,13 +96,16 @@ impl SigmoidRouter {
     }
 }
 
+/// An engine's choice of experts from one row of router logits.
+pub type ChooseExperts = Box<dyn Fn(&[f32]) -> Route + Send + Sync>;
+
 /// A MoE layer's router as the lookahead applies it: its weight (shared with the layer)
 /// and the engine's own choice of experts from one row of its logits.
 pub struct Predictor {
     pub router: Arc<Matrix>,
     /// Experts a row routes to.
     pub top_k: usize,
-    pub choose: Box<dyn Fn(&[f32]) -> Route + Send + Sync>,
+    pub choose: ChooseExperts,
 }
 
 /// Rows of a forward above which the lookahead stays idle: a prompt's batch already

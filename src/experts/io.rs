@@ -328,7 +328,8 @@ fn drop_cached(file: &File, offset: u64, len: usize) {
 /// An expert in memory, with the buffer its matrices point into (none when every matrix
 /// was converted into owned storage, or when it is a view into the shard mapping).
 pub struct Loaded {
-    pub weights: Expert,
+    /// Boxed: a slot's state is this or nothing (being read), so keep the two small alike.
+    pub weights: Box<Expert>,
     pub buffer: Option<Arc<Mmap>>,
 }
 
@@ -407,7 +408,10 @@ impl Shared {
                 .make_read_only()
                 .context("cannot protect an expert slot")?,
         );
-        let weights = Expert::load(&self.files.rebase(tensors, plan, &buffer), self.width)?;
+        let weights = Box::new(Expert::load(
+            &self.files.rebase(tensors, plan, &buffer),
+            self.width,
+        )?);
         if Arc::strong_count(&buffer) > 1 {
             Ok(Loaded {
                 weights,

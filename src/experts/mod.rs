@@ -483,7 +483,7 @@ impl ExpertStore {
         let tensors = &self.layers[layer].tensors[expert];
         match &self.stream {
             None => Ok(Loaded {
-                weights: Expert::load(tensors, self.width)?,
+                weights: Box::new(Expert::load(tensors, self.width)?),
                 buffer: None,
             }),
             Some(stream) => {
@@ -658,7 +658,7 @@ impl ExpertStore {
             .pinned
             .iter()
             .find(|(e, _)| *e == expert)
-            .map(|(_, loaded)| &loaded.weights)
+            .map(|(_, loaded)| loaded.weights.as_ref())
             .or_else(|| cache.slots.iter().find(|s| s.expert == expert)?.weights())
     }
 
@@ -885,7 +885,7 @@ impl ExpertStore {
         let tensors = self.tensors(layer, expert)?;
         match &self.stream {
             None => Expert::load(tensors, self.width),
-            Some(stream) => Ok(stream
+            Some(stream) => Ok(*stream
                 .loader
                 .load_now(tensors, &stream.plans[layer][expert])?
                 .weights),
