@@ -12,25 +12,20 @@
 //! containers are kept in `--dir` (default: `coli-olmoe-bench` in the system temporary
 //! directory) and reused by later runs.
 
-use std::fs::File;
-use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use coli::convert::{self, Options};
 use coli::engines::{self, LoadOptions};
+use coli::experts::{Budget, StoreOptions};
 use coli::generate::greedy;
 use coli::quant::Width;
 use coli::snapshot::Snapshot;
-use half::bf16;
+use common::{container, expert_bytes, load_average, source_model, stored_bytes};
+use common::{CONTAINERS, EXPERTS, TOP_K, VOCAB};
 use rayon::prelude::*;
 
-const HIDDEN: usize = 2048;
-const HEADS: usize = 16;
-const EXPERTS: usize = 64;
-const TOP_K: usize = 8;
-const INTER: usize = 1024;
-const VOCAB: usize = 50304;
+mod common;
+
 const PROMPT: usize = 32;
 const DECODE: usize = 64;
 
@@ -43,7 +38,7 @@ struct Args {
 fn args() -> Args {
     let mut parsed = Args {
         layers: 4,
-        dir: std::env::temp_dir().join("coli-olmoe-bench"),
+        dir: common::default_dir(),
         repeat: 3,
     };
     let argv: Vec<String> = std::env::args().collect();
@@ -57,111 +52,6 @@ fn args() -> Args {
         }
     }
     parsed
-}
-
-/// The model's tensors: name and shape, in file order.
-fn tensors(layers: usize) -> Vec<(String, Vec<usize>)> {
-    let mut list = vec![
-        ("model.embed_tokens.weight".to_string(), vec![VOCAB, HIDDEN]),
-        ("lm_head.weight".to_string(), vec![VOCAB, HIDDEN]),
-        ("model.norm.weight".to_string(), vec![HIDDEN]),
-    ];
-    for l in 0..layers {
-        let p = format!("model.layers.{l}");
-        for norm in [
-            "input_layernorm",
-            "post_attention_layernorm",
-            "self_attn.q_norm",
-            "self_attn.k_norm",
-        ] {
-            list.push((format!("{p}.{norm}.weight"), vec![HIDDEN]));
-        }
-        for proj in ["q_proj", "k_proj", "v_proj", "o_proj"] {
-            list.push((format!("{p}.self_attn.{proj}.weight"), vec![HIDDEN, HIDDEN]));
-        }
-        list.push((format!("{p}.mlp.gate.weight"), vec![EXPERTS, HIDDEN]));
-        for e in 0..EXPERTS {
-            let x = format!("{p}.mlp.experts.{e}");
-            list.push((format!("{x}.gate_proj.weight"), vec![INTER, HIDDEN]));
-            list.push((format!("{x}.up_proj.weight"), vec![INTER, HIDDEN]));
-            list.push((format!("{x}.down_proj.weight"), vec![HIDDEN, INTER]));
-        }
-    }
-    list
-}
-
-/// Random bf16 weights (uniform, standard deviation about 0.03; norm weights 1), written as
-/// one safetensors file with a `config.json`, unless already there.
-fn generate(dir: &Path, layers: usize) {
-    let shard = dir.join("model.safetensors");
-    if shard.exists() {
-        return;
-    }
-    std::fs::create_dir_all(dir).expect("create the model directory");
-    let config = serde_json::json!({
-        "architectures": ["OlmoeForCausalLM"],
-        "model_type": "olmoe",
-        "hidden_size": HIDDEN,
-        "intermediate_size": INTER,
-        "num_hidden_layers": layers,
-        "num_attention_heads": HEADS,
-        "num_key_value_heads": HEADS,
-        "num_experts": EXPERTS,
-        "num_experts_per_tok": TOP_K,
-        "vocab_size": VOCAB,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "norm_topk_prob": false,
-        "tie_word_embeddings": false,
-        "hidden_act": "silu",
-    });
-    std::fs::write(dir.join("config.json"), config.to_string()).expect("write config.json");
-    let list = tensors(layers);
-    let mut header = serde_json::Map::new();
-    let mut offset = 0usize;
-    for (name, shape) in &list {
-        let bytes = shape.iter().product::<usize>() * 2;
-        header.insert(
-            name.clone(),
-            serde_json::json!({"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + bytes]}),
-        );
-        offset += bytes;
-    }
-    let mut json = serde_json::to_vec(&header).expect("header");
-    while !json.len().is_multiple_of(8) {
-        json.push(b' ');
-    }
-    let partial = dir.join(".model.safetensors.partial");
-    let mut out =
-        BufWriter::with_capacity(16 << 20, File::create(&partial).expect("create the shard"));
-    out.write_all(&(json.len() as u64).to_le_bytes())
-        .expect("write");
-    out.write_all(&json).expect("write");
-    for (index, (name, shape)) in list.iter().enumerate() {
-        let count: usize = shape.iter().product();
-        let norm = name.contains("norm");
-        let bytes: Vec<u8> = (0..count)
-            .into_par_iter()
-            .with_min_len(1 << 16)
-            .flat_map_iter(|i| {
-                let value = if norm {
-                    1.0
-                } else {
-                    // A counter-based hash, so the weights do not depend on thread timing.
-                    let mut z =
-                        ((index as u64) << 40 ^ i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-                    z = (z ^ (z >> 31)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-                    z ^= z >> 29;
-                    ((z >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1
-                };
-                bf16::from_f32(value).to_le_bytes()
-            })
-            .collect();
-        out.write_all(&bytes).expect("write");
-    }
-    out.flush().expect("write");
-    drop(out);
-    std::fs::rename(&partial, &shard).expect("rename the shard");
 }
 
 /// Read bandwidth: a multi-threaded sum over 1 GiB, best of five.
@@ -188,12 +78,6 @@ fn bandwidth() -> f64 {
     best
 }
 
-/// Bytes of `name` and its scale tensor, if any.
-fn stored_bytes(snapshot: &Snapshot, name: &str) -> usize {
-    let view = snapshot.tensor(name).expect("tensor");
-    view.bytes.len() + view.scales.map_or(0, |s| s.bytes.len())
-}
-
 /// Weight bytes one decoded token reads: every attention projection and router, the
 /// top-k experts of every layer, and the LM head (the embedding row is negligible).
 fn bytes_per_token(snapshot: &Snapshot, layers: usize) -> usize {
@@ -204,11 +88,7 @@ fn bytes_per_token(snapshot: &Snapshot, layers: usize) -> usize {
             total += stored_bytes(snapshot, &format!("{p}.self_attn.{proj}.weight"));
         }
         total += stored_bytes(snapshot, &format!("{p}.mlp.gate.weight"));
-        let expert: usize = ["gate_proj", "up_proj", "down_proj"]
-            .iter()
-            .map(|m| stored_bytes(snapshot, &format!("{p}.mlp.experts.0.{m}.weight")))
-            .sum();
-        total += TOP_K * expert;
+        total += TOP_K * expert_bytes(snapshot, l);
     }
     total
 }
@@ -244,10 +124,10 @@ fn run(dir: &Path, layers: usize, repeat: usize) -> Figures {
     let snapshot = Snapshot::open(dir).expect("open the model");
     touch(&snapshot);
     let options = LoadOptions {
-        cap: EXPERTS,
-        expert_width: Width::F32,
-        dense_width: Width::F32,
-        ram_budget: 20 << 30,
+        store: StoreOptions {
+            budget: Budget::fixed(20 << 30),
+            ..StoreOptions::mapped(EXPERTS, Width::F32)
+        },
         ..LoadOptions::exact(EXPERTS)
     };
     let mut engine = engines::load("olmoe", &snapshot, options).expect("load the model");
@@ -270,36 +150,13 @@ fn run(dir: &Path, layers: usize, repeat: usize) -> Figures {
     best
 }
 
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|_| "unknown".to_string())
-}
-
 fn main() {
     let args = args();
-    let source = args.dir.join(format!("bf16-{}l", args.layers));
-    let started = Instant::now();
-    generate(&source, args.layers);
-    println!(
-        "model: {} ({:.1} s)",
-        source.display(),
-        started.elapsed().as_secs_f64()
-    );
-    let containers = [("int8-row", 8, 8), ("int4-g64", 4, 8)];
+    let source = source_model(&args.dir, args.layers);
     let mut rows = vec![("bf16 (source)".to_string(), source.clone())];
-    for (label, bits, io_bits) in containers {
-        let dst = args.dir.join(format!("{label}-{}l", args.layers));
-        let options = Options {
-            expert_bits: bits,
-            dense_bits: bits,
-            io_bits,
-            group_size: 64,
-            shard_bytes: 4_000_000_000,
-        };
-        let summary = convert::convert(&source, &dst, &options).expect("convert");
-        println!("{}", convert::report(&summary, &dst));
-        rows.push((label.to_string(), dst));
+    for spec in CONTAINERS {
+        let dst = container(&source, &args.dir, args.layers, spec);
+        rows.push((spec.0.to_string(), dst));
     }
     let bandwidth = bandwidth();
     println!(

@@ -36,6 +36,12 @@ use crate::snapshot::{MappedBytes, TensorView};
 /// on every common file system and device.
 pub const ALIGN: usize = 4096;
 
+/// A range longer than this is read as several parts at once.
+pub const READ_CHUNK: usize = 2 << 20;
+
+/// The most parts one range is read as.
+pub const READ_FANOUT: usize = 4;
+
 /// Windows of one file at most this far apart are read as one range: reading a small gap
 /// costs less than a second request.
 pub const MERGE_GAP: usize = 64 << 10;
@@ -216,29 +222,47 @@ impl Files {
         })
     }
 
-    /// Read the plan's ranges into `buffer`.
+    /// Read the plan's ranges into `buffer`. A range longer than [`READ_CHUNK`] is read as
+    /// up to [`READ_FANOUT`] aligned parts at once: one expert's read then keeps several
+    /// requests in flight, which a device needs to reach its bandwidth.
     fn read(&self, plan: &ReadPlan, buffer: &mut [u8]) -> Result<()> {
         for range in &plan.ranges {
             let file = &self.handles[range.file];
             let window = &mut buffer[range.at..][..range.len];
-            let mut done = 0;
-            while done < range.len {
-                match file.read_at(&mut window[done..], range.offset + done as u64) {
-                    Ok(0) => break,
-                    Ok(n) => done += n,
-                    Err(err) if err.kind() == std::io::ErrorKind::Interrupted => {}
-                    Err(err) => {
-                        return Err(err).with_context(|| {
-                            format!(
-                                "cannot read {} bytes at offset {} of {}",
-                                range.len,
-                                range.offset,
-                                self.paths[range.file].display()
-                            )
+            let done = if range.len > READ_CHUNK {
+                let part = range
+                    .len
+                    .div_ceil(READ_FANOUT)
+                    .next_multiple_of(ALIGN)
+                    .max(READ_CHUNK / 2);
+                std::thread::scope(|scope| {
+                    let reads: Vec<_> = window
+                        .chunks_mut(part)
+                        .enumerate()
+                        .map(|(i, chunk)| {
+                            let offset = range.offset + (i * part) as u64;
+                            scope.spawn(move || read_fully(file, chunk, offset))
                         })
-                    }
-                }
+                        .collect();
+                    reads.into_iter().try_fold(0, |sum, read| {
+                        read.join()
+                            .unwrap_or_else(|_| {
+                                Err(std::io::Error::other("a read thread panicked"))
+                            })
+                            .map(|n| sum + n)
+                    })
+                })
+            } else {
+                read_fully(file, window, range.offset)
             }
+            .with_context(|| {
+                format!(
+                    "cannot read {} bytes at offset {} of {}",
+                    range.len,
+                    range.offset,
+                    self.paths[range.file].display()
+                )
+            })?;
             if done < range.needed {
                 bail!(
                     "{}: read {done} of {} bytes at offset {}: the file ended early (truncated while running?)",
@@ -289,6 +313,20 @@ impl Files {
             down: with_scales(&tensors.down),
         }
     }
+}
+
+/// Read into `buffer` from `offset` until it is full or the file ends; the bytes read.
+fn read_fully(file: &File, buffer: &mut [u8], offset: u64) -> std::io::Result<usize> {
+    let mut done = 0;
+    while done < buffer.len() {
+        match file.read_at(&mut buffer[done..], offset + done as u64) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(err) if err.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(err) => return Err(err),
+        }
+    }
+    Ok(done)
 }
 
 fn open_file(path: &Path, mode: IoMode) -> Result<File> {
@@ -571,5 +609,93 @@ impl Drop for Loader {
         for worker in self.workers.drain(..) {
             let _ = worker.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Pages of `path` in the page cache.
+    fn cached_pages(path: &Path) -> usize {
+        let file = File::open(path).unwrap();
+        // SAFETY: a read-only mapping of a file no one else writes during the test.
+        let map = unsafe { Mmap::map(&file) }.unwrap();
+        let pages = map.len().div_ceil(ALIGN);
+        let mut resident = vec![0u8; pages];
+        // SAFETY: `resident` has one byte per page of the mapping, as mincore needs.
+        let rc = unsafe {
+            libc::mincore(
+                map.as_ptr() as *mut libc::c_void,
+                map.len(),
+                resident.as_mut_ptr(),
+            )
+        };
+        assert_eq!(rc, 0);
+        resident.iter().filter(|&&r| r & 1 == 1).count()
+    }
+
+    fn written(dir: &Path, name: &str, len: usize) -> (PathBuf, Vec<u8>) {
+        let path = dir.join(name);
+        let data: Vec<u8> = (0..len).map(|i| (i * 7 + i / 4096) as u8).collect();
+        std::fs::write(&path, &data).unwrap();
+        File::open(&path).unwrap().sync_all().unwrap();
+        (path, data)
+    }
+
+    fn whole_file(len: usize) -> ReadPlan {
+        ReadPlan {
+            ranges: vec![Range {
+                file: 0,
+                offset: 0,
+                len,
+                needed: len,
+                at: 0,
+            }],
+            buffer_len: len,
+            data_bytes: len,
+        }
+    }
+
+    #[test]
+    fn reads_leave_no_copy_in_the_page_cache() {
+        let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        // Long enough to be read as parts at once, not a whole number of parts.
+        let len = (5 << 20) + 3 * ALIGN;
+        // Whether this file system drops clean pages on advice at all.
+        let (probe, _) = written(dir.path(), "probe", len);
+        drop_cached(&File::open(&probe).unwrap(), 0, len);
+        if cached_pages(&probe) != 0 {
+            eprintln!("the file system keeps pages despite POSIX_FADV_DONTNEED: not checked");
+            return;
+        }
+        for direct in [false, true] {
+            let (path, data) = written(dir.path(), &format!("f{direct}"), len);
+            let (files, _) = Files::open(vec![path.clone()], Some(direct)).unwrap();
+            if direct && files.mode() != IoMode::Direct {
+                eprintln!("O_DIRECT is refused here: direct reads not checked");
+                continue;
+            }
+            drop_cached(&File::open(&path).unwrap(), 0, len);
+            let mut buffer = MmapOptions::new().len(len).map_anon().unwrap();
+            files.read(&whole_file(len), &mut buffer).unwrap();
+            assert!(buffer[..] == data[..], "direct={direct}");
+            assert_eq!(cached_pages(&path), 0, "direct={direct}");
+        }
+    }
+
+    #[test]
+    fn a_file_that_ends_early_is_an_error_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, _) = written(dir.path(), "short", 10_000);
+        let (files, _) = Files::open(vec![path], Some(false)).unwrap();
+        let mut buffer = vec![0u8; 3 * ALIGN];
+        let mut plan = whole_file(3 * ALIGN);
+        plan.ranges[0].needed = 12_000;
+        let err = files.read(&plan, &mut buffer).unwrap_err().to_string();
+        assert!(
+            err.contains("short") && err.contains("ended early"),
+            "{err}"
+        );
     }
 }
