@@ -347,3 +347,65 @@ fn the_simulator_replays_a_streamed_cache_under_either_policy() {
         }
     }
 }
+
+#[test]
+fn the_lookahead_reads_what_the_next_router_will_choose() {
+    use coli::engines::moe::{softmax_top_k, Predictor, RoutedExperts};
+    use coli::quant::Matrix;
+    use coli::route_trace::RouteTrace;
+    use std::sync::Arc;
+
+    let snapshot = Snapshot::open(&fixture("olmoe_tiny")).unwrap();
+    let layer = |l: usize| -> Vec<ExpertTensors> {
+        (0..8)
+            .map(|e| {
+                let p = format!("model.layers.{l}.mlp.experts.{e}");
+                ExpertTensors {
+                    gate: snapshot.tensor(&format!("{p}.gate_proj.weight")).unwrap(),
+                    up: snapshot.tensor(&format!("{p}.up_proj.weight")).unwrap(),
+                    down: snapshot.tensor(&format!("{p}.down_proj.weight")).unwrap(),
+                }
+                .checked(64, 32)
+                .unwrap()
+            })
+            .collect()
+    };
+    let options = StoreOptions {
+        io: ExpertIo::Direct,
+        pilot: 1,
+        budget: Budget::fixed(1 << 30),
+        ..StoreOptions::mapped(4, Width::F32)
+    };
+    let store = ExpertStore::provision(vec![layer(0), layer(1)], &options, 0).unwrap();
+    let mut routed = RoutedExperts::new(store, RouteTrace::new("olmoe", 2, 8).unwrap());
+    // Layer 1's router reads expert e's logit from input column e.
+    let mut weights = vec![0f32; 8 * 64];
+    for e in 0..8 {
+        weights[e * 64 + e] = 1.0;
+    }
+    routed.predict_with(
+        1,
+        Predictor {
+            router: Arc::new(Matrix::from_f32(8, 64, weights, Width::F32)),
+            top_k: 2,
+            choose: Box::new(|row| softmax_top_k(row, 2, false)),
+        },
+    );
+    let mut h = vec![0f32; 64];
+    h[6] = 3.0;
+    h[2] = 2.0;
+    let ids = |w: &[&coli::experts::Expert]| w.len();
+    routed.look_ahead(0, &h, 1);
+    // Queued behind layer 0's own misses, read while it computes.
+    routed.store.with_experts(0, &[0, 1], ids).unwrap();
+    let stats = routed.store.stats();
+    assert_eq!((stats.misses, stats.ahead_reads), (2, 2));
+    routed.store.with_experts(1, &[2, 5, 6], ids).unwrap();
+    let stats = routed.store.stats();
+    assert_eq!((stats.lru_hits, stats.misses), (2, 3));
+    assert_eq!((stats.ahead_useful, stats.ahead_wasted), (2, 0));
+    // Decode only: a prompt's batch is not looked ahead for.
+    routed.look_ahead(0, &vec![0.5; 5 * 64], 5);
+    routed.store.with_experts(0, &[0], ids).unwrap();
+    assert_eq!(routed.store.stats().ahead_reads, 2);
+}

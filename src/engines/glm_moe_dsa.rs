@@ -625,7 +625,7 @@ impl Layer {
                     .map(|row| gate.route(row))
                     .collect();
                 let mut out = vec![0f32; n * d];
-                pass.routed.look_ahead(id, h, n)?;
+                pass.routed.look_ahead(id, h, n);
                 pass.routed.run(id, h, &routes, d, &mut out)?;
                 // transformers adds the shared expert after the routed sum.
                 if let Some(shared) = shared {

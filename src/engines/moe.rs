@@ -147,12 +147,12 @@ impl RoutedExperts {
 
     /// The router lookahead (`PILOT=N`), called by MoE layer `layer` with its router input
     /// `h` (`n` rows): apply the routers of layers `layer+1..=layer+N` to it and have the
-    /// store read the experts they choose ahead. It changes only what is resident, never
-    /// a routing decision, so never a token.
-    pub fn look_ahead(&mut self, layer: usize, h: &[f32], n: usize) -> Result<()> {
+    /// store read the experts they choose ahead, behind this layer's own misses. It changes
+    /// only what is resident, never a routing decision, so never a token.
+    pub fn look_ahead(&mut self, layer: usize, h: &[f32], n: usize) {
         let depth = self.store.pilot();
         if depth == 0 || n == 0 || n > LOOKAHEAD_ROWS {
-            return Ok(());
+            return;
         }
         for target in layer + 1..=layer + depth {
             let Some(Some(predictor)) = self.predictors.get(target) else {
@@ -172,9 +172,8 @@ impl RoutedExperts {
                 .collect();
             ids.sort_unstable();
             ids.dedup();
-            self.store.prefetch(target, &ids)?;
+            self.store.want_ahead(target, ids);
         }
-        Ok(())
     }
 
     /// `out[row] = sum of gate * down(silu(gate_proj x) * up_proj x)` over each row's route.

@@ -346,6 +346,8 @@ pub struct ExpertStore {
     staged: Vec<(usize, usize, State)>,
     /// How many experts may be staged at once.
     stage_limit: usize,
+    /// Read-aheads the lookahead asked for, queued by the next call behind its own misses.
+    wanted: Vec<(usize, Vec<usize>)>,
     /// What provisioning found: bytes for slots, bytes of one slot, MoE layers.
     room: (u64, u64, u64),
     /// The startup line: budget, slots, how experts are read.
@@ -367,6 +369,7 @@ impl ExpertStore {
             pins_skipped: 0,
             staged: Vec::new(),
             stage_limit: 0,
+            wanted: Vec::new(),
             room: (0, 0, 0),
             summary: String::new(),
         }
@@ -689,8 +692,13 @@ impl ExpertStore {
         for &expert in experts {
             self.lookup(layer, expert, call_start)?;
         }
-        self.settle(layer, experts)?;
+        // This layer's misses are queued: what was staged for it and not asked for makes
+        // room for the next layers' read-ahead, which is read while this layer computes.
         self.drop_staged(layer);
+        for (ahead, ids) in std::mem::take(&mut self.wanted) {
+            self.prefetch(ahead, &ids)?;
+        }
+        self.settle(layer, experts)?;
         let weights: Vec<&Expert> = experts
             .iter()
             .map(|&expert| {
@@ -712,6 +720,14 @@ impl ExpertStore {
     ) -> Result<R> {
         let result = self.with_experts(layer, &[expert], |weights| compute(weights[0]))?;
         Ok(result.expect("one expert always fits: every layer keeps a slot"))
+    }
+
+    /// Ask for `experts` of layer `layer` to be read ahead, once the next call has queued
+    /// its own misses (see [`ExpertStore::prefetch`]).
+    pub fn want_ahead(&mut self, layer: usize, experts: Vec<usize>) {
+        if self.stream.is_some() {
+            self.wanted.push((layer, experts));
+        }
     }
 
     /// Read `experts` of layer `layer` ahead of their use into the staging area (those
