@@ -172,6 +172,8 @@ impl RoutedExperts {
                 .collect();
             ids.sort_unstable();
             ids.dedup();
+            // Experts on the GPU are never read from disk.
+            ids.retain(|&e| !self.tier.contains(target, e));
             self.store.want_ahead(target, ids);
         }
     }
@@ -348,7 +350,8 @@ fn run_on_host(
                     profile::time(Phase::ExpertMatmul, || ffn(w, batch))
                 })
             })
-            .collect::<Result<_>>()?,
+            .collect::<Result<_>>()
+            .and_then(|results| store.finish_layer(layer).map(|()| results))?,
     };
     for ((_, rows), result) in assignments.iter().map(|a| (a.0, &a.1)).zip(results) {
         for (&(row, weight), y) in rows.iter().zip(result.chunks_exact(width)) {

@@ -19,6 +19,7 @@
 use std::collections::VecDeque;
 use std::fs::File;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex};
@@ -241,11 +242,13 @@ impl Files {
                         .enumerate()
                         .map(|(i, chunk)| {
                             let offset = range.offset + (i * part) as u64;
-                            scope.spawn(move || read_fully(file, chunk, offset))
+                            std::thread::Builder::new()
+                                .spawn_scoped(scope, move || read_fully(file, chunk, offset))
                         })
                         .collect();
                     reads.into_iter().try_fold(0, |sum, read| {
-                        read.join()
+                        read?
+                            .join()
                             .unwrap_or_else(|_| {
                                 Err(std::io::Error::other("a read thread panicked"))
                             })
@@ -315,12 +318,15 @@ impl Files {
     }
 }
 
-/// Read into `buffer` from `offset` until it is full or the file ends; the bytes read.
+/// Read into `buffer` from `offset` until it is full or the file ends; the bytes read. A
+/// short read of a regular file is its end (another read there, at an offset no longer
+/// aligned, would be refused under `O_DIRECT` by some kernels).
 fn read_fully(file: &File, buffer: &mut [u8], offset: u64) -> std::io::Result<usize> {
     let mut done = 0;
     while done < buffer.len() {
         match file.read_at(&mut buffer[done..], offset + done as u64) {
             Ok(0) => break,
+            Ok(n) if n < buffer.len() - done => return Ok(done + n),
             Ok(n) => done += n,
             Err(err) if err.kind() == std::io::ErrorKind::Interrupted => {}
             Err(err) => return Err(err),
@@ -498,7 +504,7 @@ impl Loader {
             queues: Mutex::new(Queues::default()),
             ready: Condvar::new(),
             spare: Mutex::new(Vec::new()),
-            spare_limit: threads + 2,
+            spare_limit: threads,
         });
         let (sender, done) = mpsc::channel();
         let workers = (0..threads)
@@ -510,7 +516,17 @@ impl Loader {
                     .spawn(move || {
                         while let Some((job, ahead)) = shared.next_job() {
                             let started = Instant::now();
-                            let result = shared.load(&job.tensors, &job.plan);
+                            // A panic must still answer: the store waits for this read.
+                            let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                                shared.load(&job.tensors, &job.plan)
+                            }))
+                            .unwrap_or_else(|_| {
+                                Err(anyhow!(
+                                    "reading expert {} of MoE layer {} failed unexpectedly",
+                                    job.expert,
+                                    job.layer
+                                ))
+                            });
                             let done = Done {
                                 layer: job.layer,
                                 expert: job.expert,
@@ -568,6 +584,30 @@ impl Loader {
         }
         drop(queues);
         self.shared.ready.notify_one();
+    }
+
+    /// Take a read-ahead of `(layer, expert)` out of the queue if no thread has begun it;
+    /// whether it was still queued (then no [`Done`] will come for it).
+    pub fn cancel(&self, layer: usize, expert: usize) -> bool {
+        let mut queues = self.shared.queues.lock().unwrap_or_else(|e| e.into_inner());
+        let queued = queues
+            .ahead
+            .iter()
+            .position(|job| job.layer == layer && job.expert == expert);
+        queued.and_then(|i| queues.ahead.remove(i)).is_some()
+    }
+
+    /// Move a queued read-ahead of `(layer, expert)` to the demand queue: its layer needs it
+    /// now.
+    pub fn promote(&self, layer: usize, expert: usize) {
+        let mut queues = self.shared.queues.lock().unwrap_or_else(|e| e.into_inner());
+        let queued = queues
+            .ahead
+            .iter()
+            .position(|job| job.layer == layer && job.expert == expert);
+        if let Some(job) = queued.and_then(|i| queues.ahead.remove(i)) {
+            queues.demand.push_back(job);
+        }
     }
 
     /// Read an expert on the calling thread (pins, the GPU tier).

@@ -31,7 +31,7 @@ use anyhow::{bail, Result};
 use crate::quant::{Matrix, Width};
 use crate::snapshot::{Dtype, TensorView};
 pub use budget::Budget;
-use io::{Files, IoMode, Loaded, Loader, ReadPlan};
+use io::{Files, Loaded, Loader, ReadPlan};
 
 /// The tensors of one expert's SwiGLU FFN in the snapshot: gate and up `[inter, hidden]`,
 /// down `[hidden, inter]`.
@@ -425,8 +425,14 @@ impl ExpertStore {
         if self.stream.is_none() || experts <= self.stage_limit {
             return;
         }
-        self.stage_limit = experts;
         let (free, slot_bytes, moe_layers) = self.room;
+        // What one slot per layer leaves; a layer's pass always needs its slot.
+        let spare = free.saturating_sub(moe_layers * slot_bytes) / slot_bytes.max(1);
+        let experts = experts.min(spare as usize);
+        if experts <= self.stage_limit {
+            return;
+        }
+        self.stage_limit = experts;
         let staging = experts as u64 * slot_bytes;
         let fits = (free.saturating_sub(staging) / (moe_layers * slot_bytes).max(1)) as usize;
         if fits < self.capacity {
@@ -514,10 +520,24 @@ impl ExpertStore {
             .into_iter()
             .partition(|(l, _, _)| *l == layer);
         self.staged = kept;
-        for (_, _, state) in unused {
+        for (l, e, state) in unused {
             self.stats.ahead_wasted += 1;
+            if let (State::Loading, Some(stream)) = (&state, &self.stream) {
+                // Not begun: no read, and nothing will come back for it.
+                stream.loader.cancel(l, e);
+            }
             self.release(state);
         }
+    }
+
+    /// The end of layer `layer`'s expert pass: what was staged for it and not asked for
+    /// is dropped, which makes room for the read-ahead the lookahead asked for since.
+    pub fn finish_layer(&mut self, layer: usize) -> Result<()> {
+        self.drop_staged(layer);
+        for (ahead, ids) in std::mem::take(&mut self.wanted) {
+            self.prefetch(ahead, &ids)?;
+        }
+        Ok(())
     }
 
     /// Put `slot` into layer `layer`: into a free slot, else in place of the one the
@@ -626,10 +646,14 @@ impl ExpertStore {
             .position(|(l, e, _)| *l == layer && *e == expert);
         let state = match (&self.stream, staged) {
             // Read ahead: a hit, taking its slot as a miss would.
-            (_, Some(index)) => {
+            (stream, Some(index)) => {
                 self.stats.lru_hits += 1;
                 self.stats.ahead_useful += 1;
-                self.staged.swap_remove(index).2
+                let (_, _, state) = self.staged.swap_remove(index);
+                if let (State::Loading, Some(stream)) = (&state, stream) {
+                    stream.loader.promote(layer, expert);
+                }
+                state
             }
             (None, None) => {
                 self.stats.misses += 1;
@@ -677,6 +701,19 @@ impl ExpertStore {
         experts: &[usize],
         compute: impl FnOnce(&[&Expert]) -> R,
     ) -> Result<Option<R>> {
+        self.take(layer, experts, true, compute)
+    }
+
+    /// [`ExpertStore::with_experts`]; `whole_layer` when these are all the experts the
+    /// layer's pass takes from the store, so that it ends the layer
+    /// ([`ExpertStore::finish_layer`]) once its misses are queued.
+    fn take<R>(
+        &mut self,
+        layer: usize,
+        experts: &[usize],
+        whole_layer: bool,
+        compute: impl FnOnce(&[&Expert]) -> R,
+    ) -> Result<Option<R>> {
         let Some(cache) = self.layers.get(layer) else {
             bail!(
                 "MoE layer {layer} does not exist ({} layers)",
@@ -692,11 +729,10 @@ impl ExpertStore {
         for &expert in experts {
             self.lookup(layer, expert, call_start)?;
         }
-        // This layer's misses are queued: what was staged for it and not asked for makes
-        // room for the next layers' read-ahead, which is read while this layer computes.
-        self.drop_staged(layer);
-        for (ahead, ids) in std::mem::take(&mut self.wanted) {
-            self.prefetch(ahead, &ids)?;
+        // This layer's misses are queued first: the next layers' read-ahead is read
+        // behind them, while this layer computes.
+        if whole_layer {
+            self.finish_layer(layer)?;
         }
         self.settle(layer, experts)?;
         let weights: Vec<&Expert> = experts
@@ -711,14 +747,15 @@ impl ExpertStore {
 
     /// Run `compute` with expert `expert` of MoE layer `layer`, loading it on a miss into a
     /// free slot or in place of the one the policy picks; so a batch may use more distinct
-    /// experts than there are slots, one after another.
+    /// experts than there are slots, one after another (then the caller ends the layer
+    /// with [`ExpertStore::finish_layer`]).
     pub fn with_expert<R>(
         &mut self,
         layer: usize,
         expert: usize,
         compute: impl FnOnce(&Expert) -> R,
     ) -> Result<R> {
-        let result = self.with_experts(layer, &[expert], |weights| compute(weights[0]))?;
+        let result = self.take(layer, &[expert], false, |weights| compute(weights[0]))?;
         Ok(result.expect("one expert always fits: every layer keeps a slot"))
     }
 
@@ -856,17 +893,26 @@ impl ExpertStore {
     }
 
     /// The memory one slot of layer `layer` holds: the converted matrices when the width
-    /// converts a float expert, else the buffer its bytes are read into.
-    fn slot_bytes(&self, layer: usize) -> u64 {
+    /// converts a float expert, else the buffer its bytes are read into (`buffer`, from its
+    /// read plan, or an estimate); plus the f32 copies of scales a load makes.
+    fn slot_bytes(&self, layer: usize, buffer: Option<usize>) -> u64 {
         let Some(tensors) = self.layers.get(layer).and_then(|c| c.tensors.first()) else {
             return 0;
         };
+        let matrices = [&tensors.gate, &tensors.up, &tensors.down];
         if tensors.converts(self.width) {
-            self.expert_bytes(layer)
-        } else {
-            // Up to one block of rounding at each end of each of (at most) six ranges.
-            (tensors.source_bytes() + 6 * 2 * io::ALIGN) as u64
+            // At most one f32 scale per 64 weights, in every width that converts.
+            let elements: usize = matrices.iter().map(|view| view.numel()).sum();
+            return self.expert_bytes(layer) + (elements / 64 * 4) as u64;
         }
+        let scale_copies: usize = matrices
+            .iter()
+            .filter_map(|view| view.scales.as_deref())
+            .map(|scales| scales.bytes.len() / (scales.dtype.bitsize() / 8).max(1) * 4)
+            .sum();
+        // Without a plan: one block of rounding at each end of each of up to six ranges.
+        let buffer = buffer.unwrap_or(tensors.source_bytes() + 6 * 2 * io::ALIGN);
+        (buffer + scale_copies) as u64
     }
 
     /// The experts pinned in each layer.
@@ -920,86 +966,42 @@ impl ExpertStore {
         options: &StoreOptions,
         trunk_bytes: u64,
     ) -> Result<ExpertStore> {
-        let n_experts = layers.iter().map(Vec::len).max().unwrap_or(0);
         let moe_layers = layers.iter().filter(|layer| !layer.is_empty()).count() as u64;
-        let converts = layers
-            .iter()
-            .flatten()
-            .next()
-            .is_some_and(|t| t.converts(options.width));
-        let largest_source = layers
-            .iter()
-            .flatten()
-            .map(ExpertTensors::source_bytes)
-            .max()
-            .unwrap_or(0) as u64;
         let mut store = ExpertStore::new(layers, 1, options.width);
         store.policy = options.policy;
-        store.pilot = options.pilot;
-        let slot_bytes = (0..store.layers())
-            .map(|l| store.slot_bytes(l))
+        // Looking further ahead than the model is deep reads nothing more.
+        store.pilot = options.pilot.min(store.layers());
+        let estimate = (0..store.layers())
+            .map(|l| store.slot_bytes(l, None))
             .max()
             .unwrap_or(0);
         let every_expert: u64 = (0..store.layers())
-            .map(|l| store.slot_bytes(l) * store.experts_in(l) as u64)
+            .map(|l| store.slot_bytes(l, None) * store.experts_in(l) as u64)
             .sum();
-        let budget = &options.budget;
-        // Reads that convert hold the bytes read beside the converted copy, one per loader.
-        let in_flight = if converts {
-            options.io_threads.max(1) as u64 * largest_source
-        } else {
-            0
-        };
-        let reserve = budget::reserve(budget.bytes) + in_flight;
-        let free = budget.bytes.saturating_sub(trunk_bytes + reserve);
         let streaming = match options.io {
             ExpertIo::Mmap => false,
             ExpertIo::Pread | ExpertIo::Direct => true,
-            ExpertIo::Auto => every_expert > free,
+            ExpertIo::Auto => every_expert > store.sizing(options, trunk_bytes, estimate, 0).free,
         } && moe_layers > 0;
-        let gb = |bytes: u64| bytes as f64 / 1e9;
-        let budget_text = format!(
-            "budget {:.2} GB ({}) - trunk {:.2} GB - reserve {:.2} GB = {:.2} GB for experts",
-            gb(budget.bytes),
-            budget.source,
-            gb(trunk_bytes),
-            gb(reserve),
-            gb(free)
-        );
-        let per_slot = (moe_layers * slot_bytes).max(1);
-        let fits = ((free / per_slot) as usize).min(n_experts.max(1));
-        if streaming && fits == 0 {
-            bail!(
-                "the memory budget is too small: {budget_text}, but one expert per MoE layer needs {:.3} GB ({moe_layers} layers x {:.1} MB); raise RAM_GB or the container's memory limit",
-                gb(per_slot),
-                slot_bytes as f64 / 1e6
-            );
-        }
-        let capacity = match options.cap {
-            0 => fits.max(1),
-            cap if streaming => cap.min(n_experts).min(fits),
-            cap => cap.min(n_experts),
-        };
-        let mut lowered = String::new();
-        if streaming && options.cap > capacity && options.cap <= n_experts {
-            lowered = format!(" (CAP {} lowered to what the budget holds)", options.cap);
-        }
-        store.capacity = capacity.max(1);
-        store.room = (free, slot_bytes, moe_layers);
-        let slots = format!(
-            "{} slots/layer{lowered} x {moe_layers} layers of {:.1} MB",
-            store.capacity,
-            slot_bytes as f64 / 1e6
-        );
         if !streaming {
+            let sizing = store.sizing(options, trunk_bytes, estimate, 0);
+            store.capacity = match options.cap {
+                0 => sizing.fits.max(1),
+                cap => cap.min(store.most_experts()).max(1),
+            };
             let how = if options.io == ExpertIo::Mmap {
                 "mapped (EXPERT_IO=mmap): the page cache decides what is resident"
             } else {
                 "every expert fits: mapped, zero-copy"
             };
-            store.summary = format!("[experts] {budget_text} | {slots} | {how}");
+            store.summary = format!(
+                "[experts] {} | {} | {how}",
+                sizing.text,
+                store.slots_text(estimate, "")
+            );
             return Ok(store);
         }
+
         let mut paths: Vec<PathBuf> = store
             .layers
             .iter()
@@ -1026,6 +1028,32 @@ impl ExpertStore {
                     .collect::<Result<_>>()
             })
             .collect::<Result<_>>()?;
+        // The slots' size from the plans: the buffers as read, gaps and rounding included.
+        let slot_bytes = (0..store.layers())
+            .map(|l| store.slot_bytes(l, plans[l].iter().map(|p| p.buffer_len()).max()))
+            .max()
+            .unwrap_or(0);
+        let sizing = store.sizing(options, trunk_bytes, slot_bytes, moe_layers);
+        if sizing.fits == 0 {
+            bail!(
+                "the memory budget is too small: {}, but one expert per MoE layer needs {:.3} GB ({moe_layers} layers x {:.1} MB); raise RAM_GB or the container's memory limit",
+                sizing.text,
+                (moe_layers * slot_bytes) as f64 / 1e9,
+                slot_bytes as f64 / 1e6
+            );
+        }
+        let experts = store.most_experts();
+        store.capacity = match options.cap {
+            0 => sizing.fits,
+            cap => cap.min(experts).min(sizing.fits),
+        }
+        .max(1);
+        store.room = (sizing.free, slot_bytes, moe_layers);
+        let lowered = if options.cap > store.capacity && options.cap <= experts {
+            format!(" (CAP {} lowered to what the budget holds)", options.cap)
+        } else {
+            String::new()
+        };
         let reads = plans
             .iter()
             .flatten()
@@ -1033,27 +1061,104 @@ impl ExpertStore {
             .max()
             .unwrap_or(0);
         let mode = files.mode();
+        if let Some(note) = note {
+            eprintln!("{note}");
+        }
         let loader = Loader::start(files, options.width, options.io_threads)?;
-        let mode_text = match (mode, note) {
-            (IoMode::Direct, _) => mode.describe().to_string(),
-            (IoMode::Buffered, Some(note)) => {
-                eprintln!("{note}");
-                mode.describe().to_string()
-            }
-            (IoMode::Buffered, None) => mode.describe().to_string(),
-        };
         store.summary = format!(
-            "[experts] {budget_text} | {slots} | streaming: {mode_text}, {} read{} per expert, {} loader thread{}, PILOT {}, policy {}",
-            reads,
+            "[experts] {} | {} | streaming: {}, {reads} read{} per expert, {} loader thread{}, PILOT {}, policy {}",
+            sizing.text,
+            store.slots_text(slot_bytes, &lowered),
+            mode.describe(),
             if reads == 1 { "" } else { "s" },
             loader.threads(),
             if loader.threads() == 1 { "" } else { "s" },
-            options.pilot,
+            store.pilot,
             options.policy.name()
         );
         store.stream = Some(Stream { loader, plans });
         Ok(store)
     }
+
+    /// The most experts any layer has.
+    fn most_experts(&self) -> usize {
+        (0..self.layers())
+            .map(|l| self.experts_in(l))
+            .max()
+            .unwrap_or(0)
+    }
+
+    fn slots_text(&self, slot_bytes: u64, lowered: &str) -> String {
+        let moe_layers = self.layers.iter().filter(|c| !c.tensors.is_empty()).count();
+        format!(
+            "{} slots/layer{lowered} x {moe_layers} layers of {:.1} MB",
+            self.capacity,
+            slot_bytes as f64 / 1e6
+        )
+    }
+
+    /// What the budget leaves for slots of `slot_bytes` over `moe_layers` layers (when
+    /// streaming; 0 for mapped experts, which need no buffers of their own): the reserve
+    /// holds the other allocations of the run, a spare buffer per loader thread and, when
+    /// loading converts float experts, one read in flight per loader thread.
+    fn sizing(
+        &self,
+        options: &StoreOptions,
+        trunk: u64,
+        slot_bytes: u64,
+        moe_layers: u64,
+    ) -> Sizing {
+        let budget = &options.budget;
+        let largest_source = self
+            .layers
+            .iter()
+            .flat_map(|c| &c.tensors)
+            .map(ExpertTensors::source_bytes)
+            .max()
+            .unwrap_or(0) as u64;
+        let converts = self
+            .layers
+            .iter()
+            .flat_map(|c| &c.tensors)
+            .next()
+            .is_some_and(|t| t.converts(options.width));
+        let threads = options.io_threads.max(1) as u64;
+        let buffers = if moe_layers == 0 {
+            0
+        } else if converts {
+            threads * (largest_source + slot_bytes)
+        } else {
+            threads * slot_bytes
+        };
+        let reserve = budget::reserve(budget.bytes) + buffers;
+        let free = budget.bytes.saturating_sub(trunk + reserve);
+        let per_slot = (self.layers.iter().filter(|c| !c.tensors.is_empty()).count() as u64
+            * slot_bytes)
+            .max(1);
+        let gb = |bytes: u64| bytes as f64 / 1e9;
+        Sizing {
+            free,
+            fits: ((free / per_slot) as usize).min(self.most_experts().max(1)),
+            text: format!(
+                "budget {:.2} GB ({}) - trunk {:.2} GB - reserve {:.2} GB = {:.2} GB for experts",
+                gb(budget.bytes),
+                budget.source,
+                gb(trunk),
+                gb(reserve),
+                gb(free)
+            ),
+        }
+    }
+}
+
+/// The budget worked out for one slot size.
+struct Sizing {
+    /// Bytes left for slots.
+    free: u64,
+    /// Slots per layer those bytes hold (at most the experts).
+    fits: usize,
+    /// `budget … - trunk … - reserve … = … for experts`.
+    text: String,
 }
 
 #[cfg(test)]
