@@ -298,9 +298,18 @@ fn profile_line(engine: &dyn Engine, started: &Instant) -> String {
     let other = (wall - wait - matmul - attention - head).max(0.0);
     let wasted = stats.ahead_wasted + engine.routed().store.ahead_unused();
     format!(
-        "PROFILE: expert-disk {:.2} s service / {wait:.2} s wait | expert-matmul {matmul:.2} s | attention {attention:.2} s | lm_head {head:.2} s | other {other:.2} s | prefetch {} useful / {wasted} wasted",
+        "PROFILE: expert-disk {:.2} s service / {wait:.2} s wait | expert-matmul {matmul:.2} s | attention {attention:.2} s | lm_head {head:.2} s | other {other:.2} s | prefetch {} useful / {wasted} wasted{}",
         stats.read_nanos as f64 / 1e9,
-        stats.ahead_useful
+        stats.ahead_useful,
+        if stats.predicted > 0 {
+            format!(
+                " ({:.1}% of {} predictions right)",
+                100.0 * stats.predicted_right as f64 / stats.predicted as f64,
+                stats.predicted
+            )
+        } else {
+            String::new()
+        }
     )
 }
 

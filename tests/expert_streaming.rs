@@ -409,4 +409,31 @@ fn the_lookahead_reads_what_the_next_router_will_choose() {
     routed.look_ahead(0, &vec![0.5; 5 * 64], 5);
     routed.store.with_experts(0, &[0], ids).unwrap();
     assert_eq!(routed.store.stats().ahead_reads, 2);
+
+    // Predictions that are always wrong stop being read once the running share right
+    // falls below half; they are still scored.
+    // Layer 1 now takes four others, which push 2 and 6 out of its four slots.
+    let step = |routed: &mut RoutedExperts| {
+        routed.look_ahead(0, &h, 1);
+        routed.store.with_experts(0, &[0, 1], ids).unwrap();
+        routed.store.with_experts(1, &[0, 1, 3, 4], ids).unwrap();
+    };
+    step(&mut routed);
+    let mut steps = 0;
+    loop {
+        let before = routed.store.stats().ahead_reads;
+        step(&mut routed);
+        steps += 1;
+        if routed.store.stats().ahead_reads == before {
+            assert!(steps > 5, "stopped after {steps} wrong steps");
+            let again = routed.store.stats().ahead_reads;
+            step(&mut routed);
+            assert_eq!(routed.store.stats().ahead_reads, again, "stays off");
+            break;
+        }
+        assert!(steps < 40, "read-ahead never stopped");
+    }
+    let stats = routed.store.stats();
+    assert!(stats.predicted > stats.ahead_reads, "{stats:?}");
+    assert_eq!(stats.predicted_right, 2);
 }

@@ -111,7 +111,15 @@ impl Expert {
     }
 }
 
-/// Which slot a miss (or a read-ahead) replaces when the layer is full.
+/// The share of its predictions the lookahead must get right for its reads to be issued:
+/// below it a wrong read-ahead (bandwidth taken from the misses) costs more than a right
+/// one saves (a wait).
+pub const MIN_PRECISION: f64 = 0.5;
+
+/// How slowly the running precision follows each layer's sample.
+const PRECISION_KEEP: f64 = 0.95;
+
+/// Which slot a miss replaces when the layer is full.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Policy {
     /// The least recently used slot.
@@ -220,6 +228,9 @@ pub struct CacheStats {
     /// Time the loader threads spent reading experts, and the compute thread waiting.
     pub read_nanos: u64,
     pub wait_nanos: u64,
+    /// Experts the lookahead predicted (read ahead or not), and of those, taken by their layer.
+    pub predicted: u64,
+    pub predicted_right: u64,
 }
 
 impl CacheStats {
@@ -248,6 +259,8 @@ impl CacheStats {
             ahead_wasted: self.ahead_wasted - earlier.ahead_wasted,
             read_nanos: self.read_nanos - earlier.read_nanos,
             wait_nanos: self.wait_nanos - earlier.wait_nanos,
+            predicted: self.predicted - earlier.predicted,
+            predicted_right: self.predicted_right - earlier.predicted_right,
         }
     }
 }
@@ -348,6 +361,12 @@ pub struct ExpertStore {
     stage_limit: usize,
     /// Read-aheads the lookahead asked for, queued by the next call behind its own misses.
     wanted: Vec<(usize, Vec<usize>)>,
+    /// Per layer: the experts predicted for its coming pass, and those the pass took.
+    predicted: Vec<Vec<usize>>,
+    taken: Vec<usize>,
+    /// Running share of predicted experts their layer then took; read-ahead is issued
+    /// only while it is at least [`MIN_PRECISION`].
+    precision: f64,
     /// What provisioning found: bytes for slots, bytes of one slot, MoE layers.
     room: (u64, u64, u64),
     /// The startup line: budget, slots, how experts are read.
@@ -370,6 +389,9 @@ impl ExpertStore {
             staged: Vec::new(),
             stage_limit: 0,
             wanted: Vec::new(),
+            predicted: Vec::new(),
+            taken: Vec::new(),
+            precision: 1.0,
             room: (0, 0, 0),
             summary: String::new(),
         }
@@ -534,10 +556,35 @@ impl ExpertStore {
     /// is dropped, which makes room for the read-ahead the lookahead asked for since.
     pub fn finish_layer(&mut self, layer: usize) -> Result<()> {
         self.drop_staged(layer);
-        for (ahead, ids) in std::mem::take(&mut self.wanted) {
-            self.prefetch(ahead, &ids)?;
+        self.score_prediction(layer);
+        let wanted = std::mem::take(&mut self.wanted);
+        if self.precision >= MIN_PRECISION {
+            for (ahead, ids) in wanted {
+                self.prefetch(ahead, &ids)?;
+            }
         }
         Ok(())
+    }
+
+    /// Compare what was predicted for layer `layer` with what its pass took, whether or
+    /// not it was read ahead, so that read-ahead stops while predictions are mostly wrong
+    /// (routing without locality) and resumes when they come right again.
+    fn score_prediction(&mut self, layer: usize) {
+        let taken = std::mem::take(&mut self.taken);
+        let Some(predicted) = self.predicted.get_mut(layer) else {
+            return;
+        };
+        let mut predicted = std::mem::take(predicted);
+        predicted.sort_unstable();
+        predicted.dedup();
+        if predicted.is_empty() {
+            return;
+        }
+        let right = predicted.iter().filter(|e| taken.contains(e)).count();
+        self.stats.predicted += predicted.len() as u64;
+        self.stats.predicted_right += right as u64;
+        let sample = right as f64 / predicted.len() as f64;
+        self.precision = PRECISION_KEEP * self.precision + (1.0 - PRECISION_KEEP) * sample;
     }
 
     /// Put `slot` into layer `layer`: into a free slot, else in place of the one the
@@ -627,6 +674,7 @@ impl ExpertStore {
     /// (mapped: now; streaming: queued for the loader pool).
     fn lookup(&mut self, layer: usize, expert: usize, call_start: u64) -> Result<()> {
         self.tensors(layer, expert)?;
+        self.taken.push(expert);
         let cache = &mut self.layers[layer];
         cache.clock += 1;
         let now = cache.clock;
@@ -762,9 +810,14 @@ impl ExpertStore {
     /// Ask for `experts` of layer `layer` to be read ahead, once the next call has queued
     /// its own misses (see [`ExpertStore::prefetch`]).
     pub fn want_ahead(&mut self, layer: usize, experts: Vec<usize>) {
-        if self.stream.is_some() {
-            self.wanted.push((layer, experts));
+        if self.stream.is_none() || layer >= self.layers.len() {
+            return;
         }
+        if self.predicted.len() < self.layers.len() {
+            self.predicted.resize_with(self.layers.len(), Vec::new);
+        }
+        self.predicted[layer].extend_from_slice(&experts);
+        self.wanted.push((layer, experts));
     }
 
     /// Read `experts` of layer `layer` ahead of their use into the staging area (those
@@ -1099,8 +1152,8 @@ impl ExpertStore {
 
     /// What the budget leaves for slots of `slot_bytes` over `moe_layers` layers (when
     /// streaming; 0 for mapped experts, which need no buffers of their own): the reserve
-    /// holds the other allocations of the run, a spare buffer per loader thread and, when
-    /// loading converts float experts, one read in flight per loader thread.
+    /// holds the other allocations of the run and, when loading converts float experts,
+    /// one read buffer per loader thread.
     fn sizing(
         &self,
         options: &StoreOptions,
@@ -1123,12 +1176,14 @@ impl ExpertStore {
             .next()
             .is_some_and(|t| t.converts(options.width));
         let threads = options.io_threads.max(1) as u64;
-        let buffers = if moe_layers == 0 {
-            0
-        } else if converts {
-            threads * (largest_source + slot_bytes)
+        // A read that keeps its format reads into the buffer of the slot it replaces (the
+        // loader reuses evicted buffers), so it needs nothing more; one that converts
+        // holds its read buffer beside the converted slot, one per loader thread, and the
+        // spare pool keeps those buffers for the next reads.
+        let buffers = if moe_layers > 0 && converts {
+            threads * largest_source
         } else {
-            threads * slot_bytes
+            0
         };
         let reserve = budget::reserve(budget.bytes) + buffers;
         let free = budget.bytes.saturating_sub(trunk + reserve);
