@@ -22,7 +22,7 @@ limit=$(awk -v s="$1" 'BEGIN {
   n = substr(s, 1, RLENGTH); u = toupper(substr(s, RLENGTH + 1)); sub(/B$/, "", u)
   m = (u == "") ? 1 : (u == "K") ? 1e3 : (u == "M") ? 1e6 : (u == "G") ? 1e9 : 0
   if (m == 0 || n * m < 1) exit 1
-  printf "%d\n", n * m }') || die "bad LIMIT '$1' (bytes, or K/M/G/KB/MB/GB)"
+  printf "%.0f\n", n * m }') || die "bad LIMIT '$1' (bytes, or K/M/G/KB/MB/GB)"
 shift
 
 # v2 where its root offers the memory controller; else the v1 memory hierarchy, nested
