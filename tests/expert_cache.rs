@@ -2,24 +2,13 @@
 
 mod common;
 
-use coli::experts::{ExpertStore, ExpertTensors};
+use coli::experts::ExpertStore;
 use coli::quant::Width;
 use coli::snapshot::Snapshot;
 
 fn store(capacity: usize) -> (ExpertStore, usize) {
     let snapshot = Snapshot::open(&common::fixture("olmoe_tiny")).unwrap();
-    let experts: Vec<ExpertTensors> = (0..8)
-        .map(|e| {
-            let p = format!("model.layers.0.mlp.experts.{e}");
-            ExpertTensors {
-                gate: snapshot.tensor(&format!("{p}.gate_proj.weight")).unwrap(),
-                up: snapshot.tensor(&format!("{p}.up_proj.weight")).unwrap(),
-                down: snapshot.tensor(&format!("{p}.down_proj.weight")).unwrap(),
-            }
-            .checked(64, 32)
-            .unwrap()
-        })
-        .collect();
+    let experts = common::olmoe_tiny_experts(&snapshot, 0);
     // Three f32 matrices of 32 x 64 per expert.
     (
         ExpertStore::new(vec![experts], capacity, Width::F32),

@@ -72,18 +72,7 @@ fn every_fixture_is_exact_when_experts_stream() {
 }
 
 fn olmoe_experts(snapshot: &Snapshot) -> Vec<ExpertTensors> {
-    (0..8)
-        .map(|e| {
-            let p = format!("model.layers.0.mlp.experts.{e}");
-            ExpertTensors {
-                gate: snapshot.tensor(&format!("{p}.gate_proj.weight")).unwrap(),
-                up: snapshot.tensor(&format!("{p}.up_proj.weight")).unwrap(),
-                down: snapshot.tensor(&format!("{p}.down_proj.weight")).unwrap(),
-            }
-            .checked(64, 32)
-            .unwrap()
-        })
-        .collect()
+    common::olmoe_tiny_experts(snapshot, 0)
 }
 
 fn store(io: ExpertIo, cap: usize, policy: Policy, pilot: usize) -> ExpertStore {
@@ -357,20 +346,7 @@ fn the_lookahead_reads_what_the_next_router_will_choose() {
     use std::sync::Arc;
 
     let snapshot = Snapshot::open(&fixture("olmoe_tiny")).unwrap();
-    let layer = |l: usize| -> Vec<ExpertTensors> {
-        (0..8)
-            .map(|e| {
-                let p = format!("model.layers.{l}.mlp.experts.{e}");
-                ExpertTensors {
-                    gate: snapshot.tensor(&format!("{p}.gate_proj.weight")).unwrap(),
-                    up: snapshot.tensor(&format!("{p}.up_proj.weight")).unwrap(),
-                    down: snapshot.tensor(&format!("{p}.down_proj.weight")).unwrap(),
-                }
-                .checked(64, 32)
-                .unwrap()
-            })
-            .collect()
-    };
+    let layer = |l: usize| common::olmoe_tiny_experts(&snapshot, l);
     let options = StoreOptions {
         io: ExpertIo::Direct,
         pilot: 1,

@@ -228,7 +228,8 @@ pub struct CacheStats {
     /// Time the loader threads spent reading experts, and the compute thread waiting.
     pub read_nanos: u64,
     pub wait_nanos: u64,
-    /// Experts the lookahead predicted (read ahead or not), and of those, taken by their layer.
+    /// Experts the lookahead predicted that were not resident (read ahead or not), and of
+    /// those, taken by their layer.
     pub predicted: u64,
     pub predicted_right: u64,
 }
@@ -566,9 +567,10 @@ impl ExpertStore {
         Ok(())
     }
 
-    /// Compare what was predicted for layer `layer` with what its pass took, whether or
-    /// not it was read ahead, so that read-ahead stops while predictions are mostly wrong
-    /// (routing without locality) and resumes when they come right again.
+    /// Compare what was predicted for layer `layer` (the experts a read-ahead would have
+    /// read: those not resident when predicted) with what its pass took, whether or not it
+    /// was read ahead, so that read-ahead stops while it would mostly read in vain (routing
+    /// without locality) and resumes when its predictions come right again.
     fn score_prediction(&mut self, layer: usize) {
         let taken = std::mem::take(&mut self.taken);
         let Some(predicted) = self.predicted.get_mut(layer) else {
@@ -816,7 +818,12 @@ impl ExpertStore {
         if self.predicted.len() < self.layers.len() {
             self.predicted.resize_with(self.layers.len(), Vec::new);
         }
-        self.predicted[layer].extend_from_slice(&experts);
+        // Scored are the predictions that would be read: those not already resident.
+        let cache = &self.layers[layer];
+        let reads = experts
+            .iter()
+            .filter(|&&e| !cache.is_pinned(e) && cache.slot(e).is_none());
+        self.predicted[layer].extend(reads);
         self.wanted.push((layer, experts));
     }
 

@@ -107,3 +107,22 @@ pub fn random(len: usize, seed: u64) -> Vec<f32> {
         })
         .collect()
 }
+
+/// The eight experts of MoE layer `layer` of the `olmoe_tiny` fixture (hidden 64, width 32).
+pub fn olmoe_tiny_experts(
+    snapshot: &coli::snapshot::Snapshot,
+    layer: usize,
+) -> Vec<coli::experts::ExpertTensors> {
+    (0..8)
+        .map(|e| {
+            let p = format!("model.layers.{layer}.mlp.experts.{e}");
+            coli::experts::ExpertTensors {
+                gate: snapshot.tensor(&format!("{p}.gate_proj.weight")).unwrap(),
+                up: snapshot.tensor(&format!("{p}.up_proj.weight")).unwrap(),
+                down: snapshot.tensor(&format!("{p}.down_proj.weight")).unwrap(),
+            }
+            .checked(64, 32)
+            .unwrap()
+        })
+        .collect()
+}
