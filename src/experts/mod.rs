@@ -366,8 +366,14 @@ pub struct ExpertStore {
     predicted: Vec<Vec<usize>>,
     taken: Vec<usize>,
     /// Running share of predicted experts their layer then took; read-ahead is issued
-    /// only while it is at least [`MIN_PRECISION`].
+    /// only while it is at least [`MIN_PRECISION`] (starting at 0: it abstains until its
+    /// predictions have proved right).
     precision: f64,
+    /// The staging area the lookahead asked for, and the slots per layer beside it; the
+    /// slots per layer without it.
+    stage_size: usize,
+    staged_capacity: usize,
+    full_capacity: usize,
     /// What provisioning found: bytes for slots, bytes of one slot, MoE layers.
     room: (u64, u64, u64),
     /// The startup line: budget, slots, how experts are read.
@@ -392,7 +398,10 @@ impl ExpertStore {
             wanted: Vec::new(),
             predicted: Vec::new(),
             taken: Vec::new(),
-            precision: 1.0,
+            precision: 0.0,
+            stage_size: 0,
+            staged_capacity: 1,
+            full_capacity: 1,
             room: (0, 0, 0),
             summary: String::new(),
         }
@@ -442,31 +451,60 @@ impl ExpertStore {
     }
 
     /// Let the lookahead stage up to `experts` experts at once (its depth times the
-    /// experts a row routes to), taking their memory from the slots when the budget is
-    /// spent: capacity falls, never below one slot per layer.
+    /// experts a row routes to). Their memory comes from the slots, but only while the
+    /// read-ahead is on (its predictions mostly right): then each layer has
+    /// `staged_capacity` slots, else all of them.
     pub fn set_stage(&mut self, experts: usize) {
-        if self.stream.is_none() || experts <= self.stage_limit {
-            return;
-        }
         let (free, slot_bytes, moe_layers) = self.room;
         // What one slot per layer leaves; a layer's pass always needs its slot.
         let spare = free.saturating_sub(moe_layers * slot_bytes) / slot_bytes.max(1);
         let experts = experts.min(spare as usize);
-        if experts <= self.stage_limit {
+        if self.stream.is_none() || experts <= self.stage_size {
             return;
         }
-        self.stage_limit = experts;
+        self.stage_size = experts;
         let staging = experts as u64 * slot_bytes;
         let fits = (free.saturating_sub(staging) / (moe_layers * slot_bytes).max(1)) as usize;
-        if fits < self.capacity {
-            self.capacity = fits.max(1);
-        }
+        self.staged_capacity = fits.clamp(1, self.full_capacity);
         self.summary = format!(
-            "{} | read-ahead stages up to {experts} experts ({:.1} MB): {} slots/layer",
+            "{} | read-ahead stages up to {experts} experts ({:.1} MB, {} slots/layer) while its predictions are right",
             self.summary,
             staging as f64 / 1e6,
-            self.capacity
+            self.staged_capacity
         );
+    }
+
+    /// Turn the read-ahead on or off by its running precision: on, it stages and the slots
+    /// give up its room; off, what is staged is dropped and the slots get the room back.
+    fn gate_read_ahead(&mut self) {
+        let open = self.stage_size > 0 && self.precision >= MIN_PRECISION;
+        if open == (self.stage_limit > 0) {
+            return;
+        }
+        if open {
+            self.stage_limit = self.stage_size;
+            self.capacity = self.staged_capacity;
+        } else {
+            self.stage_limit = 0;
+            self.capacity = self.full_capacity;
+            for layer in 0..self.layers.len() {
+                self.drop_staged(layer);
+            }
+        }
+    }
+
+    /// Give up the slots of layer `layer` above its capacity (after the read-ahead took
+    /// room), the policy choosing; called before a pass, when none of them is in use.
+    fn fit_capacity(&mut self, layer: usize) {
+        while self.layers[layer].slots.len() > self.lru_capacity(layer) {
+            let cache = &mut self.layers[layer];
+            let Some(index) = cache.victim(self.policy, |s| matches!(s.state, State::Ready(_)))
+            else {
+                return;
+            };
+            let old = cache.slots.swap_remove(index);
+            self.release(old.state);
+        }
     }
 
     /// Add `count` history selections to expert `expert` of layer `layer` (LFRU's heat).
@@ -558,11 +596,9 @@ impl ExpertStore {
     pub fn finish_layer(&mut self, layer: usize) -> Result<()> {
         self.drop_staged(layer);
         self.score_prediction(layer);
-        let wanted = std::mem::take(&mut self.wanted);
-        if self.precision >= MIN_PRECISION {
-            for (ahead, ids) in wanted {
-                self.prefetch(ahead, &ids)?;
-            }
+        self.gate_read_ahead();
+        for (ahead, ids) in std::mem::take(&mut self.wanted) {
+            self.prefetch(ahead, &ids)?;
         }
         Ok(())
     }
@@ -775,6 +811,7 @@ impl ExpertStore {
             return Ok(None);
         }
         self.collect_finished()?;
+        self.fit_capacity(layer);
         let call_start = self.layers[layer].clock + 1;
         for &expert in experts {
             self.lookup(layer, expert, call_start)?;
@@ -1108,6 +1145,7 @@ impl ExpertStore {
             cap => cap.min(experts).min(sizing.fits),
         }
         .max(1);
+        store.full_capacity = store.capacity;
         store.room = (sizing.free, slot_bytes, moe_layers);
         let lowered = if options.cap > store.capacity && options.cap <= experts {
             format!(" (CAP {} lowered to what the budget holds)", options.cap)
