@@ -493,8 +493,8 @@ impl ExpertStore {
         }
     }
 
-    /// Give up the slots of layer `layer` above its capacity (after the read-ahead took
-    /// room), the policy choosing; called before a pass, when none of them is in use.
+    /// Give up the slots of layer `layer` above its capacity (after a pin or the read-ahead
+    /// took room), the policy choosing; called outside a pass, when none of them is in use.
     fn fit_capacity(&mut self, layer: usize) {
         while self.layers[layer].slots.len() > self.lru_capacity(layer) {
             let cache = &mut self.layers[layer];
@@ -937,15 +937,7 @@ impl ExpertStore {
         let bytes = loaded.weights.size_bytes();
         self.layers[layer].pinned.push((expert, loaded));
         // When streaming the pin took a slot: the LRU gives one back.
-        while self.layers[layer].slots.len() > self.lru_capacity(layer) {
-            let cache = &mut self.layers[layer];
-            let Some(index) = cache.victim(self.policy, |s| matches!(s.state, State::Ready(_)))
-            else {
-                break;
-            };
-            let old = cache.slots.swap_remove(index);
-            self.release(old.state);
-        }
+        self.fit_capacity(layer);
         Ok(bytes)
     }
 
