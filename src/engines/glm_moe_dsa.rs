@@ -840,15 +840,9 @@ impl GlmMoeDsa {
         engine.routed.store = ExpertStore::provision(expert_tensors, &options.store, resident)?;
         for (l, layer) in engine.layers.iter().enumerate() {
             if let Ffn::Moe { router, gate, .. } = &layer.ffn {
-                let gate = gate.clone();
-                engine.routed.predict_with(
-                    l,
-                    Predictor {
-                        router: Arc::clone(router),
-                        top_k: gate.top_k,
-                        choose: Box::new(move |row| gate.route(row)),
-                    },
-                );
+                engine
+                    .routed
+                    .predict_with(l, Predictor::sigmoid(router, gate));
             }
         }
         Ok(engine)

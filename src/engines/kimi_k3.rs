@@ -793,15 +793,9 @@ impl KimiK3 {
         engine.routed.store = ExpertStore::provision(expert_tensors, &options.store, resident)?;
         for (l, layer) in engine.layers.iter().enumerate() {
             if let Ffn::Moe(moe) = &layer.ffn {
-                let choose = moe.choose.clone();
-                engine.routed.predict_with(
-                    l,
-                    Predictor {
-                        router: Arc::clone(&moe.router),
-                        top_k: choose.top_k,
-                        choose: Box::new(move |row| choose.route(row)),
-                    },
-                );
+                engine
+                    .routed
+                    .predict_with(l, Predictor::sigmoid(&moe.router, &moe.choose));
             }
         }
         Ok(engine)

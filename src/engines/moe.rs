@@ -108,6 +108,18 @@ pub struct Predictor {
     pub choose: ChooseExperts,
 }
 
+impl Predictor {
+    /// A layer routed by a [`SigmoidRouter`] over `router`'s logits.
+    pub fn sigmoid(router: &Arc<Matrix>, choice: &SigmoidRouter) -> Predictor {
+        let choice = choice.clone();
+        Predictor {
+            router: Arc::clone(router),
+            top_k: choice.top_k,
+            choose: Box::new(move |row| choice.route(row)),
+        }
+    }
+}
+
 /// Rows of a forward above which the lookahead stays idle: a prompt's batch already
 /// touches most experts of every layer, and its reads are better spent on demand.
 const LOOKAHEAD_ROWS: usize = 4;
