@@ -11,6 +11,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::backend;
 use crate::engines::{self, Engine, LoadOptions};
+use crate::experts::budget::proc_field;
 use crate::experts::{Budget, ExpertIo, Policy, StoreOptions};
 use crate::generate::greedy_with;
 use crate::interrupt;
@@ -315,24 +316,11 @@ fn profile_line(engine: &dyn Engine, started: &Instant) -> String {
 
 /// Bytes this process has caused to be read from storage (`/proc/self/io`).
 fn process_read_bytes() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/self/io").ok()?;
-    text.lines()
-        .find_map(|line| line.strip_prefix("read_bytes:"))
-        .and_then(|n| n.trim().parse().ok())
+    proc_field("/proc/self/io", "read_bytes:")
 }
 
 fn resident_set_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|status| field_kib(&status, "VmRSS:"))
-        .map_or(0, |kib| kib * 1024)
-}
-
-fn field_kib(text: &str, field: &str) -> Option<u64> {
-    text.lines()
-        .find_map(|line| line.strip_prefix(field))
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|n| n.parse().ok())
+    proc_field("/proc/self/status", "VmRSS:").map_or(0, |kib| kib * 1024)
 }
 
 #[cfg(test)]
@@ -351,13 +339,5 @@ mod tests {
         );
         assert_eq!(Positionals::from_numbers(&[64, 16]).dense_bits, 16);
         assert_eq!(Positionals::from_numbers(&[64, 4, 16]).dense_bits, 16);
-    }
-
-    #[test]
-    fn proc_fields_parse() {
-        assert_eq!(
-            field_kib("VmPeak:  10 kB\nVmRSS:\t  2048 kB\n", "VmRSS:"),
-            Some(2048)
-        );
     }
 }

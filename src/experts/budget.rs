@@ -28,7 +28,7 @@ impl Budget {
         if ram_gb > 0.0 {
             candidates.push(((ram_gb * 1e9) as u64, "RAM_GB".to_string()));
         }
-        if let Some(kib) = meminfo_kib("MemAvailable:") {
+        if let Some(kib) = proc_field("/proc/meminfo", "MemAvailable:") {
             candidates.push((kib * 1024, "MemAvailable".to_string()));
         }
         if let Some((bytes, what)) = cgroup_limit() {
@@ -60,8 +60,13 @@ pub fn reserve(budget: u64) -> u64 {
     ((64u64 << 20) + budget / 20).min(2 << 30)
 }
 
-fn meminfo_kib(field: &str) -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+/// The first number after `field` in the `/proc` file `path` (e.g. `MemAvailable:` in
+/// `/proc/meminfo`, in kB; `read_bytes:` in `/proc/self/io`).
+pub fn proc_field(path: &str, field: &str) -> Option<u64> {
+    field_value(&std::fs::read_to_string(path).ok()?, field)
+}
+
+fn field_value(text: &str, field: &str) -> Option<u64> {
     text.lines()
         .find_map(|line| line.strip_prefix(field))
         .and_then(|rest| rest.split_whitespace().next())
@@ -144,6 +149,19 @@ mod tests {
             (bytes, what.as_str()),
             (838_860_800, "cgroup v2 memory.max")
         );
+    }
+
+    #[test]
+    fn proc_fields_parse() {
+        assert_eq!(
+            field_value("VmPeak:  10 kB\nVmRSS:\t  2048 kB\n", "VmRSS:"),
+            Some(2048)
+        );
+        assert_eq!(
+            field_value("rchar: 5\nread_bytes: 4096\n", "read_bytes:"),
+            Some(4096)
+        );
+        assert_eq!(field_value("VmRSS: x kB\n", "VmRSS:"), None);
     }
 
     #[test]
