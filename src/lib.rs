@@ -19,6 +19,7 @@ pub mod cli;
 pub mod convert;
 pub mod engines;
 pub mod experts;
+pub mod files;
 pub mod generate;
 pub mod interrupt;
 pub mod oracle;

@@ -59,6 +59,7 @@ pub fn main_job(
     }
     let snapshot = Snapshot::open(&PathBuf::from(snap))?;
     let name = engines::resolve(model, &snapshot)?;
+    Session::preflight(settings, snapshot.dir(), name)?;
     // Text mode's tokenizer and settings are checked before the weights are mapped.
     let text = TextMode::from_settings(settings, snapshot.dir())?;
     let cap = match positionals.cap {
@@ -127,7 +128,13 @@ pub fn main_job(
 
     interrupt::install();
     let run_started = Instant::now();
-    let mut session = Session::start(settings, snapshot.dir(), engine.as_mut(), budget)?;
+    // Only generation folds its routing into the history; an oracle run scores.
+    let kind = if text.is_some() || settings.ids("IDS").is_some() {
+        RunKind::Generating
+    } else {
+        RunKind::Scoring
+    };
+    let mut session = Session::start(settings, snapshot.dir(), engine.as_mut(), budget, kind)?;
 
     if let Some(job) = text_job.as_mut() {
         let mut on_tokens =
@@ -147,8 +154,7 @@ pub fn main_job(
         println!("{}", job.summary(&generation));
         report(engine.as_ref(), generation.decode_tokens_per_second());
         println!("{}", profile_line(engine.as_ref(), &run_started));
-        session.finish(engine.as_mut(), RunKind::Generating)?;
-        return Ok(ExitCode::SUCCESS);
+        return Ok(session.finish(engine.as_mut(), RunKind::Generating));
     }
 
     if let Some(ids) = settings.ids("IDS") {
@@ -161,8 +167,7 @@ pub fn main_job(
             println!("{line}");
             report(engine.as_ref(), 0.0);
             println!("{}", profile_line(engine.as_ref(), &run_started));
-            session.finish(engine.as_mut(), RunKind::Generating)?;
-            return Ok(ExitCode::SUCCESS);
+            return Ok(session.finish(engine.as_mut(), RunKind::Generating));
         }
         let mut on_tokens =
             |engine: &mut dyn Engine, emitted: u64| session.after_tokens(engine, emitted);
@@ -178,8 +183,7 @@ pub fn main_job(
         }
         report(engine.as_ref(), generation.decode_tokens_per_second());
         println!("{}", profile_line(engine.as_ref(), &run_started));
-        session.finish(engine.as_mut(), RunKind::Generating)?;
-        return Ok(ExitCode::SUCCESS);
+        return Ok(session.finish(engine.as_mut(), RunKind::Generating));
     }
     if settings.flag("REPLAY") {
         bail!("REPLAY=1 decodes the ids given with IDS=\"...\"; IDS is not set");
@@ -197,7 +201,7 @@ pub fn main_job(
     };
     report(engine.as_ref(), outcome.rate);
     // An oracle run scores the reference's tokens: its routing is traced but not learned.
-    session.finish(engine.as_mut(), RunKind::Scoring)?;
+    let finished = session.finish(engine.as_mut(), RunKind::Scoring);
     if settings.flag("ORACLE_STRICT") && !outcome.passed() {
         eprintln!(
             "ORACLE_STRICT: {}/{} matching{}",
@@ -211,7 +215,7 @@ pub fn main_job(
         );
         return Ok(ExitCode::from(1));
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(finished)
 }
 
 fn report(engine: &dyn Engine, tokens_per_second: f64) {

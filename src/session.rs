@@ -7,6 +7,7 @@
 //! each happens and which settings feed it.
 
 use std::path::{Path, PathBuf};
+use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::{bail, Result};
@@ -34,30 +35,144 @@ pub struct Session {
     repin: Option<RepinSchedule>,
 }
 
+/// The history's default path: `COLI_USAGE`, else `SNAP/.coli_usage`.
+fn history_path(settings: &Settings, snap: &Path) -> PathBuf {
+    settings
+        .text("COLI_USAGE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| snap.join(".coli_usage"))
+}
+
+/// Refuses a path that names something other than a regular file (a FIFO would block the
+/// read forever; a directory or device is no history).
+fn regular_or_missing(key: &str, path: &Path) -> Result<()> {
+    match std::fs::metadata(path) {
+        Ok(m) if !m.is_file() => bail!(
+            "{key}: {} is not a regular file ({}); a history is a regular file",
+            path.display(),
+            crate::files::file_kind(&m).unwrap_or("not a file")
+        ),
+        _ => Ok(()),
+    }
+}
+
+/// Whether `path` is one of the snapshot's own files: weights, configs, tokenizer.
+fn is_model_file(path: &Path, snap: &Path) -> bool {
+    let in_snap = path
+        .parent()
+        .map(|d| {
+            if d.as_os_str().is_empty() {
+                Path::new(".")
+            } else {
+                d
+            }
+        })
+        .is_some_and(|d| crate::files::same_file(d, snap));
+    let named_like_model = path.extension().is_some_and(|e| {
+        ["safetensors", "json", "gguf", "bin", "model", "jinja"]
+            .iter()
+            .any(|m| e == *m)
+    });
+    in_snap && named_like_model
+}
+
 impl Session {
+    /// The checks of every file the session will read or write that can be made before
+    /// the weights load, so that a run that must be refused is refused at once: the
+    /// history, `PIN=<path>`, and the `ROUTE_TRACE` and `STATS` outputs, which must not
+    /// name the snapshot's model files or the history.
+    pub fn preflight(settings: &Settings, snap: &Path, engine: &str) -> Result<()> {
+        let history = history_path(settings, snap);
+        regular_or_missing(
+            if settings.text("COLI_USAGE").is_some() {
+                "COLI_USAGE"
+            } else {
+                "the history"
+            },
+            &history,
+        )?;
+        if let PinSetting::Path(p) = PinSetting::from_setting(settings.text("PIN")) {
+            regular_or_missing("PIN", &p)?;
+        }
+        for key in ["ROUTE_TRACE", "STATS"] {
+            let Some(out) = settings.text(key).map(PathBuf::from) else {
+                continue;
+            };
+            let target = crate::files::resolve_link(&out).unwrap_or_else(|_| out.clone());
+            if is_model_file(&target, snap) {
+                bail!(
+                    "{key}={}: that is one of the snapshot's model files; coli never writes into them (choose another path)",
+                    out.display()
+                );
+            }
+            let own = crate::route_trace::save::sibling_path(&history, engine);
+            for file in [&history, &own] {
+                let lock = crate::files::lock_path(file);
+                if [file, &lock]
+                    .iter()
+                    .any(|f| target == **f || crate::files::same_file(&target, f))
+                {
+                    bail!(
+                        "{key}={}: that is the usage history {} or its lock; {key} needs a file of its own",
+                        out.display(),
+                        file.display()
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Everything that happens before the first token.
     pub fn start(
         settings: &Settings,
         snap: &Path,
         engine: &mut dyn Engine,
         ram_budget: u64,
+        kind: RunKind,
     ) -> Result<Session> {
         let decay = settings.number("COLI_USAGE_DECAY");
         if !(decay > 0.0 && decay <= 1.0) {
             bail!("setting COLI_USAGE_DECAY={decay}: expected a factor in (0, 1]");
         }
         let pin_gb = PinGb::from_setting(settings.text("PIN_GB"))?;
-        let history = settings
-            .text("COLI_USAGE")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| snap.join(".coli_usage"));
+        let history = history_path(settings, snap);
 
         let telemetry = engine.telemetry();
         if let Some(trace) = settings.text("ROUTE_TRACE") {
-            // The run goes on untraced when the file cannot be created; the message says so.
-            let _ = telemetry.open_trace(Path::new(trace));
+            // A file the trace must not replace stops the run; one that cannot be created
+            // leaves it untraced, as the message says.
+            if let Err(e) = telemetry.open_trace(Path::new(trace)) {
+                if e.kind() == std::io::ErrorKind::InvalidInput {
+                    bail!("ROUTE_TRACE={trace}: {e}");
+                }
+            }
         }
         telemetry.load_history(&history);
+        let stats = settings.text("STATS").map(PathBuf::from);
+        if let Some(why) = stats
+            .as_ref()
+            .and_then(|p| telemetry.stats_target_problem(p))
+        {
+            bail!(
+                "STATS={}: {why}; refusing to replace it",
+                stats
+                    .as_ref()
+                    .map_or(String::new(), |p| p.display().to_string())
+            );
+        }
+        let save = SaveOptions {
+            enabled: settings.flag("USAGE_SAVE"),
+            decay: Decay::new(decay),
+        };
+        if let Some(home) = telemetry.home() {
+            let not_saving = match (save.enabled, kind) {
+                (false, _) => Some("USAGE_SAVE=0"),
+                (true, RunKind::Scoring) => Some("a scoring run folds nothing into the history"),
+                (true, RunKind::Generating) => None,
+            };
+            eprintln!("{}", home.line(not_saving));
+        }
         if engine.expert_store().policy() == Policy::Lfru {
             // LFRU's frequencies start from the history's selections.
             let seeds: Vec<(usize, usize, u32)> = engine.telemetry().counts().nonzero().collect();
@@ -115,11 +230,8 @@ impl Session {
         let every = settings.count("REPIN");
         Ok(Session {
             history,
-            save: SaveOptions {
-                enabled: settings.flag("USAGE_SAVE"),
-                decay: Decay::new(decay),
-            },
-            stats: settings.text("STATS").map(PathBuf::from),
+            save,
+            stats,
             repin: (every > 0).then(|| RepinSchedule::new(every)),
         })
     }
@@ -148,20 +260,37 @@ impl Session {
         Ok(())
     }
 
-    /// The end of a run (also after an interrupted generation).
-    pub fn finish(&mut self, engine: &mut dyn Engine, kind: RunKind) -> Result<()> {
+    /// The end of a run (also after an interrupted generation): the history save
+    /// (generating runs only), the `STATS` dump and the trace flush. Each is attempted
+    /// whatever happened to the others; a failure is said on stderr with what was lost,
+    /// and makes the exit status 1 (the run itself finished; 2 stays "refused").
+    pub fn finish(&mut self, engine: &mut dyn Engine, kind: RunKind) -> ExitCode {
         let telemetry = engine.telemetry();
+        let mut failed = false;
         if kind == RunKind::Generating {
+            let unsaved = telemetry.unsaved_selections();
             // The outcome's lines are printed by the save itself.
-            telemetry.save_history(&self.history, self.save)?;
+            if let Err(err) = telemetry.save_history(&self.history, self.save) {
+                eprintln!(
+                    "[USAGE] save failed: {err} \u{2014} this run's {unsaved} selections are in no history (what is on disk is unchanged)"
+                );
+                failed = true;
+            }
         }
         if let Some(stats) = &self.stats {
-            telemetry.dump_stats(stats)?;
+            if let Err(err) = telemetry.dump_stats(stats) {
+                eprintln!("[STATS] not written: {err}");
+                failed = true;
+            }
         }
         if let Err(err) = telemetry.flush_trace() {
             eprintln!("[ROUTE_TRACE] write failed: {err}");
         }
-        Ok(())
+        if failed {
+            ExitCode::from(1)
+        } else {
+            ExitCode::SUCCESS
+        }
     }
 }
 

@@ -48,9 +48,7 @@ fn glm_case() -> Counters {
 
 #[test]
 fn old_reader_admits_our_records_and_skips_both_headers() {
-    let Some(bin) = c_program("old_reader") else {
-        return;
-    };
+    let bin = c_program("old_reader");
     let d = tempfile::tempdir().expect("tempdir");
     let t = glm_case();
     let bytes = render(&t, EngineId::of("glm_moe_dsa"));
@@ -74,9 +72,7 @@ fn old_reader_admits_our_records_and_skips_both_headers() {
 
 #[test]
 fn a_four_field_record_desynchronises_the_old_reader() {
-    let Some(bin) = c_program("old_reader") else {
-        return;
-    };
+    let bin = c_program("old_reader");
     let d = tempfile::tempdir().expect("tempdir");
     let old = old_read(&bin, d.path(), b"3 2 5\n-3 7 12 99\n4 1 8\n", 127, 8);
     assert_eq!(old.triples, vec![(3, 2, 5), (-3, 7, 12), (99, 4, 1)]);
@@ -149,14 +145,15 @@ fn text_strategy() -> impl Strategy<Value = Vec<u8>> {
     })
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(64))]
-
-    /// Write then read is the identity on counters; the C loop admits exactly our data
-    /// records, skips both headers (ids above `INT_MAX` included), and every record has
-    /// exactly three fields.
-    #[test]
-    fn round_trip_and_old_reader(t in table_strategy(), name in engine_name()) {
+/// Write then read is the identity on counters; the C loop admits exactly our data
+/// records, skips both headers (ids above `INT_MAX` included), and every record has
+/// exactly three fields.
+#[test]
+fn round_trip_and_old_reader() {
+    // Compiled before proptest starts: without a compiler this fails once, plainly,
+    // instead of as a shrunk "failing input" saved to a regressions file.
+    let bin = c_program("old_reader");
+    proptest!(ProptestConfig::with_cases(64), |(t in table_strategy(), name in engine_name())| {
         let id = EngineId::of(&name);
         let bytes = render(&t, id);
         prop_assert!(every_record_has_three_fields(bytes.as_bytes()));
@@ -165,7 +162,6 @@ proptest! {
         prop_assert!(r.as_ref().is_ok_and(|r| r.is_complete()), "{:?}", r);
         prop_assert_eq!(&back, &t);
 
-        let Some(bin) = c_program("old_reader") else { return Ok(()) };
         let d = tempfile::tempdir().expect("tempdir");
         let old = old_read(&bin, d.path(), bytes.as_bytes(), t.n_layers(), t.n_experts());
         let ours: Vec<(i32, i32, u32)> =
@@ -179,15 +175,19 @@ proptest! {
         } else {
             prop_assert!(bytes.is_empty());
         }
-    }
+    });
+}
 
-    /// The Rust reader and the C loop agree on history-like text: the same triples in the
-    /// same alignment, the same stopping point, and the same admitted records, except
-    /// that a field outside its C type (which C silently wraps) is never admitted by us,
-    /// and a mismatching header refuses the whole file.
-    #[test]
-    fn rust_and_c_agree_on_text(bytes in text_strategy()) {
-        let Some(bin) = c_program("old_reader") else { return Ok(()) };
+/// The Rust reader and the C loop agree on history-like text: the same triples in the
+/// same alignment, the same stopping point, and the same admitted records, except
+/// that a field outside its C type (which C silently wraps) is never admitted by us,
+/// and a mismatching header refuses the whole file.
+#[test]
+fn rust_and_c_agree_on_text() {
+    // Compiled before proptest starts: without a compiler this fails once, plainly,
+    // instead of as a shrunk "failing input" saved to a regressions file.
+    let bin = c_program("old_reader");
+    proptest!(ProptestConfig::with_cases(64), |(bytes in text_strategy())| {
         let d = tempfile::tempdir().expect("tempdir");
         let old = old_read(&bin, d.path(), &bytes, 5, 8);
         let sc = scan(&bytes);
@@ -221,7 +221,11 @@ proptest! {
                 prop_assert!(sc.triples.iter().any(|t| matches!(t.fields[0].as_int(), Some(-1 | -2))));
             }
         }
-    }
+    });
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
 
     /// Arbitrary bytes never panic the reader, and whatever is admitted fits the table.
     #[test]
@@ -278,9 +282,7 @@ fn sample_floats() -> Vec<f32> {
 
 #[test]
 fn fixed_point_text_matches_glibc_printf() {
-    let Some(bin) = c_program("printf_fixed") else {
-        return;
-    };
+    let bin = c_program("printf_fixed");
     let floats = sample_floats();
     let doubles: Vec<(f64, usize)> = floats
         .iter()

@@ -306,3 +306,70 @@ fn ctrl_c_stops_generation_and_still_saves() {
         .sum();
     assert_eq!(traced, saved);
 }
+
+/// A history of `olmoe_tiny`'s shape (3 layers, 8 experts) holding 324,024 selections:
+/// well past AUTOPIN's 5000, at full confidence.
+fn hot_history() -> String {
+    let mut text = String::from("-1 3 8\n-2 1 3841822045\n");
+    for layer in 0..3 {
+        for expert in 0..8 {
+            text.push_str(&format!(
+                "{layer} {expert} {}\n",
+                (expert + 1) * 3000 + layer
+            ));
+        }
+    }
+    text
+}
+
+/// Any `[PIN]` line that says experts were placed or pinned.
+fn pin_claims(err: &str) -> Vec<&str> {
+    err.lines()
+        .filter(|l| l.starts_with("[PIN]") && (l.contains("pinned") || l.contains("placement")))
+        .collect()
+}
+
+#[test]
+fn pin_n_zero_pins_nothing_from_autopin_auto_or_a_named_file() {
+    let dir = copy_fixture("olmoe_tiny");
+    let history = dir.path().join(".coli_usage");
+    std::fs::write(&history, hot_history()).unwrap();
+    let run = |extra: &[&str]| {
+        let snap = snap(dir.path());
+        let mut args = vec![snap.as_str(), PROMPT, "NGEN=4", "USAGE_SAVE=0"];
+        args.extend_from_slice(extra);
+        args.extend(["64", "16", "16"]);
+        coli(&args, &[])
+    };
+
+    // Without PIN_N, AUTOPIN pins from this history: the PIN_N=0 runs below are a real test.
+    let auto = run(&[]);
+    let err = stderr(&auto);
+    assert!(auto.status.success(), "{err}");
+    assert!(
+        err.contains("[PIN] 12 experts pinned from history (324024 selections, 100% confidence)"),
+        "{err}"
+    );
+    let baseline = generated_ids(&stdout(&auto));
+
+    let named = format!("PIN={}", history.display());
+    for extra in [
+        &["PIN_N=0"][..],
+        &["PIN=auto", "PIN_N=0"],
+        &[&named, "PIN_N=0"],
+    ] {
+        let out = run(extra);
+        let (err, text) = (stderr(&out), stdout(&out));
+        assert!(out.status.success(), "{extra:?}: {err}");
+        assert!(pin_claims(&err).is_empty(), "{extra:?}: {err}");
+        let hit_line = text
+            .lines()
+            .find(|l| l.starts_with("Expert cache hit rate"))
+            .unwrap_or_default();
+        assert!(hit_line.contains("(0 pin + "), "{extra:?}: {hit_line}");
+        assert_eq!(generated_ids(&text), baseline, "{extra:?}");
+    }
+    // PIN=auto still seeds from the history, it just pins none of it.
+    assert!(stderr(&run(&["PIN=auto", "PIN_N=0"])).contains("[PIN] auto: seeding from"));
+    assert_eq!(std::fs::read_to_string(&history).unwrap(), hot_history());
+}

@@ -265,17 +265,20 @@ fn dropped_row_admits_nothing_and_is_not_written() {
     route(&mut rt, 2, &[3]);
     assert_eq!(rt.counts().total(), 7);
     route(&mut rt, 3, &[1]);
-    // The file held a record for the dropped row: it is not overwritten.
-    let out = rt.save_history(&p, SaveOptions::default()).expect("save");
-    let SaveOutcome::Saved { path, diverted, .. } = out else {
-        panic!("not saved")
-    };
-    assert_eq!(diverted.expect("diverted").from, p);
-    assert_eq!(fs::read_to_string(&p).expect("kept"), "2 3 50\n3 4 7\n");
-    let text = fs::read_to_string(&path).expect("sibling");
-    assert_eq!(path, d.path().join("h.glm_moe_dsa"));
-    assert!(!text.contains("\n2 3 "));
-    assert_eq!(text, "-1 5 8\n-2 1 3815245270\n3 1 1\n");
+    // The file held a record for the dropped row: the rewrite keeps it as it was, after
+    // this engine's records, and never counts it.
+    let (path, total, _) = saved(rt.save_history(&p, SaveOptions::default()).expect("save"));
+    assert_eq!(path, p);
+    assert_eq!(total, 8);
+    let text = fs::read_to_string(&p).expect("read");
+    assert_eq!(text, "-1 5 8\n-2 1 3815245270\n3 1 1\n3 4 7\n2 3 50\n");
+    // The next save finds it again and keeps it in the same place.
+    route(&mut rt, 3, &[1]);
+    saved(rt.save_history(&p, SaveOptions::default()).expect("save"));
+    assert_eq!(
+        fs::read_to_string(&p).expect("read"),
+        "-1 5 8\n-2 1 3815245270\n3 1 2\n3 4 7\n2 3 50\n"
+    );
 }
 
 #[test]
@@ -344,45 +347,145 @@ fn repeated_saves_do_not_double_count_and_merge_foreign_progress() {
 }
 
 #[test]
-fn never_overwrites_a_refused_or_unparseable_history() {
+fn never_overwrites_another_engines_or_models_history() {
     let d = dir();
     for (name, content) in [
         (
             "foreign",
             format!("-1 5 8\n-2 1 {}\n3 2 6\n", id("kimi_k3")),
         ),
-        ("garbage", "3 2 6\nnot a number\n".to_string()),
         ("future", format!("-1 5 8\n-2 9 {}\n3 2 6\n", id(ENGINE))),
         ("shape", "-1 6 8\n3 2 6\n".to_string()),
-        ("header", "-3 0 0\n3 2 6\n".to_string()),
-        ("wrapped", "3 2 -5\n".to_string()),
+        ("larger model", "3 2 6\n40 1 9\n".to_string()),
+        (
+            "not a history",
+            "{\"model_type\": \"glm_moe_dsa\"}\n".to_string(),
+        ),
     ] {
         let p = d.path().join(name);
         fs::write(&p, &content).expect("seed");
         let mut rt = glm();
         rt.load_history(&p);
+        assert_eq!(
+            rt.counts().total(),
+            0,
+            "{name}: another's counts are not ours"
+        );
+        let sibling = d.path().join(format!("{name}.glm_moe_dsa"));
+        assert_eq!(rt.home().expect("home").save_to, sibling, "{name}");
         route(&mut rt, 4, &[1]);
         let out = rt.save_history(&p, SaveOptions::default()).expect("save");
-        let SaveOutcome::Saved {
-            path,
-            total,
-            diverted: Some(div),
-            ..
-        } = out
-        else {
-            panic!("{name}: expected a diverted save, got {out:?}")
-        };
+        assert!(
+            matches!(&out, SaveOutcome::Saved { path, total: 1, .. } if *path == sibling),
+            "{name}: {out:?}"
+        );
         assert_eq!(fs::read_to_string(&p).expect("kept"), content, "{name}");
-        assert_eq!(div.from, p);
-        assert_eq!(path, d.path().join(format!("{name}.glm_moe_dsa")));
-        assert_eq!(total, 1);
-        // The next save of the same run accumulates in the sibling without double counting.
+        // The next save of the same run accumulates there without double counting.
         route(&mut rt, 4, &[1]);
         let out = rt.save_history(&p, SaveOptions::default()).expect("save");
         assert!(
             matches!(out, SaveOutcome::Saved { total: 2, .. }),
             "{name}: {out:?}"
         );
+        // And the next run reads the per-engine file back: the history keeps learning.
+        let mut next = glm();
+        next.load_history(&p);
+        assert_eq!(next.counts().get(4, 1), 2, "{name}");
+        route(&mut next, 4, &[1]);
+        saved_to(
+            next.save_history(&p, SaveOptions::default()).expect("save"),
+            &sibling,
+        );
+        let mut third = glm();
+        third.load_history(&p);
+        assert_eq!(third.counts().get(4, 1), 3, "{name}");
+        assert_eq!(fs::read_to_string(&p).expect("kept"), content, "{name}");
+    }
+}
+
+fn saved_to(o: SaveOutcome, want: &Path) {
+    assert!(
+        matches!(&o, SaveOutcome::Saved { path, .. } if path == want),
+        "{o:?}"
+    );
+}
+
+#[test]
+fn what_this_engine_cannot_hold_is_kept_verbatim_and_the_file_keeps_learning() {
+    let d = dir();
+    let h = format!("-1 5 8\n-2 1 {}\n", id(ENGINE));
+    for (name, content, kept) in [
+        (
+            "garbage tail",
+            "3 2 6\nnot a number\n3 1 1\n".to_string(),
+            "not a number\n3 1 1\n",
+        ),
+        ("cut short", "3 2 6\n4 1".to_string(), "4 1"),
+        (
+            "future headers",
+            "-3 0 0\n3 2 6\n-4 1 2\n-5 7 7\n".to_string(),
+            "-3 0 0\n-4 1 2\n-5 7 7\n",
+        ),
+        (
+            "wrapped",
+            "3 2 6\n3 2 -5\n4294967299 1 1\n".to_string(),
+            "3 2 -5\n4294967299 1 1\n",
+        ),
+        (
+            "mtp row",
+            format!("{h}3 2 6\n5 0 11\n5 7 2\n"),
+            "5 0 11\n5 7 2\n",
+        ),
+        ("dense row", format!("{h}0 3 4\n3 2 6\n"), "0 3 4\n"),
+        (
+            "expert out of range",
+            format!("{h}3 2 6\n3 99 4\n"),
+            "3 99 4\n",
+        ),
+    ] {
+        let p = d.path().join(name);
+        fs::write(&p, &content).expect("seed");
+        for run in 1..=3u32 {
+            let mut rt = glm();
+            rt.drop_row(5);
+            rt.drop_row(0);
+            rt.load_history(&p);
+            assert_eq!(rt.counts().get(3, 2), 6 + run - 1, "{name} run {run}");
+            assert_eq!(rt.home().expect("home").save_to, p, "{name}");
+            route(&mut rt, 3, &[2]);
+            let (path, _, _) = saved(rt.save_history(&p, SaveOptions::default()).expect("save"));
+            assert_eq!(path, p, "{name}");
+            let text = fs::read_to_string(&p).expect("read");
+            assert_eq!(
+                text,
+                format!("{h}3 2 {}\n{kept}", 6 + run),
+                "{name} run {run}"
+            );
+        }
+        assert!(!d.path().join(format!("{name}.glm_moe_dsa")).exists());
+    }
+}
+
+#[test]
+fn a_per_engine_file_beside_our_own_history_is_read_and_never_written() {
+    let d = dir();
+    let p = d.path().join("h");
+    let s = save::sibling_path(&p, ENGINE);
+    fs::write(&p, format!("-1 5 8\n-2 1 {}\n3 2 6\n", id(ENGINE))).expect("seed");
+    fs::write(&s, format!("-1 5 8\n-2 1 {}\n1 1 4\n", id(ENGINE))).expect("seed");
+    let frozen = fs::read(&s).expect("read");
+    for run in 1..=2 {
+        let mut rt = glm();
+        rt.load_history(&p);
+        assert_eq!(rt.counts().get(1, 1), 4, "run {run}");
+        let home = rt.home().expect("home").clone();
+        assert_eq!((home.save_to, home.frozen), (p.clone(), Some(s.clone())));
+        route(&mut rt, 3, &[2]);
+        let (_, total, _) = saved(rt.save_history(&p, SaveOptions::default()).expect("save"));
+        assert_eq!(total, 6 + run);
+        // The merged counts in memory still hold the frozen file's.
+        assert_eq!(rt.counts().get(1, 1), 4);
+        assert_eq!(fs::read(&s).expect("read"), frozen);
     }
 }
 
@@ -448,7 +551,7 @@ fn missing_and_unreadable_histories() {
     ));
     let o = rt.load_history(d.path());
     assert!(matches!(o, ReadOutcome::Unreadable(_)), "{o:?}");
-    assert!(!o.may_replace());
+    assert!(o.not_ours(&table()).is_some());
 }
 
 #[test]

@@ -13,7 +13,7 @@ const ENGINE: &str = "olmoe";
 fn one_line_per_row_and_call_advances_per_moe_invocation() {
     let d = tempfile::tempdir().expect("tempdir");
     let p = d.path().join("trace.txt");
-    fs::write(&p, "old content is truncated\n").expect("seed");
+    fs::write(&p, "0 0 0 1:1.0000\n1 0 1 4:0.5000 2:0.5000\n").expect("an old trace");
     let mut rt = RouteTrace::new(ENGINE, 2, 8).expect("shape");
     rt.drop_row(2);
     rt.open_trace(&p).expect("open");

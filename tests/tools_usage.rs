@@ -167,10 +167,34 @@ fn merge_sums_and_writes_what_an_engine_writes() {
         save::render(&want, EngineId::of("olmoe"))
     );
     assert_eq!(read_back(&o, "olmoe", 3, 8), want);
-    // In place: the output may be an input.
+    // An existing output is replaced only with --force; then it may be an input.
+    let before = std::fs::read(&a).unwrap();
     let out = coli(&["usage", "merge", p(&a), p(&o), "-o", p(&a)], &[]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("exists: --force replaces it"),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(std::fs::read(&a).unwrap(), before);
+    let out = coli(
+        &["usage", "merge", p(&a), p(&o), "-o", p(&a), "--force"],
+        &[],
+    );
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(read_back(&a, "olmoe", 3, 8).get(0, 1), 12);
+    // The same file twice would count it twice, whatever the spelling of its path.
+    let again = dir.path().join(".").join("a");
+    let out = coli(
+        &["usage", "merge", p(&a), p(&again), "-o", p(&o), "--force"],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("are the same file"),
+        "{}",
+        stderr(&out)
+    );
 }
 
 #[test]
@@ -180,7 +204,8 @@ fn merge_refuses_mismatches_by_name_and_leaves_the_output_alone() {
     let ink = write_history(dir.path(), "ink", "inkling", &table(3, 8, &[(0, 2, 1)]));
     let wide = write_history(dir.path(), "wide", "olmoe", &table(3, 16, &[(0, 12, 3)]));
     let o = dir.path().join("out");
-    std::fs::write(&o, "precious").unwrap();
+    let precious = "-1 3 8\n-2 1 3841822045\n0 0 9\n";
+    std::fs::write(&o, precious).unwrap();
 
     let out = coli(&["usage", "merge", p(&a), p(&ink), "-o", p(&o)], &[]);
     assert_eq!(out.status.code(), Some(2));
@@ -193,7 +218,7 @@ fn merge_refuses_mismatches_by_name_and_leaves_the_output_alone() {
         )),
         "{e}"
     );
-    assert_eq!(std::fs::read_to_string(&o).unwrap(), "precious");
+    assert_eq!(std::fs::read_to_string(&o).unwrap(), precious);
 
     let out = coli(&["usage", "merge", p(&a), p(&wide), "-o", p(&o)], &[]);
     assert_eq!(out.status.code(), Some(2));
@@ -202,7 +227,7 @@ fn merge_refuses_mismatches_by_name_and_leaves_the_output_alone() {
         e.contains("3 layers x 8 experts") && e.contains("3 layers x 16 experts"),
         "{e}"
     );
-    assert_eq!(std::fs::read_to_string(&o).unwrap(), "precious");
+    assert_eq!(std::fs::read_to_string(&o).unwrap(), precious);
 
     let bad = dir.path().join("bad");
     std::fs::write(&bad, "-1 3 8\n-2 1 3841822045\n0 1 5\n0 x 1\n").unwrap();
@@ -282,7 +307,7 @@ fn migrate_rewrites_iku1_count_for_count() {
 
     let not = dir.path().join("text");
     std::fs::copy(&o, &not).unwrap();
-    let out = coli(&["usage", "migrate", p(&not), "-o", p(&o)], &[]);
+    let out = coli(&["usage", "migrate", p(&not), "-o", p(&o), "--force"], &[]);
     assert_eq!(out.status.code(), Some(2));
     assert!(
         stderr(&out).contains("is not an IKU1 history"),

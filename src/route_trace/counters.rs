@@ -10,7 +10,14 @@
 //! admits no history record, counts nothing and is never written, so a record naming a
 //! dense layer can neither inflate a total nor be written back.
 
+use std::collections::{BTreeMap, BTreeSet};
+
 use super::save::Decay;
+
+/// Tables up to this many cells are dense; larger shapes (which no model has, but a
+/// history file may declare) keep only their non-zero cells, so that a one-line file
+/// claiming two billion layers costs one entry, not terabytes.
+const DENSE_CELLS: usize = 1 << 24;
 
 /// Why a table of this shape cannot exist.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -28,13 +35,21 @@ pub enum ShapeError {
     },
 }
 
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Cells {
+    /// Row-major, `(n_layers + 1) * n_experts` counters.
+    Dense(Vec<u32>),
+    /// The non-zero counters by (layer, expert).
+    Sparse(BTreeMap<(usize, usize), u32>),
+}
+
 /// Per-(layer, expert) selection counts with dropped rows.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Counters {
     n_layers: usize,
     n_experts: usize,
-    live: Vec<bool>,
-    cells: Vec<u32>,
+    dropped: BTreeSet<usize>,
+    cells: Cells,
 }
 
 impl Counters {
@@ -50,26 +65,29 @@ impl Counters {
                 n_experts,
             });
         }
-        let rows = n_layers + 1;
-        let cells = rows.checked_mul(n_experts).ok_or(ShapeError::TooLarge {
-            n_layers,
-            n_experts,
-        })?;
+        let cells = match (n_layers + 1).checked_mul(n_experts) {
+            Some(n) if n <= DENSE_CELLS => Cells::Dense(vec![0; n]),
+            _ => Cells::Sparse(BTreeMap::new()),
+        };
         Ok(Counters {
             n_layers,
             n_experts,
-            live: vec![true; rows],
-            cells: vec![0; cells],
+            dropped: BTreeSet::new(),
+            cells,
         })
     }
 
     /// A zeroed table with the same shape and the same dropped rows.
     pub fn zeroed_like(&self) -> Counters {
+        let cells = match &self.cells {
+            Cells::Dense(v) => Cells::Dense(vec![0; v.len()]),
+            Cells::Sparse(_) => Cells::Sparse(BTreeMap::new()),
+        };
         Counters {
             n_layers: self.n_layers,
             n_experts: self.n_experts,
-            live: self.live.clone(),
-            cells: vec![0; self.cells.len()],
+            dropped: self.dropped.clone(),
+            cells,
         }
     }
 
@@ -86,41 +104,54 @@ impl Counters {
 
     /// Marks a layer as non-routing; out-of-range layers are ignored. Permanent.
     pub fn drop_row(&mut self, layer: usize) {
-        if let Some(live) = self.live.get_mut(layer) {
-            *live = false;
-            let start = layer * self.n_experts;
-            self.cells[start..start + self.n_experts].fill(0);
+        if layer > self.n_layers {
+            return;
+        }
+        self.dropped.insert(layer);
+        let ne = self.n_experts;
+        match &mut self.cells {
+            Cells::Dense(v) => v[layer * ne..(layer + 1) * ne].fill(0),
+            Cells::Sparse(m) => m.retain(|&(l, _), _| l != layer),
         }
     }
 
     /// Whether `layer` is a live (routing) row.
     pub fn routes(&self, layer: usize) -> bool {
-        self.live.get(layer).copied().unwrap_or(false)
+        layer <= self.n_layers && !self.dropped.contains(&layer)
     }
 
-    /// The counters of a live row.
-    pub fn row(&self, layer: usize) -> Option<&[u32]> {
-        if self.routes(layer) {
-            let start = layer * self.n_experts;
-            Some(&self.cells[start..start + self.n_experts])
-        } else {
-            None
-        }
+    /// The non-zero counters grouped by row, row ascending, experts ascending within
+    /// one; rows without a selection are skipped, so a sparse table of a huge declared
+    /// shape is walked in the time its entries take.
+    pub fn nonzero_rows(&self) -> impl Iterator<Item = (usize, Vec<(usize, u32)>)> + '_ {
+        let mut cells = self.nonzero().peekable();
+        std::iter::from_fn(move || {
+            let (layer, e, c) = cells.next()?;
+            let mut row = vec![(e, c)];
+            while let Some((_, e, c)) = cells.next_if(|&(l, _, _)| l == layer) {
+                row.push((e, c));
+            }
+            Some((layer, row))
+        })
     }
 
     /// One counter; 0 for a dropped row or an index outside the table.
     pub fn get(&self, layer: usize, expert: usize) -> u32 {
-        self.row(layer)
-            .and_then(|r| r.get(expert).copied())
-            .unwrap_or(0)
+        if !self.routes(layer) || expert >= self.n_experts {
+            return 0;
+        }
+        match &self.cells {
+            Cells::Dense(v) => v[layer * self.n_experts + expert],
+            Cells::Sparse(m) => m.get(&(layer, expert)).copied().unwrap_or(0),
+        }
     }
 
-    /// The cell index of (layer, expert) if the table can hold a record for it: a live
-    /// row and an expert in range.
-    fn cell_of(&self, layer: i64, expert: i64) -> Option<usize> {
+    /// (layer, expert) if the table can hold a record for it: a live row and an expert in
+    /// range.
+    fn cell_of(&self, layer: i64, expert: i64) -> Option<(usize, usize)> {
         let l = usize::try_from(layer).ok()?;
         let e = usize::try_from(expert).ok()?;
-        (self.routes(l) && e < self.n_experts).then_some(l * self.n_experts + e)
+        (self.routes(l) && e < self.n_experts).then_some((l, e))
     }
 
     /// Whether a history record for (layer, expert) would be admitted.
@@ -128,13 +159,39 @@ impl Counters {
         self.cell_of(layer, expert).is_some()
     }
 
+    /// Whether (layer, expert) lies outside the table's shape altogether (a layer above
+    /// `n_layers` or an expert id of `n_experts` or more), as opposed to on a dropped row.
+    pub fn beyond_shape(&self, layer: i64, expert: i64) -> bool {
+        let (Ok(l), Ok(e)) = (usize::try_from(layer), usize::try_from(expert)) else {
+            return true;
+        };
+        l > self.n_layers || e >= self.n_experts
+    }
+
+    /// Wrapping `+= by` on one cell already known to be in the table.
+    fn bump(&mut self, (l, e): (usize, usize), by: u32) {
+        match &mut self.cells {
+            Cells::Dense(v) => {
+                let c = &mut v[l * self.n_experts + e];
+                *c = c.wrapping_add(by);
+            }
+            Cells::Sparse(m) => {
+                let c = m.entry((l, e)).or_insert(0);
+                *c = c.wrapping_add(by);
+                if *c == 0 {
+                    m.remove(&(l, e));
+                }
+            }
+        }
+    }
+
     /// Adds a history record if the table can hold it (live row, expert in range);
     /// duplicates are summed. Returns whether it was admitted: only admitted counts may be
     /// totalled.
     pub fn admit(&mut self, layer: i64, expert: i64, count: u32) -> bool {
         match self.cell_of(layer, expert) {
-            Some(i) => {
-                self.cells[i] = self.cells[i].wrapping_add(count);
+            Some(cell) => {
+                self.bump(cell, count);
                 true
             }
             None => false,
@@ -146,60 +203,78 @@ impl Counters {
         if !self.routes(layer) {
             return;
         }
-        let start = layer * self.n_experts;
-        let row = &mut self.cells[start..start + self.n_experts];
-        for &id in ids {
-            if let Some(c) = row.get_mut(id) {
-                *c = c.wrapping_add(1);
-            }
+        let ne = self.n_experts;
+        for &id in ids.iter().filter(|&&id| id < ne) {
+            self.bump((layer, id), 1);
         }
     }
 
     /// Sum of every counter, as the `[STATS]` and `[USAGE]` lines print it.
     pub fn total(&self) -> i64 {
-        self.cells.iter().map(|&c| i64::from(c)).sum()
+        self.nonzero().map(|(_, _, c)| i64::from(c)).sum()
     }
 
     /// Number of non-zero counters.
     pub fn distinct(&self) -> u64 {
-        self.cells.iter().filter(|&&c| c != 0).count() as u64
+        self.nonzero().count() as u64
     }
 
     /// Non-zero counters in write order: layer ascending, then expert ascending.
-    pub fn nonzero(&self) -> impl Iterator<Item = (usize, usize, u32)> + '_ {
+    pub fn nonzero(&self) -> Box<dyn Iterator<Item = (usize, usize, u32)> + '_> {
         let ne = self.n_experts;
-        self.cells
-            .iter()
-            .enumerate()
-            .filter(|&(_, &c)| c != 0)
-            .map(move |(i, &c)| (i / ne, i % ne, c))
+        match &self.cells {
+            Cells::Dense(v) => Box::new(
+                v.iter()
+                    .enumerate()
+                    .filter(|&(_, &c)| c != 0)
+                    .map(move |(i, &c)| (i / ne, i % ne, c)),
+            ),
+            Cells::Sparse(m) => Box::new(m.iter().map(|(&(l, e), &c)| (l, e, c))),
+        }
     }
 
-    /// `self += other`, cell by cell (wrapping).
+    /// `self += other`, cell by cell (wrapping); both tables have the same shape.
     pub(crate) fn absorb(&mut self, other: &Counters) {
-        for (d, &o) in self.cells.iter_mut().zip(&other.cells) {
-            *d = d.wrapping_add(o);
+        for (l, e, c) in other.nonzero() {
+            if self.routes(l) {
+                self.bump((l, e), c);
+            }
         }
     }
 
     /// `self += current - baseline`, cell by cell, in wrapping u32 arithmetic: the counts
     /// `current` gained since `baseline` was taken, added onto a table re-read from disk.
     pub(crate) fn add_gain(&mut self, current: &Counters, baseline: &Counters) {
-        for ((d, &c), &b) in self
-            .cells
-            .iter_mut()
-            .zip(&current.cells)
-            .zip(&baseline.cells)
-        {
-            *d = d.wrapping_add(c.wrapping_sub(b));
+        for (l, e, c) in current.nonzero() {
+            let gain = c.wrapping_sub(baseline.get(l, e));
+            if gain != 0 && self.routes(l) {
+                self.bump((l, e), gain);
+            }
+        }
+        // A cell that fell to zero in `current` (a wrapped counter) gains 0 - baseline.
+        for (l, e, b) in baseline.nonzero() {
+            if current.get(l, e) == 0 && self.routes(l) {
+                self.bump((l, e), 0u32.wrapping_sub(b));
+            }
         }
     }
 
     /// Applies `COLI_USAGE_DECAY` to every counter (`(u32)(c * d + 0.5)`).
     pub(crate) fn decay(&mut self, d: Decay) {
-        if d != Decay::NONE {
-            for c in self.cells.iter_mut().filter(|c| **c != 0) {
-                *c = d.apply(*c);
+        if d == Decay::NONE {
+            return;
+        }
+        match &mut self.cells {
+            Cells::Dense(v) => {
+                for c in v.iter_mut().filter(|c| **c != 0) {
+                    *c = d.apply(*c);
+                }
+            }
+            Cells::Sparse(m) => {
+                for c in m.values_mut() {
+                    *c = d.apply(*c);
+                }
+                m.retain(|_, c| *c != 0);
             }
         }
     }
@@ -215,7 +290,6 @@ mod tests {
         assert!(c.routes(0));
         assert!(c.routes(5));
         assert!(!c.routes(6));
-        assert!(c.row(6).is_none());
         assert!(!c.clone().admit(-1, 0, 1));
     }
 
@@ -251,6 +325,23 @@ mod tests {
         assert!(c.admit(0, 0, u32::MAX));
         c.count(0, &[0]);
         assert_eq!(c.get(0, 0), 0);
+    }
+
+    #[test]
+    fn huge_declared_shapes_are_sparse() {
+        let mut c = Counters::new(2_000_000_000, 2_000_000_000).expect("shape");
+        assert!(c.admit(1_999_999_999, 1_999_999_999, 7));
+        assert!(!c.admit(2_000_000_001, 0, 1));
+        assert!(c.beyond_shape(2_000_000_001, 0));
+        c.drop_row(5);
+        assert!(!c.admit(5, 0, 1));
+        assert!(!c.beyond_shape(5, 0));
+        assert_eq!(c.total(), 7);
+        let rows: Vec<_> = c.nonzero_rows().collect();
+        assert_eq!(rows, vec![(1_999_999_999, vec![(1_999_999_999, 7)])]);
+        let mut z = c.zeroed_like();
+        z.absorb(&c);
+        assert_eq!(z, c);
     }
 
     #[test]

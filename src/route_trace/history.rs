@@ -2,23 +2,32 @@
 //! headerless text, and Inkling's IKU1 binary.
 //!
 //! Owns the record rules (dispatch on the first field, which checks trust may relax, what
-//! is admitted and totalled), the refusal and notice texts, and the `[USAGE] expert
-//! history` line. It must not write files (see `save`) and must not decide placement.
+//! is admitted and totalled, what a rewrite must keep), the refusal and notice texts, and
+//! the `[USAGE] expert history` line. It must not write files (see `save`) and must not
+//! decide placement.
 //!
-//! Reading is validate-then-commit: records are collected first and added to the caller's
-//! table only when the whole file was accepted. colibri streams records into the table as
-//! it reads, so a refusing header after some data leaves that data counted although the
-//! read reports a refusal; nothing relies on that and it is not reproduced.
+//! Reading streams the file (memory for the table, not for the file) and is
+//! validate-then-commit: admitted records are collected in a scratch table of the same
+//! shape and added to the caller's only when the whole file was accepted. colibri streams
+//! records into the table as it reads, so a refusing header after some data leaves that
+//! data counted although the read reports a refusal; nothing relies on that and it is not
+//! reproduced.
+//!
+//! What this engine cannot hold is not dropped: a reader asked to [`Keep`] collects every
+//! record it did not admit (records on a dropped row or outside the table, records with
+//! out-of-range numbers, unknown negative records) exactly as spelled, and where the scan
+//! stopped, so that a rewrite can put them back and a history never loses what another
+//! build or engine wrote into it.
 
 use std::fmt::Write as _;
-use std::io;
+use std::io::{self, BufRead, BufReader, Read};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::counters::Counters;
 use super::identity::{EngineId, FORMAT_VERSION, UNKNOWN_ENGINE};
 use super::iku1;
-use super::scan::{self, End, Field};
+use super::scan::{End, Field, Scanner};
 
 /// How the path to a history was reached, which decides whether a file written by another
 /// engine is honoured.
@@ -53,12 +62,16 @@ pub struct ReadReport {
     /// Records added to the table.
     pub admitted: u64,
     /// Well-formed records the table cannot hold (dropped row, layer or expert out of
-    /// range). Neither added nor totalled.
+    /// range). Neither added nor totalled; kept by a rewrite.
     pub rejected: u64,
+    /// Of `rejected`, the records outside the table's shape altogether (a layer above
+    /// `n_layers`, an expert id of `n_experts` or more) rather than on a dropped row.
+    pub beyond_shape: u64,
     /// Records with a field outside its C type, which a C reader would silently wrap
-    /// (a negative or too-large count, a layer beyond `int`). Skipped.
+    /// (a negative or too-large count, a layer beyond `int`). Skipped; kept by a rewrite.
     pub malformed: u64,
-    /// Header records with a first field below -2, reserved for future use. Skipped.
+    /// Header records with a first field below -2, reserved for future use. Skipped; kept
+    /// by a rewrite.
     pub unknown_headers: u64,
     /// Byte offset where reading stopped before the end of the file (a non-numeric token,
     /// a record cut short, a truncated IKU1 table or trailing bytes after it).
@@ -68,13 +81,14 @@ pub struct ReadReport {
 }
 
 impl ReadReport {
-    /// True when every byte was understood and every record admitted: rewriting such a
-    /// file loses nothing. A history that is not complete is never overwritten.
+    /// True when every byte was understood and every record admitted.
     pub fn is_complete(&self) -> bool {
-        self.rejected == 0
-            && self.malformed == 0
-            && self.unknown_headers == 0
-            && self.stopped_at.is_none()
+        self.kept() == 0 && self.stopped_at.is_none()
+    }
+
+    /// Records read but not admitted, which a rewrite keeps as they are spelled.
+    pub fn kept(&self) -> u64 {
+        self.rejected + self.malformed + self.unknown_headers
     }
 
     /// Why the file is not complete, for messages; empty when it is.
@@ -100,6 +114,47 @@ impl ReadReport {
         }
         parts.join(", ")
     }
+
+    /// Why this file is evidently not a history of this engine although nothing in it
+    /// refused the read: no record at all before unreadable bytes (it is not a history),
+    /// or, with no `-1` record to declare a shape, records outside this engine's shape
+    /// (it is another model's). `None` when it may be this engine's.
+    pub fn not_ours(&self, table: &Counters) -> Option<String> {
+        let records = self.admitted + self.kept();
+        if let (0, Some(at)) = (records, self.stopped_at) {
+            return Some(format!("not a usage history (no record before byte {at})"));
+        }
+        (self.layout == Layout::Legacy && self.beyond_shape > 0).then(|| {
+            format!(
+                "{} records outside this engine's {} layers x {} experts and no -1 record: another model's history",
+                self.beyond_shape,
+                table.n_layers(),
+                table.n_experts()
+            )
+        })
+    }
+
+    /// Why a rewritten file could not hold everything this one holds, or `None`. Text
+    /// always can (unadmitted records and an unread tail are put back); an IKU1 table cut
+    /// short or followed by other bytes cannot be expressed as text.
+    pub fn rewrite_blocker(&self) -> Option<String> {
+        match (self.layout, self.stopped_at) {
+            (Layout::Iku1, Some(at)) => Some(format!(
+                "the IKU1 table is cut short or followed by other bytes at byte {at}, which a text history cannot keep"
+            )),
+            _ => None,
+        }
+    }
+}
+
+/// What a rewrite must put back: the records a read did not admit, and where it stopped.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Keep {
+    /// Each unadmitted record as one line, its three fields spelled as in the file, in
+    /// file order.
+    pub records: Vec<String>,
+    /// Where the text scan stopped: the bytes from here to the end are kept as they are.
+    pub tail_from: Option<usize>,
 }
 
 /// Why a history was refused. Nothing from a refused file is added to the table.
@@ -188,21 +243,24 @@ impl ReadOutcome {
         }
     }
 
-    /// Whether replacing this file with a rewritten history loses nothing: there is no
-    /// file, or it was read completely.
-    pub fn may_replace(&self) -> bool {
-        self.replace_blocker().is_none()
-    }
-
-    /// Why replacing this file would lose something, or `None` when it would not.
-    pub fn replace_blocker(&self) -> Option<String> {
+    /// Why this engine's history cannot live in this file, or `None` when it can: a
+    /// missing file, or one read as this engine's. The counts of such a file are this
+    /// engine's; a file that is refused, unreadable or evidently another's holds none.
+    pub fn not_ours(&self, table: &Counters) -> Option<String> {
         match self {
             ReadOutcome::Missing => None,
-            ReadOutcome::Read(r) if r.is_complete() => None,
-            ReadOutcome::Read(r) => Some(r.problems()),
+            ReadOutcome::Read(r) => r.not_ours(table),
             ReadOutcome::Unreadable(e) => Some(format!("cannot read it: {e}")),
             ReadOutcome::Refused(r) => Some(r.reason()),
         }
+    }
+
+    /// Why replacing this file with a rewritten history would lose something, or `None`.
+    pub fn replace_blocker(&self, table: &Counters) -> Option<String> {
+        self.not_ours(table).or_else(|| match self {
+            ReadOutcome::Read(r) => r.rewrite_blocker(),
+            _ => None,
+        })
     }
 }
 
@@ -222,51 +280,74 @@ pub fn usage_line(total: i64, path: &Path) -> String {
     )
 }
 
-/// Records accepted so far, applied to the table only when the whole file is accepted.
-pub(super) struct Pending {
-    records: Vec<(i64, i64, u32)>,
+/// Records accepted so far, applied to the table only when the whole file is accepted,
+/// and what a rewrite must keep.
+pub(super) struct Pending<'k> {
+    scratch: Counters,
     pub(super) report: ReadReport,
+    keep: Option<&'k mut Keep>,
 }
 
-impl Pending {
-    pub(super) fn new(layout: Layout) -> Pending {
+impl<'k> Pending<'k> {
+    pub(super) fn new(layout: Layout, table: &Counters, keep: Option<&'k mut Keep>) -> Self {
         Pending {
-            records: Vec::new(),
+            scratch: table.zeroed_like(),
             report: ReadReport {
                 layout,
                 total: 0,
                 admitted: 0,
                 rejected: 0,
+                beyond_shape: 0,
                 malformed: 0,
                 unknown_headers: 0,
                 stopped_at: None,
                 overridden: None,
             },
+            keep,
         }
     }
 
-    /// Offers one data record; admitted records are totalled, others only counted.
-    pub(super) fn offer(&mut self, table: &Counters, layer: i64, expert: i64, count: u32) {
-        if table.holds(layer, expert) {
-            self.records.push((layer, expert, count));
+    /// Offers one data record; admitted records are totalled, others counted and kept.
+    pub(super) fn offer(
+        &mut self,
+        layer: i64,
+        expert: i64,
+        count: u32,
+        spelled: impl FnOnce() -> String,
+    ) {
+        if self.scratch.admit(layer, expert, count) {
             self.report.admitted += 1;
             self.report.total += i64::from(count);
         } else {
             self.report.rejected += 1;
+            if self.scratch.beyond_shape(layer, expert) {
+                self.report.beyond_shape += 1;
+            }
+            self.keep_record(spelled);
         }
+    }
+
+    /// Keeps a record this read does not admit.
+    pub(super) fn keep_record(&mut self, spelled: impl FnOnce() -> String) {
+        if let Some(k) = self.keep.as_deref_mut() {
+            k.records.push(spelled());
+        }
+    }
+
+    /// Records where reading stopped.
+    pub(super) fn stop(&mut self, at: usize) {
+        self.report.stopped_at = Some(at);
     }
 
     fn commit(self, table: &mut Counters) -> ReadReport {
-        for (l, e, c) in self.records {
-            table.admit(l, e, c);
+        table.absorb(&self.scratch);
+        if let Some(k) = self.keep {
+            if self.report.layout != Layout::Iku1 {
+                k.tail_from = self.report.stopped_at;
+            }
         }
         self.report
     }
-}
-
-/// An exact field value as the file spells it.
-fn spelled(bytes: &[u8], f: Field) -> String {
-    String::from_utf8_lossy(&bytes[f.span.0..f.span.1]).into_owned()
 }
 
 /// Whether an exact field equals `want` (a field too large for i64 equals nothing).
@@ -274,22 +355,21 @@ fn field_is(f: Field, want: i64) -> bool {
     f.exact() == Some(want)
 }
 
-fn parse_text(
-    bytes: &[u8],
+fn parse_text<'k>(
+    src: impl BufRead,
     engine: &str,
     trust: Trust,
     table: &Counters,
-) -> Result<Pending, Refusal> {
+    keep: Option<&'k mut Keep>,
+) -> io::Result<Result<Pending<'k>, Refusal>> {
     let id = EngineId::of(engine);
-    let sc = scan::scan(bytes);
-    let mut p = Pending::new(Layout::Legacy);
-    if let End::Stopped(at) = sc.end {
-        p.report.stopped_at = Some(at);
-    }
-    for t in &sc.triples {
+    let mut sc = Scanner::new(src);
+    let mut p = Pending::new(Layout::Legacy, table, keep);
+    while let Some(t) = sc.next_triple()? {
         let [f0, f1, f2] = t.fields;
         let Some(l) = f0.as_int() else {
             p.report.malformed += 1;
+            p.keep_record(|| sc.record_text());
             continue;
         };
         match l {
@@ -297,12 +377,12 @@ fn parse_text(
                 p.report.layout = Layout::Text;
                 if !field_is(f1, table.n_layers() as i64) || !field_is(f2, table.n_experts() as i64)
                 {
-                    return Err(Refusal::Dimensions {
-                        file_layers: spelled(bytes, f1),
-                        file_experts: spelled(bytes, f2),
+                    return Ok(Err(Refusal::Dimensions {
+                        file_layers: sc.spelled(1).to_string(),
+                        file_experts: sc.spelled(2).to_string(),
                         n_layers: table.n_layers(),
                         n_experts: table.n_experts(),
-                    });
+                    }));
                 }
             }
             -2 => {
@@ -313,18 +393,18 @@ fn parse_text(
                     None => !f1.negative,
                 };
                 if newer {
-                    return Err(Refusal::Version {
-                        version: spelled(bytes, f1),
-                    });
+                    return Ok(Err(Refusal::Version {
+                        version: sc.spelled(1).to_string(),
+                    }));
                 }
                 if !field_is(f2, i64::from(id.0)) {
                     let writer = f2.as_count().map(EngineId);
                     match trust {
                         Trust::Found => {
-                            return Err(Refusal::Foreign {
+                            return Ok(Err(Refusal::Foreign {
                                 writer,
                                 engine: engine.to_string(),
-                            })
+                            }))
                         }
                         Trust::Named => {
                             p.report.overridden =
@@ -333,14 +413,44 @@ fn parse_text(
                     }
                 }
             }
-            l if l < -2 => p.report.unknown_headers += 1,
+            l if l < -2 => {
+                p.report.unknown_headers += 1;
+                p.keep_record(|| sc.record_text());
+            }
             l => match (f1.as_int(), f2.as_count()) {
-                (Some(e), Some(c)) => p.offer(table, i64::from(l), i64::from(e), c),
-                _ => p.report.malformed += 1,
+                (Some(e), Some(c)) => p.offer(i64::from(l), i64::from(e), c, || sc.record_text()),
+                _ => {
+                    p.report.malformed += 1;
+                    p.keep_record(|| sc.record_text());
+                }
             },
         }
     }
-    Ok(p)
+    if let Some(End::Stopped(at)) = sc.end() {
+        p.stop(at);
+    }
+    Ok(Ok(p))
+}
+
+/// Reads a history from `src` and, if it is accepted, adds its admitted records to
+/// `table`; with `keep`, also collects what a rewrite must put back. Prints nothing.
+pub fn read_from(
+    mut src: impl Read,
+    engine: &str,
+    trust: Trust,
+    table: &mut Counters,
+    keep: Option<&mut Keep>,
+) -> io::Result<Result<ReadReport, Refusal>> {
+    let mut magic = Vec::with_capacity(4);
+    (&mut src).take(4).read_to_end(&mut magic)?;
+    let is_iku1 = iku1::sniff(&magic);
+    let src = BufReader::with_capacity(1 << 16, io::Cursor::new(magic).chain(src));
+    let pending = if is_iku1 {
+        iku1::parse(src, engine, trust, table, keep)?
+    } else {
+        parse_text(src, engine, trust, table, keep)?
+    };
+    Ok(pending.map(|p| p.commit(table)))
 }
 
 /// Parses a history held in memory and, if it is accepted, adds its admitted records to
@@ -351,24 +461,36 @@ pub fn parse(
     trust: Trust,
     table: &mut Counters,
 ) -> Result<ReadReport, Refusal> {
-    let pending = if iku1::sniff(bytes) {
-        iku1::parse(bytes, engine, trust, table)?
-    } else {
-        parse_text(bytes, engine, trust, table)?
+    match read_from(bytes, engine, trust, table, None) {
+        Ok(r) => r,
+        Err(e) => unreachable!("reading from memory cannot fail: {e}"),
+    }
+}
+
+/// Reads a history file into `table` (see [`read_from`]). Never blocks on a FIFO: a path
+/// that is not a regular file is unreadable. Prints nothing.
+pub fn read_kept(
+    path: &Path,
+    engine: &str,
+    trust: Trust,
+    table: &mut Counters,
+    keep: Option<&mut Keep>,
+) -> ReadOutcome {
+    let file = match crate::files::open_input(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return ReadOutcome::Missing,
+        Err(e) => return ReadOutcome::Unreadable(e),
     };
-    Ok(pending.commit(table))
+    match read_from(file, engine, trust, table, keep) {
+        Ok(Ok(r)) => ReadOutcome::Read(r),
+        Ok(Err(refusal)) => ReadOutcome::Refused(refusal),
+        Err(e) => ReadOutcome::Unreadable(e),
+    }
 }
 
 /// Reads a history file into `table`. Prints nothing.
 pub fn read(path: &Path, engine: &str, trust: Trust, table: &mut Counters) -> ReadOutcome {
-    match std::fs::read(path) {
-        Ok(bytes) => match parse(&bytes, engine, trust, table) {
-            Ok(r) => ReadOutcome::Read(r),
-            Err(refusal) => ReadOutcome::Refused(refusal),
-        },
-        Err(e) if e.kind() == io::ErrorKind::NotFound => ReadOutcome::Missing,
-        Err(e) => ReadOutcome::Unreadable(e),
-    }
+    read_kept(path, engine, trust, table, None)
 }
 
 static OVERRIDE_SHOWN: AtomicBool = AtomicBool::new(false);
@@ -383,8 +505,8 @@ pub enum Role {
 }
 
 /// Prints what a user must see about a read: the refusal, the override notice (once per
-/// process), and for a history a note when the file is not complete and the
-/// `[USAGE] expert history` line when selections were admitted.
+/// process), and for a history the `[USAGE] expert history` line when selections were
+/// admitted. What a rewrite keeps, and where the history lives, is `home`'s to say.
 pub fn announce(path: &Path, engine: &str, outcome: &ReadOutcome, role: Role) {
     let mut out = String::new();
     match outcome {
@@ -405,26 +527,10 @@ pub fn announce(path: &Path, engine: &str, outcome: &ReadOutcome, role: Role) {
                     let _ = writeln!(out, "{}", override_notice(path, writer, engine));
                 }
             }
-            if role == Role::History && !r.is_complete() {
-                let _ = writeln!(
-                    out,
-                    "[USAGE] {}: {} \u{2014} using what was read; this file will not be overwritten",
-                    path.display(),
-                    r.problems()
-                );
-            }
             if role == Role::History && r.total > 0 {
                 let _ = writeln!(out, "{}", usage_line(r.total, path));
             }
         }
     }
     eprint!("{out}");
-}
-
-/// Reads a history this run will add to (untrusted: the engine found the path) and
-/// announces the result.
-pub fn load(path: &Path, engine: &str, table: &mut Counters) -> ReadOutcome {
-    let outcome = read(path, engine, Trust::Found, table);
-    announce(path, engine, &outcome, Role::History);
-    outcome
 }

@@ -9,7 +9,10 @@
 //! - `identity`: the engine id (FNV-1a-32 of the name) and the known-name table.
 //! - `counters`: the count table and the dropped-row admission rule.
 //! - `scan`: the history text exactly as the classic C `fscanf` loop tokenises it.
-//! - `history`: reading (v1 text, legacy text, IKU1 via `iku1`), refusals, notices.
+//! - `history`: reading (v1 text, legacy text, IKU1 via `iku1`), refusals, notices, and
+//!   what a rewrite must keep.
+//! - `home`: which file is this engine's history (the default path or the per-engine
+//!   path beside it), and the load.
 //! - `save`: the writer, decay, `USAGE_SAVE`, lock + re-read + merge + atomic replace.
 //! - `trace_stream`: the `ROUTE_TRACE` file; `cfmt`: C `%.Nf` number text.
 //! - `placement`: PIN / PIN=auto / PIN_N / PIN_GB / AUTOPIN plans; `repin`: live REPIN.
@@ -17,6 +20,7 @@
 mod cfmt;
 mod counters;
 pub mod history;
+pub mod home;
 mod identity;
 pub mod iku1;
 pub mod placement;
@@ -30,7 +34,8 @@ use std::path::Path;
 
 pub use cfmt::{fixed, push_fixed, push_fixed_f32};
 pub use counters::{Counters, ShapeError};
-pub use history::{Layout, ReadOutcome, ReadReport, Refusal, Role, Trust};
+pub use history::{Keep, Layout, ReadOutcome, ReadReport, Refusal, Role, Trust};
+pub use home::Home;
 pub use identity::{EngineId, FORMAT_VERSION, KNOWN_ENGINES, UNKNOWN_ENGINE};
 pub use placement::{PinGb, PinPlan, PinRequest, PinSetting, PinSource};
 pub use repin::{RepinSchedule, SessionHeat, Swap};
@@ -52,6 +57,11 @@ pub struct RouteTrace {
     /// The counts as they were at the last load or save: what the history on disk already
     /// holds of ours, so a save adds only what was gained since.
     baseline: Counters,
+    /// The counts of a frozen file (read at load, never written; see `home`), which a
+    /// save adds back to the merged table it wrote.
+    frozen: Counters,
+    /// Where the history lives, once loaded or saved.
+    home: Option<Home>,
     heat: SessionHeat,
     trace: Option<TraceStream>,
 }
@@ -63,6 +73,8 @@ impl RouteTrace {
         Ok(RouteTrace {
             engine: engine.to_string(),
             baseline: counts.clone(),
+            frozen: counts.clone(),
+            home: None,
             heat: SessionHeat::new(n_layers + 1, n_experts),
             counts,
             trace: None,
@@ -84,6 +96,7 @@ impl RouteTrace {
     pub fn drop_row(&mut self, layer: usize) {
         self.counts.drop_row(layer);
         self.baseline.drop_row(layer);
+        self.frozen.drop_row(layer);
     }
 
     /// The counters: the loaded history plus this run's selections (after a save, the
@@ -102,9 +115,10 @@ impl RouteTrace {
         self.heat.halve();
     }
 
-    /// Opens (truncating) the trace file and prints `[ROUTE_TRACE] logging routing to
-    /// <path>`, or `[ROUTE_TRACE] cannot open <path>` and returns the error; the run can go
-    /// on untraced.
+    /// Opens the trace file (see [`TraceStream::create`]) and prints `[ROUTE_TRACE] logging
+    /// routing to <path>`, or `[ROUTE_TRACE] cannot open <path>` and returns the error: an
+    /// `InvalidInput` error is a refusal (the file holds something a trace must not
+    /// replace), any other a failure to create it, after which the run can go on untraced.
     pub fn open_trace(&mut self, path: &Path) -> io::Result<()> {
         match TraceStream::create(path) {
             Ok(t) => {
@@ -137,46 +151,91 @@ impl RouteTrace {
         MoeCall { rt: self, layer }
     }
 
-    /// Loads the history at `path` into the counters (untrusted: the engine found the path)
-    /// and prints the outcome, including `[USAGE] expert history: N selections (<path>)`.
-    /// Returns the outcome so the caller can tell a missing, refused or partial history
-    /// apart; a save never overwrites a file that was not read completely.
+    /// Loads this engine's history from the default path `path` into the counters: the
+    /// file there when it is this engine's, else the per-engine path beside it (see
+    /// [`home`]), and prints what it found, including `[USAGE] expert history: N
+    /// selections (<path>)`. Returns the outcome of reading `path` itself, so the caller
+    /// can tell a missing, refused or partial history apart.
     pub fn load_history(&mut self, path: &Path) -> ReadOutcome {
-        let mut loaded = self.counts.zeroed_like();
-        let outcome = history::load(path, &self.engine, &mut loaded);
-        self.counts.absorb(&loaded);
-        self.baseline.absorb(&loaded);
-        outcome
+        let loaded = home::load(path, &self.engine, &self.counts);
+        self.counts.absorb(&loaded.counts);
+        self.baseline.absorb(&loaded.counts);
+        self.frozen.absorb(&loaded.frozen);
+        self.home = Some(loaded.home);
+        loaded.default_outcome
     }
 
-    /// Saves the history at `path`: under the lock `<path>.lock`, re-reads the file, adds
-    /// the selections gained since the last load or save, applies the decay, writes the
-    /// result atomically and prints `[STATS] <total> selections across <n> distinct
-    /// experts -> <path>`. A file that cannot be read completely is left untouched and the
-    /// counts go to `<path>.<engine>` (reported in the outcome and on stderr).
+    /// Selections counted since the last load or save: what a save would add.
+    pub fn unsaved_selections(&self) -> i64 {
+        self.counts.total() - self.baseline.total()
+    }
+
+    /// Where the history lives, once [`RouteTrace::load_history`] or a save decided it.
+    pub fn home(&self) -> Option<&Home> {
+        self.home.as_ref()
+    }
+
+    /// Saves the history whose default path is `path` (where the load found it, see
+    /// [`home`]): under the file's lock, re-reads it, adds the selections gained since the
+    /// last load or save, applies the decay, writes the result atomically with everything
+    /// the file held that this engine cannot, and prints `[STATS] <total> selections
+    /// across <n> distinct experts -> <path>`. A default path found holding another's
+    /// file is left untouched and the counts go to `<path>.<engine>` (reported in the
+    /// outcome and on stderr).
     pub fn save_history(
         &mut self,
         path: &Path,
         opts: SaveOptions,
     ) -> Result<SaveOutcome, SaveError> {
+        let home = match &mut self.home {
+            Some(h) if h.default == path => h,
+            slot => slot.insert(Home::at(path)),
+        };
         let (outcome, merged) =
-            save::merge_save(path, &self.engine, &self.counts, &self.baseline, opts)?;
-        if let Some(m) = merged {
+            save::merge_save(home, &self.engine, &self.counts, &self.baseline, opts)?;
+        if let Some(mut m) = merged {
+            m.absorb(&self.frozen);
             self.baseline = m.clone();
             self.counts = m;
         }
         Ok(outcome)
     }
 
+    /// Why `STATS=<path>` must not be written, or `None`: it may be missing, empty, or a
+    /// counts file (a stats dump or any history text) other than this run's history.
+    /// Checked before the first token and again at the dump.
+    pub fn stats_target_problem(&self, path: &Path) -> Option<String> {
+        let ours = self
+            .home
+            .iter()
+            .flat_map(|h| [&h.default, &h.save_to].into_iter().chain(&h.frozen));
+        for file in ours {
+            if crate::files::same_file(path, file) {
+                return Some(format!(
+                    "it is this run's history ({}); STATS writes a separate snapshot of the counts",
+                    file.display()
+                ));
+            }
+        }
+        save::counts_file_problem(path)
+    }
+
     /// `STATS=<file>`: writes the counters as they are (no merge, no decay) atomically and
-    /// prints the `[STATS]` line. Returns (total, distinct).
+    /// prints the `[STATS]` line. Returns (total, distinct). A file that is not a counts
+    /// file, or is this run's history, is refused and left as it is.
     pub fn dump_stats(&self, path: &Path) -> Result<(i64, u64), SaveError> {
-        save::write_atomically(
+        if let Some(why) = self.stats_target_problem(path) {
+            return Err(SaveError::Refused {
+                path: path.to_path_buf(),
+                why,
+            });
+        }
+        let written = save::write_file(
             path,
             save::render(&self.counts, self.engine_id()).as_bytes(),
         )?;
         let (total, distinct) = (self.counts.total(), self.counts.distinct());
-        eprintln!("{}", save::stats_line(total, distinct, path));
+        eprintln!("{}", save::stats_line(total, distinct, &written));
         Ok((total, distinct))
     }
 

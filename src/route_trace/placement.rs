@@ -6,6 +6,7 @@
 //! load and never evict. Nothing here loads an expert or changes what the model computes:
 //! pins choose which bytes are resident, never which experts are routed.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use super::cfmt::fixed;
@@ -137,26 +138,15 @@ pub fn select_by_bytes(
 /// The `per_layer` hottest experts of every layer (count > 0; ties to the lower id), in
 /// rank order.
 pub fn select_per_layer(table: &Counters, per_layer: usize) -> Vec<Pin> {
-    let mut out = Vec::new();
-    for layer in 0..=table.n_layers() {
-        let Some(row) = table.row(layer) else {
-            continue;
-        };
-        let mut v: Vec<Pin> = row
-            .iter()
-            .enumerate()
-            .filter(|&(_, &c)| c > 0)
-            .map(|(expert, &count)| Pin {
-                layer,
-                expert,
-                count,
-            })
-            .collect();
-        v.sort_by(by_rank);
-        v.truncate(per_layer);
-        out.extend(v);
-    }
-    out.sort_by(by_rank);
+    // The global ranking orders each layer's experts by count, then id, so the first
+    // `per_layer` of a layer met in it are that layer's hottest.
+    let mut taken: HashMap<usize, usize> = HashMap::new();
+    let mut out = rank(table);
+    out.retain(|p| {
+        let n = taken.entry(p.layer).or_insert(0);
+        *n += 1;
+        *n <= per_layer
+    });
     out
 }
 
@@ -294,12 +284,14 @@ pub fn resolve_auto(history: Option<&Path>, snap: &Path) -> Option<PathBuf> {
 }
 
 /// Chooses from a table by `PIN_N` when set, else by the `PIN_GB` byte budget.
+/// `PIN_N=0` chooses nothing: the file still seeds the ranking, but no expert is pinned.
 fn choose(
     table: &Counters,
     req: &PinRequest<'_>,
     expert_bytes: &dyn Fn(usize) -> u64,
 ) -> (Vec<Pin>, u64) {
     match req.pin_n {
+        Some(0) => (Vec::new(), 0),
         Some(n) => {
             let pins = select_per_layer(table, clamp_pin_n(n, req.cap));
             let bytes = pins.iter().map(|p| expert_bytes(p.layer)).sum();
@@ -358,14 +350,15 @@ pub fn plan_pins(
 }
 
 /// AUTOPIN: with `PIN` unset and at least 5000 selections in the history, pin the
-/// `autopin_quota` hottest experts of each layer.
+/// `autopin_quota` hottest experts of each layer. An explicit `PIN_N=0` pins nothing here
+/// too; any other `PIN_N` leaves the quota as it is.
 fn autopin(
     loaded: &Counters,
     req: &PinRequest<'_>,
     expert_bytes: &dyn Fn(usize) -> u64,
 ) -> PinPlan {
     let selections = loaded.total();
-    if !req.autopin || selections < AUTOPIN_MIN_SELECTIONS {
+    if !req.autopin || req.pin_n == Some(0) || selections < AUTOPIN_MIN_SELECTIONS {
         return PinPlan::empty();
     }
     let confidence = autopin_confidence(selections);
@@ -484,5 +477,96 @@ mod tests {
             Some("[PIN] 1 experts pinned from history (12000 selections, 6% confidence)")
         );
         assert_eq!(PinPlan::empty().line(0, 0.0), None);
+        // A plan that consulted a file but chose nothing (PIN_N=0) claims no placement.
+        let plan = PinPlan {
+            source: Some(PinSource::Auto(PathBuf::from("/m/.coli_usage"))),
+            pins: Vec::new(),
+            bytes: 0,
+        };
+        assert_eq!(plan.line(0, 0.0), None);
+    }
+
+    /// 3 layers x 4 experts holding over 200,000 selections: full AUTOPIN confidence.
+    fn hot_table() -> Counters {
+        let mut recs = Vec::new();
+        for l in 0..3 {
+            for e in 0..4 {
+                recs.push((l, e, 20_000 + 1000 * e as u32 + l as u32));
+            }
+        }
+        let t = table(&recs);
+        assert!(t.total() >= AUTOPIN_MIN_SELECTIONS);
+        assert!(autopin_confidence(t.total()) >= 1.0);
+        t
+    }
+
+    fn request<'a>(
+        pin: &'a PinSetting,
+        pin_n: Option<usize>,
+        snap: &'a Path,
+        history: Option<&'a Path>,
+    ) -> PinRequest<'a> {
+        PinRequest {
+            pin,
+            pin_n,
+            pin_gb: PinGb::DEFAULT,
+            ram_avail_bytes: 0,
+            autopin: true,
+            cap: 16,
+            snap,
+            history,
+        }
+    }
+
+    const ONE_MB: &dyn Fn(usize) -> u64 = &|_| 1_000_000;
+
+    #[test]
+    fn autopin_pins_nothing_with_pin_n_zero() {
+        let t = hot_table();
+        let snap = Path::new("/nonexistent-snap");
+        let unset = PinSetting::Unset;
+        // Today's AUTOPIN: cap 16 at full confidence pins 8 per layer (only 4 are hot),
+        // whatever a non-zero PIN_N says.
+        let plan = plan_pins(&t, "olmoe", &request(&unset, None, snap, None), ONE_MB);
+        assert_eq!(plan.pins.len(), 12);
+        assert_eq!(
+            plan_pins(&t, "olmoe", &request(&unset, Some(2), snap, None), ONE_MB),
+            plan
+        );
+        // PIN_N=0: nothing, and no startup line.
+        let plan = plan_pins(&t, "olmoe", &request(&unset, Some(0), snap, None), ONE_MB);
+        assert!(plan.pins.is_empty(), "{plan:?}");
+        assert_eq!(plan.bytes, 0);
+        assert_eq!(plan.line(0, 0.0), None);
+    }
+
+    #[test]
+    fn pin_files_pin_nothing_with_pin_n_zero() {
+        let t = hot_table();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let history = dir.path().join(".coli_usage");
+        let mut text = format!(
+            "-1 {} {}\n-2 {} {}\n",
+            t.n_layers(),
+            t.n_experts(),
+            super::super::FORMAT_VERSION,
+            super::super::EngineId::of("olmoe").0
+        );
+        for (l, e, c) in t.nonzero() {
+            text.push_str(&format!("{l} {e} {c}\n"));
+        }
+        std::fs::write(&history, text).expect("write history");
+        let auto = PinSetting::Auto;
+        let named = PinSetting::Path(history.clone());
+        for pin in [&auto, &named] {
+            let req = request(pin, Some(1), dir.path(), Some(&history));
+            let plan = plan_pins(&t.zeroed_like(), "olmoe", &req, ONE_MB);
+            assert_eq!(plan.pins.len(), 3, "{pin:?}: one per layer");
+            let req = request(pin, Some(0), dir.path(), Some(&history));
+            let plan = plan_pins(&t.zeroed_like(), "olmoe", &req, ONE_MB);
+            assert!(plan.pins.is_empty(), "{pin:?}: {plan:?}");
+            assert_eq!(plan.bytes, 0);
+            assert_eq!(plan.line(0, 0.0), None);
+        }
     }
 }

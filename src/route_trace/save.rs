@@ -1,26 +1,26 @@
 //! Writing a `.coli_usage` history: the exact v1 bytes, `COLI_USAGE_DECAY`, `USAGE_SAVE`,
 //! and the merge-on-save that keeps concurrent processes from losing each other's counts.
 //!
-//! Owns the file bytes, the lock, the temporary file and the rename. It must never replace
-//! a file it cannot read completely (refused, unreadable, or holding anything this engine
-//! could not write back): such a file is left untouched and the counts go to a sibling
-//! file `<path>.<engine>` instead.
+//! Owns the file bytes and the merge. A rewrite loses nothing the file held: the records
+//! this engine cannot hold and an unread tail are written back as they were (see
+//! `history::Keep`). A file that is not this engine's history at all (refused, unreadable,
+//! another model's, or an IKU1 table a text file cannot express) is never replaced; the
+//! counts go to the per-engine path `<path>.<engine>` instead, which `home` reads back.
 //!
-//! Crash safety comes from the order of operations: the new history is written to
-//! `<path>.tmp` in the same directory, fsynced, and renamed over the target, so a process
-//! killed at any point leaves either the old file or the new one. Concurrency comes from
-//! an advisory lock on the side file `<path>.lock`, held from the re-read of the target to
-//! the rename. The lock is on a side file rather than the history itself because the
-//! history's inode is replaced by every save: a process waiting on the old inode's lock
-//! would wake holding a lock nobody else can see.
+//! How a file is replaced is `crate::files`' rule, shared with every other writer: under an
+//! advisory lock on `<target>.lock`, held from the re-read to the rename, the new bytes go
+//! to an exclusively created `<target>.tmp` with the target's mode and owner, are fsynced
+//! and renamed over the target, so a process killed at any point leaves the old file or
+//! the new one. A symlinked history is written through to its target.
 
-use std::fs::{self, File, OpenOptions};
-use std::io::{self, Write as _};
+use std::io::{self, Read as _, Seek as _, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use super::counters::Counters;
-use super::history::{self, Trust};
+use super::history::{self, Keep, Trust};
+use super::home::Home;
 use super::identity::{EngineId, FORMAT_VERSION};
+use crate::files::{self, FileLock, WriteError};
 
 /// The `COLI_USAGE_DECAY` multiplier, applied to every counter at every save.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -170,13 +170,14 @@ pub enum SaveOutcome {
     Skipped,
     /// A history was written.
     Saved {
-        /// The file written: the history path, or its sibling when diverted.
+        /// The file written: the history path, or the per-engine path.
         path: PathBuf,
         /// Selections in the file.
         total: i64,
         /// Non-zero counters in the file.
         distinct: u64,
-        /// Set when the history path was left untouched.
+        /// Set when this save found the default path holding a file it must not replace
+        /// and wrote the per-engine path instead.
         diverted: Option<Diverted>,
     },
 }
@@ -184,32 +185,27 @@ pub enum SaveOutcome {
 /// Why a save wrote nothing. The history on disk is unchanged in every case.
 #[derive(Debug, thiserror::Error)]
 pub enum SaveError {
-    /// The lock side file could not be created or locked.
-    #[error("cannot lock {}: {source}", path.display())]
-    Lock {
-        /// The lock file.
+    /// Locking or replacing the file failed (see [`files::WriteError`]).
+    #[error(transparent)]
+    File(#[from] WriteError),
+    /// The file is not one this writer may replace.
+    #[error("{}: {why}; refusing to replace it", path.display())]
+    Refused {
+        /// The file.
         path: PathBuf,
-        /// The cause.
-        source: io::Error,
+        /// What it is.
+        why: String,
     },
-    /// Writing, syncing or renaming the new file failed.
-    #[error("cannot write {}: {source}", path.display())]
-    Write {
-        /// The file being written.
-        path: PathBuf,
-        /// The cause.
-        source: io::Error,
-    },
-    /// Neither the history nor its sibling can be replaced without losing data.
+    /// Neither the history nor the per-engine path can be replaced without losing data.
     #[error("{} ({reason}) and {} ({sibling_reason}) both hold data this run cannot write back; counts not saved", path.display(), sibling.display())]
     NoSafeTarget {
         /// The history path.
         path: PathBuf,
         /// Why it cannot be replaced.
         reason: String,
-        /// The sibling path.
+        /// The per-engine path.
         sibling: PathBuf,
-        /// Why the sibling cannot be replaced either.
+        /// Why it cannot be replaced either.
         sibling_reason: String,
     },
 }
@@ -221,14 +217,10 @@ fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
     PathBuf::from(s)
 }
 
-/// Where a save goes when the history path holds a file this run must not replace.
+/// This engine's own history beside a default path that holds another's:
+/// `<path>.<engine>`.
 pub fn sibling_path(path: &Path, engine: &str) -> PathBuf {
     with_suffix(path, &format!(".{engine}"))
-}
-
-/// The advisory lock side file guarding a history and its sibling.
-pub fn lock_path(path: &Path) -> PathBuf {
-    with_suffix(path, ".lock")
 }
 
 /// Appends one record. Taking exactly three integers is what guarantees every record has
@@ -262,79 +254,87 @@ pub fn render(table: &Counters, engine: EngineId) -> String {
     out
 }
 
-/// Replaces `path` with `bytes` so that a crash leaves the old file or the new one:
-/// `<path>.tmp` is written and fsynced, then renamed over `path`, then the directory is
-/// fsynced so the rename itself survives a power cut.
-pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), SaveError> {
-    let tmp = with_suffix(path, ".tmp");
-    let write = |p: &Path| -> io::Result<()> {
-        let mut f = File::create(p)?;
-        f.write_all(bytes)?;
-        f.sync_all()
-    };
-    if let Err(source) = write(&tmp) {
-        // Best effort: a leftover temp file is harmless (the next save truncates it).
-        let _ = fs::remove_file(&tmp);
-        return Err(SaveError::Write { path: tmp, source });
+/// A history as a rewrite writes it: [`render`]'s bytes, then the records the read kept
+/// (each a triple as the file spelled it, so every old reader stays aligned), then the
+/// unread tail of `old` byte for byte, so a C reader still stops where it stopped. With
+/// anything kept the headers are written even for an all-zero table.
+fn write_history(
+    out: &mut dyn Write,
+    table: &Counters,
+    engine: EngineId,
+    keep: &Keep,
+    old: &Path,
+) -> io::Result<()> {
+    let mut text = render(table, engine);
+    if text.is_empty() && (!keep.records.is_empty() || keep.tail_from.is_some()) {
+        record(
+            &mut text,
+            [-1, table.n_layers() as i64, table.n_experts() as i64],
+        );
+        record(
+            &mut text,
+            [-2, i64::from(FORMAT_VERSION), i64::from(engine.0)],
+        );
     }
-    fs::rename(&tmp, path).map_err(|source| {
-        let _ = fs::remove_file(&tmp);
-        SaveError::Write {
-            path: path.to_path_buf(),
-            source,
-        }
-    })?;
-    sync_parent(path);
+    out.write_all(text.as_bytes())?;
+    for r in &keep.records {
+        writeln!(out, "{r}")?;
+    }
+    if let Some(from) = keep.tail_from {
+        let mut f = files::open_input(old)?;
+        f.seek(SeekFrom::Start(from as u64))?;
+        io::copy(&mut f, out)?;
+    }
     Ok(())
 }
 
-/// Makes a rename durable. Failure is ignored: some filesystems cannot fsync a directory,
-/// and the rename has already happened.
-fn sync_parent(path: &Path) {
-    #[cfg(unix)]
-    {
-        let dir = match path.parent() {
-            Some(d) if !d.as_os_str().is_empty() => d,
-            _ => Path::new("."),
-        };
-        if let Ok(d) = File::open(dir) {
-            let _ = d.sync_all();
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = path;
+/// Writes `bytes` as the whole content of `path` the way every coli writer replaces a
+/// file: through a symlink to its target, under the target's lock, atomically, keeping
+/// mode and owner (see [`files::replace`]). Returns the file written.
+pub fn write_file(path: &Path, bytes: &[u8]) -> Result<PathBuf, WriteError> {
+    let target = resolve(path)?;
+    let lock = files::lock_for(&target)?;
+    files::replace(&target, &lock, |w| w.write_all(bytes))?;
+    Ok(target)
 }
 
-/// Holds the advisory lock for the life of the value (closing the file releases it).
-struct HistoryLock {
-    _file: Option<File>,
+/// Why `path` must not be replaced by a counts file (`STATS=`, `coli usage merge -o`), or
+/// `None`: it may be missing or empty, hold text records ending cleanly (a history or a
+/// stats dump, of any engine), or be an IKU1 table (which `coli usage migrate` rewrites in
+/// place). Anything else, such as a config, weights or a trace, is
+/// not a counts file and is never replaced. Reads at most the first 64 KiB and never
+/// blocks.
+pub fn counts_file_problem(path: &Path) -> Option<String> {
+    let mut f = match files::open_input(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return None,
+        Err(e) => return Some(format!("cannot check what it holds ({e})")),
+    };
+    let mut head = Vec::new();
+    if let Err(e) = (&mut f).take(1 << 16).read_to_end(&mut head) {
+        return Some(format!("cannot check what it holds ({e})"));
+    }
+    if super::iku1::sniff(&head) {
+        return None;
+    }
+    let full = head.len() < 1 << 16;
+    let sc = super::scan::scan(&head);
+    let records = !sc.triples.is_empty();
+    match sc.end {
+        _ if head.iter().all(u8::is_ascii_whitespace) => None,
+        super::scan::End::Clean if records => None,
+        // A cut at the 64 KiB boundary is not damage.
+        super::scan::End::Stopped(_) if records && !full => None,
+        _ => Some("it is not a usage history or stats file".to_string()),
+    }
 }
 
-fn lock_history(path: &Path) -> Result<HistoryLock, SaveError> {
-    let lp = lock_path(path);
-    let file = OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&lp)
-        .map_err(|source| SaveError::Lock {
-            path: lp.clone(),
-            source,
-        })?;
-    match file.lock() {
-        Ok(()) => Ok(HistoryLock { _file: Some(file) }),
-        // A filesystem without advisory locks still gets the atomic replace; only the
-        // protection against a concurrent writer is lost, and losing this run's counts
-        // instead would be worse.
-        Err(e) if e.kind() == io::ErrorKind::Unsupported => {
-            eprintln!(
-                "[USAGE] {}: advisory locks are not supported here ({e}) \u{2014} saving without one",
-                lp.display()
-            );
-            Ok(HistoryLock { _file: None })
-        }
-        Err(source) => Err(SaveError::Lock { path: lp, source }),
-    }
+/// The file a write to `path` lands in: the end of its symlink chain.
+fn resolve(path: &Path) -> Result<PathBuf, WriteError> {
+    files::resolve_link(path).map_err(|source| WriteError::Write {
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 /// The `[STATS]` line printed after a successful save.
@@ -345,22 +345,55 @@ pub fn stats_line(total: i64, distinct: u64, path: &Path) -> String {
     )
 }
 
-/// The line printed when a save was diverted to the sibling file.
+/// The line printed when a save was diverted to the per-engine path.
 pub fn diverted_line(d: &Diverted, to: &Path) -> String {
     format!(
-        "[USAGE] {}: {} \u{2014} left untouched; this run's counts were saved to {}",
+        "[USAGE] {}: {} \u{2014} left untouched; this engine's history is {}",
         d.from.display(),
         d.reason,
         to.display()
     )
 }
 
-/// Merge-on-save. Under the lock: re-read the history from disk, add the counts this
-/// process gained since its last save (`current - baseline`), apply the decay, write the
-/// result atomically, and print `[STATS]`. Returns the merged table, which becomes the
-/// caller's new `current` and `baseline`.
-pub(super) fn merge_save(
+/// One file a save may write, read under its lock.
+struct Candidate {
+    target: PathBuf,
+    lock: FileLock,
+    disk: Counters,
+    keep: Keep,
+}
+
+/// Locks `path`'s target and reads it; `Err(reason)` when it holds something a rewrite
+/// would lose.
+fn lock_and_read(
     path: &Path,
+    engine: &str,
+    shape: &Counters,
+) -> Result<Result<Candidate, String>, SaveError> {
+    let target = resolve(path)?;
+    let lock = files::lock_for(&target)?;
+    let mut disk = shape.zeroed_like();
+    let mut keep = Keep::default();
+    let outcome = history::read_kept(&target, engine, Trust::Found, &mut disk, Some(&mut keep));
+    Ok(match outcome.replace_blocker(&disk) {
+        Some(reason) => Err(reason),
+        None => Ok(Candidate {
+            target,
+            lock,
+            disk,
+            keep,
+        }),
+    })
+}
+
+/// Merge-on-save into `home.save_to`. Under its lock: re-read it, add the counts this
+/// process gained since its last save (`current - baseline`), apply the decay, write the
+/// result atomically with everything the file held that this engine cannot (see
+/// [`write_history`]), and print `[STATS]`. When the default path turns out to hold a
+/// file this engine must not replace, the save goes to the per-engine path instead and
+/// `home` says so from then on. Returns the merged table of the file written.
+pub(super) fn merge_save(
+    home: &mut Home,
     engine: &str,
     current: &Counters,
     baseline: &Counters,
@@ -369,43 +402,58 @@ pub(super) fn merge_save(
     if !opts.enabled {
         return Ok((SaveOutcome::Skipped, None));
     }
-    let _lock = lock_history(path)?;
-    let mut disk = current.zeroed_like();
-    let outcome = history::read(path, engine, Trust::Found, &mut disk);
-    let (target, diverted) = match outcome.replace_blocker() {
-        None => (path.to_path_buf(), None),
-        Some(reason) => {
-            let sibling = sibling_path(path, engine);
-            disk = current.zeroed_like();
-            let s_outcome = history::read(&sibling, engine, Trust::Found, &mut disk);
-            if let Some(sibling_reason) = s_outcome.replace_blocker() {
+    let mut diverted = None;
+    let mut c = match lock_and_read(&home.save_to, engine, current)? {
+        Ok(c) => c,
+        Err(reason) => {
+            let sibling = sibling_path(&home.default, engine);
+            if home.save_to == sibling {
                 return Err(SaveError::NoSafeTarget {
-                    path: path.to_path_buf(),
-                    reason,
+                    path: home.default.clone(),
+                    reason: home.why.clone().unwrap_or_default(),
                     sibling,
-                    sibling_reason,
+                    sibling_reason: reason,
                 });
             }
-            let from = path.to_path_buf();
-            (sibling, Some(Diverted { from, reason }))
+            match lock_and_read(&sibling, engine, current)? {
+                Ok(c) => {
+                    diverted = Some(Diverted {
+                        from: home.save_to.clone(),
+                        reason: reason.clone(),
+                    });
+                    home.divert(sibling, reason);
+                    c
+                }
+                Err(sibling_reason) => {
+                    return Err(SaveError::NoSafeTarget {
+                        path: home.save_to.clone(),
+                        reason,
+                        sibling,
+                        sibling_reason,
+                    })
+                }
+            }
         }
     };
-    disk.add_gain(current, baseline);
-    disk.decay(opts.decay);
-    write_atomically(&target, render(&disk, EngineId::of(engine)).as_bytes())?;
-    let (total, distinct) = (disk.total(), disk.distinct());
+    c.disk.add_gain(current, baseline);
+    c.disk.decay(opts.decay);
+    let id = EngineId::of(engine);
+    files::replace(&c.target, &c.lock, |w| {
+        write_history(w, &c.disk, id, &c.keep, &c.target)
+    })?;
+    let (total, distinct) = (c.disk.total(), c.disk.distinct());
     if let Some(d) = &diverted {
-        eprintln!("{}", diverted_line(d, &target));
+        eprintln!("{}", diverted_line(d, &home.save_to));
     }
-    eprintln!("{}", stats_line(total, distinct, &target));
+    eprintln!("{}", stats_line(total, distinct, &home.save_to));
     Ok((
         SaveOutcome::Saved {
-            path: target,
+            path: home.save_to.clone(),
             total,
             distinct,
             diverted,
         },
-        Some(disk),
+        Some(c.disk),
     ))
 }
 

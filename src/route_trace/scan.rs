@@ -12,6 +12,18 @@
 //! sign and magnitude instead, and the reader rejects a record that does not fit rather
 //! than admit a wrapped number. The triple alignment, which is what the format's safety
 //! rests on, is unchanged by that choice.
+//!
+//! The scan streams: [`Scanner`] reads one triple at a time from a buffered reader and
+//! keeps only the current triple's text, so reading a history takes memory for the table
+//! it fills, not for the file. A field longer than [`MAX_FIELD_CHARS`] ends the scan at
+//! its record, as if the byte were not a number (C would read on, wrapping it): such a
+//! file is damaged, and stopping keeps the memory bounded; what follows is the file's
+//! unread tail, which a rewrite keeps byte for byte.
+
+use std::io::{self, BufRead};
+
+/// The longest field (sign included) the scan reads as a number.
+pub const MAX_FIELD_CHARS: usize = 4096;
 
 /// One numeric field as scanned: its sign, magnitude and place in the input.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -20,8 +32,7 @@ pub struct Field {
     pub negative: bool,
     /// The decimal magnitude, or `None` when it exceeds `u64::MAX`.
     pub magnitude: Option<u64>,
-    /// Byte range of the field's text (sign included) in the scanned input, so a message
-    /// can quote a number of any size exactly as the file spells it.
+    /// Byte range of the field's text (sign included) in the scanned input.
     pub span: (usize, usize),
 }
 
@@ -58,9 +69,138 @@ pub struct Triple {
 pub enum End {
     /// Only whitespace followed the last complete triple.
     Clean,
-    /// The loop stopped at this byte offset: a non-numeric byte, or a record cut short by
-    /// the end of the input. Everything from here on is ignored, as the C loop ignores it.
+    /// The loop stopped at this byte offset: a non-numeric byte, a record cut short by
+    /// the end of the input, or a field too long to read. Everything from here on is
+    /// ignored, as the C loop ignores it.
     Stopped(usize),
+}
+
+/// C `isspace` in the "C" locale.
+fn is_c_space(b: u8) -> bool {
+    matches!(b, b' ' | b'\t' | b'\n' | 0x0b | 0x0c | b'\r')
+}
+
+/// The streaming scan of one input.
+pub struct Scanner<R> {
+    src: R,
+    pos: usize,
+    text: [String; 3],
+    end: Option<End>,
+}
+
+impl<R: BufRead> Scanner<R> {
+    /// A scan of `src` from its current position, which counts as offset 0.
+    pub fn new(src: R) -> Scanner<R> {
+        Scanner {
+            src,
+            pos: 0,
+            text: Default::default(),
+            end: None,
+        }
+    }
+
+    fn peek(&mut self) -> io::Result<Option<u8>> {
+        loop {
+            match self.src.fill_buf() {
+                Ok(buf) => return Ok(buf.first().copied()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn bump(&mut self) {
+        self.src.consume(1);
+        self.pos += 1;
+    }
+
+    fn skip_space(&mut self) -> io::Result<()> {
+        while self.peek()?.is_some_and(is_c_space) {
+            self.bump();
+        }
+        Ok(())
+    }
+
+    /// One `%d`/`%u` directive into text slot `slot`: skip whitespace, optional sign, one
+    /// or more digits.
+    fn field(&mut self, slot: usize) -> io::Result<Option<Field>> {
+        self.skip_space()?;
+        let start = self.pos;
+        self.text[slot].clear();
+        let mut negative = false;
+        if let Some(s @ (b'+' | b'-')) = self.peek()? {
+            negative = s == b'-';
+            self.text[slot].push(char::from(s));
+            self.bump();
+        }
+        let mut digits = 0usize;
+        let mut magnitude = Some(0u64);
+        while let Some(d) = self.peek()?.filter(u8::is_ascii_digit) {
+            if self.text[slot].len() == MAX_FIELD_CHARS {
+                return Ok(None);
+            }
+            magnitude = magnitude
+                .and_then(|m| m.checked_mul(10))
+                .and_then(|m| m.checked_add(u64::from(d - b'0')));
+            self.text[slot].push(char::from(d));
+            self.bump();
+            digits += 1;
+        }
+        Ok((digits > 0).then_some(Field {
+            negative,
+            magnitude,
+            span: (start, self.pos),
+        }))
+    }
+
+    /// The next triple, or `None` at the end of the scan (see [`Scanner::end`]). After the
+    /// end every call returns `None`.
+    pub fn next_triple(&mut self) -> io::Result<Option<Triple>> {
+        if self.end.is_some() {
+            return Ok(None);
+        }
+        self.skip_space()?;
+        let offset = self.pos;
+        if self.peek()?.is_none() {
+            self.end = Some(End::Clean);
+            return Ok(None);
+        }
+        let mut fields = [None; 3];
+        for (slot, f) in fields.iter_mut().enumerate() {
+            *f = self.field(slot)?;
+            if f.is_none() {
+                self.end = Some(End::Stopped(offset));
+                return Ok(None);
+            }
+        }
+        let [Some(a), Some(b), Some(c)] = fields else {
+            unreachable!("every field was checked above")
+        };
+        Ok(Some(Triple {
+            offset,
+            fields: [a, b, c],
+        }))
+    }
+
+    /// How the scan ended; `None` while triples remain.
+    pub fn end(&self) -> Option<End> {
+        self.end
+    }
+
+    /// Field `i` (0, 1 or 2) of the last triple, exactly as the input spells it.
+    pub fn spelled(&self, i: usize) -> &str {
+        &self.text[i]
+    }
+
+    /// The last triple as one record line: its three fields as spelled, one space apart.
+    pub fn record_text(&self) -> String {
+        format!("{} {} {}", self.text[0], self.text[1], self.text[2])
+    }
+
+    /// The reader, positioned where the scan stopped reading.
+    pub fn into_inner(self) -> R {
+        self.src
+    }
 }
 
 /// Every triple the loop would read, and how it ended.
@@ -72,78 +212,17 @@ pub struct Scan {
     pub end: End,
 }
 
-/// C `isspace` in the "C" locale.
-fn is_c_space(b: u8) -> bool {
-    matches!(b, b' ' | b'\t' | b'\n' | 0x0b | 0x0c | b'\r')
-}
-
-struct Cursor<'a> {
-    bytes: &'a [u8],
-    pos: usize,
-}
-
-impl Cursor<'_> {
-    fn skip_space(&mut self) {
-        while self.bytes.get(self.pos).copied().is_some_and(is_c_space) {
-            self.pos += 1;
-        }
-    }
-
-    /// One `%d`/`%u` directive: skip whitespace, optional sign, one or more digits.
-    fn field(&mut self) -> Option<Field> {
-        self.skip_space();
-        let mut p = self.pos;
-        let mut negative = false;
-        if let Some(&s @ (b'+' | b'-')) = self.bytes.get(p) {
-            negative = s == b'-';
-            p += 1;
-        }
-        let digits_start = p;
-        let mut magnitude = Some(0u64);
-        while let Some(d) = self.bytes.get(p).filter(|b| b.is_ascii_digit()) {
-            magnitude = magnitude
-                .and_then(|m| m.checked_mul(10))
-                .and_then(|m| m.checked_add(u64::from(d - b'0')));
-            p += 1;
-        }
-        if p == digits_start {
-            return None;
-        }
-        let start = self.pos;
-        self.pos = p;
-        Some(Field {
-            negative,
-            magnitude,
-            span: (start, p),
-        })
-    }
-}
-
-/// Scans `bytes` as the C loop would.
+/// Scans a whole input held in memory.
 pub fn scan(bytes: &[u8]) -> Scan {
-    let mut cur = Cursor { bytes, pos: 0 };
+    let mut sc = Scanner::new(bytes);
     let mut triples = Vec::new();
-    loop {
-        cur.skip_space();
-        let offset = cur.pos;
-        if offset == bytes.len() {
-            return Scan {
-                triples,
-                end: End::Clean,
-            };
-        }
-        match (cur.field(), cur.field(), cur.field()) {
-            (Some(a), Some(b), Some(c)) => triples.push(Triple {
-                offset,
-                fields: [a, b, c],
-            }),
-            _ => {
-                return Scan {
-                    triples,
-                    end: End::Stopped(offset),
-                }
-            }
-        }
+    // Reading from a byte slice cannot fail.
+    while let Ok(Some(t)) = sc.next_triple() {
+        triples.push(t);
+    }
+    Scan {
+        triples,
+        end: sc.end().unwrap_or(End::Clean),
     }
 }
 
@@ -193,6 +272,27 @@ mod tests {
         let (v, end) = vals("3 2 5\n-3 7 12 99\n4 1 8\n");
         assert_eq!(v, vec![[3, 2, 5], [-3, 7, 12], [99, 4, 1]]);
         assert_eq!(end, End::Stopped(21));
+    }
+
+    #[test]
+    fn a_field_too_long_ends_the_scan() {
+        let long = format!("3 2 5\n4 {} 1\n5 1 1\n", "7".repeat(MAX_FIELD_CHARS + 1));
+        let sc = scan(long.as_bytes());
+        assert_eq!(sc.triples.len(), 1);
+        assert_eq!(sc.end, End::Stopped(6));
+        let ok = format!("4 {} 1\n", "7".repeat(MAX_FIELD_CHARS));
+        assert_eq!(scan(ok.as_bytes()).end, End::Clean);
+    }
+
+    #[test]
+    fn spelled_fields_and_record_text() {
+        let mut sc = Scanner::new(&b"  +3\n-0 99999999999999999999999x"[..]);
+        let t = sc.next_triple().expect("slice").expect("a triple");
+        assert_eq!(t.offset, 2);
+        assert_eq!(sc.spelled(0), "+3");
+        assert_eq!(sc.record_text(), "+3 -0 99999999999999999999999");
+        assert_eq!(sc.next_triple().expect("slice"), None);
+        assert_eq!(sc.end(), Some(End::Stopped(31)));
     }
 
     #[test]

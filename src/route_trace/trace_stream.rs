@@ -27,9 +27,13 @@ pub struct TraceStream {
 }
 
 impl TraceStream {
-    /// Creates (truncating) the trace file.
+    /// Creates the trace file, or truncates one that holds a trace (or nothing). A file
+    /// holding anything else is refused with an `InvalidInput` error and left as it is: a
+    /// trace never replaces a history, weights or a config. A FIFO or a character device
+    /// (`/dev/stderr`) is written as a stream; a FIFO nobody reads is refused rather than
+    /// waited on.
     pub fn create(path: &Path) -> io::Result<TraceStream> {
-        let file = File::create(path)?;
+        let file = open_for_trace(path)?;
         Ok(TraceStream {
             path: path.to_path_buf(),
             out: BufWriter::with_capacity(1 << 16, file),
@@ -76,6 +80,97 @@ impl TraceStream {
     }
 }
 
+/// Whether `head` (the start of a file) reads as a trace: every whole line is
+/// `<call> <row> <layer>` followed by `<id>:<gate>` pairs, and at least one line has a
+/// pair (a line of three numbers alone would also be a legacy history record).
+fn is_trace(head: &[u8]) -> bool {
+    let whole = match head.iter().rposition(|&b| b == b'\n') {
+        Some(end) => &head[..end],
+        None => head,
+    };
+    let Ok(text) = std::str::from_utf8(whole) else {
+        return false;
+    };
+    let mut paired = false;
+    let lines_ok = text.lines().all(|line| {
+        let mut fields = line.split_ascii_whitespace();
+        let numbers = fields
+            .by_ref()
+            .take(3)
+            .filter(|f| f.parse::<u64>().is_ok())
+            .count();
+        let mut pairs = fields.peekable();
+        paired |= pairs.peek().is_some();
+        numbers == 3
+            && pairs.all(|p| {
+                p.split_once(':')
+                    .is_some_and(|(id, _)| id.parse::<usize>().is_ok())
+            })
+    });
+    lines_ok && paired
+}
+
+/// Opens `path` for a trace without blocking and without destroying what it holds (see
+/// [`TraceStream::create`]).
+fn open_for_trace(path: &Path) -> io::Result<File> {
+    use std::io::{Read as _, Seek as _};
+    use std::os::unix::fs::{FileTypeExt as _, OpenOptionsExt as _};
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+        .or_else(|e| match e.raw_os_error() {
+            // A FIFO opened for writing with nobody reading it.
+            Some(libc::ENXIO) => Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "a FIFO with no reader",
+            )),
+            // A FIFO or device cannot be opened for reading as well: open it write-only.
+            _ => std::fs::OpenOptions::new()
+                .write(true)
+                .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+                .open(path)
+                .map_err(|_| e),
+        })?;
+    let kind = file.metadata()?.file_type();
+    if kind.is_fifo() || kind.is_char_device() {
+        clear_nonblocking(&file)?;
+        return Ok(file);
+    }
+    if !kind.is_file() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "not a regular file, a FIFO or a character device",
+        ));
+    }
+    let mut head = Vec::new();
+    (&mut file).take(4096).read_to_end(&mut head)?;
+    if !head.iter().all(u8::is_ascii_whitespace) && !is_trace(&head) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "it exists and does not hold a routing trace; refusing to replace it (choose another path)",
+        ));
+    }
+    file.set_len(0)?;
+    file.rewind()?;
+    clear_nonblocking(&file)?;
+    Ok(file)
+}
+
+fn clear_nonblocking(file: &File) -> io::Result<()> {
+    use std::os::unix::io::AsRawFd as _;
+    let fd = file.as_raw_fd();
+    // SAFETY: fcntl on a descriptor this function's caller owns; no memory is passed.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Appends one trace line, newline included.
 pub fn format_line(
     out: &mut String,
@@ -107,6 +202,16 @@ pub fn failed_line(path: &Path) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn recognises_a_trace_and_nothing_else() {
+        assert!(is_trace(b"0 0 1 5:0.2500 7:0.7500\n1 0 1 2:1.0000\n"));
+        assert!(is_trace(b"0 0 1\n1 0 1 2:1.0000\n2 0"));
+        assert!(!is_trace(b"-1 5 8\n-2 1 3815245270\n3 2 2\n"));
+        assert!(!is_trace(b"3 2 2\n"));
+        assert!(!is_trace(b"{\"model_type\": \"olmoe\"}"));
+        assert!(!is_trace(b"\x10\0\0\0\0\0\0\0{\"__metadata__\""));
+    }
 
     #[test]
     fn line_bytes() {

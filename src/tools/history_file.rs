@@ -7,10 +7,12 @@
 //! reader, as the declaring engine would. Every rule about what is admitted, totalled or
 //! refused is the reader's; nothing here interprets a data record.
 
+use std::io::{BufRead, BufReader, Read as _};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 
+use crate::files;
 use crate::route_trace::history::{self, Layout, ReadReport, Refusal, Trust};
 use crate::route_trace::{iku1, scan, Counters, EngineId};
 
@@ -81,13 +83,28 @@ pub enum Opened {
     },
 }
 
-/// Opens and reads the history at `path`. Errors only when the file cannot be read.
+/// Opens and reads the history at `path`, streaming: its header is learned in a first
+/// pass, its records read in a second, and a table of a huge declared shape is sparse, so
+/// memory follows what the file holds. Errors only when the file cannot be read (a FIFO
+/// or another non-regular file is refused without blocking).
 pub fn open(path: &Path) -> Result<Opened> {
-    let bytes =
-        std::fs::read(path).with_context(|| format!("cannot read history {}", path.display()))?;
-    let (declared, shape, engine) = if iku1::sniff(&bytes) {
-        let dims = iku1::word(&bytes, 4)
-            .zip(iku1::word(&bytes, 8))
+    let read_err = || format!("cannot read history {}", path.display());
+    let bytes = std::fs::metadata(path).with_context(read_err)?.len() as usize;
+    let mut magic = Vec::new();
+    files::open_input(path)
+        .with_context(read_err)?
+        .take(4)
+        .read_to_end(&mut magic)
+        .with_context(read_err)?;
+    let (declared, shape, engine) = if iku1::sniff(&magic) {
+        let mut header = Vec::new();
+        files::open_input(path)
+            .with_context(read_err)?
+            .take(12)
+            .read_to_end(&mut header)
+            .with_context(read_err)?;
+        let dims = iku1::word(&header, 4)
+            .zip(iku1::word(&header, 8))
             .map(|(l, e)| (l as usize, e as usize));
         let declared = Declared {
             dims: dims.filter(|&(l, e)| Counters::new(l, e).is_ok()),
@@ -96,7 +113,8 @@ pub fn open(path: &Path) -> Result<Opened> {
         };
         (declared, dims.unwrap_or((0, 1)), IKU1_OWNER)
     } else {
-        let (declared, inferred) = declared_text(&bytes);
+        let file = BufReader::new(files::open_input(path).with_context(read_err)?);
+        let (declared, inferred) = declared_text(file).with_context(read_err)?;
         let engine = declared.writer.and_then(EngineId::name).unwrap_or("");
         (declared.clone(), declared.dims.unwrap_or(inferred), engine)
     };
@@ -111,10 +129,12 @@ pub fn open(path: &Path) -> Result<Opened> {
     } else {
         Trust::Found
     };
-    Ok(match history::parse(&bytes, engine, trust, &mut counts) {
+    let file = files::open_input(path).with_context(read_err)?;
+    let read = history::read_from(file, engine, trust, &mut counts, None).with_context(read_err)?;
+    Ok(match read {
         Ok(report) => Opened::Read(History {
             path: path.to_path_buf(),
-            bytes: bytes.len(),
+            bytes,
             declared,
             counts,
             report,
@@ -140,11 +160,12 @@ pub fn open_readable(path: &Path) -> Result<History> {
 }
 
 /// The header of a text history and the smallest shape holding its data records.
-fn declared_text(bytes: &[u8]) -> (Declared, (usize, usize)) {
+fn declared_text(src: impl BufRead) -> std::io::Result<(Declared, (usize, usize))> {
     let mut d = Declared::default();
     let mut seen_dims = false;
     let (mut max_layer, mut max_expert) = (0usize, 0usize);
-    for t in scan::scan(bytes).triples {
+    let mut sc = scan::Scanner::new(src);
+    while let Some(t) = sc.next_triple()? {
         let [f0, f1, f2] = t.fields;
         match f0.as_int() {
             Some(-1) if !seen_dims => {
@@ -170,7 +191,7 @@ fn declared_text(bytes: &[u8]) -> (Declared, (usize, usize)) {
             _ => {}
         }
     }
-    (d, (max_layer, max_expert + 1))
+    Ok((d, (max_layer, max_expert + 1)))
 }
 
 #[cfg(test)]
@@ -179,15 +200,15 @@ mod tests {
 
     #[test]
     fn learns_the_header_first() {
-        let (d, inferred) = declared_text(b"-1 5 8\n-2 1 3815245270\n3 2 2\n");
+        let (d, inferred) = declared_text(&b"-1 5 8\n-2 1 3815245270\n3 2 2\n"[..]).expect("slice");
         assert_eq!(d.dims, Some((5, 8)));
         assert_eq!(d.version, Some(1));
         assert_eq!(d.writer.and_then(EngineId::name), Some("glm_moe_dsa"));
         assert_eq!(inferred, (3, 3));
-        let (d, inferred) = declared_text(b"3 2 2\n9 1 5\n");
+        let (d, inferred) = declared_text(&b"3 2 2\n9 1 5\n"[..]).expect("slice");
         assert_eq!(d, Declared::default());
         assert_eq!(inferred, (9, 3));
-        let (d, _) = declared_text(b"-1 5 8\n-2 1 -7\n");
+        let (d, _) = declared_text(&b"-1 5 8\n-2 1 -7\n"[..]).expect("slice");
         assert!(d.writer_invalid);
         assert_eq!(d.writer_name(), Some("an unknown engine"));
     }

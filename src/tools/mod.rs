@@ -23,9 +23,10 @@ pub mod stats;
 pub mod trace;
 pub mod usage;
 
-use std::io::Write as _;
+use std::io::{Read as _, Write as _};
+use std::path::Path;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 
 /// `coli usage ...`.
 #[derive(clap::Subcommand, Debug)]
@@ -71,6 +72,36 @@ pub fn run_trace(cmd: &TraceCommand) -> Result<()> {
             emit(&format!("{line}\n"))
         }
     }
+}
+
+/// Writes a tool's output file: refused when `path` exists holding something other than
+/// what this tool writes (`looks_like` judges the first 64 KiB; an empty file is
+/// nothing), otherwise replaced as every coli writer replaces a file (see
+/// [`crate::files`]).
+pub fn write_output(
+    path: &Path,
+    what: &str,
+    looks_like: fn(&[u8]) -> bool,
+    bytes: &[u8],
+) -> Result<()> {
+    match crate::files::open_input(path) {
+        Ok(f) => {
+            let mut head = Vec::new();
+            f.take(1 << 16)
+                .read_to_end(&mut head)
+                .with_context(|| format!("cannot read {}", path.display()))?;
+            if !head.iter().all(u8::is_ascii_whitespace) && !looks_like(&head) {
+                bail!(
+                    "{} exists and is not {what}: refusing to replace it (choose another output path)",
+                    path.display()
+                );
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => bail!("{}: {e}; refusing to write it", path.display()),
+    }
+    crate::route_trace::save::write_file(path, bytes)?;
+    Ok(())
 }
 
 /// `--force` decisions go to stderr, the summary (the last line) to stdout.

@@ -19,7 +19,6 @@ use plotters::style::text_anchor::{HPos, Pos, VPos};
 use super::history_file;
 use super::simulate::{self, SimOptions, SimReport};
 use super::trace::TraceReader;
-use crate::route_trace::save;
 
 /// DejaVu Sans reduced to printable ASCII, `×` and `—` (see `assets/fonts/`).
 static FONT: &[u8] = include_bytes!("../../assets/fonts/DejaVuSans-ascii.ttf");
@@ -28,6 +27,13 @@ const FONT_NAME: &str = "sans-serif";
 
 /// Smallest and largest image side accepted, in pixels.
 const SIDE: std::ops::RangeInclusive<u32> = 200..=8000;
+
+/// Whether a file starts as the images `plot` writes do.
+fn is_image(head: &[u8]) -> bool {
+    let text = String::from_utf8_lossy(head);
+    let text = text.trim_start();
+    head.starts_with(b"\x89PNG\r\n\x1a\n") || text.starts_with("<svg") || text.starts_with("<?xml")
+}
 
 /// `coli trace plot`.
 #[derive(clap::Args, Debug)]
@@ -473,7 +479,7 @@ pub fn run(args: &PlotArgs) -> Result<String> {
         let heat = heat_of(&args.input)?;
         render(&Picture::Heat(&heat), format, args.width, args.height)?
     };
-    save::write_atomically(&args.output, &bytes)?;
+    super::write_output(&args.output, "a PNG or SVG image", is_image, &bytes)?;
     Ok(format!(
         "{} x {} {} -> {}",
         args.width,

@@ -18,7 +18,6 @@ use serde::Serialize;
 
 use super::pairs::{self, CoTable, Predictor, Recall, RowWindow, DEPTH};
 use super::trace::{CallGrouper, TraceReader};
-use crate::route_trace::save;
 
 /// `coli trace stats`.
 #[derive(clap::Args, Debug)]
@@ -269,7 +268,12 @@ pub fn stats(
     let n = top.unwrap_or(p.top_k);
     let entries = p.table.entries();
     if let Some(out) = pairs_out {
-        save::write_atomically(out, pairs::render(&entries).as_bytes())?;
+        super::write_output(
+            out,
+            "a co-activation table (COLIPAIRS)",
+            |h| h.starts_with(b"COLIPAIRS "),
+            pairs::render(&entries).as_bytes(),
+        )?;
     }
     let marginal = marginal_tops(&p.counts, n);
     let (by_depth, by_layer) = if entries.is_empty() {

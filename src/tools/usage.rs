@@ -1,17 +1,19 @@
 //! `coli usage show | merge | migrate`: inspecting and combining `.coli_usage` histories.
 //!
 //! Reading goes through `history_file` (so through `route_trace`'s reader) and writing
-//! through `route_trace::save::{render, write_atomically}`, so a merged or migrated file is
-//! byte for byte what an engine would have written for the same counts, and it replaces
-//! its destination only by a rename of a complete file.
+//! through `route_trace::save::render` and `files::replace`, so a merged or migrated file
+//! is byte for byte what an engine would have written for the same counts, replaces its
+//! destination only by a rename of a complete file, and does so under the destination's
+//! lock, the one an engine's save takes.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use serde::Serialize;
 
 use super::history_file::{self, Declared, History, Opened};
+use crate::files;
 use crate::route_trace::history::Layout;
 use crate::route_trace::{save, Counters, EngineId};
 
@@ -35,11 +37,13 @@ pub struct MergeArgs {
     /// Histories to add up: same engine and same shape.
     #[arg(required = true)]
     pub inputs: Vec<PathBuf>,
-    /// The merged history (replaced atomically; may be one of the inputs).
+    /// The merged history. An existing file is replaced (atomically, under the lock an
+    /// engine's save takes) only with --force, and only when it is a history; it may be
+    /// one of the inputs.
     #[arg(short, long)]
     pub output: PathBuf,
-    /// Merge even when the inputs name different engines or shapes, or were not read
-    /// completely; says what it did.
+    /// Replace an existing output, and merge even when the inputs name different engines
+    /// or shapes, or were not read completely; says what it did.
     #[arg(long)]
     pub force: bool,
 }
@@ -49,10 +53,12 @@ pub struct MergeArgs {
 pub struct MigrateArgs {
     /// An Inkling IKU1 binary history.
     pub input: PathBuf,
-    /// The text history to write (replaced atomically; may be the input).
+    /// The text history to write. An existing file is replaced (atomically, under the
+    /// lock an engine's save takes) only with --force; it may be the input.
     #[arg(short, long)]
     pub output: PathBuf,
-    /// Write what was read even when the IKU1 table is cut short or has trailing bytes.
+    /// Replace an existing output, and write what was read even when the IKU1 table is
+    /// cut short or has trailing bytes.
     #[arg(long)]
     pub force: bool,
 }
@@ -125,23 +131,14 @@ fn layout_name(h: &History) -> &'static str {
 
 /// The `top` hottest experts of every row with selections.
 pub fn layer_summaries(counts: &Counters, top: usize) -> Vec<LayerSummary> {
-    (0..=counts.n_layers())
-        .filter_map(|layer| {
-            let row = counts.row(layer)?;
-            let selections: u64 = row.iter().map(|&c| u64::from(c)).sum();
-            if selections == 0 {
-                return None;
-            }
-            let mut hot: Vec<(usize, u32)> = row
-                .iter()
-                .copied()
-                .enumerate()
-                .filter(|&(_, c)| c > 0)
-                .collect();
+    counts
+        .nonzero_rows()
+        .map(|(layer, mut hot)| {
+            let selections: u64 = hot.iter().map(|&(_, c)| u64::from(c)).sum();
             let experts = hot.len();
             hot.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
             hot.truncate(top);
-            Some(LayerSummary {
+            LayerSummary {
                 layer,
                 selections,
                 experts,
@@ -153,7 +150,7 @@ pub fn layer_summaries(counts: &Counters, top: usize) -> Vec<LayerSummary> {
                         share: f64::from(count) / selections as f64,
                     })
                     .collect(),
-            })
+            }
         })
         .collect()
 }
@@ -376,6 +373,16 @@ fn not_complete(h: &History) -> String {
 /// `coli usage merge`: the sum of histories of one engine and shape. Returns what it did,
 /// one line per `--force` decision, then the summary.
 pub fn merge(inputs: &[PathBuf], output: &Path, force: bool) -> Result<Vec<String>> {
+    for (i, a) in inputs.iter().enumerate() {
+        if let Some(b) = inputs[..i].iter().find(|b| files::same_file(a, b)) {
+            bail!(
+                "{} and {} are the same file: merging it with itself would count its selections twice",
+                b.display(),
+                a.display()
+            );
+        }
+    }
+    let out_file = OutputHistory::claim(output)?;
     let hs = inputs
         .iter()
         .map(|p| history_file::open_readable(p))
@@ -436,7 +443,7 @@ pub fn merge(inputs: &[PathBuf], output: &Path, force: bool) -> Result<Vec<Strin
             ));
         }
     }
-    save::write_atomically(output, save::render(&out, id).as_bytes())?;
+    out_file.write(&save::render(&out, id), force)?;
     notes.push(format!(
         "merged {} histories ({}, {}): {} selections across {} distinct experts -> {}",
         hs.len(),
@@ -447,6 +454,46 @@ pub fn merge(inputs: &[PathBuf], output: &Path, force: bool) -> Result<Vec<Strin
         output.display()
     ));
     Ok(notes)
+}
+
+/// The output of `merge` or `migrate`, claimed before any input is read: its symlink
+/// followed to the target and the target's lock held (the lock an engine's save takes), so
+/// that a run saving the same history waits for the tool, or the tool for it, and no
+/// selection either of them wrote is lost.
+struct OutputHistory {
+    output: PathBuf,
+    target: PathBuf,
+    lock: files::FileLock,
+}
+
+impl OutputHistory {
+    /// Resolves and locks the output; refuses a file that is not a counts file.
+    fn claim(output: &Path) -> Result<OutputHistory> {
+        let target = files::resolve_link(output)
+            .with_context(|| format!("cannot resolve {}", output.display()))?;
+        if let Some(why) = save::counts_file_problem(&target) {
+            bail!("{}: {why}; refusing to replace it", output.display());
+        }
+        let lock = files::lock_for(&target)?;
+        Ok(OutputHistory {
+            output: output.to_path_buf(),
+            target,
+            lock,
+        })
+    }
+
+    /// Writes `text` over the output; an existing non-empty file only with `force`.
+    fn write(&self, text: &str, force: bool) -> Result<()> {
+        let exists = std::fs::metadata(&self.target).is_ok_and(|m| m.len() > 0);
+        if exists && !force {
+            bail!(
+                "{} exists: --force replaces it (or choose another output path); nothing was written",
+                self.output.display()
+            );
+        }
+        files::replace(&self.target, &self.lock, |w| w.write_all(text.as_bytes()))?;
+        Ok(())
+    }
 }
 
 /// The writer's name for messages, from a header.
@@ -541,6 +588,7 @@ fn list(hs: &[History]) -> String {
 /// `coli usage migrate`: an IKU1 history rewritten as text, count for count. Returns the
 /// lines to print.
 pub fn migrate(input: &Path, output: &Path, force: bool) -> Result<Vec<String>> {
+    let out_file = OutputHistory::claim(output)?;
     let h = history_file::open_readable(input)?;
     if h.layout() != Layout::Iku1 {
         bail!(
@@ -573,7 +621,7 @@ pub fn migrate(input: &Path, output: &Path, force: bool) -> Result<Vec<String>> 
         ));
     }
     let id = h.declared.writer.unwrap_or(EngineId::of("inkling"));
-    save::write_atomically(output, save::render(&h.counts, id).as_bytes())?;
+    out_file.write(&save::render(&h.counts, id), force)?;
     notes.push(format!(
         "migrated {} selections across {} distinct experts ({}, {}) -> {}",
         h.counts.total(),

@@ -6,11 +6,12 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-/// Compiles `tests/c/<name>.c` once per test process; `None` (after saying so on stderr)
-/// when no C compiler is installed, so the caller can skip.
-pub fn c_program(name: &'static str) -> Option<PathBuf> {
-    static OLD_READER: OnceLock<Option<PathBuf>> = OnceLock::new();
-    static PRINTF: OnceLock<Option<PathBuf>> = OnceLock::new();
+/// Compiles `tests/c/<name>.c` once per test process with `$CC` (default `cc`). Panics
+/// when the compiler cannot be run: these tests check real C and must never pass without
+/// it.
+pub fn c_program(name: &'static str) -> PathBuf {
+    static OLD_READER: OnceLock<PathBuf> = OnceLock::new();
+    static PRINTF: OnceLock<PathBuf> = OnceLock::new();
     let cell = match name {
         "old_reader" => &OLD_READER,
         "printf_fixed" => &PRINTF,
@@ -19,8 +20,11 @@ pub fn c_program(name: &'static str) -> Option<PathBuf> {
     cell.get_or_init(|| compile(name)).clone()
 }
 
-fn compile(name: &str) -> Option<PathBuf> {
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_string());
+fn compile(name: &str) -> PathBuf {
+    let (cc, origin) = match std::env::var("CC") {
+        Ok(cc) => (cc, "$CC"),
+        Err(_) => ("cc".to_string(), "the default, CC is unset"),
+    };
     let src = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/c")
         .join(format!("{name}.c"));
@@ -31,14 +35,16 @@ fn compile(name: &str) -> Option<PathBuf> {
         .arg(&src)
         .status()
     {
-        Ok(s) if s.success() => Some(out),
-        Ok(s) => panic!("{cc} failed to compile {}: {s}", src.display()),
-        Err(e) => {
-            eprintln!(
-                "SKIPPED: no C compiler ({cc}: {e}); the C side of this test was not checked"
-            );
-            None
-        }
+        Ok(s) if s.success() => out,
+        Ok(s) => panic!(
+            "C compiler {cc:?} ({origin}) failed to compile {}: {s}",
+            src.display()
+        ),
+        Err(e) => panic!(
+            "cannot run the C compiler {cc:?} ({origin}): {e}. These tests compare coli with \
+             real C and do not pass without a compiler: install one (`apt-get install gcc`) \
+             or point CC at a working C compiler (e.g. CC=gcc or CC=clang)."
+        ),
     }
 }
 
