@@ -184,6 +184,12 @@ impl Session {
 
         let pin = PinSetting::from_setting(settings.text("PIN"));
         let cap = engine.cache_capacity();
+        // PIN=auto ranks from the file this engine's history lives in: the per-engine path
+        // when the default one holds another's.
+        let in_use = engine
+            .telemetry()
+            .home()
+            .map_or_else(|| history.clone(), |h| h.save_to.clone());
         let request = PinRequest {
             pin: &pin,
             pin_n: settings.count_if_set("PIN_N").map(|n| n as usize),
@@ -192,7 +198,7 @@ impl Session {
             autopin: settings.flag("AUTOPIN"),
             cap,
             snap,
-            history: Some(&history),
+            history: Some(&in_use),
         };
         let sizes: Vec<u64> = {
             let store = engine.expert_store();

@@ -18,7 +18,7 @@ use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use super::history_file;
 use super::simulate::{self, SimOptions, SimReport};
-use super::trace::TraceReader;
+use super::trace::{TraceReader, MAX_INDEX};
 
 /// DejaVu Sans reduced to printable ASCII, `×` and `—` (see `assets/fonts/`).
 static FONT: &[u8] = include_bytes!("../../assets/fonts/DejaVuSans-ascii.ttf");
@@ -124,6 +124,10 @@ pub fn is_trace(path: &Path) -> Result<bool> {
     Ok(first.contains(&b':'))
 }
 
+/// The most cells a heat map is drawn with: far more than a picture has pixels, and a
+/// bound on the table behind it.
+const MAX_CELLS: usize = 1 << 24;
+
 /// Counts per (layer, expert): every selection of a trace, or a history's counters.
 pub fn heat_of(path: &Path) -> Result<Heat> {
     let mut counts: Vec<Vec<u64>> = Vec::new();
@@ -145,17 +149,39 @@ pub fn heat_of(path: &Path) -> Result<Heat> {
         source = format!("trace {}", path.display());
     } else {
         let h = history_file::open_readable(path)?;
-        let t = &h.counts;
-        counts = (0..=t.n_layers())
-            .map(|l| (0..t.n_experts()).map(|e| u64::from(t.get(l, e))).collect())
-            .collect();
-        // Trailing rows without selections (an absent MTP head) only waste space.
-        while counts.last().is_some_and(|r| r.iter().all(|&c| c == 0)) {
-            counts.pop();
+        // The picture spans the selections, not the declared shape (which may claim far
+        // more than any model has); cells no model can have are left out, and said so.
+        let mut beyond = 0u64;
+        for (l, e, c) in h.counts.nonzero() {
+            if l >= MAX_INDEX || e >= MAX_INDEX {
+                beyond += u64::from(c);
+                continue;
+            }
+            if counts.len() <= l {
+                counts.resize_with(l + 1, Vec::new);
+            }
+            let row = &mut counts[l];
+            if row.len() <= e {
+                row.resize(e + 1, 0);
+            }
+            row[e] += u64::from(c);
+        }
+        if beyond > 0 {
+            eprintln!(
+                "{}: {beyond} selections on layer or expert ids of {MAX_INDEX} or more (no model has them) are not drawn",
+                path.display()
+            );
         }
         source = format!("history {}", path.display());
     }
     let width = counts.iter().map(Vec::len).max().unwrap_or(0);
+    if counts.len().saturating_mul(width) > MAX_CELLS {
+        bail!(
+            "{}: a heat map of {} layers x {width} experts is more cells than a picture can show (at most {MAX_CELLS})",
+            path.display(),
+            counts.len()
+        );
+    }
     for row in &mut counts {
         row.resize(width, 0);
     }

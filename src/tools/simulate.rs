@@ -37,7 +37,7 @@ use anyhow::{bail, Context, Result};
 use serde::Serialize;
 
 use super::history_file;
-use super::trace::{Call, CallGrouper, TraceReader};
+use super::trace::{Call, CallGrouper, TraceReader, MAX_INDEX};
 use crate::route_trace::{placement, Counters};
 
 /// A placement policy.
@@ -297,7 +297,9 @@ impl Replay {
 fn ranked_pins(table: &Counters, most: usize) -> Vec<Vec<usize>> {
     let mut per_layer: Vec<Vec<usize>> = Vec::new();
     for p in placement::select_per_layer(table, most) {
-        layer_mut(&mut per_layer, p.layer).push(p.expert);
+        if p.layer < MAX_INDEX && p.expert < MAX_INDEX {
+            layer_mut(&mut per_layer, p.layer).push(p.expert);
+        }
     }
     per_layer
 }
@@ -500,8 +502,12 @@ pub fn simulate(trace: &Path, opts: &SimOptions) -> Result<SimReport> {
     let (mut pins, pins_from) = match &opts.history {
         Some(h) => {
             let hist = history_file::open_readable(h)?;
+            // A trace's ids are below MAX_INDEX, so a history cell beyond it (a crafted
+            // or foreign shape) can meet no lookup and is not held.
             for (layer, expert, count) in hist.counts.nonzero() {
-                *layer_mut(layer_mut(&mut heat_prior, layer), expert) += u64::from(count);
+                if layer < MAX_INDEX && expert < MAX_INDEX {
+                    *layer_mut(layer_mut(&mut heat_prior, layer), expert) += u64::from(count);
+                }
             }
             (
                 Some(ranked_pins(&hist.counts, most)),
