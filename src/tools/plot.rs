@@ -131,22 +131,24 @@ const MAX_CELLS: usize = 1 << 24;
 /// Counts per (layer, expert): every selection of a trace, or a history's counters.
 pub fn heat_of(path: &Path) -> Result<Heat> {
     let mut counts: Vec<Vec<u64>> = Vec::new();
-    let source;
-    if is_trace(path)? {
+    let mut add = |l: usize, e: usize, c: u64| {
+        if counts.len() <= l {
+            counts.resize_with(l + 1, Vec::new);
+        }
+        let row = &mut counts[l];
+        if row.len() <= e {
+            row.resize(e + 1, 0);
+        }
+        row[e] += c;
+    };
+    let source = if is_trace(path)? {
         let mut rd = TraceReader::open(path, false, "plot")?;
         while let Some(r) = rd.next_route()? {
-            if counts.len() <= r.layer {
-                counts.resize_with(r.layer + 1, Vec::new);
-            }
-            let row = &mut counts[r.layer];
             for &e in &r.ids {
-                if row.len() <= e {
-                    row.resize(e + 1, 0);
-                }
-                row[e] += 1;
+                add(r.layer, e, 1);
             }
         }
-        source = format!("trace {}", path.display());
+        format!("trace {}", path.display())
     } else {
         let h = history_file::open_readable(path)?;
         // The picture spans the selections, not the declared shape (which may claim far
@@ -155,16 +157,9 @@ pub fn heat_of(path: &Path) -> Result<Heat> {
         for (l, e, c) in h.counts.nonzero() {
             if l >= MAX_INDEX || e >= MAX_INDEX {
                 beyond += u64::from(c);
-                continue;
+            } else {
+                add(l, e, u64::from(c));
             }
-            if counts.len() <= l {
-                counts.resize_with(l + 1, Vec::new);
-            }
-            let row = &mut counts[l];
-            if row.len() <= e {
-                row.resize(e + 1, 0);
-            }
-            row[e] += u64::from(c);
         }
         if beyond > 0 {
             eprintln!(
@@ -172,8 +167,8 @@ pub fn heat_of(path: &Path) -> Result<Heat> {
                 path.display()
             );
         }
-        source = format!("history {}", path.display());
-    }
+        format!("history {}", path.display())
+    };
     let width = counts.iter().map(Vec::len).max().unwrap_or(0);
     if counts.len().saturating_mul(width) > MAX_CELLS {
         bail!(
