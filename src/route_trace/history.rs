@@ -495,19 +495,10 @@ pub fn read(path: &Path, engine: &str, trust: Trust, table: &mut Counters) -> Re
 
 static OVERRIDE_SHOWN: AtomicBool = AtomicBool::new(false);
 
-/// What a file is being read for, which decides what is said about it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Role {
-    /// The history this run adds to and saves back.
-    History,
-    /// A file read only to choose pins (`PIN=<path>`, `PIN=auto`); never written.
-    PinSource,
-}
-
-/// Prints what a user must see about a read: the refusal, the override notice (once per
-/// process), and for a history the `[USAGE] expert history` line when selections were
-/// admitted. What a rewrite keeps, and where the history lives, is `home`'s to say.
-pub fn announce(path: &Path, engine: &str, outcome: &ReadOutcome, role: Role) {
+/// Prints what a user must see about a read: the refusal, an unreadable file, the override
+/// notice (once per process). Which counts are used, what a rewrite keeps and where the
+/// history lives are `home`'s to say.
+pub fn announce(path: &Path, engine: &str, outcome: &ReadOutcome) {
     let mut out = String::new();
     match outcome {
         ReadOutcome::Missing => {}
@@ -526,9 +517,6 @@ pub fn announce(path: &Path, engine: &str, outcome: &ReadOutcome, role: Role) {
                 if !OVERRIDE_SHOWN.swap(true, Ordering::Relaxed) {
                     let _ = writeln!(out, "{}", override_notice(path, writer, engine));
                 }
-            }
-            if role == Role::History && r.total > 0 {
-                let _ = writeln!(out, "{}", usage_line(r.total, path));
             }
         }
     }

@@ -17,7 +17,7 @@
 use std::path::{Path, PathBuf};
 
 use super::counters::Counters;
-use super::history::{self, ReadOutcome, ReadReport, Role, Trust};
+use super::history::{self, usage_line, ReadOutcome, ReadReport, Trust};
 use super::save::sibling_path;
 
 /// Where this engine's history is read and written.
@@ -88,6 +88,15 @@ pub struct Loaded {
     pub frozen: Counters,
 }
 
+/// Takes a file's counts into the history, with colibri's `[USAGE] expert history` line.
+fn use_counts(home: &mut Home, counts: &mut Counters, path: &Path, file: &Counters) {
+    if file.total() > 0 {
+        eprintln!("{}", usage_line(file.total(), path));
+    }
+    counts.absorb(file);
+    home.read.push(path.to_path_buf());
+}
+
 /// Prints what a rewrite keeps of a file read as this engine's history.
 fn note_kept(path: &Path, r: &ReadReport) {
     if !r.is_complete() && r.rewrite_blocker().is_none() {
@@ -110,7 +119,7 @@ pub fn load(default: &Path, engine: &str, shape: &Counters) -> Loaded {
 
     let mut d_counts = shape.zeroed_like();
     let d = history::read(default, engine, Trust::Found, &mut d_counts);
-    history::announce(default, engine, &d, Role::History);
+    history::announce(default, engine, &d);
     let d_foreign = d.not_ours(&d_counts);
     if let (Some(why), ReadOutcome::Read(_)) = (&d_foreign, &d) {
         eprintln!(
@@ -124,7 +133,7 @@ pub fn load(default: &Path, engine: &str, shape: &Counters) -> Loaded {
     let s = match std::fs::symlink_metadata(&sibling) {
         Ok(_) => {
             let s = history::read(&sibling, engine, Trust::Found, &mut s_counts);
-            history::announce(&sibling, engine, &s, Role::History);
+            history::announce(&sibling, engine, &s);
             s
         }
         Err(_) => ReadOutcome::Missing,
@@ -138,8 +147,7 @@ pub fn load(default: &Path, engine: &str, shape: &Counters) -> Loaded {
         (Some(why), _) => {
             home.divert(sibling.clone(), why);
             if s_ours {
-                counts.absorb(&s_counts);
-                home.read.push(sibling);
+                use_counts(&mut home, &mut counts, &sibling, &s_counts);
             }
         }
         (None, ReadOutcome::Read(r)) if r.rewrite_blocker().is_some() => {
@@ -149,21 +157,18 @@ pub fn load(default: &Path, engine: &str, shape: &Counters) -> Loaded {
                 default.display(),
                 sibling.display()
             );
-            counts.absorb(&d_counts);
+            use_counts(&mut home, &mut counts, default, &d_counts);
             frozen.absorb(&d_counts);
-            home.read.push(default.to_path_buf());
             home.frozen = Some(default.to_path_buf());
             home.divert(sibling.clone(), why);
             if s_ours {
-                counts.absorb(&s_counts);
-                home.read.push(sibling);
+                use_counts(&mut home, &mut counts, &sibling, &s_counts);
             }
         }
         (None, outcome) => {
             if let ReadOutcome::Read(r) = outcome {
                 note_kept(default, r);
-                counts.absorb(&d_counts);
-                home.read.push(default.to_path_buf());
+                use_counts(&mut home, &mut counts, default, &d_counts);
             }
             if s_ours {
                 eprintln!(
@@ -171,9 +176,8 @@ pub fn load(default: &Path, engine: &str, shape: &Counters) -> Loaded {
                     sibling.display(),
                     default.display()
                 );
-                counts.absorb(&s_counts);
+                use_counts(&mut home, &mut counts, &sibling, &s_counts);
                 frozen.absorb(&s_counts);
-                home.read.push(sibling.clone());
                 home.frozen = Some(sibling);
             }
         }

@@ -34,7 +34,7 @@ use std::path::Path;
 
 pub use cfmt::{fixed, push_fixed, push_fixed_f32};
 pub use counters::{Counters, ShapeError};
-pub use history::{Keep, Layout, ReadOutcome, ReadReport, Refusal, Role, Trust};
+pub use history::{Keep, Layout, ReadOutcome, ReadReport, Refusal, Trust};
 pub use home::Home;
 pub use identity::{EngineId, FORMAT_VERSION, KNOWN_ENGINES, UNKNOWN_ENGINE};
 pub use placement::{PinGb, PinPlan, PinRequest, PinSetting, PinSource};

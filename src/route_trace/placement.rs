@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use super::cfmt::fixed;
 use super::counters::Counters;
-use super::history::{self, ReadOutcome, Role, Trust};
+use super::history::{self, ReadOutcome, Trust};
 
 /// The `PIN` setting.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -333,7 +333,7 @@ pub fn plan_pins(
     };
     let mut table = loaded.zeroed_like();
     let outcome = history::read(&path, engine, trust, &mut table);
-    history::announce(&path, engine, &outcome, Role::PinSource);
+    history::announce(&path, engine, &outcome);
     if let ReadOutcome::Missing = outcome {
         eprintln!("[PIN] {}: no such file (no pin this run)", path.display());
     }

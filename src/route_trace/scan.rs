@@ -20,7 +20,7 @@
 //! file is damaged, and stopping keeps the memory bounded; what follows is the file's
 //! unread tail, which a rewrite keeps byte for byte.
 
-use std::io::{self, BufRead};
+use std::io::{self, Read};
 
 /// The longest field (sign included) the scan reads as a number.
 pub const MAX_FIELD_CHARS: usize = 4096;
@@ -83,34 +83,48 @@ fn is_c_space(b: u8) -> bool {
 /// The streaming scan of one input.
 pub struct Scanner<R> {
     src: R,
+    /// Bytes read from `src` and not yet consumed: `buf[at..len]`.
+    buf: Box<[u8]>,
+    at: usize,
+    len: usize,
+    /// Offset in the input of `buf[at]`.
     pos: usize,
     text: [String; 3],
     end: Option<End>,
 }
 
-impl<R: BufRead> Scanner<R> {
+impl<R: Read> Scanner<R> {
     /// A scan of `src` from its current position, which counts as offset 0.
     pub fn new(src: R) -> Scanner<R> {
         Scanner {
             src,
+            buf: vec![0; 1 << 16].into_boxed_slice(),
+            at: 0,
+            len: 0,
             pos: 0,
             text: Default::default(),
             end: None,
         }
     }
 
+    /// The next byte without consuming it; the buffer is refilled only when it is empty,
+    /// so the common case is one bounds check.
     fn peek(&mut self) -> io::Result<Option<u8>> {
-        loop {
-            match self.src.fill_buf() {
-                Ok(buf) => return Ok(buf.first().copied()),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e),
-            }
+        if self.at == self.len {
+            self.at = 0;
+            self.len = loop {
+                match self.src.read(&mut self.buf) {
+                    Ok(n) => break n,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(e),
+                }
+            };
         }
+        Ok((self.at < self.len).then(|| self.buf[self.at]))
     }
 
     fn bump(&mut self) {
-        self.src.consume(1);
+        self.at += 1;
         self.pos += 1;
     }
 
@@ -195,11 +209,6 @@ impl<R: BufRead> Scanner<R> {
     /// The last triple as one record line: its three fields as spelled, one space apart.
     pub fn record_text(&self) -> String {
         format!("{} {} {}", self.text[0], self.text[1], self.text[2])
-    }
-
-    /// The reader, positioned where the scan stopped reading.
-    pub fn into_inner(self) -> R {
-        self.src
     }
 }
 

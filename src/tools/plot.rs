@@ -109,7 +109,7 @@ impl Heat {
 /// Whether `path` holds a trace (its first line has `id:gate` pairs) rather than a history.
 pub fn is_trace(path: &Path) -> Result<bool> {
     let mut head = Vec::new();
-    std::fs::File::open(path)
+    crate::files::open_input(path)
         .with_context(|| format!("cannot open {}", path.display()))?
         .take(4096)
         .read_to_end(&mut head)

@@ -133,8 +133,8 @@ impl TraceReader {
     /// second pass over a file already reported). `label` names the pass on the progress
     /// bar.
     pub fn open(path: &Path, quiet: bool, label: &str) -> Result<TraceReader> {
-        let file =
-            File::open(path).with_context(|| format!("cannot open trace {}", path.display()))?;
+        let file = crate::files::open_input(path)
+            .with_context(|| format!("cannot open trace {}", path.display()))?;
         let len = file
             .metadata()
             .with_context(|| format!("cannot read trace {}", path.display()))?

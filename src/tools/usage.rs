@@ -227,13 +227,21 @@ pub fn verdict(h: &History) -> String {
     }
     if !h.report.is_complete() {
         let owner = d.writer.and_then(EngineId::name).unwrap_or("the engine");
-        let _ = write!(
-            v,
-            ". Not read completely ({}): {owner} uses what was read but never overwrites \
-             this file; its saves go to {}.{owner} instead",
-            h.report.problems(),
-            h.path.display()
-        );
+        let _ = match h.report.rewrite_blocker() {
+            Some(why) => write!(
+                v,
+                ". Not read completely ({}): {owner} reads it at every load but never \
+                 writes it ({why}); its saves go to {}.{owner}",
+                h.report.problems(),
+                h.path.display()
+            ),
+            None => write!(
+                v,
+                ". Not read completely ({}): {owner} uses what was read and keeps the rest \
+                 as it is when it rewrites the file",
+                h.report.problems()
+            ),
+        };
     }
     v
 }
