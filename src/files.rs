@@ -219,32 +219,60 @@ pub fn replace(
     _lock: &FileLock,
     write: impl FnOnce(&mut dyn io::Write) -> io::Result<()>,
 ) -> Result<(), WriteError> {
+    let existing = existing_regular(target)?;
+    replace_through(target, &temp_path(target), existing, write)
+}
+
+/// [`replace`] for an output nothing merges into (a picture, a table a tool derives): no
+/// lock is taken, so no `.lock` file is left beside it, and the temporary file is
+/// `<target>.tmp.<pid>`, which no other process uses, so concurrent writers of one output
+/// cannot write into each other's temporary file; the last rename wins, whole.
+pub fn replace_alone(
+    target: &Path,
+    write: impl FnOnce(&mut dyn io::Write) -> io::Result<()>,
+) -> Result<(), WriteError> {
+    let existing = existing_regular(target)?;
+    let mut tmp = temp_path(target).into_os_string();
+    tmp.push(format!(".{}", std::process::id()));
+    replace_through(target, Path::new(&tmp), existing, write)
+}
+
+/// The target's metadata when it exists; an error when it is not a regular file.
+fn existing_regular(target: &Path) -> Result<Option<fs::Metadata>, WriteError> {
+    // `metadata` only stats: it never opens, so a FIFO target cannot block us.
+    match fs::metadata(target) {
+        Ok(meta) => match file_kind(&meta) {
+            Some(kind) => Err(WriteError::NotRegular {
+                path: target.to_path_buf(),
+                kind,
+            }),
+            None => Ok(Some(meta)),
+        },
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(WriteError::Write {
+            path: target.to_path_buf(),
+            source,
+        }),
+    }
+}
+
+/// The write-sync-rename through the temporary file `tmp`, which only this writer uses.
+fn replace_through(
+    target: &Path,
+    tmp: &Path,
+    existing: Option<fs::Metadata>,
+    write: impl FnOnce(&mut dyn io::Write) -> io::Result<()>,
+) -> Result<(), WriteError> {
     let write_error = |path: &Path| {
         let path = path.to_path_buf();
         move |source| WriteError::Write { path, source }
     };
-    // `metadata` only stats: it never opens, so a FIFO target cannot block us.
-    let existing = match fs::metadata(target) {
-        Ok(meta) => {
-            if let Some(kind) = file_kind(&meta) {
-                return Err(WriteError::NotRegular {
-                    path: target.to_path_buf(),
-                    kind,
-                });
-            }
-            Some(meta)
-        }
-        Err(e) if e.kind() == io::ErrorKind::NotFound => None,
-        Err(e) => return Err(write_error(target)(e)),
-    };
-
-    let tmp = temp_path(target);
     // A leftover from a crashed save. `remove_file` on a symlink removes the link itself,
     // never the file it points at.
-    match fs::remove_file(&tmp) {
+    match fs::remove_file(tmp) {
         Ok(()) => {}
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => return Err(write_error(&tmp)(e)),
+        Err(e) => return Err(write_error(tmp)(e)),
     }
     // create_new (O_EXCL) fails rather than open whatever appeared at the name since the
     // removal, so the bytes can only land in a file this call created. A new target gets
@@ -256,13 +284,13 @@ pub fn replace(
         .create_new(true)
         .mode(if existing.is_some() { 0o600 } else { 0o666 })
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(&tmp)
-        .map_err(write_error(&tmp))?;
+        .open(tmp)
+        .map_err(write_error(tmp))?;
 
-    let result = fill_temp(file, &tmp, existing.as_ref(), target, write)
-        .and_then(|()| fs::rename(&tmp, target).map_err(write_error(target)));
+    let result = fill_temp(file, tmp, existing.as_ref(), target, write)
+        .and_then(|()| fs::rename(tmp, target).map_err(write_error(target)));
     if let Err(e) = result {
-        let _ = fs::remove_file(&tmp);
+        let _ = fs::remove_file(tmp);
         return Err(e);
     }
     sync_parent(target);
@@ -553,6 +581,22 @@ mod tests {
         assert!(err.to_string().contains("boom"), "{err}");
         assert_eq!(fs::read(&target).unwrap(), b"old");
         assert!(fs::symlink_metadata(temp_path(&target)).is_err());
+    }
+
+    #[test]
+    fn replace_alone_leaves_no_lock_and_keeps_the_mode() {
+        let d = tempfile::tempdir().unwrap();
+        let target = d.path().join("heat.png");
+        fs::write(&target, b"old").unwrap();
+        fs::set_permissions(&target, Permissions::from_mode(0o640)).unwrap();
+        replace_alone(&target, |w| w.write_all(b"new")).unwrap();
+        assert_eq!(fs::read(&target).unwrap(), b"new");
+        assert_eq!(mode(&target), 0o640);
+        let left: Vec<_> = fs::read_dir(d.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(left, vec![OsString::from("heat.png")]);
     }
 
     #[test]

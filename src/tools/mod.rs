@@ -76,8 +76,8 @@ pub fn run_trace(cmd: &TraceCommand) -> Result<()> {
 
 /// Writes a tool's output file: refused when `path` exists holding something other than
 /// what this tool writes (`looks_like` judges the first 64 KiB; an empty file is
-/// nothing), otherwise replaced as every coli writer replaces a file (see
-/// [`crate::files`]).
+/// nothing), otherwise replaced as every coli writer replaces a file, without a lock since
+/// nothing merges into it (see [`crate::files::replace_alone`]).
 pub fn write_output(
     path: &Path,
     what: &str,
@@ -100,7 +100,9 @@ pub fn write_output(
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => bail!("{}: {e}; refusing to write it", path.display()),
     }
-    crate::route_trace::save::write_file(path, bytes)?;
+    let target = crate::files::resolve_link(path)
+        .with_context(|| format!("cannot resolve {}", path.display()))?;
+    crate::files::replace_alone(&target, |w| w.write_all(bytes))?;
     Ok(())
 }
 
