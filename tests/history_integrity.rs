@@ -25,7 +25,7 @@ use coli::route_trace::history::{self, Trust};
 use coli::route_trace::save::render;
 use coli::route_trace::{Counters, EngineId, ReadReport};
 
-use common::{copy_fixture, fixture, stderr, stdout};
+use common::{coli_command, copy_fixture, fixture, stderr, stdout};
 
 const PROMPT: &str = "IDS=3 11 29 7 41 19";
 const OLMOE_ID: u32 = 3841822045;
@@ -34,19 +34,6 @@ const GLM_ID: u32 = 3815245270;
 const LIMIT: Duration = Duration::from_secs(20);
 /// What "promptly" means for a refusal that must not wait on anything.
 const PROMPT_LIMIT: Duration = Duration::from_secs(10);
-
-/// A `coli` command with none of the settings' variables inherited from the caller.
-fn coli_command(args: &[&str], env: &[(&str, &str)]) -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_coli"));
-    command.args(args);
-    for key in coli::settings::KEYS {
-        command.env_remove(key.name);
-    }
-    for (key, value) in env {
-        command.env(key, value);
-    }
-    command
-}
 
 /// Runs `command` to the end, or kills it after [`LIMIT`] and says so (with the stderr it
 /// had written). Returns the output and how long it ran.

@@ -232,6 +232,12 @@ fn record(out: &mut String, fields: [i64; 3]) {
     let _ = writeln!(out, "{a} {b} {c}");
 }
 
+/// The `-1` (shape) and `-2` (version, engine id) records.
+fn headers(out: &mut String, table: &Counters, engine: EngineId) {
+    record(out, [-1, table.n_layers() as i64, table.n_experts() as i64]);
+    record(out, [-2, i64::from(FORMAT_VERSION), i64::from(engine.0)]);
+}
+
 /// The v1 text bytes of a table: `-1` and `-2` headers, then the non-zero counters in
 /// layer-then-expert order. An all-zero table renders as nothing at all, not even the
 /// headers, so that "is there a history?" can be answered by the file size.
@@ -240,14 +246,7 @@ pub fn render(table: &Counters, engine: EngineId) -> String {
     if table.distinct() == 0 {
         return out;
     }
-    record(
-        &mut out,
-        [-1, table.n_layers() as i64, table.n_experts() as i64],
-    );
-    record(
-        &mut out,
-        [-2, i64::from(FORMAT_VERSION), i64::from(engine.0)],
-    );
+    headers(&mut out, table, engine);
     for (l, e, c) in table.nonzero() {
         record(&mut out, [l as i64, e as i64, i64::from(c)]);
     }
@@ -267,14 +266,7 @@ fn write_history(
 ) -> io::Result<()> {
     let mut text = render(table, engine);
     if text.is_empty() && (!keep.records.is_empty() || keep.tail_from.is_some()) {
-        record(
-            &mut text,
-            [-1, table.n_layers() as i64, table.n_experts() as i64],
-        );
-        record(
-            &mut text,
-            [-2, i64::from(FORMAT_VERSION), i64::from(engine.0)],
-        );
+        headers(&mut text, table, engine);
     }
     out.write_all(text.as_bytes())?;
     for r in &keep.records {

@@ -11,8 +11,9 @@ pub fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
-/// Run `coli` with `args`, with none of the settings' variables inherited from the caller.
-pub fn coli(args: &[&str], env: &[(&str, &str)]) -> Output {
+/// A `coli` command with `args`, with none of the settings' variables inherited from the
+/// caller.
+pub fn coli_command(args: &[&str], env: &[(&str, &str)]) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_coli"));
     command.args(args);
     for key in coli::settings::KEYS {
@@ -21,7 +22,14 @@ pub fn coli(args: &[&str], env: &[(&str, &str)]) -> Output {
     for (key, value) in env {
         command.env(key, value);
     }
-    command.output().expect("the coli binary runs")
+    command
+}
+
+/// Run `coli` with `args`, with none of the settings' variables inherited from the caller.
+pub fn coli(args: &[&str], env: &[(&str, &str)]) -> Output {
+    coli_command(args, env)
+        .output()
+        .expect("the coli binary runs")
 }
 
 pub fn stdout(output: &Output) -> String {
