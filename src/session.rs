@@ -17,7 +17,7 @@ use crate::engines::Engine;
 use crate::experts::Policy;
 use crate::route_trace::placement::rank;
 use crate::route_trace::repin::{plan_repin, RepinSchedule, REPIN_PASS_LIMIT};
-use crate::route_trace::{Decay, PinGb, PinPlan, PinRequest, PinSetting, SaveOptions};
+use crate::route_trace::{Decay, PinGb, PinPlan, PinRank, PinRequest, PinSetting, SaveOptions};
 use crate::settings::Settings;
 
 /// Why a run generated tokens or only scored them: only generation folds its routing into
@@ -199,6 +199,7 @@ impl Session {
             cap,
             snap,
             history: Some(&in_use),
+            rank: PinRank::from_setting(settings.text("PIN_RANK")).map_err(anyhow::Error::msg)?,
         };
         let sizes: Vec<u64> = {
             let store = engine.expert_store();

@@ -226,6 +226,12 @@ pub const KEYS: &[Key] = &[
         doc: "pins per MoE layer (instead of PIN_GB), at most CAP-8",
     },
     Key {
+        name: "PIN_RANK",
+        kind: Kind::Text,
+        default: "lifetime",
+        doc: "what placement ranks experts by: lifetime (every selection), recent (the -5 records' moving average), or blend (both, each as a share)",
+    },
+    Key {
         name: "PIN_GB",
         kind: Kind::Text,
         default: "10",

@@ -70,6 +70,36 @@ fn old_reader_admits_our_records_and_skips_both_headers() {
     );
 }
 
+/// A history carrying `-5` recent-heat records reads, in the classic C loop, exactly as the
+/// same history without them: the records are skipped by `l >= 0` and keep the alignment.
+#[test]
+fn the_old_reader_reads_a_history_with_recent_heat_as_one_without() {
+    let bin = c_program("old_reader");
+    let d = tempfile::tempdir().expect("tempdir");
+    let plain = glm_case();
+    let mut with_heat = plain.clone();
+    with_heat.admit_recent(3, 2, 17);
+    with_heat.admit_recent(5, 5, 4_000_000_000);
+    let id = EngineId::of("glm_moe_dsa");
+    let (a, b) = (render(&plain, id), render(&with_heat, id));
+    assert!(
+        b.contains("\n-5 26 17\n") && b.ends_with("-5 45 4000000000\n"),
+        "{b}"
+    );
+    assert!(every_record_has_three_fields(b.as_bytes()));
+    let (old_a, old_b) = (
+        old_read(&bin, d.path(), a.as_bytes(), 5, 8),
+        old_read(&bin, d.path(), b.as_bytes(), 5, 8),
+    );
+    assert_eq!(old_b.records(), old_a.records());
+    assert_eq!(old_b.total, old_a.total);
+    // And we read them back as recent heat, not as selections.
+    let mut back = plain.zeroed_like();
+    let r = history::parse(b.as_bytes(), "glm_moe_dsa", Trust::Found, &mut back).expect("ok");
+    assert!(r.is_complete(), "{r:?}");
+    assert_eq!(back, with_heat);
+}
+
 #[test]
 fn a_four_field_record_desynchronises_the_old_reader() {
     let bin = c_program("old_reader");

@@ -81,7 +81,11 @@ fn header_sparse_data_and_round_trip() {
     let (_, total, distinct) = saved(rt.save_history(&p, SaveOptions::default()).expect("save"));
     assert_eq!((total, distinct), (4, 3));
     let text = fs::read_to_string(&p).expect("read");
-    assert_eq!(text, "-1 5 8\n-2 1 3815245270\n3 2 2\n3 5 1\n3 7 1\n");
+    // The lifetime counts, then this save's recent heat (cell = layer * 8 + expert).
+    assert_eq!(
+        text,
+        "-1 5 8\n-2 1 3815245270\n3 2 2\n3 5 1\n3 7 1\n-5 26 2\n-5 29 1\n-5 31 1\n"
+    );
     assert!(every_record_has_three_fields(text.as_bytes()));
 
     let mut back = glm();
@@ -271,13 +275,16 @@ fn dropped_row_admits_nothing_and_is_not_written() {
     assert_eq!(path, p);
     assert_eq!(total, 8);
     let text = fs::read_to_string(&p).expect("read");
-    assert_eq!(text, "-1 5 8\n-2 1 3815245270\n3 1 1\n3 4 7\n2 3 50\n");
+    assert_eq!(
+        text,
+        "-1 5 8\n-2 1 3815245270\n3 1 1\n3 4 7\n-5 25 1\n2 3 50\n"
+    );
     // The next save finds it again and keeps it in the same place.
     route(&mut rt, 3, &[1]);
     saved(rt.save_history(&p, SaveOptions::default()).expect("save"));
     assert_eq!(
         fs::read_to_string(&p).expect("read"),
-        "-1 5 8\n-2 1 3815245270\n3 1 2\n3 4 7\n2 3 50\n"
+        "-1 5 8\n-2 1 3815245270\n3 1 2\n3 4 7\n-5 25 2\n2 3 50\n"
     );
 }
 
@@ -423,8 +430,8 @@ fn what_this_engine_cannot_hold_is_kept_verbatim_and_the_file_keeps_learning() {
         ("cut short", "3 2 6\n4 1".to_string(), "4 1"),
         (
             "future headers",
-            "-3 0 0\n3 2 6\n-4 1 2\n-5 7 7\n".to_string(),
-            "-3 0 0\n-4 1 2\n-5 7 7\n",
+            "-3 0 0\n3 2 6\n-4 1 2\n-6 7 7\n".to_string(),
+            "-3 0 0\n-4 1 2\n-6 7 7\n",
         ),
         (
             "wrapped",
@@ -458,7 +465,7 @@ fn what_this_engine_cannot_hold_is_kept_verbatim_and_the_file_keeps_learning() {
             let text = fs::read_to_string(&p).expect("read");
             assert_eq!(
                 text,
-                format!("{h}3 2 {}\n{kept}", 6 + run),
+                format!("{h}3 2 {}\n-5 26 {run}\n{kept}", 6 + run),
                 "{name} run {run}"
             );
         }
@@ -569,4 +576,54 @@ fn header_after_data_is_still_checked() {
     let (r, t) = parse_as(ENGINE, text.as_bytes(), Trust::Found);
     assert!(r.is_err());
     assert_eq!(t.total(), 0);
+}
+
+/// The `-5` recent heat: written beside the lifetime counts, stepped once per save as
+/// `recent - (recent >> 6) + gain`, and what `PIN_RANK=recent` ranks by.
+#[test]
+fn recent_heat_follows_the_workload_and_ranks_when_asked() {
+    use coli::route_trace::PinRank;
+    let d = dir();
+    let p = d.path().join("h");
+    let mut rt = glm();
+    for _ in 0..100 {
+        route(&mut rt, 1, &[1]);
+    }
+    saved(rt.save_history(&p, SaveOptions::default()).expect("save"));
+    let text = fs::read_to_string(&p).expect("read");
+    assert_eq!(
+        text,
+        format!("-1 5 8\n-2 1 {}\n1 1 100\n-5 9 100\n", id(ENGINE))
+    );
+    // A month of another workload: many selections of expert 1, little recent heat left.
+    fs::write(
+        &p,
+        format!("-1 5 8\n-2 1 {}\n1 1 1000\n-5 9 10\n", id(ENGINE)),
+    )
+    .expect("seed");
+    // The workload switches: expert 2 from now on, one save per "turn".
+    for _ in 0..3 {
+        let mut next = glm();
+        next.load_history(&p);
+        for _ in 0..40 {
+            route(&mut next, 1, &[2]);
+        }
+        saved(next.save_history(&p, SaveOptions::default()).expect("save"));
+    }
+    let mut t = table();
+    history::parse(&fs::read(&p).expect("read"), ENGINE, Trust::Found, &mut t).expect("ok");
+    // Lifetime: 1000 vs 120. Recent: 10 stays 10 (10 >> 6 = 0); 40 -> 80 -> 119.
+    assert_eq!((t.get(1, 1), t.get(1, 2)), (1000, 120));
+    let r = t.recent().expect("recent heat");
+    assert_eq!((r.get(1, 1), r.get(1, 2)), (10, 119));
+    let top = |rank: PinRank| {
+        let ranked = coli::route_trace::placement::rank(&rank.table(&t));
+        (ranked[0].layer, ranked[0].expert)
+    };
+    assert_eq!(top(PinRank::Lifetime), (1, 1));
+    assert_eq!(top(PinRank::Recent), (1, 2));
+    // Blend: 1000/1120 + 10/129 = 0.97 vs 120/1120 + 119/129 = 1.03 of a share.
+    assert_eq!(top(PinRank::Blend), (1, 2));
+    assert_eq!(PinRank::from_setting(Some("blend")), Ok(PinRank::Blend));
+    assert!(PinRank::from_setting(Some("newest")).is_err());
 }

@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use coli::route_trace::history::{self, Trust};
 use coli::route_trace::{
-    Counters, EngineId, PinGb, PinRequest, PinSetting, ReadOutcome, RouteTrace, SaveOptions,
-    SaveOutcome,
+    Counters, EngineId, PinGb, PinRank, PinRequest, PinSetting, ReadOutcome, RouteTrace,
+    SaveOptions, SaveOutcome,
 };
 
 const ENGINE: &str = "glm_moe_dsa";
@@ -85,6 +85,7 @@ fn child_entry() {
                 cap: 16,
                 snap: Path::new("/nonexistent"),
                 history: None,
+                rank: PinRank::Lifetime,
             };
             let pin = Box::leak(Box::new(PinSetting::Path(path.clone())));
             let mut rt = RouteTrace::new(ENGINE, 5, 8).expect("shape");
@@ -111,6 +112,7 @@ fn child_entry() {
                 cap: 16,
                 snap: &dir,
                 history: Some(&hist),
+                rank: PinRank::Lifetime,
             };
             let plan = rt.plan_pins(&req, &|_| 1_000_000);
             eprintln!("{}", plan.line(0, 0.0).expect("pinned"));

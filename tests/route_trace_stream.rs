@@ -4,7 +4,7 @@ use std::fs;
 use std::path::Path;
 
 use coli::route_trace::{
-    EngineId, PinGb, PinPlan, PinRequest, PinSetting, PinSource, RouteTrace, SaveOptions,
+    EngineId, PinGb, PinPlan, PinRank, PinRequest, PinSetting, PinSource, RouteTrace, SaveOptions,
 };
 
 const ENGINE: &str = "olmoe";
@@ -67,6 +67,7 @@ fn request<'a>(pin: &'a PinSetting, snap: &'a Path, history: &'a Path) -> PinReq
         cap: 16,
         snap,
         history: Some(history),
+        rank: PinRank::Lifetime,
     }
 }
 

@@ -43,13 +43,17 @@ enum Cells {
     Sparse(BTreeMap<(usize, usize), u32>),
 }
 
-/// Per-(layer, expert) selection counts with dropped rows.
+/// Per-(layer, expert) selection counts with dropped rows: the lifetime counts, and the
+/// recent heat of a history's `-5` records (an integer moving average of the selections
+/// per save, see [`Counters::update_recent`]) in a table of the same shape.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Counters {
     n_layers: usize,
     n_experts: usize,
     dropped: BTreeSet<usize>,
     cells: Cells,
+    /// Created on the first recent count; `None` is all zero.
+    recent: Option<Box<Counters>>,
 }
 
 impl Counters {
@@ -74,6 +78,7 @@ impl Counters {
             n_experts,
             dropped: BTreeSet::new(),
             cells,
+            recent: None,
         })
     }
 
@@ -88,6 +93,7 @@ impl Counters {
             n_experts: self.n_experts,
             dropped: self.dropped.clone(),
             cells,
+            recent: None,
         }
     }
 
@@ -108,6 +114,9 @@ impl Counters {
             return;
         }
         self.dropped.insert(layer);
+        if let Some(r) = self.recent.as_mut() {
+            r.drop_row(layer);
+        }
         let ne = self.n_experts;
         match &mut self.cells {
             Cells::Dense(v) => v[layer * ne..(layer + 1) * ne].fill(0),
@@ -233,30 +242,82 @@ impl Counters {
         }
     }
 
-    /// `self += other`, cell by cell (wrapping); both tables have the same shape.
+    /// The recent heat (`-5` records), if any cell has some.
+    pub fn recent(&self) -> Option<&Counters> {
+        self.recent.as_deref()
+    }
+
+    /// Adds a `-5` record's recent heat if the table can hold the cell; returns whether it
+    /// was admitted.
+    pub fn admit_recent(&mut self, layer: i64, expert: i64, heat: u32) -> bool {
+        if !self.holds(layer, expert) {
+            return false;
+        }
+        self.recent_mut().admit(layer, expert, heat)
+    }
+
+    fn recent_mut(&mut self) -> &mut Counters {
+        let like = self.zeroed_like();
+        self.recent.get_or_insert_with(|| Box::new(like))
+    }
+
+    /// `self += other`, cell by cell (wrapping), recent heat included; both tables have the
+    /// same shape.
     pub(crate) fn absorb(&mut self, other: &Counters) {
         for (l, e, c) in other.nonzero() {
             if self.routes(l) {
                 self.bump((l, e), c);
             }
         }
+        if let Some(r) = other.recent() {
+            self.recent_mut().absorb(r);
+        }
     }
 
-    /// `self += current - baseline`, cell by cell, in wrapping u32 arithmetic: the counts
-    /// `current` gained since `baseline` was taken, added onto a table re-read from disk.
-    pub(crate) fn add_gain(&mut self, current: &Counters, baseline: &Counters) {
-        for (l, e, c) in current.nonzero() {
-            let gain = c.wrapping_sub(baseline.get(l, e));
-            if gain != 0 && self.routes(l) {
-                self.bump((l, e), gain);
-            }
-        }
+    /// Per cell, `current - baseline` in wrapping u32 arithmetic where it is not zero: the
+    /// selections counted since `baseline` was taken.
+    fn gains<'a>(
+        current: &'a Counters,
+        baseline: &'a Counters,
+    ) -> impl Iterator<Item = (usize, usize, u32)> + 'a {
+        let grown = current
+            .nonzero()
+            .map(|(l, e, c)| (l, e, c.wrapping_sub(baseline.get(l, e))));
         // A cell that fell to zero in `current` (a wrapped counter) gains 0 - baseline.
-        for (l, e, b) in baseline.nonzero() {
-            if current.get(l, e) == 0 && self.routes(l) {
-                self.bump((l, e), 0u32.wrapping_sub(b));
+        let wrapped = baseline
+            .nonzero()
+            .filter(|&(l, e, _)| current.get(l, e) == 0)
+            .map(|(l, e, b)| (l, e, 0u32.wrapping_sub(b)));
+        grown.chain(wrapped).filter(|&(_, _, g)| g != 0)
+    }
+
+    /// `self += current - baseline`: the counts `current` gained since `baseline` was
+    /// taken, added onto a table re-read from disk.
+    pub(crate) fn add_gain(&mut self, current: &Counters, baseline: &Counters) {
+        for (l, e, g) in Self::gains(current, baseline) {
+            if self.routes(l) {
+                self.bump((l, e), g);
             }
         }
+    }
+
+    /// One save's step of the recent heat, on a table re-read from disk: every cell
+    /// becomes `recent - (recent >> 6) + gain`, the gain being the selections counted since
+    /// the last save (`current - baseline`). A cell's heat so halves in about 44 saves
+    /// without selections, and a workload that switches stops ranking by a month-old past.
+    pub(crate) fn update_recent(&mut self, current: &Counters, baseline: &Counters) {
+        let mut next = self.zeroed_like();
+        if let Some(old) = self.recent.take() {
+            for (l, e, r) in old.nonzero() {
+                next.bump((l, e), r - (r >> 6));
+            }
+        }
+        for (l, e, g) in Self::gains(current, baseline) {
+            if next.routes(l) {
+                next.bump((l, e), g);
+            }
+        }
+        self.recent = (next.distinct() > 0).then(|| Box::new(next));
     }
 
     /// Applies `COLI_USAGE_DECAY` to every counter (`(u32)(c * d + 0.5)`).
@@ -342,6 +403,26 @@ mod tests {
         let mut z = c.zeroed_like();
         z.absorb(&c);
         assert_eq!(z, c);
+    }
+
+    #[test]
+    fn recent_heat_is_an_integer_moving_average_per_save() {
+        let mut disk = Counters::new(1, 4).expect("shape");
+        let base = disk.clone();
+        let mut cur = disk.clone();
+        cur.count(0, &[1, 1, 2]);
+        disk.update_recent(&cur, &base);
+        let r = disk.recent().expect("heat");
+        assert_eq!((r.get(0, 1), r.get(0, 2)), (2, 1));
+        // No selections since: 200 - (200 >> 6) = 197; 1 - 0 = 1.
+        let mut disk = Counters::new(1, 4).expect("shape");
+        disk.admit_recent(0, 1, 200);
+        disk.admit_recent(0, 2, 1);
+        let same = disk.zeroed_like();
+        disk.update_recent(&same, &same);
+        let r = disk.recent().expect("heat");
+        assert_eq!((r.get(0, 1), r.get(0, 2)), (197, 1));
+        assert_eq!(disk.total(), 0, "recent heat is not a lifetime count");
     }
 
     #[test]

@@ -25,7 +25,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::counters::Counters;
-use super::identity::{EngineId, FORMAT_VERSION, UNKNOWN_ENGINE};
+use super::identity::{EngineId, FORMAT_VERSION, RECENT_RECORD, UNKNOWN_ENGINE};
 use super::iku1;
 use super::scan::{End, Field, Scanner};
 
@@ -327,6 +327,21 @@ impl<'k> Pending<'k> {
         }
     }
 
+    /// Offers one `-5` record (recent heat); like a data record it is admitted or kept, but
+    /// never totalled: recent heat is not a count of selections.
+    pub(super) fn offer_recent(
+        &mut self,
+        layer: i64,
+        expert: i64,
+        heat: u32,
+        spelled: impl FnOnce() -> String,
+    ) {
+        if !self.scratch.admit_recent(layer, expert, heat) {
+            self.report.rejected += 1;
+            self.keep_record(spelled);
+        }
+    }
+
     /// Keeps a record this read does not admit.
     pub(super) fn keep_record(&mut self, spelled: impl FnOnce() -> String) {
         if let Some(k) = self.keep.as_deref_mut() {
@@ -413,6 +428,20 @@ fn parse_text<'k>(
                     }
                 }
             }
+            RECENT_RECORD => match (
+                f1.as_int().and_then(|c| u32::try_from(c).ok()),
+                f2.as_count(),
+            ) {
+                (Some(cell), Some(heat)) => {
+                    let ne = table.n_experts() as i64;
+                    let (layer, expert) = (i64::from(cell) / ne, i64::from(cell) % ne);
+                    p.offer_recent(layer, expert, heat, || sc.record_text());
+                }
+                _ => {
+                    p.report.malformed += 1;
+                    p.keep_record(|| sc.record_text());
+                }
+            },
             l if l < -2 => {
                 p.report.unknown_headers += 1;
                 p.keep_record(|| sc.record_text());

@@ -10,6 +10,9 @@ use std::fmt;
 /// The history format version this build writes and the highest it reads.
 pub const FORMAT_VERSION: i32 = 1;
 
+/// The first field of a recent-heat record: `-5 <layer * n_experts + expert> <heat>`.
+pub const RECENT_RECORD: i32 = -5;
+
 /// How messages name a writer whose id is not in [`KNOWN_ENGINES`].
 pub const UNKNOWN_ENGINE: &str = "an unknown engine";
 

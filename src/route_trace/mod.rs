@@ -37,7 +37,7 @@ pub use counters::{Counters, ShapeError};
 pub use history::{Keep, Layout, ReadOutcome, ReadReport, Refusal, Trust};
 pub use home::Home;
 pub use identity::{EngineId, FORMAT_VERSION, KNOWN_ENGINES, UNKNOWN_ENGINE};
-pub use placement::{PinGb, PinPlan, PinRequest, PinSetting, PinSource};
+pub use placement::{PinGb, PinPlan, PinRank, PinRequest, PinSetting, PinSource};
 pub use repin::{RepinSchedule, SessionHeat, Swap};
 pub use save::{Decay, Diverted, SaveError, SaveOptions, SaveOutcome};
 pub use trace_stream::TraceStream;

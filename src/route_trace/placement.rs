@@ -38,6 +38,58 @@ impl PinSetting {
     }
 }
 
+/// `PIN_RANK`: which counts placement ranks experts by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum PinRank {
+    /// Every selection the history holds.
+    #[default]
+    Lifetime,
+    /// The recent heat of the `-5` records: a moving average over saves, so a workload
+    /// that switched ranks by what it does now.
+    Recent,
+    /// Each expert's share of the lifetime selections plus its share of the recent heat.
+    Blend,
+}
+
+impl PinRank {
+    /// Reads the setting; unset is `lifetime`.
+    pub fn from_setting(value: Option<&str>) -> Result<PinRank, String> {
+        match value.map(str::trim) {
+            None | Some("lifetime") => Ok(PinRank::Lifetime),
+            Some("recent") => Ok(PinRank::Recent),
+            Some("blend") => Ok(PinRank::Blend),
+            Some(other) => Err(format!(
+                "setting PIN_RANK={other}: expected lifetime, recent or blend"
+            )),
+        }
+    }
+
+    /// The table to rank by: the lifetime counts, the recent heat, or their blend (both
+    /// normalised to their totals, in millionths). A history without recent heat ranks by
+    /// its lifetime counts whatever the setting.
+    pub fn table(self, t: &Counters) -> Counters {
+        let Some(recent) = t.recent().filter(|r| r.total() > 0) else {
+            return t.clone();
+        };
+        match self {
+            PinRank::Lifetime => t.clone(),
+            PinRank::Recent => recent.clone(),
+            PinRank::Blend => {
+                let (lt, rt) = (t.total().max(1) as f64, recent.total() as f64);
+                let mut out = t.zeroed_like();
+                let share = |c: u32, of: f64| (1e6 * f64::from(c) / of).round();
+                for (l, e, c) in t.nonzero() {
+                    out.admit(l as i64, e as i64, share(c, lt) as u32);
+                }
+                for (l, e, h) in recent.nonzero() {
+                    out.admit(l as i64, e as i64, share(h, rt) as u32);
+                }
+                out
+            }
+        }
+    }
+}
+
 /// The `PIN_GB` setting.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum PinGb {
@@ -253,6 +305,8 @@ pub struct PinRequest<'a> {
     pub snap: &'a Path,
     /// The history this run loads and saves, if it keeps one.
     pub history: Option<&'a Path>,
+    /// `PIN_RANK`.
+    pub rank: PinRank,
 }
 
 /// `[PIN] auto: seeding from <path>`.
@@ -283,13 +337,15 @@ pub fn resolve_auto(history: Option<&Path>, snap: &Path) -> Option<PathBuf> {
         .or_else(|| has_bytes(&stats).then_some(stats))
 }
 
-/// Chooses from a table by `PIN_N` when set, else by the `PIN_GB` byte budget.
+/// Chooses from a table, ranked as `PIN_RANK` says, by `PIN_N` when set, else by the
+/// `PIN_GB` byte budget.
 /// `PIN_N=0` chooses nothing: the file still seeds the ranking, but no expert is pinned.
 fn choose(
     table: &Counters,
     req: &PinRequest<'_>,
     expert_bytes: &dyn Fn(usize) -> u64,
 ) -> (Vec<Pin>, u64) {
+    let table = &req.rank.table(table);
     match req.pin_n {
         Some(0) => (Vec::new(), 0),
         Some(n) => {
@@ -362,7 +418,7 @@ fn autopin(
         return PinPlan::empty();
     }
     let confidence = autopin_confidence(selections);
-    let pins = select_per_layer(loaded, autopin_quota(req.cap, confidence));
+    let pins = select_per_layer(&req.rank.table(loaded), autopin_quota(req.cap, confidence));
     let bytes = pins.iter().map(|p| expert_bytes(p.layer)).sum();
     PinPlan {
         source: Some(PinSource::Autopin {
@@ -515,6 +571,7 @@ mod tests {
             cap: 16,
             snap,
             history,
+            rank: PinRank::Lifetime,
         }
     }
 

@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use super::counters::Counters;
 use super::history::{self, Keep, Trust};
 use super::home::Home;
-use super::identity::{EngineId, FORMAT_VERSION};
+use super::identity::{EngineId, FORMAT_VERSION, RECENT_RECORD};
 use crate::files::{self, FileLock, WriteError};
 
 /// The `COLI_USAGE_DECAY` multiplier, applied to every counter at every save.
@@ -239,7 +239,8 @@ fn headers(out: &mut String, table: &Counters, engine: EngineId) {
 }
 
 /// The v1 text bytes of a table: `-1` and `-2` headers, then the non-zero counters in
-/// layer-then-expert order. An all-zero table renders as nothing at all, not even the
+/// layer-then-expert order, then the non-zero recent heat as `-5 <cell> <heat>` records
+/// (cell `layer * n_experts + expert`, ascending), which every classic reader skips. An all-zero table renders as nothing at all, not even the
 /// headers, so that "is there a history?" can be answered by the file size.
 pub fn render(table: &Counters, engine: EngineId) -> String {
     let mut out = String::new();
@@ -249,6 +250,17 @@ pub fn render(table: &Counters, engine: EngineId) -> String {
     headers(&mut out, table, engine);
     for (l, e, c) in table.nonzero() {
         record(&mut out, [l as i64, e as i64, i64::from(c)]);
+    }
+    let ne = table.n_experts() as i64;
+    for (l, e, h) in table.recent().into_iter().flat_map(Counters::nonzero) {
+        record(
+            &mut out,
+            [
+                i64::from(RECENT_RECORD),
+                l as i64 * ne + e as i64,
+                i64::from(h),
+            ],
+        );
     }
     out
 }
@@ -427,6 +439,7 @@ pub(super) fn merge_save(
             }
         }
     };
+    c.disk.update_recent(current, baseline);
     c.disk.add_gain(current, baseline);
     c.disk.decay(opts.decay);
     let id = EngineId::of(engine);

@@ -436,6 +436,11 @@ pub fn merge(inputs: &[PathBuf], output: &Path, force: bool) -> Result<Vec<Strin
             }
             out.admit(l as i64, e as i64, c);
         }
+        // Recent heat (`-5` records) adds up like the counts; a cell outside the merged
+        // shape goes with its counts.
+        for (l, e, heat) in h.counts.recent().into_iter().flat_map(Counters::nonzero) {
+            out.admit_recent(l as i64, e as i64, heat);
+        }
         if dropped > 0 {
             if !force {
                 bail!(
