@@ -223,7 +223,7 @@ pub const KEYS: &[Key] = &[
         name: "PIN_N",
         kind: Kind::Count,
         default: "",
-        doc: "pins per MoE layer (instead of PIN_GB), at most CAP-8",
+        doc: "pins per MoE layer (instead of PIN_GB), at most CAP-8 (CAP/2 below 16 slots)",
     },
     Key {
         name: "PIN_RANK",

@@ -7,7 +7,11 @@ mod common;
 use common::{coli, fixture, stderr, stdout};
 
 /// (fixture, experts per layer)
-const FIXTURES: &[(&str, usize)] = &[("olmoe_tiny", 8), ("olmoe_tiny_b", 12)];
+const FIXTURES: &[(&str, usize)] = &[
+    ("olmoe_tiny", 8),
+    ("olmoe_tiny_b", 12),
+    ("olmoe_trained", 32),
+];
 
 #[test]
 fn teacher_forced_is_exact_at_every_cache_size() {

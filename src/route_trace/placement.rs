@@ -202,9 +202,11 @@ pub fn select_per_layer(table: &Counters, per_layer: usize) -> Vec<Pin> {
     out
 }
 
-/// `PIN_N` clamped so that at least eight slots per layer stay adaptive.
+/// `PIN_N` clamped so that eight slots per layer stay adaptive, or half of them when the
+/// layer has fewer than sixteen (colibri's `CAP - 8` alone would leave no pin at all in
+/// the small caches a model several times larger than memory runs with).
 pub fn clamp_pin_n(pin_n: usize, cap: usize) -> usize {
-    pin_n.min(cap.saturating_sub(8))
+    pin_n.min(cap - cap.div_ceil(2).min(8))
 }
 
 /// AUTOPIN engages only from this many recorded selections.
@@ -472,7 +474,11 @@ mod tests {
         assert_eq!(p, vec![(0, 1), (1, 3)]);
         assert_eq!(clamp_pin_n(40, 64), 40);
         assert_eq!(clamp_pin_n(40, 20), 12);
-        assert_eq!(clamp_pin_n(3, 4), 0);
+        assert_eq!(clamp_pin_n(3, 4), 2);
+        assert_eq!(clamp_pin_n(16, 16), 8);
+        assert_eq!(clamp_pin_n(9, 9), 4);
+        assert_eq!(clamp_pin_n(5, 1), 0);
+        assert_eq!(clamp_pin_n(5, 0), 0);
     }
 
     #[test]

@@ -333,6 +333,7 @@ fn policy_colour(p: simulate::Policy) -> RGBColor {
         simulate::Policy::Lru => RGBColor(31, 119, 180),
         simulate::Policy::Lfru => RGBColor(255, 127, 14),
         simulate::Policy::Pinned => RGBColor(44, 160, 44),
+        simulate::Policy::PinLru => RGBColor(148, 103, 189),
         simulate::Policy::Belady => RGBColor(214, 39, 40),
     }
 }

@@ -15,6 +15,9 @@
 //!   score, used as an eviction rule. Heat is never decayed here.
 //! - `pinned`: a fixed set, the hottest experts of each layer in a history (`--history`)
 //!   or in the first part of the trace (`--train-frac`); nothing else is ever resident.
+//! - `pin+lru`: the hottest `placement::clamp_pin_n(slots, slots)` of that set pinned
+//!   (half the slots below 16, all but 8 from 16 on), the other slots LRU over everything
+//!   else: the engine's `PIN=auto PIN_N=<slots>` when experts stream and pins take slots.
 //! - `belady`: the optimal offline bound. Evict whichever of the resident experts and the
 //!   one being looked up is needed again furthest in the future (bypassing the cache when
 //!   that is the new one), starting from the best possible contents. Bypass and the free
@@ -50,6 +53,11 @@ pub enum Policy {
     Lfru,
     /// A fixed set seeded from a history or the training part.
     Pinned,
+    /// The hottest `clamp_pin_n(slots, slots)` of that set pinned, LRU in the other slots:
+    /// what the engine does with `PIN=auto PIN_N=<slots>` when experts stream.
+    #[value(name = "pin+lru")]
+    #[serde(rename = "pin+lru")]
+    PinLru,
     /// The optimal offline bound.
     Belady,
 }
@@ -61,6 +69,7 @@ impl Policy {
             Policy::Lru => "lru",
             Policy::Lfru => "lfru",
             Policy::Pinned => "pinned",
+            Policy::PinLru => "pin+lru",
             Policy::Belady => "belady",
         }
     }
@@ -482,12 +491,19 @@ fn policies(opts: &SimOptions) -> Result<Vec<Policy>> {
         p = vec![Policy::Lru, Policy::Lfru, Policy::Belady];
         if seeded {
             p.insert(2, Policy::Pinned);
+            p.insert(3, Policy::PinLru);
         }
     }
-    if p.contains(&Policy::Pinned) && !seeded {
-        bail!(
-            "--policy pinned needs the pins' source: --history <.coli_usage> or --train-frac <F>"
-        );
+    if let Some(needs) = p
+        .iter()
+        .find(|&&x| matches!(x, Policy::Pinned | Policy::PinLru))
+    {
+        if !seeded {
+            bail!(
+                "--policy {} needs the pins' source: --history <.coli_usage> or --train-frac <F>",
+                needs.name()
+            );
+        }
     }
     p.dedup();
     Ok(p)
@@ -538,7 +554,8 @@ pub fn simulate(trace: &Path, opts: &SimOptions) -> Result<SimReport> {
     let want = |p: Policy| policies.contains(&p);
     let mut lru: Vec<Vec<LayerCache>> = sizes.iter().map(|_| Vec::new()).collect();
     let mut lfru: Vec<Vec<LayerCache>> = sizes.iter().map(|_| Vec::new()).collect();
-    let mut hits = vec![[0u64; 4]; sizes.len()];
+    let mut pinlru: Vec<Vec<LayerCache>> = sizes.iter().map(|_| Vec::new()).collect();
+    let mut hits = vec![[0u64; 5]; sizes.len()];
     let mut spill = if want(Policy::Belady) {
         Some(Spill::new()?)
     } else {
@@ -555,7 +572,7 @@ pub fn simulate(trace: &Path, opts: &SimOptions) -> Result<SimReport> {
                 *layer_mut(row, e) += 1;
             }
         } else {
-            if pins.is_none() && want(Policy::Pinned) {
+            if pins.is_none() && (want(Policy::Pinned) || want(Policy::PinLru)) {
                 pins = Some(ranked_pins(&training_table(&training)?, most));
             }
             calls += 1;
@@ -563,20 +580,44 @@ pub fn simulate(trace: &Path, opts: &SimOptions) -> Result<SimReport> {
         }
         // The clock each size's caches start this call at: a call whose experts fit takes
         // them together, and none it took is replaced for a later one.
-        let starts: Vec<(u64, u64)> = sizes
+        let layer_pins = |slots: usize| -> &[usize] {
+            let held = pins.as_ref().and_then(|p| p.get(call.layer));
+            held.map_or(&[], |p| {
+                &p[..p.len().min(placement::clamp_pin_n(slots, slots))]
+            })
+        };
+        let starts: Vec<(u64, u64, u64)> = sizes
             .iter()
             .enumerate()
             .map(|(i, &slots)| {
-                if call.experts.len() > slots {
-                    return (u64::MAX, u64::MAX);
-                }
                 let start = |caches: &mut Vec<LayerCache>| layer_mut(caches, call.layer).clock + 1;
-                (start(&mut lru[i]), start(&mut lfru[i]))
+                let pinned = layer_pins(slots);
+                let rest = call.experts.iter().filter(|e| !pinned.contains(e)).count();
+                let pin_start = if rest > slots - pinned.len() {
+                    u64::MAX
+                } else {
+                    start(&mut pinlru[i])
+                };
+                if call.experts.len() > slots {
+                    return (u64::MAX, u64::MAX, pin_start);
+                }
+                (start(&mut lru[i]), start(&mut lfru[i]), pin_start)
             })
             .collect();
         for &e in &call.experts {
             for (i, &slots) in sizes.iter().enumerate() {
-                let (lru_start, lfru_start) = starts[i];
+                let (lru_start, lfru_start, pin_start) = starts[i];
+                if want(Policy::PinLru) {
+                    let pinned = layer_pins(slots);
+                    let hit = pinned.contains(&e)
+                        || layer_mut(&mut pinlru[i], call.layer).lookup(
+                            e,
+                            slots - pinned.len(),
+                            false,
+                            pin_start,
+                        );
+                    hits[i][4] += u64::from(scored && hit);
+                }
                 if want(Policy::Lru)
                     && layer_mut(&mut lru[i], call.layer).lookup(e, slots, false, lru_start)
                 {
@@ -617,6 +658,7 @@ pub fn simulate(trace: &Path, opts: &SimOptions) -> Result<SimReport> {
         Policy::Lfru => 1,
         Policy::Pinned => 2,
         Policy::Belady => 3,
+        Policy::PinLru => 4,
     };
     let pins_from = match (pins_from, opts.train_frac) {
         (Some(h), _) => Some(h),

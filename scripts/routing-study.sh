@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Learned placement against LRU on a model whose routing is real (fixtures/olmoe_trained):
+# histories from each domain's training text, traces of each domain's held-out text, the
+# simulator's table for every history x text pair, and the same placements live.
+#
+#   scripts/routing-study.sh [OUT_DIR]      (default /tmp/coli-routing-study)
+#
+# Every run decodes token ids one at a time (REPLAY=1), so each MoE call is one token's
+# routing, as in decode. Needs target/release/coli (cargo build --release).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+coli="$root/target/release/coli"
+snap="$root/fixtures/olmoe_trained"
+out=${1:-/tmp/coli-routing-study}
+experts=$(python3 -c "import json;print(json.load(open('$snap/config.json'))['num_experts'])")
+slots="$((experts / 16)),$((experts / 8)),$((experts / 4)),$((experts / 2))"
+mkdir -p "$out"
+rm -f "$out"/*.coli_usage "$out"/*.trace "$out"/*.lock
+
+replay() { # replay IDS_FILE [SETTING=VALUE...]
+    local ids=$1
+    shift
+    "$coli" SNAP="$snap" IDS="$(cat "$ids")" REPLAY=1 "$@" 2>&1
+}
+
+for d in prose code; do
+    # A history of the training text: what a user's past runs of that domain left.
+    replay "$snap/train_$d.ids" COLI_USAGE="$out/$d.coli_usage" CAP="$experts" >/dev/null
+    # The held-out text's routing, traced with every expert resident.
+    replay "$snap/heldout_$d.ids" USAGE_SAVE=0 COLI_USAGE="$out/none.coli_usage" \
+        ROUTE_TRACE="$out/heldout_$d.trace" CAP="$experts" >/dev/null
+done
+
+for text in prose code; do
+    for hist in prose code; do
+        echo "== held-out $text, history from $hist training text"
+        "$coli" trace simulate "$out/heldout_$text.trace" --slots "$slots" \
+            --history "$out/$hist.coli_usage"
+    done
+done
+
+echo "== live: the engine's expert-cache line, experts streamed (pins take slots)"
+for text in prose code; do
+    for s in ${slots//,/ }; do
+        lru=$(replay "$snap/heldout_$text.ids" USAGE_SAVE=0 COLI_USAGE="$out/none.coli_usage" \
+            EXPERT_IO=pread PIN=off CAP="$s" | grep -o 'hit rate: [0-9.]*%')
+        for hist in prose code; do
+            pinned=$(replay "$snap/heldout_$text.ids" USAGE_SAVE=0 COLI_USAGE="$out/$hist.coli_usage" \
+                EXPERT_IO=pread PIN=auto PIN_N="$s" CAP="$s" | grep -o 'hit rate: [0-9.]*%')
+            echo "text $text slots $s: lru $lru | pin+lru from $hist $pinned"
+        done
+    done
+done
