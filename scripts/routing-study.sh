@@ -40,14 +40,18 @@ for text in prose code; do
 done
 
 echo "== live: the engine's expert-cache line, experts streamed (pins take slots)"
+echo "   pin+lru: PIN=auto PIN_N=<slots> PIN_ABSTAIN=0; guarded: the same with the abstain rule (default)"
+rate() { grep -o 'hit rate: [0-9.]*%' | grep -o '[0-9.]*%'; }
 for text in prose code; do
     for s in ${slots//,/ }; do
         lru=$(replay "$snap/heldout_$text.ids" USAGE_SAVE=0 COLI_USAGE="$out/none.coli_usage" \
-            EXPERT_IO=pread PIN=off CAP="$s" | grep -o 'hit rate: [0-9.]*%')
+            EXPERT_IO=pread PIN=off CAP="$s" | rate)
         for hist in prose code; do
-            pinned=$(replay "$snap/heldout_$text.ids" USAGE_SAVE=0 COLI_USAGE="$out/$hist.coli_usage" \
-                EXPERT_IO=pread PIN=auto PIN_N="$s" CAP="$s" | grep -o 'hit rate: [0-9.]*%')
-            echo "text $text slots $s: lru $lru | pin+lru from $hist $pinned"
+            run() {
+                replay "$snap/heldout_$text.ids" USAGE_SAVE=0 COLI_USAGE="$out/$hist.coli_usage" \
+                    EXPERT_IO=pread PIN=auto PIN_N="$s" CAP="$s" "$@" | rate
+            }
+            echo "text $text slots $s history $hist: lru $lru | pin+lru $(run PIN_ABSTAIN=0) | guarded $(run)"
         done
     done
 done

@@ -15,9 +15,12 @@ use anyhow::{bail, Result};
 use crate::backend::{self, tier::ExpertTier};
 use crate::engines::Engine;
 use crate::experts::Policy;
+use crate::route_trace::guard::PlacementGuard;
 use crate::route_trace::placement::rank;
 use crate::route_trace::repin::{plan_repin, RepinSchedule, REPIN_PASS_LIMIT};
-use crate::route_trace::{Decay, PinGb, PinPlan, PinRank, PinRequest, PinSetting, SaveOptions};
+use crate::route_trace::{
+    Decay, PinGb, PinPlan, PinRank, PinRequest, PinSetting, PinSource, SaveOptions,
+};
 use crate::settings::Settings;
 
 /// Why a run generated tokens or only scored them: only generation folds its routing into
@@ -234,6 +237,20 @@ impl Session {
             eprintln!("{line}");
         }
 
+        // The abstain rule watches pins chosen from a history, where experts stream and
+        // pins take slots; with mapped experts a pin costs no slot and cannot lose to LRU.
+        let from_history = matches!(
+            plan.source,
+            Some(PinSource::Auto(_) | PinSource::Autopin { .. })
+        );
+        if from_history && settings.flag("PIN_ABSTAIN") && engine.expert_store().streams() {
+            let pins = engine.expert_store().pinned();
+            let slots = engine.cache_capacity();
+            engine
+                .telemetry()
+                .watch_pins(PlacementGuard::new(slots, &pins));
+        }
+
         let every = settings.count("REPIN");
         Ok(Session {
             history,
@@ -245,6 +262,17 @@ impl Session {
 
     /// After each generated token: a `REPIN` pass when one is due.
     pub fn after_tokens(&mut self, engine: &mut dyn Engine, emitted: u64) -> Result<()> {
+        for (layer, pin_hits, lru_hits, lookups) in engine.telemetry().pin_verdicts() {
+            let store = engine.expert_store();
+            let pins = store.pinned().get(layer).cloned().unwrap_or_default();
+            for expert in &pins {
+                store.unpin(layer, *expert);
+            }
+            eprintln!(
+                "[PIN] layer {layer}: the history's {} pins hit {pin_hits} of {lookups} lookups where LRU would have hit {lru_hits} \u{2014} given up, LRU from here (PIN_ABSTAIN=0 keeps them)",
+                pins.len()
+            );
+        }
         let Some(schedule) = self.repin.as_mut() else {
             return Ok(());
         };

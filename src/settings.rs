@@ -226,6 +226,12 @@ pub const KEYS: &[Key] = &[
         doc: "pins per MoE layer (instead of PIN_GB), at most CAP-8 (CAP/2 below 16 slots)",
     },
     Key {
+        name: "PIN_ABSTAIN",
+        kind: Kind::Bool,
+        default: "1",
+        doc: "with streamed experts, give up a layer's history pins once they hit less often than LRU would (the abstain rule)",
+    },
+    Key {
         name: "PIN_RANK",
         kind: Kind::Text,
         default: "lifetime",

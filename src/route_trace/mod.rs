@@ -15,10 +15,12 @@
 //!   path beside it), and the load.
 //! - `save`: the writer, decay, `USAGE_SAVE`, lock + re-read + merge + atomic replace.
 //! - `trace_stream`: the `ROUTE_TRACE` file; `cfmt`: C `%.Nf` number text.
-//! - `placement`: PIN / PIN=auto / PIN_N / PIN_GB / AUTOPIN plans; `repin`: live REPIN.
+//! - `placement`: PIN / PIN=auto / PIN_N / PIN_GB / AUTOPIN plans; `repin`: live REPIN;
+//!   `guard`: the abstain rule's shadow caches, which give up pins that do not fit the text.
 
 mod cfmt;
 mod counters;
+pub mod guard;
 pub mod history;
 pub mod home;
 mod identity;
@@ -64,6 +66,10 @@ pub struct RouteTrace {
     home: Option<Home>,
     heat: SessionHeat,
     trace: Option<TraceStream>,
+    /// The abstain rule's shadows, when history pins are watched, and the distinct
+    /// experts of the MoE call in progress.
+    guard: Option<guard::PlacementGuard>,
+    call_experts: Vec<usize>,
 }
 
 impl RouteTrace {
@@ -78,6 +84,8 @@ impl RouteTrace {
             heat: SessionHeat::new(n_layers + 1, n_experts),
             counts,
             trace: None,
+            guard: None,
+            call_experts: Vec::new(),
         })
     }
 
@@ -108,6 +116,20 @@ impl RouteTrace {
     /// This session's routing heat, for REPIN.
     pub fn session_heat(&self) -> &SessionHeat {
         &self.heat
+    }
+
+    /// Watches history pins with the abstain rule (see [`guard`]): from now on every MoE
+    /// call feeds its shadows.
+    pub fn watch_pins(&mut self, guard: guard::PlacementGuard) {
+        self.guard = Some(guard);
+    }
+
+    /// The layers whose pins the abstain rule gives up now (see
+    /// [`guard::PlacementGuard::verdicts`]); empty when nothing is watched.
+    pub fn pin_verdicts(&mut self) -> Vec<(usize, u64, u64, u64)> {
+        self.guard
+            .as_mut()
+            .map_or_else(Vec::new, guard::PlacementGuard::verdicts)
     }
 
     /// Halves the session heat; call after each REPIN pass.
@@ -271,6 +293,9 @@ impl MoeCall<'_> {
         if let Some(t) = rt.trace.as_mut() {
             t.write(row, self.layer, ids, gates);
         }
+        if rt.guard.is_some() {
+            rt.call_experts.extend_from_slice(ids);
+        }
     }
 }
 
@@ -278,6 +303,14 @@ impl Drop for MoeCall<'_> {
     fn drop(&mut self) {
         if let Some(t) = self.rt.trace.as_mut() {
             t.end_call();
+        }
+        if let Some(g) = self.rt.guard.as_mut() {
+            // The store looks up a call's distinct experts in ascending order.
+            let experts = &mut self.rt.call_experts;
+            experts.sort_unstable();
+            experts.dedup();
+            g.observe(self.layer, experts);
+            experts.clear();
         }
     }
 }

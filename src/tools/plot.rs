@@ -334,6 +334,7 @@ fn policy_colour(p: simulate::Policy) -> RGBColor {
         simulate::Policy::Lfru => RGBColor(255, 127, 14),
         simulate::Policy::Pinned => RGBColor(44, 160, 44),
         simulate::Policy::PinLru => RGBColor(148, 103, 189),
+        simulate::Policy::Guarded => RGBColor(140, 86, 75),
         simulate::Policy::Belady => RGBColor(214, 39, 40),
     }
 }

@@ -18,6 +18,11 @@
 //! - `pin+lru`: the hottest `placement::clamp_pin_n(slots, slots)` of that set pinned
 //!   (half the slots below 16, all but 8 from 16 on), the other slots LRU over everything
 //!   else: the engine's `PIN=auto PIN_N=<slots>` when experts stream and pins take slots.
+//! - `guarded`: `pin+lru` with the engine's abstain rule (`route_trace::guard`): once a
+//!   layer has seen `ABSTAIN_AFTER` lookups, judged at the start of a forward (the engine
+//!   judges between tokens), a layer whose pins hit less often than plain LRU would have is
+//!   unpinned; its pins stay resident as the most recent LRU entries and the layer is plain
+//!   LRU from then on.
 //! - `belady`: the optimal offline bound. Evict whichever of the resident experts and the
 //!   one being looked up is needed again furthest in the future (bypassing the cache when
 //!   that is the new one), starting from the best possible contents. Bypass and the free
@@ -41,6 +46,7 @@ use serde::Serialize;
 
 use super::history_file;
 use super::trace::{Call, CallGrouper, TraceReader, MAX_INDEX};
+use crate::route_trace::guard::{LayerCache, PlacementGuard};
 use crate::route_trace::{placement, Counters};
 
 /// A placement policy.
@@ -58,6 +64,9 @@ pub enum Policy {
     #[value(name = "pin+lru")]
     #[serde(rename = "pin+lru")]
     PinLru,
+    /// `pin+lru` with the abstain rule (`route_trace::guard`): a layer whose pins do worse
+    /// than LRU after `ABSTAIN_AFTER` lookups is unpinned, as the engine does by default.
+    Guarded,
     /// The optimal offline bound.
     Belady,
 }
@@ -70,6 +79,7 @@ impl Policy {
             Policy::Lfru => "lfru",
             Policy::Pinned => "pinned",
             Policy::PinLru => "pin+lru",
+            Policy::Guarded => "guarded",
             Policy::Belady => "belady",
         }
     }
@@ -196,58 +206,46 @@ fn layer_mut<T: Default>(v: &mut Vec<T>, layer: usize) -> &mut T {
     &mut v[layer]
 }
 
-/// One layer of an LRU or LFRU cache.
+/// One layer of the `guarded` policy's cache: its pins and an LRU over the other slots;
+/// when the abstain rule gives the layer up, the pins become LRU entries.
 #[derive(Default)]
-struct LayerCache {
-    /// (expert, last lookup) of the resident experts.
-    resident: Vec<(usize, u64)>,
-    /// Lookups of this layer so far.
-    clock: u64,
-    /// LFRU: lookups of each expert so far.
-    heat: Vec<u64>,
+struct Guarded {
+    /// The layer's pins (`None` until its first call); empty once given up.
+    pins: Option<Vec<usize>>,
+    lru: LayerCache,
 }
 
-impl LayerCache {
-    /// One lookup of a call; `together` when the call's experts all fit the slots, so that
-    /// (as in the engine's store) none taken earlier in the call is replaced for a later one.
-    fn lookup(&mut self, expert: usize, slots: usize, lfru: bool, call_start: u64) -> bool {
-        self.clock += 1;
-        let now = self.clock;
-        if lfru {
-            *layer_mut(&mut self.heat, expert) += 1;
+impl Guarded {
+    fn pins(&self) -> &[usize] {
+        self.pins.as_deref().unwrap_or(&[])
+    }
+
+    /// As the store unpins: each pin becomes an LRU entry used "now", in pin order.
+    fn give_up(&mut self) {
+        let now = self.lru.clock;
+        for e in self.pins.replace(Vec::new()).unwrap_or_default() {
+            self.lru.resident.push((e, now));
         }
-        if let Some(slot) = self.resident.iter_mut().find(|s| s.0 == expert) {
-            slot.1 = now;
+    }
+
+    fn call_start(&self, experts: &[usize], slots: usize) -> u64 {
+        let pins = self.pins();
+        let rest = experts.iter().filter(|e| !pins.contains(e)).count();
+        if rest > slots - pins.len() {
+            u64::MAX
+        } else {
+            self.lru.clock + 1
+        }
+    }
+
+    fn lookup(&mut self, expert: usize, slots: usize, call_start: u64) -> bool {
+        if self.pins().contains(&expert) {
+            // The store's layer clock counts pinned hits too.
+            self.lru.clock += 1;
             return true;
         }
-        if self.resident.len() < slots {
-            self.resident.push((expert, now));
-            return false;
-        }
-        let heat = &self.heat;
-        let victim = if lfru {
-            // `(heat << 8) | recent`, then least recently used.
-            let key = |&(e, last): &(usize, u64)| {
-                let age = now - last;
-                let recent = 255u64.saturating_sub(age);
-                (heat.get(e).copied().unwrap_or(0) << 8 | recent, last)
-            };
-            self.resident
-                .iter()
-                .enumerate()
-                .filter(|(_, s)| s.1 < call_start)
-                .min_by_key(|(_, s)| key(s))
-        } else {
-            self.resident
-                .iter()
-                .enumerate()
-                .filter(|(_, s)| s.1 < call_start)
-                .min_by_key(|(_, s)| s.1)
-        };
-        if let Some((i, _)) = victim {
-            self.resident[i] = (expert, now);
-        }
-        false
+        let lru_slots = slots - self.pins().len();
+        self.lru.lookup(expert, lru_slots, false, call_start)
     }
 }
 
@@ -492,11 +490,12 @@ fn policies(opts: &SimOptions) -> Result<Vec<Policy>> {
         if seeded {
             p.insert(2, Policy::Pinned);
             p.insert(3, Policy::PinLru);
+            p.insert(4, Policy::Guarded);
         }
     }
     if let Some(needs) = p
         .iter()
-        .find(|&&x| matches!(x, Policy::Pinned | Policy::PinLru))
+        .find(|&&x| matches!(x, Policy::Pinned | Policy::PinLru | Policy::Guarded))
     {
         if !seeded {
             bail!(
@@ -555,7 +554,10 @@ pub fn simulate(trace: &Path, opts: &SimOptions) -> Result<SimReport> {
     let mut lru: Vec<Vec<LayerCache>> = sizes.iter().map(|_| Vec::new()).collect();
     let mut lfru: Vec<Vec<LayerCache>> = sizes.iter().map(|_| Vec::new()).collect();
     let mut pinlru: Vec<Vec<LayerCache>> = sizes.iter().map(|_| Vec::new()).collect();
-    let mut hits = vec![[0u64; 5]; sizes.len()];
+    let mut guarded: Vec<Vec<Guarded>> = sizes.iter().map(|_| Vec::new()).collect();
+    let mut judges: Vec<PlacementGuard> = Vec::new();
+    let mut hits = vec![[0u64; 6]; sizes.len()];
+    let mut last_forward = None;
     let mut spill = if want(Policy::Belady) {
         Some(Spill::new()?)
     } else {
@@ -572,7 +574,9 @@ pub fn simulate(trace: &Path, opts: &SimOptions) -> Result<SimReport> {
                 *layer_mut(row, e) += 1;
             }
         } else {
-            if pins.is_none() && (want(Policy::Pinned) || want(Policy::PinLru)) {
+            if pins.is_none()
+                && (want(Policy::Pinned) || want(Policy::PinLru) || want(Policy::Guarded))
+            {
                 pins = Some(ranked_pins(&training_table(&training)?, most));
             }
             calls += 1;
@@ -604,6 +608,44 @@ pub fn simulate(trace: &Path, opts: &SimOptions) -> Result<SimReport> {
                 (start(&mut lru[i]), start(&mut lfru[i]), pin_start)
             })
             .collect();
+        if want(Policy::Guarded) && scored {
+            if judges.is_empty() {
+                // The pins are known from the first scored call on.
+                judges = sizes
+                    .iter()
+                    .map(|&slots| {
+                        let held = pins.as_deref().unwrap_or_default();
+                        let per_layer: Vec<Vec<usize>> = held
+                            .iter()
+                            .map(|p| {
+                                p[..p.len().min(placement::clamp_pin_n(slots, slots))].to_vec()
+                            })
+                            .collect();
+                        PlacementGuard::new(slots, &per_layer)
+                    })
+                    .collect();
+            }
+            if last_forward != Some(forward) {
+                // The engine judges between tokens.
+                last_forward = Some(forward);
+                for (judge, layers) in judges.iter_mut().zip(guarded.iter_mut()) {
+                    for (layer, ..) in judge.verdicts() {
+                        layer_mut(layers, layer).give_up();
+                    }
+                }
+            }
+            for (i, &slots) in sizes.iter().enumerate() {
+                judges[i].observe(call.layer, &call.experts);
+                let g = layer_mut(&mut guarded[i], call.layer);
+                if g.pins.is_none() {
+                    g.pins = Some(layer_pins(slots).to_vec());
+                }
+                let start = g.call_start(&call.experts, slots);
+                for &e in &call.experts {
+                    hits[i][5] += u64::from(g.lookup(e, slots, start));
+                }
+            }
+        }
         for &e in &call.experts {
             for (i, &slots) in sizes.iter().enumerate() {
                 let (lru_start, lfru_start, pin_start) = starts[i];
@@ -659,6 +701,7 @@ pub fn simulate(trace: &Path, opts: &SimOptions) -> Result<SimReport> {
         Policy::Pinned => 2,
         Policy::Belady => 3,
         Policy::PinLru => 4,
+        Policy::Guarded => 5,
     };
     let pins_from = match (pins_from, opts.train_frac) {
         (Some(h), _) => Some(h),
