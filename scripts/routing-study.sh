@@ -55,3 +55,20 @@ for text in prose code; do
         done
     done
 done
+
+echo "== domain switch: a history of code, then 100 prose turns of 20 tokens (one save each)"
+cp "$out/code.coli_usage" "$out/switch.coli_usage"
+read -ra prose_ids < "$snap/train_prose.ids"
+for turn in $(seq 0 99); do
+    "$coli" SNAP="$snap" IDS="${prose_ids[*]:$((turn * 20)):20}" REPLAY=1 CAP="$experts" \
+        COLI_USAGE="$out/switch.coli_usage" >/dev/null 2>&1
+done
+for s in $((experts / 8)) $((experts / 4)); do
+    line="slots $s on held-out prose:"
+    for rank in lifetime recent blend; do
+        r=$(replay "$snap/heldout_prose.ids" USAGE_SAVE=0 COLI_USAGE="$out/switch.coli_usage" \
+            EXPERT_IO=pread PIN=auto PIN_N="$s" CAP="$s" PIN_ABSTAIN=0 PIN_RANK="$rank" | rate)
+        line="$line $rank $r"
+    done
+    echo "$line"
+done
