@@ -649,7 +649,9 @@ pub fn simulate(trace: &Path, opts: &SimOptions) -> Result<SimReport> {
         for &e in &call.experts {
             for (i, &slots) in sizes.iter().enumerate() {
                 let (lru_start, lfru_start, pin_start) = starts[i];
-                if want(Policy::PinLru) {
+                // Only once the pins exist (scored calls): warmed in training with every slot
+                // free, its LRU part would hold more than the slots the pins leave it.
+                if want(Policy::PinLru) && scored {
                     let pinned = layer_pins(slots);
                     let hit = pinned.contains(&e)
                         || layer_mut(&mut pinlru[i], call.layer).lookup(
