@@ -229,7 +229,7 @@ pub const KEYS: &[Key] = &[
         name: "PIN_ABSTAIN",
         kind: Kind::Bool,
         default: "1",
-        doc: "with streamed experts, give up a layer's history pins once they hit less often than LRU would (the abstain rule)",
+        doc: "with streamed experts, give up a layer's history pins once they lose more than 1% of its lookups to what LRU would hit (the abstain rule)",
     },
     Key {
         name: "PIN_RANK",
