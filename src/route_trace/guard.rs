@@ -72,6 +72,56 @@ impl LayerCache {
     }
 }
 
+/// One layer's pins and an LRU over the slots they leave: the expert store's layer when
+/// experts stream and pins take slots, as the simulator and the abstain rule's shadow
+/// model it.
+#[derive(Debug, Default)]
+pub struct PinnedLru {
+    pins: Vec<usize>,
+    lru: LayerCache,
+}
+
+impl PinnedLru {
+    /// A layer with these pins (fewer than its slots) and an empty LRU.
+    pub fn new(pins: Vec<usize>) -> PinnedLru {
+        PinnedLru {
+            pins,
+            lru: LayerCache::default(),
+        }
+    }
+
+    /// The LRU clock a call of `experts` starts at, or `u64::MAX` when its unpinned
+    /// experts do not fit the slots the pins leave (then it takes them one at a time).
+    pub fn call_start(&self, experts: &[usize], slots: usize) -> u64 {
+        let unpinned = experts.iter().filter(|e| !self.pins.contains(e)).count();
+        if unpinned > slots - self.pins.len() {
+            u64::MAX
+        } else {
+            self.lru.clock + 1
+        }
+    }
+
+    /// One lookup; a pinned expert is a hit.
+    pub fn lookup(&mut self, expert: usize, slots: usize, call_start: u64) -> bool {
+        if self.pins.contains(&expert) {
+            // The store's layer clock counts pinned hits too.
+            self.lru.clock += 1;
+            return true;
+        }
+        self.lru
+            .lookup(expert, slots - self.pins.len(), false, call_start)
+    }
+
+    /// As the store unpins: each pin becomes an LRU entry used "now", in pin order, and
+    /// the layer is plain LRU from then on.
+    pub fn give_up(&mut self) {
+        let now = self.lru.clock;
+        for e in std::mem::take(&mut self.pins) {
+            self.lru.resident.push((e, now));
+        }
+    }
+}
+
 /// Whether pins that hit `pin_hits` times in `lookups`, where LRU would have hit
 /// `lru_hits` times, are given up: when they lose more than 1% of the lookups to LRU. The
 /// margin keeps pins that are as good as LRU within noise; the loss it allows is the
@@ -83,9 +133,8 @@ pub fn gives_up(pin_hits: u64, lru_hits: u64, lookups: u64) -> bool {
 /// One pinned layer's shadows.
 #[derive(Debug)]
 struct Watched {
-    pins: Vec<usize>,
     lru: LayerCache,
-    rest: LayerCache,
+    pinned: PinnedLru,
     lru_hits: u64,
     pin_hits: u64,
     lookups: u64,
@@ -109,9 +158,8 @@ impl PlacementGuard {
             .iter()
             .map(|p| {
                 (!p.is_empty() && p.len() < slots).then(|| Watched {
-                    pins: p.clone(),
                     lru: LayerCache::default(),
-                    rest: LayerCache::default(),
+                    pinned: PinnedLru::new(p.clone()),
                     lru_hits: 0,
                     pin_hits: 0,
                     lookups: 0,
@@ -132,27 +180,16 @@ impl PlacementGuard {
         if w.judged {
             return;
         }
-        let rest_slots = slots - w.pins.len();
-        let fits = |cache: &LayerCache, n: usize, room: usize| {
-            if n > room {
-                u64::MAX
-            } else {
-                cache.clock + 1
-            }
+        let lru_start = if experts.len() > slots {
+            u64::MAX
+        } else {
+            w.lru.clock + 1
         };
-        let lru_start = fits(&w.lru, experts.len(), slots);
-        let unpinned = experts.iter().filter(|e| !w.pins.contains(e)).count();
-        let rest_start = fits(&w.rest, unpinned, rest_slots);
+        let pinned_start = w.pinned.call_start(experts, slots);
         for &e in experts {
             w.lookups += 1;
             w.lru_hits += u64::from(w.lru.lookup(e, slots, false, lru_start));
-            if w.pins.contains(&e) {
-                // The store's layer clock counts pinned hits too.
-                w.rest.clock += 1;
-                w.pin_hits += 1;
-            } else {
-                w.pin_hits += u64::from(w.rest.lookup(e, rest_slots, false, rest_start));
-            }
+            w.pin_hits += u64::from(w.pinned.lookup(e, slots, pinned_start));
         }
     }
 

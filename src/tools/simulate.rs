@@ -46,7 +46,7 @@ use serde::Serialize;
 
 use super::history_file;
 use super::trace::{Call, CallGrouper, TraceReader, MAX_INDEX};
-use crate::route_trace::guard::{LayerCache, PlacementGuard};
+use crate::route_trace::guard::{LayerCache, PinnedLru, PlacementGuard};
 use crate::route_trace::{placement, Counters};
 
 /// A placement policy.
@@ -204,49 +204,6 @@ fn layer_mut<T: Default>(v: &mut Vec<T>, layer: usize) -> &mut T {
         v.resize_with(layer + 1, T::default);
     }
     &mut v[layer]
-}
-
-/// One layer of the `guarded` policy's cache: its pins and an LRU over the other slots;
-/// when the abstain rule gives the layer up, the pins become LRU entries.
-#[derive(Default)]
-struct Guarded {
-    /// The layer's pins (`None` until its first call); empty once given up.
-    pins: Option<Vec<usize>>,
-    lru: LayerCache,
-}
-
-impl Guarded {
-    fn pins(&self) -> &[usize] {
-        self.pins.as_deref().unwrap_or(&[])
-    }
-
-    /// As the store unpins: each pin becomes an LRU entry used "now", in pin order.
-    fn give_up(&mut self) {
-        let now = self.lru.clock;
-        for e in self.pins.replace(Vec::new()).unwrap_or_default() {
-            self.lru.resident.push((e, now));
-        }
-    }
-
-    fn call_start(&self, experts: &[usize], slots: usize) -> u64 {
-        let pins = self.pins();
-        let rest = experts.iter().filter(|e| !pins.contains(e)).count();
-        if rest > slots - pins.len() {
-            u64::MAX
-        } else {
-            self.lru.clock + 1
-        }
-    }
-
-    fn lookup(&mut self, expert: usize, slots: usize, call_start: u64) -> bool {
-        if self.pins().contains(&expert) {
-            // The store's layer clock counts pinned hits too.
-            self.lru.clock += 1;
-            return true;
-        }
-        let lru_slots = slots - self.pins().len();
-        self.lru.lookup(expert, lru_slots, false, call_start)
-    }
 }
 
 /// The calls of a trace that are replayed, each with the ordinal of its forward among the
@@ -553,8 +510,9 @@ pub fn simulate(trace: &Path, opts: &SimOptions) -> Result<SimReport> {
     let want = |p: Policy| policies.contains(&p);
     let mut lru: Vec<Vec<LayerCache>> = sizes.iter().map(|_| Vec::new()).collect();
     let mut lfru: Vec<Vec<LayerCache>> = sizes.iter().map(|_| Vec::new()).collect();
-    let mut pinlru: Vec<Vec<LayerCache>> = sizes.iter().map(|_| Vec::new()).collect();
-    let mut guarded: Vec<Vec<Guarded>> = sizes.iter().map(|_| Vec::new()).collect();
+    // Per size and layer, created at the layer's first scored call (when the pins exist).
+    let mut pinlru: Vec<Vec<Option<PinnedLru>>> = sizes.iter().map(|_| Vec::new()).collect();
+    let mut guarded: Vec<Vec<Option<PinnedLru>>> = sizes.iter().map(|_| Vec::new()).collect();
     let mut judges: Vec<PlacementGuard> = Vec::new();
     let mut hits = vec![[0u64; 6]; sizes.len()];
     let mut last_forward = None;
@@ -590,22 +548,15 @@ pub fn simulate(trace: &Path, opts: &SimOptions) -> Result<SimReport> {
                 &p[..p.len().min(placement::clamp_pin_n(slots, slots))]
             })
         };
-        let starts: Vec<(u64, u64, u64)> = sizes
+        let starts: Vec<(u64, u64)> = sizes
             .iter()
             .enumerate()
             .map(|(i, &slots)| {
-                let start = |caches: &mut Vec<LayerCache>| layer_mut(caches, call.layer).clock + 1;
-                let pinned = layer_pins(slots);
-                let rest = call.experts.iter().filter(|e| !pinned.contains(e)).count();
-                let pin_start = if rest > slots - pinned.len() {
-                    u64::MAX
-                } else {
-                    start(&mut pinlru[i])
-                };
                 if call.experts.len() > slots {
-                    return (u64::MAX, u64::MAX, pin_start);
+                    return (u64::MAX, u64::MAX);
                 }
-                (start(&mut lru[i]), start(&mut lfru[i]), pin_start)
+                let start = |caches: &mut Vec<LayerCache>| layer_mut(caches, call.layer).clock + 1;
+                (start(&mut lru[i]), start(&mut lfru[i]))
             })
             .collect();
         if want(Policy::Guarded) && scored {
@@ -630,38 +581,38 @@ pub fn simulate(trace: &Path, opts: &SimOptions) -> Result<SimReport> {
                 last_forward = Some(forward);
                 for (judge, layers) in judges.iter_mut().zip(guarded.iter_mut()) {
                     for (layer, ..) in judge.verdicts() {
-                        layer_mut(layers, layer).give_up();
+                        if let Some(g) = layers.get_mut(layer).and_then(Option::as_mut) {
+                            g.give_up();
+                        }
                     }
                 }
             }
+            for judge in &mut judges {
+                judge.observe(call.layer, &call.experts);
+            }
+        }
+        // Pins plus LRU, plain and guarded, only once the pins exist (scored calls): warmed
+        // in training with every slot free, the LRU part would hold more than the slots
+        // the pins leave it.
+        for (policy, caches, at) in [
+            (Policy::PinLru, &mut pinlru, 4),
+            (Policy::Guarded, &mut guarded, 5),
+        ] {
+            if !(want(policy) && scored) {
+                continue;
+            }
             for (i, &slots) in sizes.iter().enumerate() {
-                judges[i].observe(call.layer, &call.experts);
-                let g = layer_mut(&mut guarded[i], call.layer);
-                if g.pins.is_none() {
-                    g.pins = Some(layer_pins(slots).to_vec());
-                }
-                let start = g.call_start(&call.experts, slots);
+                let cache = layer_mut(&mut caches[i], call.layer)
+                    .get_or_insert_with(|| PinnedLru::new(layer_pins(slots).to_vec()));
+                let start = cache.call_start(&call.experts, slots);
                 for &e in &call.experts {
-                    hits[i][5] += u64::from(g.lookup(e, slots, start));
+                    hits[i][at] += u64::from(cache.lookup(e, slots, start));
                 }
             }
         }
         for &e in &call.experts {
             for (i, &slots) in sizes.iter().enumerate() {
-                let (lru_start, lfru_start, pin_start) = starts[i];
-                // Only once the pins exist (scored calls): warmed in training with every slot
-                // free, its LRU part would hold more than the slots the pins leave it.
-                if want(Policy::PinLru) && scored {
-                    let pinned = layer_pins(slots);
-                    let hit = pinned.contains(&e)
-                        || layer_mut(&mut pinlru[i], call.layer).lookup(
-                            e,
-                            slots - pinned.len(),
-                            false,
-                            pin_start,
-                        );
-                    hits[i][4] += u64::from(scored && hit);
-                }
+                let (lru_start, lfru_start) = starts[i];
                 if want(Policy::Lru)
                     && layer_mut(&mut lru[i], call.layer).lookup(e, slots, false, lru_start)
                 {
