@@ -308,9 +308,11 @@ fn profile_line(engine: &dyn Engine, started: &Instant) -> String {
         stats.ahead_useful,
         if stats.predicted > 0 {
             format!(
-                " ({:.1}% of {} predictions right)",
+                " ({:.1}% of {} predictions right; {:.1}% of the {} experts predicted layers took were predicted)",
                 100.0 * stats.predicted_right as f64 / stats.predicted as f64,
-                stats.predicted
+                stats.predicted,
+                100.0 * stats.foreseen as f64 / stats.foreseeable.max(1) as f64,
+                stats.foreseeable
             )
         } else {
             String::new()

@@ -15,7 +15,7 @@ use anyhow::{bail, Result};
 use crate::backend::{self, tier::ExpertTier};
 use crate::engines::Engine;
 use crate::experts::Policy;
-use crate::route_trace::guard::PlacementGuard;
+use crate::route_trace::guard::{PlacementGuard, Verdict};
 use crate::route_trace::placement::rank;
 use crate::route_trace::repin::{plan_repin, RepinSchedule, REPIN_PASS_LIMIT};
 use crate::route_trace::{
@@ -244,11 +244,18 @@ impl Session {
             Some(PinSource::Auto(_) | PinSource::Autopin { .. })
         );
         if from_history && settings.flag("PIN_ABSTAIN") && engine.expert_store().streams() {
-            let pins = engine.expert_store().pinned();
+            // Each layer's ranking: what it holds, then the plan's reserve.
+            let mut ranked = engine.expert_store().pinned();
+            let held: Vec<usize> = ranked.iter().map(Vec::len).collect();
+            for pin in &plan.reserve {
+                if let Some(layer) = ranked.get_mut(pin.layer) {
+                    layer.push(pin.expert);
+                }
+            }
             let slots = engine.cache_capacity();
             engine
                 .telemetry()
-                .watch_pins(PlacementGuard::new(slots, &pins));
+                .watch_pins(PlacementGuard::new(slots, &ranked, &held));
         }
 
         let every = settings.count("REPIN");
@@ -260,18 +267,18 @@ impl Session {
         })
     }
 
-    /// After each generated token: a `REPIN` pass when one is due.
+    /// After each generated token: the abstain rule's changes of pins, and a `REPIN` pass
+    /// when one is due.
     pub fn after_tokens(&mut self, engine: &mut dyn Engine, emitted: u64) -> Result<()> {
-        for (layer, pin_hits, lru_hits, lookups) in engine.telemetry().pin_verdicts() {
+        for verdict in engine.telemetry().pin_verdicts() {
             let store = engine.expert_store();
-            let pins = store.pinned().get(layer).cloned().unwrap_or_default();
-            for expert in &pins {
-                store.unpin(layer, *expert);
+            for &expert in &verdict.unpin {
+                store.unpin(verdict.layer, expert);
             }
-            eprintln!(
-                "[PIN] layer {layer}: the history's {} pins hit {pin_hits} of {lookups} lookups where LRU would have hit {lru_hits} \u{2014} given up, LRU from here (PIN_ABSTAIN=0 keeps them)",
-                pins.len()
-            );
+            for &expert in &verdict.pin {
+                store.pin(verdict.layer, expert)?;
+            }
+            eprintln!("{}", verdict_line(&verdict));
         }
         let Some(schedule) = self.repin.as_mut() else {
             return Ok(());
@@ -369,4 +376,23 @@ fn fill_expert_tier(
 
 fn layer_has_experts(sizes: &[u64], layer: usize) -> bool {
     sizes.get(layer).is_some_and(|&bytes| bytes > 0)
+}
+
+/// The `[PIN]` line for a change of a layer's pins by the abstain rule.
+fn verdict_line(v: &Verdict) -> String {
+    let Verdict {
+        layer,
+        from,
+        from_hits,
+        to,
+        to_hits,
+        lookups,
+        ..
+    } = v;
+    let held = format!("the layer's {from} pins hit {from_hits} of {lookups} lookups where");
+    if *to == 0 {
+        format!("[PIN] layer {layer}: {held} LRU would have hit {to_hits} \u{2014} given up, LRU for now (PIN_ABSTAIN=0 keeps them)")
+    } else {
+        format!("[PIN] layer {layer}: {held} {to} pins would have hit {to_hits} \u{2014} {to} pins from here (PIN_ABSTAIN=0 keeps {from})")
+    }
 }

@@ -361,6 +361,8 @@ fn the_lookahead_reads_ahead_only_while_its_predictions_are_right() {
     // Read behind layer 0's lookups (two hits), then layer 1's two lookups are hits too.
     assert_eq!((after.ahead_reads, after.ahead_useful), (2, 2), "{after:?}");
     assert_eq!((after.lru_hits, after.misses), (4, 0), "{after:?}");
+    // Recall counts every expert the layer took, resident or read ahead.
+    assert_eq!((after.foreseeable, after.foreseen), (2, 2), "{after:?}");
     assert_eq!(routed.store.ahead_unused(), 0);
 
     // Decode only: a prompt's batch is not looked ahead for.
@@ -380,6 +382,7 @@ fn the_lookahead_reads_ahead_only_while_its_predictions_are_right() {
             break;
         }
         assert_eq!(window.ahead_useful, 0);
+        assert_eq!((window.foreseeable, window.foreseen), (2, 0), "{window:?}");
         assert!(steps < 40, "read-ahead never stopped");
     }
     assert!(steps > 2, "stopped after {steps} wrong steps");

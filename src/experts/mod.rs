@@ -232,6 +232,10 @@ pub struct CacheStats {
     /// those, taken by their layer.
     pub predicted: u64,
     pub predicted_right: u64,
+    /// Recall: the experts layers with a prediction took (resident or not), and of those,
+    /// the ones predicted.
+    pub foreseeable: u64,
+    pub foreseen: u64,
 }
 
 impl CacheStats {
@@ -262,6 +266,8 @@ impl CacheStats {
             wait_nanos: self.wait_nanos - earlier.wait_nanos,
             predicted: self.predicted - earlier.predicted,
             predicted_right: self.predicted_right - earlier.predicted_right,
+            foreseeable: self.foreseeable - earlier.foreseeable,
+            foreseen: self.foreseen - earlier.foreseen,
         }
     }
 }
@@ -365,6 +371,8 @@ pub struct ExpertStore {
     /// Per layer: the experts predicted for its coming pass, and those the pass took.
     predicted: Vec<Vec<usize>>,
     taken: Vec<usize>,
+    /// Per layer: every expert predicted for its coming pass, resident or not (recall).
+    foreseen: Vec<Vec<usize>>,
     /// Running share of predicted experts their layer then took; read-ahead is issued
     /// only while it is at least [`MIN_PRECISION`] (starting at 0: it abstains until its
     /// predictions have proved right).
@@ -398,6 +406,7 @@ impl ExpertStore {
             wanted: Vec::new(),
             predicted: Vec::new(),
             taken: Vec::new(),
+            foreseen: Vec::new(),
             precision: 0.0,
             stage_size: 0,
             staged_capacity: 1,
@@ -608,7 +617,16 @@ impl ExpertStore {
     /// was read ahead, so that read-ahead stops while it would mostly read in vain (routing
     /// without locality) and resumes when its predictions come right again.
     fn score_prediction(&mut self, layer: usize) {
-        let taken = std::mem::take(&mut self.taken);
+        let mut taken = std::mem::take(&mut self.taken);
+        taken.sort_unstable();
+        taken.dedup();
+        if let Some(foreseen) = self.foreseen.get_mut(layer) {
+            if !foreseen.is_empty() {
+                self.stats.foreseeable += taken.len() as u64;
+                self.stats.foreseen += taken.iter().filter(|e| foreseen.contains(e)).count() as u64;
+                foreseen.clear();
+            }
+        }
         let Some(predicted) = self.predicted.get_mut(layer) else {
             return;
         };
@@ -854,7 +872,9 @@ impl ExpertStore {
         }
         if self.predicted.len() < self.layers.len() {
             self.predicted.resize_with(self.layers.len(), Vec::new);
+            self.foreseen.resize_with(self.layers.len(), Vec::new);
         }
+        self.foreseen[layer].extend(&experts);
         // Scored are the predictions that would be read: those not already resident.
         let cache = &self.layers[layer];
         let reads = experts

@@ -124,9 +124,9 @@ impl RouteTrace {
         self.guard = Some(guard);
     }
 
-    /// The layers whose pins the abstain rule gives up now (see
+    /// The layers whose pins the abstain rule changes now (see
     /// [`guard::PlacementGuard::verdicts`]); empty when nothing is watched.
-    pub fn pin_verdicts(&mut self) -> Vec<(usize, u64, u64, u64)> {
+    pub fn pin_verdicts(&mut self) -> Vec<guard::Verdict> {
         self.guard
             .as_mut()
             .map_or_else(Vec::new, guard::PlacementGuard::verdicts)

@@ -250,6 +250,10 @@ pub struct PinPlan {
     pub pins: Vec<Pin>,
     /// Their total size, from the caller's per-expert byte sizes.
     pub bytes: u64,
+    /// The experts ranked next, hottest first, up to `PIN_N` per layer and one slot short
+    /// of the layer's: not pinned at start (the clamp keeps slots adaptive), but the
+    /// abstain rule may pin them where its shadows show they pay ([`super::guard`]).
+    pub reserve: Vec<Pin>,
 }
 
 impl PinPlan {
@@ -258,6 +262,7 @@ impl PinPlan {
             source: None,
             pins: Vec::new(),
             bytes: 0,
+            reserve: Vec::new(),
         }
     }
 
@@ -342,24 +347,35 @@ pub fn resolve_auto(history: Option<&Path>, snap: &Path) -> Option<PathBuf> {
 /// Chooses from a table, ranked as `PIN_RANK` says, by `PIN_N` when set, else by the
 /// `PIN_GB` byte budget.
 /// `PIN_N=0` chooses nothing: the file still seeds the ranking, but no expert is pinned.
+/// Returns the pins, their bytes and the reserve (see [`PinPlan::reserve`]).
 fn choose(
     table: &Counters,
     req: &PinRequest<'_>,
     expert_bytes: &dyn Fn(usize) -> u64,
-) -> (Vec<Pin>, u64) {
+) -> (Vec<Pin>, u64, Vec<Pin>) {
     let table = &req.rank.table(table);
     match req.pin_n {
-        Some(0) => (Vec::new(), 0),
+        Some(0) => (Vec::new(), 0, Vec::new()),
         Some(n) => {
-            let pins = select_per_layer(table, clamp_pin_n(n, req.cap));
-            let bytes = pins.iter().map(|p| expert_bytes(p.layer)).sum();
-            (pins, bytes)
+            let start = clamp_pin_n(n, req.cap);
+            let mut pins = select_per_layer(table, n.min(req.cap.saturating_sub(1)));
+            let mut held: HashMap<usize, usize> = HashMap::new();
+            let (pins_now, reserve): (Vec<Pin>, Vec<Pin>) = pins.drain(..).partition(|p| {
+                let k = held.entry(p.layer).or_insert(0);
+                *k += 1;
+                *k <= start
+            });
+            let bytes = pins_now.iter().map(|p| expert_bytes(p.layer)).sum();
+            (pins_now, bytes, reserve)
         }
-        None => select_by_bytes(
-            &rank(table),
-            req.pin_gb.bytes(req.ram_avail_bytes),
-            expert_bytes,
-        ),
+        None => {
+            let (pins, bytes) = select_by_bytes(
+                &rank(table),
+                req.pin_gb.bytes(req.ram_avail_bytes),
+                expert_bytes,
+            );
+            (pins, bytes, Vec::new())
+        }
     }
 }
 
@@ -395,7 +411,7 @@ pub fn plan_pins(
     if let ReadOutcome::Missing = outcome {
         eprintln!("[PIN] {}: no such file (no pin this run)", path.display());
     }
-    let (pins, bytes) = choose(&table, req, expert_bytes);
+    let (pins, bytes, reserve) = choose(&table, req, expert_bytes);
     let source = match req.pin {
         PinSetting::Auto => PinSource::Auto(path),
         _ => PinSource::Named(path),
@@ -404,6 +420,7 @@ pub fn plan_pins(
         source: Some(source),
         pins,
         bytes,
+        reserve,
     }
 }
 
@@ -429,6 +446,7 @@ fn autopin(
         }),
         pins,
         bytes,
+        reserve: Vec::new(),
     }
 }
 
@@ -521,6 +539,7 @@ mod tests {
             source: Some(PinSource::Named(PathBuf::from("/m/.coli_usage"))),
             pins: pins.clone(),
             bytes: 1_250_000_000,
+            reserve: Vec::new(),
         };
         assert_eq!(
             plan.line(0, 2.4).as_deref(),
@@ -533,6 +552,7 @@ mod tests {
             }),
             pins,
             bytes: 0,
+            reserve: Vec::new(),
         };
         assert_eq!(
             plan.line(0, 0.0).as_deref(),
@@ -544,6 +564,7 @@ mod tests {
             source: Some(PinSource::Auto(PathBuf::from("/m/.coli_usage"))),
             pins: Vec::new(),
             bytes: 0,
+            reserve: Vec::new(),
         };
         assert_eq!(plan.line(0, 0.0), None);
     }

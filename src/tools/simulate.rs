@@ -14,15 +14,17 @@
 //!   layer, 0 beyond 255); ties go to the least recently used. colibri's REPIN and tier
 //!   score, used as an eviction rule. Heat is never decayed here.
 //! - `pinned`: a fixed set, the hottest experts of each layer in a history (`--history`)
-//!   or in the first part of the trace (`--train-frac`); nothing else is ever resident.
+//!   or in the first part of the trace (`--train-frac`); nothing else is ever resident (a
+//!   miss is read and dropped, so an engine would need a buffer beyond the slots for it).
 //! - `pin+lru`: the hottest `placement::clamp_pin_n(slots, slots)` of that set pinned
 //!   (half the slots below 16, all but 8 from 16 on), the other slots LRU over everything
 //!   else: the engine's `PIN=auto PIN_N=<slots>` when experts stream and pins take slots.
 //! - `guarded`: `pin+lru` with the engine's abstain rule (`route_trace::guard`): once a
-//!   layer has seen `ABSTAIN_AFTER` lookups, judged at the start of a forward (the engine
-//!   judges between tokens), a layer whose pins hit less often than plain LRU would have is
-//!   unpinned; its pins stay resident as the most recent LRU entries and the layer is plain
-//!   LRU from then on.
+//!   layer has seen `ABSTAIN_AFTER` lookups, and at every doubling, judged at the start of
+//!   a forward (the engine judges between tokens), a layer moves to the pin count (none,
+//!   up to a slot short of its slots) whose shadow hit most when that beats the pins it
+//!   holds by more than 1% of its lookups: unpinned experts stay resident as the most
+//!   recent LRU entries, newly pinned ones leave the LRU.
 //! - `belady`: the optimal offline bound. Evict whichever of the resident experts and the
 //!   one being looked up is needed again furthest in the future (bypassing the cache when
 //!   that is the new one), starting from the best possible contents. Bypass and the free
@@ -64,8 +66,8 @@ pub enum Policy {
     #[value(name = "pin+lru")]
     #[serde(rename = "pin+lru")]
     PinLru,
-    /// `pin+lru` with the abstain rule (`route_trace::guard`): a layer whose pins do worse
-    /// than LRU after `ABSTAIN_AFTER` lookups is unpinned, as the engine does by default.
+    /// `pin+lru` with the abstain rule (`route_trace::guard`): a layer moves to the pin
+    /// count, none included, whose shadow does best, as the engine does by default.
     Guarded,
     /// The optimal offline bound.
     Belady,
@@ -561,28 +563,38 @@ pub fn simulate(trace: &Path, opts: &SimOptions) -> Result<SimReport> {
             .collect();
         if want(Policy::Guarded) && scored {
             if judges.is_empty() {
-                // The pins are known from the first scored call on.
+                // The pins are known from the first scored call on: what `PIN=auto
+                // PIN_N=<slots>` holds at start, and the ranking up to a slot short.
                 judges = sizes
                     .iter()
                     .map(|&slots| {
                         let held = pins.as_deref().unwrap_or_default();
-                        let per_layer: Vec<Vec<usize>> = held
+                        let ranked: Vec<Vec<usize>> = held
                             .iter()
-                            .map(|p| {
-                                p[..p.len().min(placement::clamp_pin_n(slots, slots))].to_vec()
-                            })
+                            .map(|p| p[..p.len().min(slots.saturating_sub(1))].to_vec())
                             .collect();
-                        PlacementGuard::new(slots, &per_layer)
+                        let start: Vec<usize> = held
+                            .iter()
+                            .map(|p| p.len().min(placement::clamp_pin_n(slots, slots)))
+                            .collect();
+                        PlacementGuard::new(slots, &ranked, &start)
                     })
                     .collect();
             }
             if last_forward != Some(forward) {
                 // The engine judges between tokens.
                 last_forward = Some(forward);
-                for (judge, layers) in judges.iter_mut().zip(guarded.iter_mut()) {
-                    for (layer, ..) in judge.verdicts() {
-                        if let Some(g) = layers.get_mut(layer).and_then(Option::as_mut) {
-                            g.give_up();
+                for ((judge, layers), &slots) in
+                    judges.iter_mut().zip(guarded.iter_mut()).zip(sizes)
+                {
+                    for verdict in judge.verdicts() {
+                        if let Some(g) = layers.get_mut(verdict.layer).and_then(Option::as_mut) {
+                            for &e in &verdict.unpin {
+                                g.unpin(e, slots);
+                            }
+                            for &e in &verdict.pin {
+                                g.pin(e, slots);
+                            }
                         }
                     }
                 }
