@@ -40,7 +40,8 @@ for text in prose code; do
 done
 
 echo "== live: the engine's expert-cache line, experts streamed (pins take slots)"
-echo "   pin+lru: PIN=auto PIN_N=<slots> PIN_ABSTAIN=0; guarded: the same with the abstain rule (default)"
+echo "   lfru: COLI_POLICY=lfru PIN=auto PIN_N=0; pin+lru: PIN=auto PIN_N=<slots> PIN_ABSTAIN=0;"
+echo "   guarded: the same with the abstain rule (default)"
 rate() { grep -o 'hit rate: [0-9.]*%' | grep -o '[0-9.]*%'; }
 for text in prose code; do
     for s in ${slots//,/ }; do
@@ -51,7 +52,10 @@ for text in prose code; do
                 replay "$snap/heldout_$text.ids" USAGE_SAVE=0 COLI_USAGE="$out/$hist.coli_usage" \
                     EXPERT_IO=pread PIN=auto PIN_N="$s" CAP="$s" "$@" | rate
             }
-            echo "text $text slots $s history $hist: lru $lru | pin+lru $(run PIN_ABSTAIN=0) | guarded $(run)"
+            # LFRU seeded from the history's heat, nothing pinned.
+            lfru=$(replay "$snap/heldout_$text.ids" USAGE_SAVE=0 COLI_USAGE="$out/$hist.coli_usage" \
+                EXPERT_IO=pread COLI_POLICY=lfru PIN=auto PIN_N=0 CAP="$s" | rate)
+            echo "text $text slots $s history $hist: lru $lru | lfru $lfru | pin+lru $(run PIN_ABSTAIN=0) | guarded $(run)"
         done
     done
 done

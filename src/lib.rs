@@ -23,6 +23,7 @@ pub mod files;
 pub mod generate;
 pub mod interrupt;
 pub mod oracle;
+pub mod perplexity;
 pub mod profile;
 pub mod quant;
 pub mod route_trace;

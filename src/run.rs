@@ -16,6 +16,7 @@ use crate::experts::{Budget, ExpertIo, Policy, StoreOptions};
 use crate::generate::greedy_with;
 use crate::interrupt;
 use crate::oracle::{self, Reference};
+use crate::perplexity;
 use crate::quant::Width;
 use crate::session::{RunKind, Session};
 use crate::settings::Settings;
@@ -62,6 +63,7 @@ pub fn main_job(
     Session::preflight(settings, snapshot.dir(), name)?;
     // Text mode's tokenizer and settings are checked before the weights are mapped.
     let text = TextMode::from_settings(settings, snapshot.dir())?;
+    let perplexity = perplexity::Job::from_settings(settings, snapshot.dir())?;
     let cap = match positionals.cap {
         Some(cap) if cap > 0 => cap as usize,
         _ => settings.count("CAP") as usize,
@@ -129,12 +131,23 @@ pub fn main_job(
     interrupt::install();
     let run_started = Instant::now();
     // Only generation folds its routing into the history; an oracle run scores.
-    let kind = if text.is_some() || settings.ids("IDS").is_some() {
+    let kind = if perplexity.is_none() && (text.is_some() || settings.ids("IDS").is_some()) {
         RunKind::Generating
     } else {
         RunKind::Scoring
     };
     let mut session = Session::start(settings, snapshot.dir(), engine.as_mut(), budget, kind)?;
+
+    let ref_path = settings
+        .text("REF")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| snapshot.dir().join("ref.json"));
+    if let Some(job) = perplexity {
+        job.run(engine.as_mut(), &ref_path)?;
+        report(engine.as_ref(), 0.0);
+        println!("{}", profile_line(engine.as_ref(), &run_started));
+        return Ok(session.finish(engine.as_mut(), RunKind::Scoring));
+    }
 
     if let Some(job) = text_job.as_mut() {
         let mut on_tokens =
@@ -189,10 +202,6 @@ pub fn main_job(
         bail!("REPLAY=1 decodes the ids given with IDS=\"...\"; IDS is not set");
     }
 
-    let ref_path = settings
-        .text("REF")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| snapshot.dir().join("ref.json"));
     let reference = Reference::load(&ref_path, engine.vocab_size())?;
     let outcome = if settings.flag("TF") {
         oracle::compare_teacher_forced(engine.as_mut(), &reference)?

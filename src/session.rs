@@ -389,10 +389,18 @@ fn verdict_line(v: &Verdict) -> String {
         lookups,
         ..
     } = v;
-    let held = format!("the layer's {from} pins hit {from_hits} of {lookups} lookups where");
-    if *to == 0 {
-        format!("[PIN] layer {layer}: {held} LRU would have hit {to_hits} \u{2014} given up, LRU for now (PIN_ABSTAIN=0 keeps them)")
-    } else {
-        format!("[PIN] layer {layer}: {held} {to} pins would have hit {to_hits} \u{2014} {to} pins from here (PIN_ABSTAIN=0 keeps {from})")
-    }
+    let held = match from {
+        0 => format!("LRU alone hit {from_hits} of {lookups} lookups"),
+        n => format!("with {n} pinned it hit {from_hits} of {lookups} lookups"),
+    };
+    let (other, outcome) = match to {
+        0 => ("LRU alone".to_string(), "given up, LRU for now".to_string()),
+        n => (
+            format!("with the history's top {n} pinned it"),
+            format!("{n} pinned from here"),
+        ),
+    };
+    format!(
+        "[PIN] layer {layer}: {held}; {other} would have hit {to_hits} \u{2014} {outcome} (PIN_ABSTAIN=0 keeps the pins fixed)"
+    )
 }

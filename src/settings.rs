@@ -112,6 +112,36 @@ pub const KEYS: &[Key] = &[
         doc: "CPU worker threads; 0 = one per core",
     },
     Key {
+        name: "PPL",
+        kind: Kind::Bool,
+        default: "0",
+        doc: "score perplexity (teacher-forced NLL) of PPL_FILE, IDS or the reference's full_ids in windows of CTX tokens; never saves the history",
+    },
+    Key {
+        name: "PPL_FILE",
+        kind: Kind::Path,
+        default: "",
+        doc: "with PPL=1: a text file to score, tokenized with SNAP/tokenizer.json",
+    },
+    Key {
+        name: "CTX",
+        kind: Kind::Count,
+        default: "512",
+        doc: "with PPL=1: tokens per window (each window starts from an empty cache)",
+    },
+    Key {
+        name: "PPL_STRIDE",
+        kind: Kind::Count,
+        default: "0",
+        doc: "with PPL=1: tokens between window starts, at most CTX (0: CTX/2); each target is scored once",
+    },
+    Key {
+        name: "KLD_BASE",
+        kind: Kind::Path,
+        default: "",
+        doc: "with PPL=1: a file of per-position distributions; written when missing (run the f32 reference first), else this run is compared with it (KL divergence, top-1 agreement, PPL ratio)",
+    },
+    Key {
         name: "REF",
         kind: Kind::Path,
         default: "",
@@ -229,7 +259,7 @@ pub const KEYS: &[Key] = &[
         name: "PIN_ABSTAIN",
         kind: Kind::Bool,
         default: "1",
-        doc: "with streamed experts, give up a layer's history pins once they lose more than 1% of its lookups to what LRU would hit (the abstain rule)",
+        doc: "with streamed experts, move each layer to the number of history pins (none up to PIN_N, a slot short of CAP) that would have hit most, once that beats what it holds by more than 1% of its lookups (the abstain rule)",
     },
     Key {
         name: "PIN_RANK",
