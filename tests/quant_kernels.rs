@@ -148,7 +148,8 @@ fn a_batch_computes_what_single_rows_compute() {
     for format in FORMATS {
         for (rows, cols) in SHAPES {
             let matrix = Matrix::from_f32_as(rows, cols, &values(rows * cols, 3), format).unwrap();
-            let n = 6;
+            // Odd: input pairs and a last single row.
+            let n = 7;
             let x = values(n * cols, 11);
             let mut batch = vec![0f32; n * rows];
             matrix.matmul(&x, n, &mut batch);

@@ -328,6 +328,100 @@ unsafe fn dot_rows<V: Lanes, D: Decode<V>, const R: usize>(
     out
 }
 
+/// The dot products of `R` decoded (f32) rows with each of `T` inputs at once, `out[r][t]`:
+/// `R x T` accumulators, each fed the same fused multiply-adds in the same column order as
+/// [`dot_rows`] feeds its own, so every sum has the same bits; the tile only lets one load
+/// of a weight chunk serve `T` inputs and keeps enough independent accumulators in flight
+/// to fill the multiply-add units.
+#[inline(always)]
+unsafe fn dot_tile<V: Lanes, const R: usize, const T: usize>(
+    rows: [&[f32]; R],
+    scale_row: usize,
+    xs: [&[f32]; T],
+    cols: usize,
+    scaling: Scaling,
+) -> [[f32; T]; R] {
+    let full = cols / 8;
+    let mut x_tail = [[0f32; 8]; T];
+    for (tail, x) in x_tail.iter_mut().zip(&xs) {
+        tail[..cols - full * 8].copy_from_slice(&x[full * 8..cols]);
+    }
+    let mut w_tail = [[0f32; 8]; R];
+    for (tail, row) in w_tail.iter_mut().zip(&rows) {
+        tail[..cols - full * 8].copy_from_slice(&row[full * 8..cols]);
+    }
+    let mut acc = [[V::zero(); T]; R];
+    let mut out = [[0f32; T]; R];
+    // Chunk `c` of every row against every input, into `into`; the last chunk of a row
+    // that ends inside one comes from the zero-padded copies.
+    let step = |c: usize, into: &mut [[V; T]; R]| {
+        let mut xv = [V::zero(); T];
+        if c < full {
+            for t in 0..T {
+                xv[t] = V::load(xs[t].as_ptr().add(c * 8));
+            }
+            for r in 0..R {
+                let w = V::load(rows[r].as_ptr().add(c * 8));
+                for t in 0..T {
+                    into[r][t] = V::fma(w, xv[t], into[r][t]);
+                }
+            }
+        } else {
+            for t in 0..T {
+                xv[t] = V::load(x_tail[t].as_ptr());
+            }
+            for r in 0..R {
+                let w = V::load(w_tail[r].as_ptr());
+                for t in 0..T {
+                    into[r][t] = V::fma(w, xv[t], into[r][t]);
+                }
+            }
+        }
+    };
+    let chunks = cols.div_ceil(8);
+    match scaling.group_size() {
+        None => {
+            for c in 0..chunks {
+                step(c, &mut acc);
+            }
+            for r in 0..R {
+                for t in 0..T {
+                    out[r][t] = acc[r][t].sum();
+                    if let Scaling::Row(scales) = scaling {
+                        out[r][t] *= scales[scale_row + r];
+                    }
+                }
+            }
+        }
+        Some(size) => {
+            let per_group = size / 8;
+            let mut group = 0;
+            let mut c = 0;
+            while c < chunks {
+                let end = (c + per_group).min(chunks);
+                let mut partial = [[V::zero(); T]; R];
+                while c < end {
+                    step(c, &mut partial);
+                    c += 1;
+                }
+                for r in 0..R {
+                    let scale = V::splat(scaling.group_scale(scale_row + r, group));
+                    for t in 0..T {
+                        acc[r][t] = V::fma(partial[r][t], scale, acc[r][t]);
+                    }
+                }
+                group += 1;
+            }
+            for r in 0..R {
+                for t in 0..T {
+                    out[r][t] = acc[r][t].sum();
+                }
+            }
+        }
+    }
+    out
+}
+
 /// Row `row` of a matrix stored as `data` with `D::stride(cols)` units per row.
 #[inline(always)]
 fn row_of<D: Codes>(data: &[D::Elem], cols: usize, row: usize) -> &[D::Elem] {
@@ -393,24 +487,35 @@ pub(super) unsafe fn rows_batched<V: Lanes, D: Decode<V>>(
         }
         let decoded = |k: usize| &scratch[k * cols..(k + 1) * cols];
         let r = first + i;
-        for (t, x) in input.chunks_exact(cols).enumerate() {
+        let x = |t: usize| &input[t * cols..(t + 1) * cols];
+        let mut t = 0;
+        while t < n {
+            let pair = n - t >= 2;
             if block == 4 {
-                let sums = dot_rows::<V, F32Codes, 4>(
-                    [decoded(0), decoded(1), decoded(2), decoded(3)],
-                    r,
-                    x,
-                    cols,
-                    scaling,
-                );
-                for (k, sum) in sums.into_iter().enumerate() {
-                    out[(i + k) * n + t] = sum;
+                let rows = [decoded(0), decoded(1), decoded(2), decoded(3)];
+                if pair {
+                    let sums = dot_tile::<V, 4, 2>(rows, r, [x(t), x(t + 1)], cols, scaling);
+                    for (k, s) in sums.iter().enumerate() {
+                        out[(i + k) * n + t..(i + k) * n + t + 2].copy_from_slice(s);
+                    }
+                } else {
+                    let sums = dot_tile::<V, 4, 1>(rows, r, [x(t)], cols, scaling);
+                    for (k, s) in sums.iter().enumerate() {
+                        out[(i + k) * n + t] = s[0];
+                    }
                 }
             } else {
                 for k in 0..block {
-                    out[(i + k) * n + t] =
-                        dot_rows::<V, F32Codes, 1>([decoded(k)], r + k, x, cols, scaling)[0];
+                    if pair {
+                        let s = dot_tile::<V, 1, 2>([decoded(k)], r + k, [x(t), x(t + 1)], cols, scaling);
+                        out[(i + k) * n + t..(i + k) * n + t + 2].copy_from_slice(&s[0]);
+                    } else {
+                        let s = dot_tile::<V, 1, 1>([decoded(k)], r + k, [x(t)], cols, scaling);
+                        out[(i + k) * n + t] = s[0][0];
+                    }
                 }
             }
+            t += if pair { 2 } else { 1 };
         }
         i += block;
     }
