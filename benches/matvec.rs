@@ -103,25 +103,28 @@ fn matvec(c: &mut Criterion) {
     }
 }
 
-/// A 32-row batch (a prompt) against one matrix: the weights are read once for all rows.
+/// A batch of rows against one matrix, the weights read once for all rows: 32 (a prompt
+/// through a dense projection) and 4 (the rows one expert of 64 at top-8 gets from it).
 fn batched(c: &mut Criterion) {
-    let (rows, cols, n) = (2048, 1024, 32);
-    let x: Vec<f32> = (0..n * cols).map(|i| (i % 7) as f32 * 0.1 - 0.3).collect();
-    let mut y = vec![0f32; n * rows];
-    let mut group = c.benchmark_group(format!("matmul {rows}x{cols} x{n} rows"));
-    for format in [
-        Format::F32,
-        Format::Int8Row,
-        Format::Int4Grouped { group: 64 },
-    ] {
-        let matrix = Matrix::from_f32_as(rows, cols, &weights(rows, cols, 0), format)
-            .expect("every listed format encodes");
-        group.throughput(Throughput::Elements((n * rows * cols) as u64));
-        group.bench_function(label(format), |b| {
-            b.iter(|| matrix.matmul(black_box(&x), n, &mut y))
-        });
+    let (rows, cols) = (2048, 1024);
+    for n in [32, 4] {
+        let x: Vec<f32> = (0..n * cols).map(|i| (i % 7) as f32 * 0.1 - 0.3).collect();
+        let mut y = vec![0f32; n * rows];
+        let mut group = c.benchmark_group(format!("matmul {rows}x{cols} x{n} rows"));
+        for format in [
+            Format::F32,
+            Format::Int8Row,
+            Format::Int4Grouped { group: 64 },
+        ] {
+            let matrix = Matrix::from_f32_as(rows, cols, &weights(rows, cols, 0), format)
+                .expect("every listed format encodes");
+            group.throughput(Throughput::Elements((n * rows * cols) as u64));
+            group.bench_function(label(format), |b| {
+                b.iter(|| matrix.matmul(black_box(&x), n, &mut y))
+            });
+        }
+        group.finish();
     }
-    group.finish();
 }
 
 fn config() -> Criterion {

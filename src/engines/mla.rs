@@ -16,7 +16,7 @@ use rayon::prelude::*;
 
 use anyhow::Result;
 
-use super::layers::{rms_norm, rms_norm_in_place, softmax};
+use super::layers::{dot, rms_norm, rms_norm_in_place, softmax};
 use crate::quant::{load_vector, Matrix, Width};
 use crate::snapshot::Snapshot;
 
@@ -220,10 +220,6 @@ fn positions<'a>(keys: &'a Keys, every: &'a [usize], first: usize, row: usize) -
         Keys::Causal => &every[..first + row + 1],
         Keys::Selected(rows) => &rows[row],
     }
-}
-
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
 /// Attention of `n` query rows (`n x heads*(nope+rope)`, rope part already rotated) against

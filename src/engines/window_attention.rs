@@ -9,7 +9,7 @@
 
 use rayon::prelude::*;
 
-use super::layers::{softmax, AttentionShape};
+use super::layers::{dot, softmax, AttentionShape};
 
 /// Keys and values by absolute position. With a window, rows older than the window are
 /// dropped in batches, so memory stays within about twice the window.
@@ -114,8 +114,7 @@ pub fn windowed_attention(
             let mut scores: Vec<f32> = (oldest..=position)
                 .map(|pos| {
                     let key = &cache.row(&cache.keys, pos)[kv_offset..][..head_dim];
-                    let dot = query.iter().zip(key).map(|(a, b)| a * b).sum::<f32>();
-                    dot * scale + by_distance[position - pos]
+                    dot(query, key) * scale + by_distance[position - pos]
                 })
                 .collect();
             softmax(&mut scores);

@@ -328,6 +328,27 @@ unsafe fn dot_rows<V: Lanes, D: Decode<V>, const R: usize>(
     out
 }
 
+/// One chunk of `R` rows against `T` inputs: `into[r][t] += w[r] * x[t]`, lane by lane.
+/// A function, not a closure, so that it inherits the caller's instruction set when
+/// inlined.
+#[inline(always)]
+unsafe fn tile_step<V: Lanes, const R: usize, const T: usize>(
+    w: [*const f32; R],
+    x: [*const f32; T],
+    into: &mut [[V; T]; R],
+) {
+    let mut xv = [V::zero(); T];
+    for t in 0..T {
+        xv[t] = V::load(x[t]);
+    }
+    for r in 0..R {
+        let wv = V::load(w[r]);
+        for t in 0..T {
+            into[r][t] = V::fma(wv, xv[t], into[r][t]);
+        }
+    }
+}
+
 /// The dot products of `R` decoded (f32) rows with each of `T` inputs at once, `out[r][t]`:
 /// `R x T` accumulators, each fed the same fused multiply-adds in the same column order as
 /// [`dot_rows`] feeds its own, so every sum has the same bits; the tile only lets one load
@@ -352,37 +373,31 @@ unsafe fn dot_tile<V: Lanes, const R: usize, const T: usize>(
     }
     let mut acc = [[V::zero(); T]; R];
     let mut out = [[0f32; T]; R];
-    // Chunk `c` of every row against every input, into `into`; the last chunk of a row
-    // that ends inside one comes from the zero-padded copies.
-    let step = |c: usize, into: &mut [[V; T]; R]| {
-        let mut xv = [V::zero(); T];
-        if c < full {
-            for t in 0..T {
-                xv[t] = V::load(xs[t].as_ptr().add(c * 8));
+    // Chunk `c` of every row against every input; the last chunk of a row that ends
+    // inside one comes from the zero-padded copies.
+    let w_at = |c: usize| -> [*const f32; R] {
+        std::array::from_fn(|r| {
+            if c < full {
+                rows[r].as_ptr().add(c * 8)
+            } else {
+                w_tail[r].as_ptr()
             }
-            for r in 0..R {
-                let w = V::load(rows[r].as_ptr().add(c * 8));
-                for t in 0..T {
-                    into[r][t] = V::fma(w, xv[t], into[r][t]);
-                }
+        })
+    };
+    let x_at = |c: usize| -> [*const f32; T] {
+        std::array::from_fn(|t| {
+            if c < full {
+                xs[t].as_ptr().add(c * 8)
+            } else {
+                x_tail[t].as_ptr()
             }
-        } else {
-            for t in 0..T {
-                xv[t] = V::load(x_tail[t].as_ptr());
-            }
-            for r in 0..R {
-                let w = V::load(w_tail[r].as_ptr());
-                for t in 0..T {
-                    into[r][t] = V::fma(w, xv[t], into[r][t]);
-                }
-            }
-        }
+        })
     };
     let chunks = cols.div_ceil(8);
     match scaling.group_size() {
         None => {
             for c in 0..chunks {
-                step(c, &mut acc);
+                tile_step(w_at(c), x_at(c), &mut acc);
             }
             for r in 0..R {
                 for t in 0..T {
@@ -401,7 +416,7 @@ unsafe fn dot_tile<V: Lanes, const R: usize, const T: usize>(
                 let end = (c + per_group).min(chunks);
                 let mut partial = [[V::zero(); T]; R];
                 while c < end {
-                    step(c, &mut partial);
+                    tile_step(w_at(c), x_at(c), &mut partial);
                     c += 1;
                 }
                 for r in 0..R {
@@ -791,9 +806,11 @@ fn drive<T>(block: &dyn Block, view: View<'_, T>, input: &[f32], n: usize, out: 
     } else {
         by_row.chunks_mut(chunk * n).enumerate().for_each(run);
     }
-    for (r, sums) in by_row.chunks_exact(n).enumerate() {
-        for (t, &sum) in sums.iter().enumerate() {
-            out[t * rows + r] = sum;
+    // Input row by input row, so the writes are sequential (row by row they would land
+    // `rows` floats apart, a cache line and often a page each).
+    for (t, out) in out.chunks_exact_mut(rows).enumerate() {
+        for (r, y) in out.iter_mut().enumerate() {
+            *y = by_row[r * n + t];
         }
     }
 }
