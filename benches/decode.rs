@@ -6,7 +6,9 @@
 //! with every expert resident (64 slots per layer, every page of the shards touched, one
 //! untimed warm-up generation first, then the best of `--repeat` runs, 3 by default). It
 //! reports prefill and decode tokens per second, the weight bytes one decoded token reads,
-//! and the achieved rate as a fraction of the machine's measured memory read bandwidth.
+//! and the achieved rate as a fraction of the machine's measured memory read bandwidth. A
+//! 512-token prompt is timed on its own in each run too (`pp512`: one forward). The
+//! containers run a second time with int8 activations (`ACT_BITS=8`, rows `act8`).
 //!
 //! `cargo bench --bench decode` or `cargo bench --bench decode -- --layers 8`; the model and
 //! containers are kept in `--dir` (default: `coli-olmoe-bench` in the system temporary
@@ -27,6 +29,8 @@ use rayon::prelude::*;
 mod common;
 
 const PROMPT: usize = 32;
+/// A long prompt, timed on its own (one forward, the last position's logits).
+const LONG_PROMPT: usize = 512;
 const DECODE: usize = 64;
 
 struct Args {
@@ -114,6 +118,7 @@ fn touch(snapshot: &Snapshot) {
 
 struct Figures {
     prefill: f64,
+    long_prefill: f64,
     decode: f64,
     bytes: usize,
 }
@@ -136,8 +141,12 @@ fn run(dir: &Path, layers: usize, repeat: usize) -> Figures {
         .collect();
     // Untimed: loads every expert the prompt and the decode touch.
     greedy(engine.as_mut(), &prompt, DECODE).expect("warm-up generation");
+    let long: Vec<u32> = (0..LONG_PROMPT as u32)
+        .map(|i| (i * 104_729 + 7) % VOCAB as u32)
+        .collect();
     let mut best = Figures {
         prefill: 0.0,
+        long_prefill: 0.0,
         decode: 0.0,
         bytes: bytes_per_token(&snapshot, layers),
     };
@@ -146,6 +155,12 @@ fn run(dir: &Path, layers: usize, repeat: usize) -> Figures {
         let generation = greedy(engine.as_mut(), &prompt, DECODE).expect("generation");
         best.prefill = best.prefill.max(PROMPT as f64 / generation.prefill_seconds);
         best.decode = best.decode.max(generation.decode_tokens_per_second());
+        engine.reset();
+        let started = Instant::now();
+        engine.forward(&long, false).expect("long prefill");
+        best.long_prefill = best
+            .long_prefill
+            .max(LONG_PROMPT as f64 / started.elapsed().as_secs_f64());
     }
     best
 }
@@ -166,15 +181,22 @@ fn main() {
         load_average()
     );
     println!(
-        "{:<14} {:>10} {:>10} {:>12} {:>9} {:>10}",
-        "weights", "prefill/s", "decode/s", "MB/token", "GB/s", "of bw"
+        "{:<14} {:>10} {:>11} {:>10} {:>12} {:>9} {:>10}",
+        "weights", "pp32/s", "pp512/s", "decode/s", "MB/token", "GB/s", "of bw"
     );
-    for (label, dir) in rows {
+    // The containers again with int8 activations (`ACT_BITS=8`).
+    let quantised: Vec<(String, PathBuf)> = rows[1..]
+        .iter()
+        .map(|(label, dir)| (format!("{label} act8"), dir.clone()))
+        .collect();
+    for (label, dir) in rows.into_iter().chain(quantised) {
+        coli::quant::act8::select(label.ends_with("act8"));
         let f = run(&dir, args.layers, args.repeat);
         let achieved = f.bytes as f64 * f.decode;
         println!(
-            "{label:<14} {:>10.1} {:>10.2} {:>12.1} {:>9.2} {:>9.0}%",
+            "{label:<14} {:>10.1} {:>11.1} {:>10.2} {:>12.1} {:>9.2} {:>9.0}%",
             f.prefill,
+            f.long_prefill,
             f.decode,
             f.bytes as f64 / 1e6,
             achieved / 1e9,

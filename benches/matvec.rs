@@ -91,13 +91,23 @@ fn matvec(c: &mut Criterion) {
                 );
             }
             group.throughput(Throughput::Bytes(matrices[0].size_bytes() as u64));
-            let mut next = 0;
-            group.bench_function(label(format), |b| {
-                b.iter(|| {
-                    matrices[next].matmul(black_box(&x), 1, &mut y);
-                    next = (next + 1) % matrices.len();
-                })
-            });
+            // Integer weights also with int8 activations (`ACT_BITS=8`).
+            let integer = matches!(
+                format,
+                Format::Int8Row | Format::Int4Row | Format::Int4Grouped { .. }
+            );
+            for act8 in [false, true].into_iter().filter(|&a| !a || integer) {
+                coli::quant::act8::select(act8);
+                let name = format!("{}{}", label(format), if act8 { " act8" } else { "" });
+                let mut next = 0;
+                group.bench_function(name, |b| {
+                    b.iter(|| {
+                        matrices[next].matmul(black_box(&x), 1, &mut y);
+                        next = (next + 1) % matrices.len();
+                    })
+                });
+            }
+            coli::quant::act8::select(false);
         }
         group.finish();
     }

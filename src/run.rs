@@ -73,6 +73,7 @@ pub fn main_job(
     crate::quant::select_simd(crate::quant::Isa::from_setting(
         settings.text("COLI_SIMD").unwrap_or("auto"),
     )?);
+    crate::quant::act8::select(int8_activations(settings, &positionals)?);
     backend::start(
         backend::Choice::from_setting(settings.text("BACKEND").unwrap_or("cpu"))?,
         settings.flag("GPU_DENSE"),
@@ -295,6 +296,19 @@ fn replay(engine: &mut dyn Engine, ids: &[u32], session: &mut Session) -> Result
         disk as f64 / 1e6 / decoded.max(1) as f64,
         disk as f64 / 1e9 / seconds
     ))
+}
+
+/// `ACT_BITS`: whether int8 activations are asked for (8) or not (16 and more), refused
+/// where every matrix is float (the exact path: there is nothing to quantise against).
+fn int8_activations(settings: &Settings, positionals: &Positionals) -> Result<bool> {
+    match settings.count("ACT_BITS") {
+        16.. => Ok(false),
+        8 if positionals.expert_bits >= 16 && positionals.dense_bits >= 16 => bail!(
+            "ACT_BITS=8 quantises activations for int8 and int4 weights; EBITS and DBITS >= 16 is the exact f32 path: lower EBITS or DBITS (e.g. `64 4 8`), or drop ACT_BITS"
+        ),
+        8 => Ok(true),
+        other => bail!("ACT_BITS={other}: use 8 (int8 activations) or 32 (f32)"),
+    }
 }
 
 /// Tokens decoded before REPLAY's timed pass, to fault in the trunk and start the threads.

@@ -286,6 +286,12 @@ pub const KEYS: &[Key] = &[
         doc: "every N generated tokens swap cold pins for hot experts; 0 = never",
     },
     Key {
+        name: "ACT_BITS",
+        kind: Kind::Count,
+        default: "32",
+        doc: "8: int8 activations for int8 and int4 weights (faster, slightly lossy: measure it with PPL=1 KLD_BASE=); 32: f32 activations everywhere. Refused with EBITS and DBITS >= 16, the exact path",
+    },
+    Key {
         name: "COLI_SIMD",
         kind: Kind::Text,
         default: "auto",

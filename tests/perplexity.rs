@@ -1,7 +1,8 @@
 //! `PPL=1` and `KLD_BASE`: the perplexity of the trained fixture equals the transformers
 //! reference's windowed NLL (written by its generator into ref.json), a run compared with
 //! its own base diverges by exactly 0 on every engine, a scoring run leaves the history
-//! byte for byte as it was, and bad input is refused with exit 2 and no file touched.
+//! byte for byte as it was, int8 activations (`ACT_BITS=8`) cost a measurable little and
+//! are refused on the exact path, and bad input is refused with exit 2 and no file touched.
 
 mod common;
 
@@ -123,6 +124,12 @@ fn a_run_against_its_own_base_diverges_by_zero_and_int8_by_a_little() {
             assert!(int8.status.success(), "{}", stderr(&int8));
             let kld = number_after(&stdout(&int8), "KLD: mean");
             assert!(kld > 0.0 && kld < 0.05, "{}", stdout(&int8));
+            // Int8 activations on top cost a little more, still far below int4's cost.
+            let act8 = run(&["64", "8", "8", "ACT_BITS=8"]);
+            assert!(act8.status.success(), "{}", stderr(&act8));
+            let kld8 = number_after(&stdout(&act8), "KLD: mean");
+            assert!(kld8 > 0.0 && kld8 < 0.05, "{}", stdout(&act8));
+            assert_ne!(kld8, kld, "ACT_BITS=8 changed nothing");
         }
     }
 }
@@ -196,6 +203,9 @@ fn bad_perplexity_input_is_refused_and_touches_nothing() {
     );
     refuse(&["PPL=1", "IDS=3"], "at least 2 tokens");
     refuse(&["PPL=1", "IDS=3 99999"], "outside the vocabulary");
+    // The exact path keeps f32 activations.
+    refuse(&["ACT_BITS=8", "64", "16", "16"], "exact f32 path");
+    refuse(&["ACT_BITS=4", "64", "8", "8"], "ACT_BITS=4");
     // A base of one windowing is refused by another, and stays as it was.
     let made = coli(
         &[

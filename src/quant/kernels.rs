@@ -522,7 +522,13 @@ pub(super) unsafe fn rows_batched<V: Lanes, D: Decode<V>>(
             } else {
                 for k in 0..block {
                     if pair {
-                        let s = dot_tile::<V, 1, 2>([decoded(k)], r + k, [x(t), x(t + 1)], cols, scaling);
+                        let s = dot_tile::<V, 1, 2>(
+                            [decoded(k)],
+                            r + k,
+                            [x(t), x(t + 1)],
+                            cols,
+                            scaling,
+                        );
                         out[(i + k) * n + t..(i + k) * n + t + 2].copy_from_slice(&s[0]);
                     } else {
                         let s = dot_tile::<V, 1, 1>([decoded(k)], r + k, [x(t)], cols, scaling);

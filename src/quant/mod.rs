@@ -17,6 +17,7 @@
 //!
 //! This module does not know about models, experts or caching.
 
+pub mod act8;
 mod codec;
 pub mod format;
 mod kernels;
@@ -451,7 +452,33 @@ impl Matrix {
         if backend::matmul(&self.residency, || self.raw(), input, n, out) {
             return;
         }
+        if act8::enabled() {
+            if let Some(weights) = self.integer_weights() {
+                let isa = kernels::selected();
+                return act8::matmul(isa, weights, self.rows, self.cols, input, n, out);
+            }
+        }
         self.matmul_with(kernels::selected(), input, n, out)
+    }
+
+    /// The weights of an int8 or int4 matrix, for the int8-activation path.
+    fn integer_weights(&self) -> Option<act8::Weights<'_>> {
+        match &self.storage {
+            Storage::Int8Row { values, scales } => Some(act8::Weights::Int8Row {
+                values: values.as_slice(),
+                scales,
+            }),
+            Storage::Int4 {
+                packed,
+                scales,
+                group,
+            } => Some(act8::Weights::Int4 {
+                packed: packed.as_slice(),
+                scales,
+                group: *group,
+            }),
+            _ => None,
+        }
     }
 
     /// Keep this matrix off the GPU backend's automatic uploads (routed experts, which a

@@ -1,0 +1,527 @@
+//! `ACT_BITS=8`: int8 activations for int8 and int4 weights, an opt-in fast path that the
+//! oracle never takes (with `EBITS`/`DBITS >= 16` every matrix keeps f32 activations and
+//! the run refuses `ACT_BITS=8`).
+//!
+//! Each input row is quantised symmetrically, `s = max|x| / 127`, `q = round(x / s)`, and
+//! a weight row's dot product with it is an exact integer sum per scale group: int8 x int8
+//! for int8-row, int4 x int8 for int4-row and int4 in groups. The float part is fixed: a
+//! group's integer sum times its scale is added to the row's running sum group by group,
+//! and the row's sum is multiplied by the activation scale (int8-row: the sum times the row
+//! scale times the activation scale). Integer sums do not depend on the order they are
+//! taken in, so the SIMD paths (AVX2 `maddubs`, any CPU that has AVX2) compute the same
+//! bits as the scalar reference, a batch the same as its rows one by one, and the thread
+//! count changes nothing.
+//!
+//! What it costs in quality is measured, not assumed (`PPL=1 KLD_BASE=`; docs/benchmarks.md).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use rayon::prelude::*;
+
+use super::kernels::Isa;
+
+static ENABLED: AtomicBool = AtomicBool::new(false);
+
+/// Turn int8 activations on or off for every int8 and int4 matrix product that runs on the
+/// CPU from now on.
+pub fn select(on: bool) {
+    ENABLED.store(on, Ordering::Relaxed);
+}
+
+pub fn enabled() -> bool {
+    ENABLED.load(Ordering::Relaxed)
+}
+
+/// The weights of one int8 or int4 matrix, as the kernels read them.
+#[derive(Clone, Copy)]
+pub(super) enum Weights<'a> {
+    /// `rows x cols` int8, one scale per row.
+    Int8Row { values: &'a [i8], scales: &'a [f32] },
+    /// Offset-binary nibbles (`q + 8`, low nibble first), `ceil(cols / 2)` bytes a row, one
+    /// scale per `group` columns (`group >= cols`: one per row).
+    Int4 {
+        packed: &'a [u8],
+        scales: &'a [f32],
+        group: usize,
+    },
+}
+
+/// One input row quantised: `q` in the layout the weights' kernel reads, and its scale.
+struct Quantised {
+    q: Vec<i8>,
+    scale: f32,
+    /// Int4 layout: the sum of `q` over each block of 64 columns (the nibbles' `+ 8`
+    /// offset is taken back as `8 * sum`).
+    block_sums: Vec<i32>,
+}
+
+/// Columns per int4 block: 32 packed bytes, whose low nibbles are the even columns and
+/// high nibbles the odd ones.
+const BLOCK: usize = 64;
+
+/// `s = max|x| / 127` and `q = round(x / s)` (ties to even), 0 for an all-zero row.
+fn quantise(x: &[f32]) -> (Vec<i8>, f32) {
+    let max = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    if max == 0.0 || !max.is_finite() {
+        return (vec![0; x.len()], if max.is_finite() { 0.0 } else { max });
+    }
+    let scale = max / 127.0;
+    let q = x
+        .iter()
+        .map(|v| (v / scale).round_ties_even().clamp(-127.0, 127.0) as i8)
+        .collect();
+    (q, scale)
+}
+
+impl Quantised {
+    fn natural(x: &[f32]) -> Quantised {
+        let (q, scale) = quantise(x);
+        Quantised {
+            q,
+            scale,
+            block_sums: Vec::new(),
+        }
+    }
+
+    /// For int4 weights: each whole block of 64 columns as its 32 even columns then its 32
+    /// odd ones (the order a block's low and high nibbles come in), the rest as they are.
+    fn deinterleaved(x: &[f32]) -> Quantised {
+        let (natural, scale) = quantise(x);
+        let mut q = natural.clone();
+        let whole = x.len() / BLOCK * BLOCK;
+        for (block, src) in q[..whole]
+            .chunks_exact_mut(BLOCK)
+            .zip(natural.chunks_exact(BLOCK))
+        {
+            for i in 0..BLOCK / 2 {
+                block[i] = src[2 * i];
+                block[BLOCK / 2 + i] = src[2 * i + 1];
+            }
+        }
+        let block_sums = q
+            .chunks(BLOCK)
+            .map(|b| b.iter().map(|&v| i32::from(v)).sum())
+            .collect();
+        Quantised {
+            q,
+            scale,
+            block_sums,
+        }
+    }
+}
+
+/// `sum w[i] * x[i]`.
+fn dot_i8_scalar(w: &[i8], x: &[i8]) -> i32 {
+    w.iter()
+        .zip(x)
+        .map(|(&a, &b)| i32::from(a) * i32::from(b))
+        .sum()
+}
+
+/// `sum nibble[i] * x[i]` over one block: `packed` is 32 bytes, `x` the block's 32 even
+/// then 32 odd columns.
+fn dot_nibbles_scalar(packed: &[u8], x: &[i8]) -> i32 {
+    let (even, odd) = x.split_at(BLOCK / 2);
+    packed
+        .iter()
+        .zip(even.iter().zip(odd))
+        .map(|(&b, (&e, &o))| i32::from(b & 15) * i32::from(e) + i32::from(b >> 4) * i32::from(o))
+        .sum()
+}
+
+/// One weight row (`row`) against one quantised input: the scalar reference.
+fn row_dot(weights: Weights, row: usize, cols: usize, x: &Quantised) -> f32 {
+    match weights {
+        Weights::Int8Row { values, scales } => {
+            let w = &values[row * cols..(row + 1) * cols];
+            dot_i8_scalar(w, &x.q) as f32 * scales[row] * x.scale
+        }
+        Weights::Int4 {
+            packed,
+            scales,
+            group,
+        } => {
+            let stride = cols.div_ceil(2);
+            let w = &packed[row * stride..(row + 1) * stride];
+            let group = group.min(cols).max(1);
+            let per_row = cols.div_ceil(group);
+            let mut sum = 0f32;
+            for g in 0..per_row {
+                let (start, end) = (g * group, ((g + 1) * group).min(cols));
+                let isum = nibble_sum(w, x, start, end);
+                sum += isum as f32 * scales[row * per_row + g];
+            }
+            sum * x.scale
+        }
+    }
+}
+
+/// `sum (nibble - 8) * x` over columns `start..end` of one int4 row.
+fn nibble_sum(w: &[u8], x: &Quantised, start: usize, end: usize) -> i32 {
+    let whole = x.q.len() / BLOCK * BLOCK;
+    let mut isum = 0i32;
+    let mut c = start;
+    while c < end {
+        if c.is_multiple_of(BLOCK) && c + BLOCK <= end && c + BLOCK <= whole {
+            let packed = &w[c / 2..c / 2 + BLOCK / 2];
+            isum += dot_nibbles_scalar(packed, &x.q[c..c + BLOCK]) - 8 * x.block_sums[c / BLOCK];
+            c += BLOCK;
+        } else {
+            // Outside whole blocks the input is in its natural order.
+            let nibble = if c.is_multiple_of(2) {
+                w[c / 2] & 15
+            } else {
+                w[c / 2] >> 4
+            };
+            isum += (i32::from(nibble) - 8) * i32::from(x.q[c]);
+            c += 1;
+        }
+    }
+    isum
+}
+
+/// Rows `first..first + count` against every input, `out[(row - first) * n + t]`.
+fn block(
+    isa: Isa,
+    weights: Weights,
+    first: usize,
+    count: usize,
+    cols: usize,
+    xs: &[Quantised],
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 && Isa::detect() == Isa::Avx2 && avx2::covers(weights, cols) {
+        // SAFETY: AVX2 was detected; the shapes are the matrix's.
+        return unsafe { avx2::block(weights, first, count, cols, xs, out) };
+    }
+    let _ = isa;
+    let n = xs.len();
+    for (i, sums) in out.chunks_exact_mut(n).enumerate().take(count) {
+        for (y, x) in sums.iter_mut().zip(xs) {
+            *y = row_dot(weights, first + i, cols, x);
+        }
+    }
+}
+
+/// `out[t] = W · input[t]` for `n` input rows with int8 activations.
+pub(super) fn matmul(
+    isa: Isa,
+    weights: Weights,
+    rows: usize,
+    cols: usize,
+    input: &[f32],
+    n: usize,
+    out: &mut [f32],
+) {
+    assert_eq!(input.len(), n * cols, "matmul input shape");
+    assert_eq!(out.len(), n * rows, "matmul output shape");
+    if rows == 0 || n == 0 {
+        return;
+    }
+    let quantised: Vec<Quantised> = input
+        .chunks_exact(cols.max(1))
+        .map(|x| match weights {
+            Weights::Int8Row { .. } => Quantised::natural(x),
+            Weights::Int4 { .. } => Quantised::deinterleaved(x),
+        })
+        .collect();
+    let parallel = n * rows * cols >= 1 << 16 && rayon::current_num_threads() > 1;
+    let chunk = if parallel {
+        rows.div_ceil(rayon::current_num_threads() * 4)
+            .next_multiple_of(4)
+            .max(16)
+    } else {
+        rows
+    };
+    // Row-major by weight row (each weight row read once for every input), then
+    // transposed into `out` input row by input row.
+    let mut by_row = vec![0f32; rows * n];
+    let run = |(b, out): (usize, &mut [f32])| {
+        block(
+            isa,
+            weights,
+            b * chunk,
+            out.len() / n,
+            cols,
+            &quantised,
+            out,
+        )
+    };
+    if parallel {
+        by_row.par_chunks_mut(chunk * n).enumerate().for_each(run);
+    } else {
+        by_row.chunks_mut(chunk * n).enumerate().for_each(run);
+    }
+    for (t, out) in out.chunks_exact_mut(rows).enumerate() {
+        for (r, y) in out.iter_mut().enumerate() {
+            *y = by_row[r * n + t];
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{Quantised, Weights, BLOCK};
+
+    /// Whether these weights take the AVX2 path: int8 always; int4 when its scale groups
+    /// are whole blocks of 64 columns (the published int4 layouts), else the reference.
+    pub fn covers(weights: Weights, cols: usize) -> bool {
+        match weights {
+            Weights::Int8Row { .. } => true,
+            Weights::Int4 { group, .. } => {
+                let group = group.min(cols);
+                cols.is_multiple_of(BLOCK) && group.is_multiple_of(BLOCK)
+            }
+        }
+    }
+
+    /// Sum of the eight i32 lanes.
+    #[inline(always)]
+    unsafe fn hsum(v: __m256i) -> i32 {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+        _mm_cvtsi128_si32(s)
+    }
+
+    /// `w * x` for 32 columns, as i32 lanes: `maddubs(|x|, w * sign(x))` (no pair exceeds
+    /// `2 * 127 * 127`, so the i16 sums never saturate), widened by `madd` with ones.
+    #[inline(always)]
+    unsafe fn mul_i8(w: __m256i, x: __m256i) -> __m256i {
+        let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x));
+        _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
+    }
+
+    /// `nibble * x` for one block of 64 columns, as i32 lanes: the 32 low nibbles against
+    /// the even columns, the 32 high ones against the odd (unsigned nibbles, signed inputs:
+    /// at most `2 * 15 * 127` a pair).
+    #[inline(always)]
+    unsafe fn mul_nibbles(packed: *const u8, x: *const i8) -> __m256i {
+        let bytes = _mm256_loadu_si256(packed as *const __m256i);
+        let low = _mm256_and_si256(bytes, _mm256_set1_epi8(15));
+        let high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi8(15));
+        let even = _mm256_loadu_si256(x as *const __m256i);
+        let odd = _mm256_loadu_si256(x.add(BLOCK / 2) as *const __m256i);
+        let pairs = _mm256_add_epi16(
+            _mm256_maddubs_epi16(low, even),
+            _mm256_maddubs_epi16(high, odd),
+        );
+        _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
+    }
+
+    /// Ask for the cache line `ahead` bytes past `ptr` (never faults).
+    #[inline(always)]
+    unsafe fn prefetch(ptr: *const u8, ahead: usize) {
+        _mm_prefetch::<_MM_HINT_T0>(ptr.wrapping_add(ahead) as *const i8);
+    }
+
+    /// Four int8 rows against one input: one load of the input serves the four, and the
+    /// line the next four rows need at the same offset is asked for.
+    #[inline(always)]
+    unsafe fn int8_rows(w: [&[i8]; 4], x: &[i8], cols: usize) -> [i32; 4] {
+        let mut acc = [_mm256_setzero_si256(); 4];
+        let ahead = 4 * cols;
+        let mut c = 0;
+        while c + 32 <= cols {
+            let xv = _mm256_loadu_si256(x.as_ptr().add(c) as *const __m256i);
+            for r in 0..4 {
+                let p = w[r].as_ptr().add(c);
+                if c.is_multiple_of(64) {
+                    prefetch(p as *const u8, ahead);
+                }
+                let wv = _mm256_loadu_si256(p as *const __m256i);
+                acc[r] = _mm256_add_epi32(acc[r], mul_i8(wv, xv));
+            }
+            c += 32;
+        }
+        std::array::from_fn(|r| hsum(acc[r]) + super::dot_i8_scalar(&w[r][c..cols], &x[c..cols]))
+    }
+
+    /// Four int4 rows against one input, before the activation scale: per scale group the
+    /// exact integer sum (less `8 * sum x` for the nibbles' offset) times the group's
+    /// scale, added group by group, as the reference adds them.
+    #[inline(always)]
+    unsafe fn int4_rows(
+        w: [&[u8]; 4],
+        scales: [&[f32]; 4],
+        x: &Quantised,
+        cols: usize,
+        group: usize,
+    ) -> [f32; 4] {
+        let mut sum = [0f32; 4];
+        let ahead = 4 * cols / 2;
+        let blocks_per_group = group / BLOCK;
+        for (g, first_block) in (0..cols / BLOCK).step_by(blocks_per_group).enumerate() {
+            let mut acc = [_mm256_setzero_si256(); 4];
+            let mut offset = 0;
+            for b in first_block..first_block + blocks_per_group {
+                let xp = x.q.as_ptr().add(b * BLOCK);
+                for r in 0..4 {
+                    let p = w[r].as_ptr().add(b * BLOCK / 2);
+                    prefetch(p, ahead);
+                    acc[r] = _mm256_add_epi32(acc[r], mul_nibbles(p, xp));
+                }
+                offset += x.block_sums[b];
+            }
+            for r in 0..4 {
+                let isum = hsum(acc[r]) - 8 * offset;
+                sum[r] += isum as f32 * scales[r][g];
+            }
+        }
+        sum
+    }
+
+    /// Rows `first..first + count` against every input, `out[(row - first) * n + t]`;
+    /// rows in fours, the last ones one at a time.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn block(
+        weights: Weights,
+        first: usize,
+        count: usize,
+        cols: usize,
+        xs: &[Quantised],
+        out: &mut [f32],
+    ) {
+        let n = xs.len();
+        let mut i = 0;
+        while i < count {
+            let take = if count - i >= 4 { 4 } else { 1 };
+            let rows: [usize; 4] = std::array::from_fn(|k| first + i + k.min(take - 1));
+            for (t, x) in xs.iter().enumerate() {
+                let sums: [f32; 4] = match weights {
+                    Weights::Int8Row { values, scales } => {
+                        let w = rows.map(|r| &values[r * cols..(r + 1) * cols]);
+                        let isums = int8_rows(w, &x.q, cols);
+                        std::array::from_fn(|k| isums[k] as f32 * scales[rows[k]] * x.scale)
+                    }
+                    Weights::Int4 {
+                        packed,
+                        scales,
+                        group,
+                    } => {
+                        let group = group.min(cols);
+                        let (stride, per_row) = (cols / 2, cols / group);
+                        let w = rows.map(|r| &packed[r * stride..(r + 1) * stride]);
+                        let s = rows.map(|r| &scales[r * per_row..(r + 1) * per_row]);
+                        int4_rows(w, s, x, cols, group).map(|v| v * x.scale)
+                    }
+                };
+                for k in 0..take {
+                    out[(i + k) * n + t] = sums[k];
+                }
+            }
+            i += take;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::{quantize_int4_groups, quantize_int8_rows};
+
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 8) as f32
+                    / (1u32 << 24) as f32
+                    - 0.5
+            })
+            .collect()
+    }
+
+    /// The product the integer path approximates, from the dequantised weights and inputs.
+    fn float_reference(w: &[f32], rows: usize, cols: usize, x: &[f32]) -> Vec<f32> {
+        (0..rows)
+            .map(|r| (0..cols).map(|c| w[r * cols + c] * x[c]).sum())
+            .collect()
+    }
+
+    #[test]
+    fn simd_and_scalar_agree_bit_for_bit_and_batches_equal_rows() {
+        for (rows, cols) in [(7, 64), (5, 130), (9, 256), (3, 33)] {
+            let w = values(rows * cols, 1);
+            let (q8, s8) = quantize_int8_rows(&w, cols);
+            for group in [cols, 64, 32, 128] {
+                let (packed, scales) = quantize_int4_groups(&w, cols, group);
+                let int4 = Weights::Int4 {
+                    packed: &packed,
+                    scales: &scales,
+                    group,
+                };
+                let int8 = Weights::Int8Row {
+                    values: &q8,
+                    scales: &s8,
+                };
+                for weights in [int8, int4] {
+                    let n = 3;
+                    let x = values(n * cols, 7);
+                    let mut reference = vec![0f32; n * rows];
+                    matmul(Isa::Scalar, weights, rows, cols, &x, n, &mut reference);
+                    let mut simd = vec![0f32; n * rows];
+                    matmul(Isa::detect(), weights, rows, cols, &x, n, &mut simd);
+                    assert_eq!(reference, simd, "{rows}x{cols} group {group}");
+                    for t in 0..n {
+                        let mut one = vec![0f32; rows];
+                        matmul(
+                            Isa::detect(),
+                            weights,
+                            rows,
+                            cols,
+                            &x[t * cols..(t + 1) * cols],
+                            1,
+                            &mut one,
+                        );
+                        assert_eq!(one, reference[t * rows..(t + 1) * rows]);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn int8_activations_stay_close_to_the_float_product() {
+        let (rows, cols) = (16, 256);
+        let w = values(rows * cols, 3);
+        let x = values(cols, 11);
+        let (q8, s8) = quantize_int8_rows(&w, cols);
+        let dequantised: Vec<f32> = q8
+            .iter()
+            .enumerate()
+            .map(|(i, &q)| f32::from(q) * s8[i / cols])
+            .collect();
+        let want = float_reference(&dequantised, rows, cols, &x);
+        let mut got = vec![0f32; rows];
+        let weights = Weights::Int8Row {
+            values: &q8,
+            scales: &s8,
+        };
+        matmul(Isa::detect(), weights, rows, cols, &x, 1, &mut got);
+        // The activation rounding error: at most half a step (max|x| / 254) per element,
+        // times the weight it meets.
+        let step = x.iter().fold(0f32, |m, v| m.max(v.abs())) / 254.0;
+        for (r, (g, w)) in got.iter().zip(&want).enumerate() {
+            let row = &dequantised[r * cols..(r + 1) * cols];
+            let bound = step * row.iter().map(|v| v.abs()).sum::<f32>() + 1e-5;
+            assert!(
+                (g - w).abs() <= bound,
+                "row {r}: {g} vs {w} (bound {bound})"
+            );
+        }
+        // A zero row gives zeros.
+        let mut zero = vec![1f32; rows];
+        matmul(
+            Isa::detect(),
+            weights,
+            rows,
+            cols,
+            &vec![0.0; cols],
+            1,
+            &mut zero,
+        );
+        assert!(zero.iter().all(|&v| v == 0.0));
+    }
+}
