@@ -5,6 +5,9 @@
 //! Each case cycles through enough copies of the matrix to fill 256 MiB (eight times the last-level cache), so the weights
 //! come from memory and not from cache, as they do in decode.
 //!
+//! Batched products (a prompt) are compute-bound instead: they are measured in
+//! multiply-adds per second, next to the machine's register-only FMA peak.
+//!
 //! `cargo bench --bench matvec` (all), `cargo bench --bench matvec -- 'int8-row'` (one
 //! format), `COLI_SIMD=scalar` for the reference kernels.
 
@@ -72,6 +75,51 @@ fn memory_bandwidth(c: &mut Criterion) {
         })
     });
     group.finish();
+}
+
+/// Fused multiply-adds from registers only (twelve independent 8-lane chains per thread,
+/// no memory traffic), on every thread: the compute ceiling the batched (prefill) kernels
+/// are measured against, in multiply-adds per second.
+fn fma_peak(c: &mut Criterion) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::*;
+        const STEPS: usize = 1 << 20;
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn chains(seed: f32) -> f32 {
+            let mut acc = [_mm256_set1_ps(seed); 12];
+            let (a, b) = (_mm256_set1_ps(0.999_9), _mm256_set1_ps(1e-4));
+            for _ in 0..STEPS {
+                for v in acc.iter_mut() {
+                    *v = _mm256_fmadd_ps(*v, a, b);
+                }
+            }
+            let mut lanes = [0f32; 8];
+            _mm256_storeu_ps(
+                lanes.as_mut_ptr(),
+                acc.iter()
+                    .fold(_mm256_setzero_ps(), |s, &v| _mm256_add_ps(s, v)),
+            );
+            lanes.iter().sum()
+        }
+        if !is_x86_feature_detected!("avx2") || !is_x86_feature_detected!("fma") {
+            return;
+        }
+        let threads = rayon::current_num_threads();
+        let mut group = c.benchmark_group("compute");
+        group.throughput(Throughput::Elements((threads * STEPS * 12 * 8) as u64));
+        group.bench_function("avx2 fma peak", |b| {
+            b.iter(|| {
+                let sum: f32 = (0..threads)
+                    // SAFETY: AVX2 and FMA were detected above.
+                    .into_par_iter()
+                    .map(|t| unsafe { chains(t as f32 * 1e-3) })
+                    .sum();
+                black_box(sum)
+            })
+        });
+        group.finish();
+    }
 }
 
 fn matvec(c: &mut Criterion) {
@@ -147,6 +195,6 @@ fn config() -> Criterion {
 criterion_group! {
     name = benches;
     config = config();
-    targets = memory_bandwidth, matvec, batched
+    targets = memory_bandwidth, fma_peak, matvec, batched
 }
 criterion_main!(benches);
