@@ -148,25 +148,26 @@ fn a_batch_computes_what_single_rows_compute() {
     for format in FORMATS {
         for (rows, cols) in SHAPES {
             let matrix = Matrix::from_f32_as(rows, cols, &values(rows * cols, 3), format).unwrap();
-            // Odd: input pairs and a last single row.
-            let n = 7;
-            let x = values(n * cols, 11);
-            let mut batch = vec![0f32; n * rows];
-            matrix.matmul(&x, n, &mut batch);
-            for t in 0..n {
-                let mut single = vec![0f32; rows];
-                matrix.matmul(&x[t * cols..(t + 1) * cols], 1, &mut single);
-                assert_eq!(
-                    single,
-                    batch[t * rows..(t + 1) * rows],
-                    "{} {rows}x{cols} row {t}",
-                    label(format)
-                );
-                for (r, &y) in single.iter().enumerate() {
+            // Every tiling of the inputs: 3 + 3 + 1 and 2 + 2 (2 + 2 + 2 + 1 with groups).
+            for n in [7, 4] {
+                let x = values(n * cols, 11);
+                let mut batch = vec![0f32; n * rows];
+                matrix.matmul(&x, n, &mut batch);
+                for t in 0..n {
+                    let mut single = vec![0f32; rows];
+                    matrix.matmul(&x[t * cols..(t + 1) * cols], 1, &mut single);
                     assert_eq!(
-                        matrix.row_dot(r, &x[t * cols..(t + 1) * cols]).to_bits(),
-                        y.to_bits()
+                        single,
+                        batch[t * rows..(t + 1) * rows],
+                        "{} {rows}x{cols} row {t}",
+                        label(format)
                     );
+                    for (r, &y) in single.iter().enumerate() {
+                        assert_eq!(
+                            matrix.row_dot(r, &x[t * cols..(t + 1) * cols]).to_bits(),
+                            y.to_bits()
+                        );
+                    }
                 }
             }
         }

@@ -505,38 +505,42 @@ pub(super) unsafe fn rows_batched<V: Lanes, D: Decode<V>>(
         let x = |t: usize| &input[t * cols..(t + 1) * cols];
         let mut t = 0;
         while t < n {
-            let pair = n - t >= 2;
+            // Inputs three at a time (twelve accumulators), two when four are left; two at
+            // most with group scales (each needs a partial sum beside its accumulator).
+            let take = match (n - t, scaling.group_size()) {
+                (1, _) => 1,
+                (_, Some(_)) | (2 | 4, None) => 2,
+                _ => 3,
+            };
             if block == 4 {
                 let rows = [decoded(0), decoded(1), decoded(2), decoded(3)];
-                if pair {
-                    let sums = dot_tile::<V, 4, 2>(rows, r, [x(t), x(t + 1)], cols, scaling);
-                    for (k, s) in sums.iter().enumerate() {
-                        out[(i + k) * n + t..(i + k) * n + t + 2].copy_from_slice(s);
+                let mut put = |k: usize, s: &[f32]| {
+                    out[(i + k) * n + t..(i + k) * n + t + s.len()].copy_from_slice(s)
+                };
+                match take {
+                    3 => {
+                        let xs = [x(t), x(t + 1), x(t + 2)];
+                        let sums = dot_tile::<V, 4, 3>(rows, r, xs, cols, scaling);
+                        sums.iter().enumerate().for_each(|(k, s)| put(k, s));
                     }
-                } else {
-                    let sums = dot_tile::<V, 4, 1>(rows, r, [x(t)], cols, scaling);
-                    for (k, s) in sums.iter().enumerate() {
-                        out[(i + k) * n + t] = s[0];
+                    2 => {
+                        let sums = dot_tile::<V, 4, 2>(rows, r, [x(t), x(t + 1)], cols, scaling);
+                        sums.iter().enumerate().for_each(|(k, s)| put(k, s));
+                    }
+                    _ => {
+                        let sums = dot_tile::<V, 4, 1>(rows, r, [x(t)], cols, scaling);
+                        sums.iter().enumerate().for_each(|(k, s)| put(k, s));
                     }
                 }
             } else {
                 for k in 0..block {
-                    if pair {
-                        let s = dot_tile::<V, 1, 2>(
-                            [decoded(k)],
-                            r + k,
-                            [x(t), x(t + 1)],
-                            cols,
-                            scaling,
-                        );
-                        out[(i + k) * n + t..(i + k) * n + t + 2].copy_from_slice(&s[0]);
-                    } else {
-                        let s = dot_tile::<V, 1, 1>([decoded(k)], r + k, [x(t)], cols, scaling);
-                        out[(i + k) * n + t] = s[0][0];
+                    for u in t..t + take {
+                        let s = dot_tile::<V, 1, 1>([decoded(k)], r + k, [x(u)], cols, scaling);
+                        out[(i + k) * n + u] = s[0][0];
                     }
                 }
             }
-            t += if pair { 2 } else { 1 };
+            t += take;
         }
         i += block;
     }
