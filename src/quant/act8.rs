@@ -16,8 +16,6 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use rayon::prelude::*;
-
 use super::kernels::Isa;
 
 static ENABLED: AtomicBool = AtomicBool::new(false);
@@ -226,38 +224,9 @@ pub(super) fn matmul(
             Weights::Int4 { .. } => Quantised::deinterleaved(x),
         })
         .collect();
-    let parallel = n * rows * cols >= 1 << 16 && rayon::current_num_threads() > 1;
-    let chunk = if parallel {
-        rows.div_ceil(rayon::current_num_threads() * 4)
-            .next_multiple_of(4)
-            .max(16)
-    } else {
-        rows
-    };
-    // Row-major by weight row (each weight row read once for every input), then
-    // transposed into `out` input row by input row.
-    let mut by_row = vec![0f32; rows * n];
-    let run = |(b, out): (usize, &mut [f32])| {
-        block(
-            isa,
-            weights,
-            b * chunk,
-            out.len() / n,
-            cols,
-            &quantised,
-            out,
-        )
-    };
-    if parallel {
-        by_row.par_chunks_mut(chunk * n).enumerate().for_each(run);
-    } else {
-        by_row.chunks_mut(chunk * n).enumerate().for_each(run);
-    }
-    for (t, out) in out.chunks_exact_mut(rows).enumerate() {
-        for (r, y) in out.iter_mut().enumerate() {
-            *y = by_row[r * n + t];
-        }
-    }
+    super::kernels::by_weight_rows(rows, cols, n, out, |first, count, sums| {
+        block(isa, weights, first, count, cols, &quantised, sums)
+    });
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -789,16 +789,8 @@ fn drive<T>(block: &dyn Block, view: View<'_, T>, input: &[f32], n: usize, out: 
     if rows == 0 || n == 0 {
         return;
     }
-    let parallel = n * rows * cols >= 1 << 16 && rayon::current_num_threads() > 1;
-    // Blocks of whole 4-row groups, a few per thread so uneven rows balance out.
-    let chunk = if parallel {
-        rows.div_ceil(rayon::current_num_threads() * 4)
-            .next_multiple_of(4)
-            .max(16)
-    } else {
-        rows
-    };
     if n == 1 {
+        let (chunk, parallel) = row_blocks(rows, cols, n);
         let run = |(b, out): (usize, &mut [f32])| block.rows(b * chunk, input, out);
         if parallel {
             out.par_chunks_mut(chunk).enumerate().for_each(run);
@@ -807,10 +799,39 @@ fn drive<T>(block: &dyn Block, view: View<'_, T>, input: &[f32], n: usize, out: 
         }
         return;
     }
-    let mut by_row = vec![0f32; rows * n];
-    let run = |(b, block_out): (usize, &mut [f32])| {
-        block.batched(b * chunk, block_out.len() / n, input, n, block_out)
+    by_weight_rows(rows, cols, n, out, |first, count, block_out| {
+        block.batched(first, count, input, n, block_out)
+    });
+}
+
+/// Rows per block of work and whether blocks run in parallel: whole 4-row groups, a few
+/// blocks per thread so uneven rows balance out, once the product is worth the threads.
+fn row_blocks(rows: usize, cols: usize, n: usize) -> (usize, bool) {
+    let parallel = n * rows * cols >= 1 << 16 && rayon::current_num_threads() > 1;
+    let chunk = if parallel {
+        rows.div_ceil(rayon::current_num_threads() * 4)
+            .next_multiple_of(4)
+            .max(16)
+    } else {
+        rows
     };
+    (chunk, parallel)
+}
+
+/// A product of `n` inputs computed by blocks of weight rows: `block(first, count, sums)`
+/// writes rows `first..first + count` against every input as `sums[(row - first) * n + t]`
+/// (each weight row read once for all inputs); the result is then transposed into `out`
+/// (`n x rows`).
+pub(super) fn by_weight_rows(
+    rows: usize,
+    cols: usize,
+    n: usize,
+    out: &mut [f32],
+    block: impl Fn(usize, usize, &mut [f32]) + Sync,
+) {
+    let (chunk, parallel) = row_blocks(rows, cols, n);
+    let mut by_row = vec![0f32; rows * n];
+    let run = |(b, sums): (usize, &mut [f32])| block(b * chunk, sums.len() / n, sums);
     if parallel {
         by_row.par_chunks_mut(chunk * n).enumerate().for_each(run);
     } else {
