@@ -178,6 +178,13 @@ fn nibble_sum(w: &[u8], x: &Quantised, start: usize, end: usize) -> i32 {
     isum
 }
 
+/// Whether the AVX2 path may use AVX-VNNI (the same integers, in one instruction).
+#[cfg(target_arch = "x86_64")]
+fn vnni() -> bool {
+    static VNNI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *VNNI.get_or_init(|| is_x86_feature_detected!("avxvnni"))
+}
+
 /// Rows `first..first + count` against every input, `out[(row - first) * n + t]`.
 fn block(
     isa: Isa,
@@ -190,8 +197,15 @@ fn block(
 ) {
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx2 && Isa::detect() == Isa::Avx2 && avx2::covers(weights, cols) {
-        // SAFETY: AVX2 was detected; the shapes are the matrix's.
-        return unsafe { avx2::block(weights, first, count, cols, xs, out) };
+        // SAFETY: AVX2 (and for the second, AVX-VNNI) was detected; the shapes are the
+        // matrix's.
+        return unsafe {
+            if vnni() {
+                avx2::block_vnni(weights, first, count, cols, xs, out)
+            } else {
+                avx2::block(weights, first, count, cols, xs, out)
+            }
+        };
     }
     let _ = isa;
     let n = xs.len();
@@ -256,29 +270,46 @@ mod avx2 {
         _mm_cvtsi128_si32(s)
     }
 
-    /// `w * x` for 32 columns, as i32 lanes: `maddubs(|x|, w * sign(x))` (no pair exceeds
-    /// `2 * 127 * 127`, so the i16 sums never saturate), widened by `madd` with ones.
+    /// `unsigned * signed` bytes, four products a lane, added to `acc`: one `vpdpbusd`
+    /// with AVX-VNNI, else `maddubs` then `madd` with ones. The callers keep every pair
+    /// of products under `2^15` (where `maddubs` would saturate), so both give the same
+    /// integers.
     #[inline(always)]
-    unsafe fn mul_i8(w: __m256i, x: __m256i) -> __m256i {
-        let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x));
-        _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
+    unsafe fn dot_bytes<const VNNI: bool>(
+        acc: __m256i,
+        unsigned: __m256i,
+        signed: __m256i,
+    ) -> __m256i {
+        if VNNI {
+            _mm256_dpbusd_avx_epi32(acc, unsigned, signed)
+        } else {
+            let pairs = _mm256_maddubs_epi16(unsigned, signed);
+            _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+        }
     }
 
-    /// `nibble * x` for one block of 64 columns, as i32 lanes: the 32 low nibbles against
-    /// the even columns, the 32 high ones against the odd (unsigned nibbles, signed inputs:
-    /// at most `2 * 15 * 127` a pair).
+    /// `acc + w * x` for 32 columns: `|x|` times `w * sign(x)` (no pair exceeds
+    /// `2 * 127 * 127`).
     #[inline(always)]
-    unsafe fn mul_nibbles(packed: *const u8, x: *const i8) -> __m256i {
+    unsafe fn mul_i8<const VNNI: bool>(acc: __m256i, w: __m256i, x: __m256i) -> __m256i {
+        dot_bytes::<VNNI>(acc, _mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x))
+    }
+
+    /// `acc + nibble * x` for one block of 64 columns: the 32 low nibbles against the even
+    /// columns, the 32 high ones against the odd (unsigned nibbles, signed inputs: at most
+    /// `2 * 15 * 127` a pair).
+    #[inline(always)]
+    unsafe fn mul_nibbles<const VNNI: bool>(
+        acc: __m256i,
+        packed: *const u8,
+        x: *const i8,
+    ) -> __m256i {
         let bytes = _mm256_loadu_si256(packed as *const __m256i);
         let low = _mm256_and_si256(bytes, _mm256_set1_epi8(15));
         let high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi8(15));
         let even = _mm256_loadu_si256(x as *const __m256i);
         let odd = _mm256_loadu_si256(x.add(BLOCK / 2) as *const __m256i);
-        let pairs = _mm256_add_epi16(
-            _mm256_maddubs_epi16(low, even),
-            _mm256_maddubs_epi16(high, odd),
-        );
-        _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
+        dot_bytes::<VNNI>(dot_bytes::<VNNI>(acc, low, even), high, odd)
     }
 
     /// Ask for the cache line `ahead` bytes past `ptr` (never faults).
@@ -290,7 +321,7 @@ mod avx2 {
     /// Four int8 rows against one input: one load of the input serves the four, and the
     /// line the next four rows need at the same offset is asked for.
     #[inline(always)]
-    unsafe fn int8_rows(w: [&[i8]; 4], x: &[i8], cols: usize) -> [i32; 4] {
+    unsafe fn int8_rows<const VNNI: bool>(w: [&[i8]; 4], x: &[i8], cols: usize) -> [i32; 4] {
         let mut acc = [_mm256_setzero_si256(); 4];
         let ahead = 4 * cols;
         let mut c = 0;
@@ -302,7 +333,7 @@ mod avx2 {
                     prefetch(p as *const u8, ahead);
                 }
                 let wv = _mm256_loadu_si256(p as *const __m256i);
-                acc[r] = _mm256_add_epi32(acc[r], mul_i8(wv, xv));
+                acc[r] = mul_i8::<VNNI>(acc[r], wv, xv);
             }
             c += 32;
         }
@@ -313,7 +344,7 @@ mod avx2 {
     /// exact integer sum (less `8 * sum x` for the nibbles' offset) times the group's
     /// scale, added group by group, as the reference adds them.
     #[inline(always)]
-    unsafe fn int4_rows(
+    unsafe fn int4_rows<const VNNI: bool>(
         w: [&[u8]; 4],
         scales: [&[f32]; 4],
         x: &Quantised,
@@ -331,7 +362,7 @@ mod avx2 {
                 for r in 0..4 {
                     let p = w[r].as_ptr().add(b * BLOCK / 2);
                     prefetch(p, ahead);
-                    acc[r] = _mm256_add_epi32(acc[r], mul_nibbles(p, xp));
+                    acc[r] = mul_nibbles::<VNNI>(acc[r], p, xp);
                 }
                 offset += x.block_sums[b];
             }
@@ -345,8 +376,8 @@ mod avx2 {
 
     /// Rows `first..first + count` against every input, `out[(row - first) * n + t]`;
     /// rows in fours, the last ones one at a time.
-    #[target_feature(enable = "avx2")]
-    pub unsafe fn block(
+    #[inline(always)]
+    unsafe fn rows_block<const VNNI: bool>(
         weights: Weights,
         first: usize,
         count: usize,
@@ -363,7 +394,7 @@ mod avx2 {
                 let sums: [f32; 4] = match weights {
                     Weights::Int8Row { values, scales } => {
                         let w = rows.map(|r| &values[r * cols..(r + 1) * cols]);
-                        let isums = int8_rows(w, &x.q, cols);
+                        let isums = int8_rows::<VNNI>(w, &x.q, cols);
                         std::array::from_fn(|k| isums[k] as f32 * scales[rows[k]] * x.scale)
                     }
                     Weights::Int4 {
@@ -375,7 +406,7 @@ mod avx2 {
                         let (stride, per_row) = (cols / 2, cols / group);
                         let w = rows.map(|r| &packed[r * stride..(r + 1) * stride]);
                         let s = rows.map(|r| &scales[r * per_row..(r + 1) * per_row]);
-                        int4_rows(w, s, x, cols, group).map(|v| v * x.scale)
+                        int4_rows::<VNNI>(w, s, x, cols, group).map(|v| v * x.scale)
                     }
                 };
                 for k in 0..take {
@@ -384,6 +415,32 @@ mod avx2 {
             }
             i += take;
         }
+    }
+
+    /// [`rows_block`] with AVX2 alone.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn block(
+        weights: Weights,
+        first: usize,
+        count: usize,
+        cols: usize,
+        xs: &[Quantised],
+        out: &mut [f32],
+    ) {
+        rows_block::<false>(weights, first, count, cols, xs, out)
+    }
+
+    /// [`rows_block`] with AVX-VNNI's `vpdpbusd`.
+    #[target_feature(enable = "avx2,avxvnni")]
+    pub unsafe fn block_vnni(
+        weights: Weights,
+        first: usize,
+        count: usize,
+        cols: usize,
+        xs: &[Quantised],
+        out: &mut [f32],
+    ) {
+        rows_block::<true>(weights, first, count, cols, xs, out)
     }
 }
 
@@ -447,6 +504,51 @@ mod tests {
                         assert_eq!(one, reference[t * rows..(t + 1) * rows]);
                     }
                 }
+            }
+        }
+    }
+
+    /// Both AVX2 paths, with and without VNNI where the CPU has it, against the reference.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_vnni_and_maddubs_paths_compute_the_same_integers() {
+        if !is_x86_feature_detected!("avx2") {
+            return;
+        }
+        let (rows, cols) = (9, 256);
+        let w = values(rows * cols, 5);
+        let (q8, s8) = quantize_int8_rows(&w, cols);
+        let (packed, scales) = quantize_int4_groups(&w, cols, 64);
+        let xs: Vec<Quantised> = (0..2)
+            .map(|t| values(cols, 20 + t))
+            .map(|x| Quantised::natural(&x))
+            .collect();
+        let x4: Vec<Quantised> = (0..2)
+            .map(|t| values(cols, 20 + t))
+            .map(|x| Quantised::deinterleaved(&x))
+            .collect();
+        let int8 = Weights::Int8Row {
+            values: &q8,
+            scales: &s8,
+        };
+        let int4 = Weights::Int4 {
+            packed: &packed,
+            scales: &scales,
+            group: 64,
+        };
+        for (weights, xs) in [(int8, &xs), (int4, &x4)] {
+            let reference: Vec<f32> = (0..rows)
+                .flat_map(|r| xs.iter().map(move |x| row_dot(weights, r, cols, x)))
+                .collect();
+            let mut plain = vec![0f32; rows * 2];
+            // SAFETY: AVX2 was detected.
+            unsafe { avx2::block(weights, 0, rows, cols, xs, &mut plain) };
+            assert_eq!(plain, reference);
+            if is_x86_feature_detected!("avxvnni") {
+                let mut vnni = vec![0f32; rows * 2];
+                // SAFETY: AVX-VNNI was detected.
+                unsafe { avx2::block_vnni(weights, 0, rows, cols, xs, &mut vnni) };
+                assert_eq!(vnni, reference);
             }
         }
     }
