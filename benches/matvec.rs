@@ -177,12 +177,13 @@ fn batched(c: &mut Criterion) {
             let matrix = Matrix::from_f32_as(rows, cols, &weights(rows, cols, 0), format)
                 .expect("every listed format encodes");
             group.throughput(Throughput::Elements((n * rows * cols) as u64));
-            for act8 in [false, true].into_iter().filter(|&a| !a || format != Format::F32) {
+            for act8 in [false, true]
+                .into_iter()
+                .filter(|&a| !a || format != Format::F32)
+            {
                 coli::quant::act8::select(act8);
                 let name = format!("{}{}", label(format), if act8 { " act8" } else { "" });
-                group.bench_function(name, |b| {
-                    b.iter(|| matrix.matmul(black_box(&x), n, &mut y))
-                });
+                group.bench_function(name, |b| b.iter(|| matrix.matmul(black_box(&x), n, &mut y)));
             }
             coli::quant::act8::select(false);
         }

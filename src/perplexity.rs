@@ -9,10 +9,11 @@
 //!
 //! Windows: the first starts at token 0, each next one `stride` tokens later, each `ctx`
 //! tokens long (the last may be shorter). A window scores the targets after the previous
-//! window's end (the first window from its second token), so every token but the first
-//! is scored exactly once, with at least `ctx - stride` tokens of context once the first
-//! window is past: the sliding-window perplexity of transformers' guide, which the
-//! fixture generator computes the same way.
+//! window's end (the first window from its second token), with at least `ctx - stride`
+//! tokens of context once the first window is past: the sliding-window perplexity of
+//! transformers' guide, which the fixture generator computes the same way. With `stride
+//! < ctx` every token but the first is scored exactly once; with `stride = ctx` the
+//! windows do not overlap and each window's first token is context only.
 //!
 //! The base file (`KLD_BASE`, little-endian): the magic `COLIKLD1`, then `u32` vocabulary
 //! size, `u32` top-k, `u32` ctx, `u32` stride, `u32` token count, `u64` FNV-1a of the
@@ -474,8 +475,8 @@ impl Base {
             bail!("top-k {} for a vocabulary of {}", header.top, header.vocab);
         }
         let per = 8 + 8 * header.top as usize;
-        let expected = header.positions as usize * per;
-        if r.bytes.len() - r.at != expected {
+        let expected = (header.positions as usize).checked_mul(per);
+        if expected != Some(r.bytes.len() - r.at) {
             bail!(
                 "{} bytes of positions where the header promises {} x {per}",
                 r.bytes.len() - r.at,
@@ -755,6 +756,15 @@ mod tests {
         let err = format!("{:#}", Base::open(&path).err().unwrap());
         assert!(err.contains("not a base file"), "{err}");
         assert_eq!(std::fs::read(&path).unwrap(), b"not a base");
+        // A header whose sizes multiply past the address space is refused, not allocated.
+        let mut huge = MAGIC.to_vec();
+        for x in [1u32 << 31, (1 << 30) - 1, 4, 2, 4] {
+            huge.extend_from_slice(&x.to_le_bytes());
+        }
+        huge.extend_from_slice(&0u64.to_le_bytes());
+        huge.extend_from_slice(&(1u32 << 31).to_le_bytes());
+        std::fs::write(&path, &huge).unwrap();
+        assert!(Base::open(&path).is_err());
         // Cut short.
         Base::write(&dir.path().join("b2"), 50, &ids, w, &measured).unwrap();
         let mut bytes = std::fs::read(dir.path().join("b2")).unwrap();

@@ -59,7 +59,14 @@ const BLOCK: usize = 64;
 
 /// `s = max|x| / 127` and `q = round(x / s)` (ties to even), 0 for an all-zero row.
 fn quantise(x: &[f32]) -> (Vec<i8>, f32) {
-    let max = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    // A NaN makes the scale NaN (and so every output), as the f32 path would.
+    let max = x.iter().fold(0f32, |m, v| {
+        if v.is_nan() || m.is_nan() {
+            f32::NAN
+        } else {
+            m.max(v.abs())
+        }
+    });
     if max == 0.0 || !max.is_finite() {
         return (vec![0; x.len()], if max.is_finite() { 0.0 } else { max });
     }
@@ -154,6 +161,16 @@ fn row_dot(weights: Weights, row: usize, cols: usize, x: &Quantised) -> f32 {
     }
 }
 
+/// Where column `c` sits in an input laid out by [`Quantised::deinterleaved`] whose whole
+/// blocks end at `whole`: inside a block, its even columns first, then its odd ones.
+fn deinterleaved_index(c: usize, whole: usize) -> usize {
+    if c >= whole {
+        return c;
+    }
+    let (block, offset) = (c / BLOCK * BLOCK, c % BLOCK);
+    block + offset / 2 + (offset % 2) * (BLOCK / 2)
+}
+
 /// `sum (nibble - 8) * x` over columns `start..end` of one int4 row.
 fn nibble_sum(w: &[u8], x: &Quantised, start: usize, end: usize) -> i32 {
     let whole = x.q.len() / BLOCK * BLOCK;
@@ -165,13 +182,12 @@ fn nibble_sum(w: &[u8], x: &Quantised, start: usize, end: usize) -> i32 {
             isum += dot_nibbles_scalar(packed, &x.q[c..c + BLOCK]) - 8 * x.block_sums[c / BLOCK];
             c += BLOCK;
         } else {
-            // Outside whole blocks the input is in its natural order.
             let nibble = if c.is_multiple_of(2) {
                 w[c / 2] & 15
             } else {
                 w[c / 2] >> 4
             };
-            isum += (i32::from(nibble) - 8) * i32::from(x.q[c]);
+            isum += (i32::from(nibble) - 8) * i32::from(x.q[deinterleaved_index(c, whole)]);
             c += 1;
         }
     }
@@ -250,13 +266,14 @@ mod avx2 {
     use super::{Quantised, Weights, BLOCK};
 
     /// Whether these weights take the AVX2 path: int8 always; int4 when its scale groups
-    /// are whole blocks of 64 columns (the published int4 layouts), else the reference.
+    /// are whole blocks of 64 columns that tile the row (the published int4 layouts),
+    /// else the reference.
     pub fn covers(weights: Weights, cols: usize) -> bool {
         match weights {
             Weights::Int8Row { .. } => true,
             Weights::Int4 { group, .. } => {
                 let group = group.min(cols);
-                cols.is_multiple_of(BLOCK) && group.is_multiple_of(BLOCK)
+                group.is_multiple_of(BLOCK) && cols.is_multiple_of(group)
             }
         }
     }
@@ -288,11 +305,12 @@ mod avx2 {
         }
     }
 
-    /// `acc + w * x` for 32 columns: `|x|` times `w * sign(x)` (no pair exceeds
-    /// `2 * 127 * 127`).
+    /// `acc + w * x` for 32 columns: `|w|` (as unsigned bytes, so a weight of -128 is
+    /// 128) times `x * sign(w)` (activations stay within -127..=127, so negating one never
+    /// overflows); no pair exceeds `2 * 128 * 127`.
     #[inline(always)]
     unsafe fn mul_i8<const VNNI: bool>(acc: __m256i, w: __m256i, x: __m256i) -> __m256i {
-        dot_bytes::<VNNI>(acc, _mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x))
+        dot_bytes::<VNNI>(acc, _mm256_abs_epi8(w), _mm256_sign_epi8(x, w))
     }
 
     /// `acc + nibble * x` for one block of 64 columns: the 32 low nibbles against the even
@@ -551,6 +569,92 @@ mod tests {
                 assert_eq!(vnni, reference);
             }
         }
+    }
+
+    /// The integer product written out plainly: natural-order activations, every group.
+    fn plain_int4(
+        packed: &[u8],
+        scales: &[f32],
+        group: usize,
+        cols: usize,
+        row: usize,
+        x: &[f32],
+    ) -> f32 {
+        let (q, scale) = quantise(x);
+        let stride = cols.div_ceil(2);
+        let group = group.min(cols);
+        let per_row = cols.div_ceil(group);
+        let mut sum = 0f32;
+        for g in 0..per_row {
+            let isum: i32 = (g * group..((g + 1) * group).min(cols))
+                .map(|c| {
+                    let byte = packed[row * stride + c / 2];
+                    let nibble = if c % 2 == 0 { byte & 15 } else { byte >> 4 };
+                    (i32::from(nibble) - 8) * i32::from(q[c])
+                })
+                .sum();
+            sum += isum as f32 * scales[row * per_row + g];
+        }
+        sum * scale
+    }
+
+    #[test]
+    fn every_int4_group_size_computes_the_plain_integer_product() {
+        for (rows, cols, group) in [
+            (5, 128, 32),
+            (6, 192, 48),
+            (4, 384, 96),
+            (5, 2880, 128),
+            (3, 130, 64),
+            (7, 256, 256),
+        ] {
+            let w = values(rows * cols, 9);
+            let (packed, scales) = quantize_int4_groups(&w, cols, group);
+            let weights = Weights::Int4 {
+                packed: &packed,
+                scales: &scales,
+                group,
+            };
+            let x = values(cols, 4);
+            let mut got = vec![0f32; rows];
+            matmul(Isa::detect(), weights, rows, cols, &x, 1, &mut got);
+            for (r, &y) in got.iter().enumerate() {
+                assert_eq!(
+                    y,
+                    plain_int4(&packed, &scales, group, cols, r, &x),
+                    "{rows}x{cols} g{group} row {r}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_weight_of_minus_128_and_a_nan_input_are_handled() {
+        let cols = 64;
+        let q8: Vec<i8> = (0..cols)
+            .map(|i| if i % 3 == 0 { -128 } else { (i as i8) - 30 })
+            .collect();
+        let s8 = [0.01f32];
+        let weights = Weights::Int8Row {
+            values: &q8,
+            scales: &s8,
+        };
+        let x = values(cols, 2);
+        let (q, scale) = quantise(&x);
+        let want = q8
+            .iter()
+            .zip(&q)
+            .map(|(&a, &b)| i32::from(a) * i32::from(b))
+            .sum::<i32>() as f32
+            * 0.01
+            * scale;
+        let mut got = [0f32];
+        matmul(Isa::detect(), weights, 1, cols, &x, 1, &mut got);
+        assert_eq!(got[0], want);
+        let mut nan = x.clone();
+        nan[5] = f32::NAN;
+        matmul(Isa::detect(), weights, 1, cols, &nan, 1, &mut got);
+        assert!(got[0].is_nan());
     }
 
     #[test]
