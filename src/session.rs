@@ -275,8 +275,22 @@ impl Session {
             for &expert in &verdict.unpin {
                 store.unpin(verdict.layer, expert);
             }
+            let mut pinned = Vec::new();
             for &expert in &verdict.pin {
                 store.pin(verdict.layer, expert)?;
+                if !store.is_pinned(verdict.layer, expert) {
+                    break;
+                }
+                pinned.push(expert);
+            }
+            if pinned.len() < verdict.pin.len() {
+                // The store had no slot for a pin (read-ahead holds part of them): the
+                // layer keeps the pins it had, and the rule judges on from there.
+                for &expert in &pinned {
+                    store.unpin(verdict.layer, expert);
+                }
+                engine.telemetry().undo_pin_verdict(&verdict);
+                continue;
             }
             eprintln!("{}", verdict_line(&verdict));
         }

@@ -281,6 +281,16 @@ impl PlacementGuard {
         }
         out
     }
+
+    /// The store could not carry out `verdict` (it refused a pin: with read-ahead on, its
+    /// slots shrink): the layer is back at the pins it held before.
+    pub fn undo(&mut self, verdict: &Verdict) {
+        if let Some(Some(w)) = self.layers.get_mut(verdict.layer) {
+            if let Some(i) = w.counts.iter().position(|&n| n == verdict.from) {
+                w.held = i;
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -350,6 +360,25 @@ mod tests {
             (v[0].unpin.as_slice(), v[0].pin.as_slice()),
             (&[][..], &[2, 3][..])
         );
+    }
+
+    #[test]
+    fn an_undone_move_leaves_the_layer_at_its_old_count() {
+        let mut g = PlacementGuard::new(4, &[vec![1, 2, 3]], &[1]);
+        let feed = |g: &mut PlacementGuard, calls: usize| {
+            for i in 0..calls {
+                let others = [10 + i % 11, 30 + i % 13, 50 + i % 7];
+                g.observe(0, if i % 2 == 0 { &[1, 2, 3] } else { &others });
+            }
+        };
+        feed(&mut g, ABSTAIN_AFTER as usize);
+        let v = g.verdicts();
+        assert_eq!((v[0].from, v[0].to), (1, 3));
+        g.undo(&v[0]);
+        // Judged again at the doubling, from the count it still holds.
+        feed(&mut g, ABSTAIN_AFTER as usize);
+        let again = g.verdicts();
+        assert_eq!((again[0].from, again[0].pin.as_slice()), (1, &[2, 3][..]));
     }
 
     #[test]

@@ -132,6 +132,13 @@ impl RouteTrace {
             .map_or_else(Vec::new, guard::PlacementGuard::verdicts)
     }
 
+    /// A verdict the store could not carry out (see [`guard::PlacementGuard::undo`]).
+    pub fn undo_pin_verdict(&mut self, verdict: &guard::Verdict) {
+        if let Some(guard) = self.guard.as_mut() {
+            guard.undo(verdict);
+        }
+    }
+
     /// Halves the session heat; call after each REPIN pass.
     pub fn cool_session_heat(&mut self) {
         self.heat.halve();
