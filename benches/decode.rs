@@ -1,22 +1,24 @@
 //! End-to-end decode on a real-shape OLMoE: hidden 2048, 16 heads, 64 experts (top 8) of
 //! width 1024, vocabulary 50304, `--layers` layers (4 by default, about 3.6 GB in bf16).
 //! The benchmark writes that model with random bf16 weights, converts it with
-//! `coli convert` to int8 and to int4 in groups of 64 (embedding and head int8), and for
-//! the bf16 source and each container runs a 32-token prompt and 64 greedy decode steps
+//! `coli convert` to int8, to int4 in groups of 64 (embedding and head int8), to FP8 and to
+//! MXFP4 (embedding and head int8), and for the bf16 source and each container runs a 32-token prompt and 64 greedy decode steps
 //! with every expert resident (64 slots per layer, every page of the shards touched, one
 //! untimed warm-up generation first, then the best of `--repeat` runs, 3 by default). It
 //! reports prefill and decode tokens per second, the weight bytes one decoded token reads,
 //! and the achieved rate as a fraction of the machine's measured memory read bandwidth. A
 //! 512-token prompt is timed on its own in each run too (`pp512`: one forward). The
-//! containers run a second time with int8 activations (`ACT_BITS=8`, rows `act8`).
+//! integer containers run a second time with int8 activations (`ACT_BITS=8`, rows `act8`).
 //!
-//! `cargo bench --bench decode` or `cargo bench --bench decode -- --layers 8`; the model and
+//! `cargo bench --bench decode` or `cargo bench --bench decode -- --layers 8`;
+//! `--only int8-row,fp8` runs those rows alone (`bf16` names the source). The model and
 //! containers are kept in `--dir` (default: `coli-olmoe-bench` in the system temporary
 //! directory) and reused by later runs.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use coli::convert::Precision;
 use coli::engines::{self, LoadOptions};
 use coli::experts::{Budget, StoreOptions};
 use coli::generate::greedy;
@@ -37,6 +39,8 @@ struct Args {
     layers: usize,
     dir: PathBuf,
     repeat: usize,
+    /// Row labels to run; empty runs all.
+    only: Vec<String>,
 }
 
 fn args() -> Args {
@@ -44,6 +48,7 @@ fn args() -> Args {
         layers: 4,
         dir: common::default_dir(),
         repeat: 3,
+        only: Vec::new(),
     };
     let argv: Vec<String> = std::env::args().collect();
     let value = |i: usize| argv.get(i + 1).cloned().unwrap_or_default();
@@ -52,6 +57,7 @@ fn args() -> Args {
             "--layers" => parsed.layers = value(i).parse().expect("--layers takes a number"),
             "--dir" => parsed.dir = PathBuf::from(value(i)),
             "--repeat" => parsed.repeat = value(i).parse().expect("--repeat takes a number"),
+            "--only" => parsed.only = value(i).split(',').map(str::to_string).collect(),
             _ => {}
         }
     }
@@ -168,10 +174,20 @@ fn run(dir: &Path, layers: usize, repeat: usize) -> Figures {
 fn main() {
     let args = args();
     let source = source_model(&args.dir, args.layers);
-    let mut rows = vec![("bf16 (source)".to_string(), source.clone())];
-    for spec in CONTAINERS {
+    let wanted = |label: &str| args.only.is_empty() || args.only.iter().any(|o| o == label);
+    // (label, model, int8 activations)
+    let mut rows = Vec::new();
+    if wanted("bf16") {
+        rows.push(("bf16 (source)".to_string(), source.clone(), false));
+    }
+    let mut integer = Vec::new();
+    for spec in CONTAINERS.iter().filter(|spec| wanted(spec.label)) {
         let dst = container(&source, &args.dir, args.layers, spec);
-        rows.push((spec.0.to_string(), dst));
+        rows.push((spec.label.to_string(), dst.clone(), false));
+        // `ACT_BITS=8` multiplies integer weights only; the minifloats keep f32 activations.
+        if matches!(spec.bits, Precision::Bits(_)) {
+            integer.push((format!("{} act8", spec.label), dst, true));
+        }
     }
     let bandwidth = bandwidth();
     println!(
@@ -184,13 +200,8 @@ fn main() {
         "{:<14} {:>10} {:>11} {:>10} {:>12} {:>9} {:>10}",
         "weights", "pp32/s", "pp512/s", "decode/s", "MB/token", "GB/s", "of bw"
     );
-    // The containers again with int8 activations (`ACT_BITS=8`).
-    let quantised: Vec<(String, PathBuf)> = rows[1..]
-        .iter()
-        .map(|(label, dir)| (format!("{label} act8"), dir.clone()))
-        .collect();
-    for (label, dir) in rows.into_iter().chain(quantised) {
-        coli::quant::act8::select(label.ends_with("act8"));
+    for (label, dir, act8) in rows.into_iter().chain(integer) {
+        coli::quant::act8::select(act8);
         let f = run(&dir, args.layers, args.repeat);
         let achieved = f.bytes as f64 * f.decode;
         println!(

@@ -399,7 +399,7 @@ fn main() {
         .iter()
         .map(|&layers| {
             let source = source_model(&args.dir, layers);
-            let dst = container(&source, &args.dir, layers, CONTAINERS[0]);
+            let dst = container(&source, &args.dir, layers, &CONTAINERS[0]);
             let total = shards(&dst).iter().map(|s| s.1).sum();
             let expert = expert_bytes(&Snapshot::open(&dst).expect("open the container"), 0);
             (layers, dst, total, expert)

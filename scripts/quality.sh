@@ -4,11 +4,14 @@
 #   - the trained fixture (fixtures/olmoe_trained) on the held-out text of both domains
 #     (the reference's perplexity ids: 256 tokens each, windows of 128 every 64), loaded at
 #     f32, int8-row (EBITS/DBITS 8), int4-g64 experts with int8 dense (4 8) and int4-g64
-#     everywhere (4 4), and converted to int4-row (one scale per row);
+#     everywhere (4 4), and converted to int4-row (one scale per row), int4-g64 with an
+#     int8 embedding and head, FP8 everywhere, MXFP4 experts with int8 dense weights and
+#     MXFP4 everywhere with an int8 embedding and head;
 #   - the real-shape OLMoE of `cargo bench --bench decode` (random bf16 weights, so random
-#     text: 256 random ids) as its bf16 source at f32 and its int8-row and int4-g64
-#     containers, when BENCH_DIR holds them.
-# Each format runs with f32 activations and with ACT_BITS=8.
+#     text: 256 random ids) as its bf16 source at f32 and its int8-row, int4-g64, fp8 and
+#     mxfp4 containers, when BENCH_DIR holds them (`cargo bench --bench decode` writes them).
+# Each integer format runs with f32 activations and with ACT_BITS=8; FP8 and MXFP4 have
+# f32 activations only (ACT_BITS=8 multiplies integer weights alone).
 #
 #   scripts/quality.sh [OUT_DIR]    (default /tmp/coli-quality; BENCH_DIR=/tmp/coli-olmoe-bench)
 #
@@ -32,8 +35,16 @@ score() { # score LABEL SNAP IDS CTX STRIDE BASE BITS... [ACT_BITS=8]
 }
 
 trained="$root/fixtures/olmoe_trained"
-"$coli" convert "$trained" "$out/olmoe_trained-int4-row" --bits 4 --group-size 0 --io-bits 8 \
-    >/dev/null
+convert() { # convert NAME ARGS...
+    local name=$1
+    shift
+    [ -d "$out/olmoe_trained-$name" ] || "$coli" convert "$trained" "$out/olmoe_trained-$name" "$@" >/dev/null
+}
+convert int4-row --bits 4 --group-size 0 --io-bits 8
+convert int4-g64-io8 --bits 4 --io-bits 8
+convert fp8 --bits fp8
+convert mxfp4-experts --expert-bits mxfp4 --dense-bits 8
+convert mxfp4 --bits mxfp4
 for domain in prose code; do
     ids=$(python3 -c "import json;r=json.load(open('$trained/ref.json'));print(','.join(map(str,r['ppl']['$domain']['ids'])))")
     base="$out/trained-$domain.kld"
@@ -44,8 +55,13 @@ for domain in prose code; do
             # shellcheck disable=SC2086
             score "EBITS/DBITS $bits" "$trained" "$ids" 128 64 "$base" 64 $bits ACT_BITS=$act
         done
-        score "int4-row container" "$out/olmoe_trained-int4-row" "$ids" 128 64 "$base" 64 8 8 \
-            ACT_BITS=$act
+        for container in int4-row int4-g64-io8; do
+            score "$container container" "$out/olmoe_trained-$container" "$ids" 128 64 "$base" \
+                64 8 8 ACT_BITS=$act
+        done
+    done
+    for container in fp8 mxfp4-experts mxfp4; do
+        score "$container container" "$out/olmoe_trained-$container" "$ids" 128 64 "$base" 64 16 16
     done
 done
 
@@ -59,5 +75,10 @@ if [ -d "$bench/bf16-4l" ]; then
             score "$container container" "$bench/$container-4l" "$ids" 128 64 "$base" 64 8 8 \
                 ACT_BITS=$act
         done
+    done
+    for container in fp8 mxfp4; do
+        if [ -d "$bench/$container-4l" ]; then
+            score "$container container" "$bench/$container-4l" "$ids" 128 64 "$base" 64 16 16
+        fi
     done
 fi

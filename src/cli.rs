@@ -58,18 +58,21 @@ pub struct ConvertArgs {
     pub src: std::path::PathBuf,
     /// Output directory (new, empty, or an interrupted conversion of the same source).
     pub dst: std::path::PathBuf,
-    /// Bits for every class not given below: >=16 keeps float, 5..8 int8 per row, 4 int4.
-    #[arg(long, default_value_t = 8)]
-    pub bits: u32,
-    /// Bits for routed experts (default: --bits).
+    /// Bits for every class not given below: >=16 keeps float, 5..8 int8 per row, 4 int4;
+    /// or a format: fp8 (E4M3, 128x128 block scales), mxfp4 (OCP MX FP4).
+    #[arg(long, default_value = "8")]
+    pub bits: crate::convert::Precision,
+    /// Bits or format for routed experts (default: --bits).
     #[arg(long)]
-    pub expert_bits: Option<u32>,
-    /// Bits for other matrices: attention, shared experts, dense MLPs (default: --bits).
+    pub expert_bits: Option<crate::convert::Precision>,
+    /// Bits or format for other matrices: attention, shared experts, dense MLPs (default:
+    /// --bits).
     #[arg(long)]
-    pub dense_bits: Option<u32>,
-    /// Bits for the embedding and LM head (default: --dense-bits, but at least 8).
+    pub dense_bits: Option<crate::convert::Precision>,
+    /// Bits or format for the embedding and LM head (default: --dense-bits, but at least 8
+    /// bits; fp8 stays fp8).
     #[arg(long)]
-    pub io_bits: Option<u32>,
+    pub io_bits: Option<crate::convert::Precision>,
     /// Columns per int4 scale: 16, 32, 48, 64, 96, 128, 192 or 256; 0 = one per row.
     #[arg(long, default_value_t = crate::quant::DEFAULT_INT4_GROUP)]
     pub group_size: usize,
@@ -94,7 +97,7 @@ pub fn run(argv: impl IntoIterator<Item = OsString>) -> Result<ExitCode> {
         let options = crate::convert::Options {
             expert_bits: args.expert_bits.unwrap_or(args.bits),
             dense_bits,
-            io_bits: args.io_bits.unwrap_or(dense_bits.max(8)),
+            io_bits: args.io_bits.unwrap_or(dense_bits.for_io()),
             group_size: args.group_size,
             shard_bytes: (args.shard_gb.max(0.0) * 1e9) as u64,
         };

@@ -448,3 +448,73 @@ fn fp8_and_mxfp4_checkpoints_run_and_convert() {
         oracle_lines(&mxfp4, &["1", "16", "16"])
     );
 }
+
+#[test]
+fn fp8_and_mxfp4_containers_compute_what_their_encoding_of_the_source_computes() {
+    let temp = tempfile::tempdir().unwrap();
+    let container = temp.path().join("minifloat");
+    convert(
+        &fixture("olmoe_tiny"),
+        &container,
+        &[
+            "--expert-bits",
+            "mxfp4",
+            "--dense-bits",
+            "fp8",
+            "--io-bits",
+            "fp8",
+        ],
+    );
+    // The same formats applied to the f32 checkpoint in memory, written back as f32.
+    let encoded = temp.path().join("encoded-f32");
+    rewrite_fixture(&encoded, |name, shape, values| {
+        if !quantised_matrix(name, shape.len()) {
+            return vec![f32_tensor(name, shape, &values)];
+        }
+        let format = if name.contains(".experts.") {
+            Format::Mxfp4
+        } else {
+            Format::Fp8E4m3B128
+        };
+        let matrix = Matrix::from_f32_as(shape[0], shape[1], &values, format).unwrap();
+        vec![f32_tensor(name, shape, &matrix.to_f32())]
+    });
+    let stored = Snapshot::open(&container).unwrap();
+    for (name, shape, format) in [
+        (
+            "model.layers.0.mlp.experts.3.down_proj.weight",
+            [64, 32],
+            Format::Mxfp4,
+        ),
+        (
+            "model.layers.1.self_attn.q_proj.weight",
+            [64, 64],
+            Format::Fp8E4m3B128,
+        ),
+        ("lm_head.weight", [128, 64], Format::Fp8E4m3B128),
+    ] {
+        let view = stored.tensor_shaped(name, &shape).unwrap();
+        assert_eq!(view.stamp.as_deref(), Some(format.name()), "{name}");
+        assert_eq!(Matrix::load(&view, Width::F32).unwrap().format(), format);
+    }
+    for cap in ["1", "64"] {
+        assert_eq!(
+            oracle_lines(&container, &[cap, "16", "16"]),
+            oracle_lines(&encoded, &[cap, "16", "16"]),
+            "cap {cap}"
+        );
+    }
+    // A name that is neither a width nor a format is refused, naming what is accepted.
+    let out = coli(
+        &[
+            "convert",
+            fixture("olmoe_tiny").to_str().unwrap(),
+            temp.path().join("d").to_str().unwrap(),
+            "--expert-bits",
+            "nf4",
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("fp8 or mxfp4"), "{}", stderr(&out));
+}

@@ -7,7 +7,7 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use coli::convert::{self, Options};
+use coli::convert::{self, Options, Precision};
 use coli::snapshot::Snapshot;
 use half::bf16;
 use rayon::prelude::*;
@@ -22,7 +22,36 @@ pub const VOCAB: usize = 50304;
 /// The containers written from the bf16 source: label, bits of the experts and dense
 /// matrices, bits of the embedding and LM head. int8 per row first, then int4 in groups
 /// of 64.
-pub const CONTAINERS: [(&str, u32, u32); 2] = [("int8-row", 8, 8), ("int4-g64", 4, 8)];
+pub const CONTAINERS: [Container; 4] = [
+    Container {
+        label: "int8-row",
+        bits: Precision::Bits(8),
+        io_bits: Precision::Bits(8),
+    },
+    Container {
+        label: "int4-g64",
+        bits: Precision::Bits(4),
+        io_bits: Precision::Bits(8),
+    },
+    Container {
+        label: "fp8",
+        bits: Precision::Fp8,
+        io_bits: Precision::Fp8,
+    },
+    Container {
+        label: "mxfp4",
+        bits: Precision::Mxfp4,
+        io_bits: Precision::Bits(8),
+    },
+];
+
+/// One `coli convert` of the source model: every matrix but the embedding and head at
+/// `bits`, those two at `io_bits`.
+pub struct Container {
+    pub label: &'static str,
+    pub bits: Precision,
+    pub io_bits: Precision,
+}
 
 /// Where the models live unless `--dir` says otherwise.
 pub fn default_dir() -> PathBuf {
@@ -154,13 +183,13 @@ pub fn container(
     source: &Path,
     dir: &Path,
     layers: usize,
-    (label, bits, io_bits): (&str, u32, u32),
+    spec: &Container,
 ) -> PathBuf {
-    let dst = dir.join(format!("{label}-{layers}l"));
+    let dst = dir.join(format!("{}-{layers}l", spec.label));
     let options = Options {
-        expert_bits: bits,
-        dense_bits: bits,
-        io_bits,
+        expert_bits: spec.bits,
+        dense_bits: spec.bits,
+        io_bits: spec.io_bits,
         group_size: 64,
         shard_bytes: 4_000_000_000,
     };

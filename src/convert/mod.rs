@@ -6,10 +6,12 @@
 //! non-matrix tensor are kept in f32; the embedding and LM head (`io`) take `--io-bits`;
 //! routed experts `--expert-bits`; every other matrix `--dense-bits`. A class at `>= 16`
 //! bits keeps the source float dtype (FP8 is dequantised to f32), `5..8` bits is int8 with
-//! one scale per row, `4` is int4 in groups of `--group-size` columns (0: one scale per row).
-//! A quantised weight is written as colibri writes it: a flat U8 `name` and a flat F32
-//! `name.qs`; each shard's `__metadata__` carries the `colibri.fmt` stamp naming every
-//! matrix's format. Tensors already quantised in the source (an MXFP4 `weight_packed` with
+//! one scale per row, `4` is int4 in groups of `--group-size` columns (0: one scale per row);
+//! `fp8` is E4M3 with one f32 scale per 128x128 block (DeepSeek's and GLM's published
+//! layout), `mxfp4` is OCP MX FP4 (Kimi K3's experts). A quantised weight is written as
+//! colibri writes it: a flat U8 (FP8: F8_E4M3) `name` and a flat `name.qs` (F32; MXFP4's
+//! E8M0 exponents as U8); each shard's `__metadata__` carries the `colibri.fmt` stamp naming
+//! every matrix's format. Tensors already quantised in the source (an MXFP4 `weight_packed` with
 //! its `weight_scale`, a container's `.qs` pair) are copied byte for byte.
 //!
 //! Layout: float tensors first (widest dtype first, so every one stays aligned), then the
@@ -24,6 +26,7 @@ mod writer;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
+use std::str::FromStr;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -37,15 +40,71 @@ use writer::{Entry, ShardWriter};
 /// The group sizes a reader can detect from the scale count.
 const GROUP_SIZES: [usize; 8] = quant::format::INT4_GROUP_SIZES;
 
+/// What one tensor class is written as: a bit width (`>= 16` keeps float, `5..=15` int8
+/// per row, `4` int4) or one of the published minifloat formats.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Precision {
+    Bits(u32),
+    /// E4M3 with one f32 scale per 128x128 block.
+    Fp8,
+    /// OCP MX FP4: e2m1 in groups of 32 with one E8M0 exponent each.
+    Mxfp4,
+}
+
+impl Precision {
+    /// The embedding and LM head's default for dense weights at `self`: never below 8
+    /// bits, since those two matrices carry most of a 4-bit model's loss
+    /// (docs/benchmarks.md).
+    pub fn for_io(self) -> Precision {
+        match self {
+            Precision::Bits(bits) => Precision::Bits(bits.max(8)),
+            Precision::Fp8 => Precision::Fp8,
+            Precision::Mxfp4 => Precision::Bits(8),
+        }
+    }
+
+    /// How the conversion manifest records it: a number of bits, or the format's name.
+    fn manifest(self) -> serde_json::Value {
+        match self {
+            Precision::Bits(bits) => bits.into(),
+            other => other.to_string().into(),
+        }
+    }
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Precision::Bits(bits) => write!(f, "{bits}"),
+            Precision::Fp8 => f.write_str("fp8"),
+            Precision::Mxfp4 => f.write_str("mxfp4"),
+        }
+    }
+}
+
+impl FromStr for Precision {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Precision, String> {
+        match text {
+            "fp8" => Ok(Precision::Fp8),
+            "mxfp4" => Ok(Precision::Mxfp4),
+            _ => text.parse().map(Precision::Bits).map_err(|_| {
+                format!("{text:?} is not a bit count or a format: expected a number, fp8 or mxfp4")
+            }),
+        }
+    }
+}
+
 /// What `coli convert` was asked for.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Options {
-    /// Bits for routed experts.
-    pub expert_bits: u32,
-    /// Bits for every other matrix except the embedding and LM head.
-    pub dense_bits: u32,
-    /// Bits for the embedding and LM head.
-    pub io_bits: u32,
+    /// Routed experts.
+    pub expert_bits: Precision,
+    /// Every other matrix except the embedding and LM head.
+    pub dense_bits: Precision,
+    /// The embedding and LM head.
+    pub io_bits: Precision,
     /// Columns per int4 scale; 0 for one scale per row.
     pub group_size: usize,
     /// Largest shard, in bytes (a routed expert is never split across shards).
@@ -61,7 +120,12 @@ enum Target {
 }
 
 impl Options {
-    fn target(&self, bits: u32, what: &str) -> Result<Target> {
+    fn target(&self, precision: Precision, what: &str) -> Result<Target> {
+        let bits = match precision {
+            Precision::Bits(bits) => bits,
+            Precision::Fp8 => return Ok(Target::Quantised(Format::Fp8E4m3B128)),
+            Precision::Mxfp4 => return Ok(Target::Quantised(Format::Mxfp4)),
+        };
         Ok(match bits {
             16.. => Target::Float,
             5..=15 => Target::Quantised(Format::Int8Row),
@@ -75,7 +139,9 @@ impl Options {
                 "--group-size {}: readers find the group size from the scale count, so it must be 0 (per row) or one of {GROUP_SIZES:?}",
                 self.group_size
             ),
-            _ => bail!("{what} {bits}: use 16 or more (float), 5..8 (int8 per row) or 4 (int4)"),
+            _ => bail!(
+                "{what} {bits}: use 16 or more (float), 5..8 (int8 per row), 4 (int4), fp8 or mxfp4"
+            ),
         })
     }
 }
@@ -187,24 +253,34 @@ fn matrix_shape(shape: &[usize]) -> (usize, usize) {
 }
 
 fn quantised_entries(name: &str, format: Format, rows: usize, cols: usize) -> (Entry, Entry) {
-    let (weight_bytes, scales) = match format {
-        Format::Int8Row => (rows * cols, rows),
-        Format::Int4Row => (rows * cols.div_ceil(2), rows),
-        Format::Int4Grouped { group } => (rows * cols.div_ceil(2), rows * cols.div_ceil(group)),
+    let nibbles = rows * cols.div_ceil(2);
+    let (weight_dtype, weight_bytes, scale_dtype, scales) = match format {
+        Format::Int8Row => (Dtype::U8, rows * cols, Dtype::F32, rows),
+        Format::Int4Row => (Dtype::U8, nibbles, Dtype::F32, rows),
+        Format::Int4Grouped { group } => {
+            (Dtype::U8, nibbles, Dtype::F32, rows * cols.div_ceil(group))
+        }
+        Format::Fp8E4m3B128 => (
+            Dtype::F8_E4M3,
+            rows * cols,
+            Dtype::F32,
+            rows.div_ceil(128) * cols.div_ceil(128),
+        ),
+        Format::Mxfp4 => (Dtype::U8, nibbles, Dtype::U8, rows * cols.div_ceil(32)),
         other => unreachable!("the converter never writes {other}"),
     };
     (
         Entry {
             name: name.to_string(),
-            dtype: Dtype::U8,
+            dtype: weight_dtype,
             shape: vec![weight_bytes],
             bytes: weight_bytes,
         },
         Entry {
             name: format!("{name}.qs"),
-            dtype: Dtype::F32,
+            dtype: scale_dtype,
             shape: vec![scales],
-            bytes: scales * 4,
+            bytes: scales * scale_dtype.bitsize() / 8,
         },
     )
 }
@@ -525,9 +601,9 @@ pub fn convert(src: &Path, dst: &Path, options: &Options) -> Result<Summary> {
     let count = shard_plan.len();
     let manifest = serde_json::json!({
         "source": fingerprint(&snapshot),
-        "expert_bits": options.expert_bits,
-        "dense_bits": options.dense_bits,
-        "io_bits": options.io_bits,
+        "expert_bits": options.expert_bits.manifest(),
+        "dense_bits": options.dense_bits.manifest(),
+        "io_bits": options.io_bits.manifest(),
         "group_size": options.group_size,
         "shards": shard_plan.iter().enumerate().map(|(i, jobs)| {
             serde_json::json!({
@@ -700,41 +776,64 @@ fn run_job(snapshot: &Snapshot, job: &Job, writer: &mut ShardWriter) -> Result<(
                 all_scales.push(quantise_into(&matrix, *format, name, writer)?);
             }
             for (name, scales) in names.iter().zip(all_scales) {
-                writer.write(&format!("{name}.qs"), bytemuck::cast_slice(&scales))?;
+                writer.write(&format!("{name}.qs"), &scales)?;
             }
         }
     }
     Ok(())
 }
 
-/// Quantise `matrix` block by block (rows in parallel), streaming the weight bytes to
-/// `writer`; returns the scales.
+/// Quantise `matrix` block by block (units of rows in parallel), streaming the weight bytes
+/// to `writer`; returns the scale tensor's bytes.
 fn quantise_into(
     matrix: &Matrix,
     format: Format,
     name: &str,
     writer: &mut ShardWriter,
-) -> Result<Vec<f32>> {
+) -> Result<Vec<u8>> {
     let (rows, cols) = (matrix.rows(), matrix.cols());
-    let block = ((16 << 20) / cols.max(1)).clamp(1, rows.max(1));
+    // FP8's scales cover 128x128 blocks, so it is quantised 128 rows at a time.
+    let unit = if format == Format::Fp8E4m3B128 { 128 } else { 1 };
+    let block = ((16 << 20) / cols.max(1))
+        .clamp(1, rows.max(1))
+        .next_multiple_of(unit);
+    let encode = |values: &[f32]| -> (Vec<u8>, Vec<u8>) {
+        let f32_bytes = |scales: Vec<f32>| bytemuck::cast_slice(&scales).to_vec();
+        match format {
+            Format::Int8Row => {
+                let (q, s) = quant::quantize_int8_rows(values, cols);
+                (bytemuck::cast_slice(&q).to_vec(), f32_bytes(s))
+            }
+            Format::Int4Grouped { group } => {
+                let (q, s) = quant::quantize_int4_groups(values, cols, group);
+                (q, f32_bytes(s))
+            }
+            Format::Int4Row => {
+                let (q, s) = quant::quantize_int4_groups(values, cols, cols);
+                (q, f32_bytes(s))
+            }
+            Format::Fp8E4m3B128 => {
+                let (q, s) = quant::quantize_fp8_blocks(values, cols);
+                (q, f32_bytes(s))
+            }
+            Format::Mxfp4 => quant::quantize_mxfp4(values, cols),
+            other => unreachable!("the converter never writes {other}"),
+        }
+    };
     let mut scales = Vec::new();
     for first in (0..rows).step_by(block) {
         let last = (first + block).min(rows);
-        let quantised: Vec<(Vec<u8>, Vec<f32>)> = (first..last)
+        let quantised: Vec<(Vec<u8>, Vec<u8>)> = (first..last)
+            .step_by(unit)
+            .collect::<Vec<_>>()
             .into_par_iter()
-            .map(|row| {
-                let mut values = vec![0f32; cols];
-                matrix.row_into(row, &mut values);
-                match format {
-                    Format::Int8Row => {
-                        let (q, s) = quant::quantize_int8_rows(&values, cols);
-                        (bytemuck::cast_slice(&q).to_vec(), s)
-                    }
-                    Format::Int4Grouped { group } => {
-                        quant::quantize_int4_groups(&values, cols, group)
-                    }
-                    _ => quant::quantize_int4_groups(&values, cols, cols),
+            .map(|start| {
+                let end = (start + unit).min(last);
+                let mut values = vec![0f32; (end - start) * cols];
+                for (row, out) in (start..end).zip(values.chunks_exact_mut(cols.max(1))) {
+                    matrix.row_into(row, out);
                 }
+                encode(&values)
             })
             .collect();
         let mut bytes = Vec::with_capacity(quantised.iter().map(|(b, _)| b.len()).sum());
@@ -806,6 +905,29 @@ mod tests {
             classify("model.layers.1.mlp.gate_proj.weight", 2),
             Class::Dense
         );
+    }
+
+    #[test]
+    fn fp8_quantised_in_units_of_128_rows_is_the_whole_matrix_encoding() {
+        let (rows, cols) = (300, 200);
+        let values: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 7919 % 1000) as f32 - 500.0) * (1.0 + (i / cols) as f32))
+            .collect();
+        let matrix = Matrix::from_f32(rows, cols, values.clone(), Width::F32);
+        let (weights, scales) = quantised_entries("w", Format::Fp8E4m3B128, rows, cols);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("shard.safetensors");
+        let mut writer =
+            ShardWriter::create(&path, vec![weights, scales], &BTreeMap::new()).unwrap();
+        let written = quantise_into(&matrix, Format::Fp8E4m3B128, "w", &mut writer).unwrap();
+        writer.write("w.qs", &written).unwrap();
+        writer.finish().unwrap();
+        let (codes, expected) = quant::quantize_fp8_blocks(&values, cols);
+        assert_eq!(written, bytemuck::cast_slice::<f32, u8>(&expected));
+        let bytes = std::fs::read(&path).unwrap();
+        let stored = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        assert_eq!(stored.tensor("w").unwrap().data(), codes.as_slice());
+        assert_eq!(stored.tensor("w").unwrap().dtype(), Dtype::F8_E4M3);
     }
 
     #[test]
