@@ -50,6 +50,23 @@ pub enum Command {
     /// heat maps (no model loaded).
     #[command(subcommand)]
     Trace(crate::tools::TraceCommand),
+    /// Serve the model over HTTP with OpenAI's API (chat and text completions, streamed or
+    /// not), /health and Prometheus /metrics; KV reused across a conversation's turns, the
+    /// history saved after every turn. Settings as for a run (SNAP=..., CAP EBITS DBITS).
+    Serve(ServeArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct ServeArgs {
+    /// Address to listen on; beyond loopback it needs API_KEY=<token>.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0 = any free port, printed at start).
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// KEY=VALUE settings, then up to three numbers: CAP EBITS DBITS, as for a run.
+    #[arg(value_name = "KEY=VALUE | CAP [EBITS [DBITS]]")]
+    pub args: Vec<String>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -112,6 +129,17 @@ pub fn run(argv: impl IntoIterator<Item = OsString>) -> Result<ExitCode> {
     if let Some(Command::Trace(cmd)) = &cli.command {
         crate::tools::run_trace(cmd)?;
         return Ok(ExitCode::SUCCESS);
+    }
+    if let Some(Command::Serve(args)) = &cli.command {
+        let (pairs, numbers) = split_args(&args.args)?;
+        let settings = Settings::resolve(&pairs, |name| std::env::var(name).ok())?;
+        return crate::serve::run(
+            cli.model.as_deref(),
+            settings,
+            Positionals::from_numbers(&numbers),
+            &args.host,
+            args.port,
+        );
     }
     if let Some(Command::Settings) = cli.command {
         print!("{}", settings::table());

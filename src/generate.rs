@@ -6,7 +6,7 @@
 use std::fmt;
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 
 use crate::engines::Engine;
 use crate::interrupt;
@@ -89,12 +89,21 @@ pub fn greedy_with(
         sampler: &mut Sampler::greedy(),
         stops: &[],
     };
-    generate_with(engine, prompt, policy, on_tokens, &mut |_| Ok(()))
+    generate_with(engine, prompt, policy, on_tokens, &mut |_| {
+        Ok(Flow::Continue)
+    })
 }
 
 /// Called with each generated token as soon as it is chosen (streaming); stop tokens are
-/// not passed.
-pub type OnToken<'a> = &'a mut dyn FnMut(u32) -> Result<()>;
+/// not passed. [`Flow::Halt`] ends the generation after this token.
+pub type OnToken<'a> = &'a mut dyn FnMut(u32) -> Result<Flow>;
+
+/// Whether a generation goes on after a token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flow {
+    Continue,
+    Halt,
+}
 
 /// How tokens are chosen and when generation ends.
 pub struct Policy<'a> {
@@ -114,6 +123,8 @@ pub enum Ending {
     Stop(u32),
     /// A Ctrl-C asked to stop.
     Interrupted,
+    /// The caller's [`OnToken`] halted it (a stop string, a client gone).
+    Halted,
 }
 
 /// Generate up to `policy.count` tokens after `prompt` from an empty KV cache, each chosen by
@@ -126,13 +137,43 @@ pub fn generate_with(
     on_tokens: OnTokens,
     on_token: OnToken,
 ) -> Result<Generation> {
+    generate_after(engine, prompt, 0, policy, on_tokens, on_token)
+}
+
+/// [`generate_with`] where the engine's KV cache already holds the first `cached` positions
+/// of `prompt` (a conversation's earlier turns): only the rest is prefilled. `cached` must
+/// be the engine's position and shorter than the prompt; 0 starts from an empty cache.
+pub fn generate_after(
+    engine: &mut dyn Engine,
+    prompt: &[u32],
+    cached: usize,
+    policy: Policy,
+    on_tokens: OnTokens,
+    on_token: OnToken,
+) -> Result<Generation> {
+    if cached > 0 && (cached >= prompt.len() || engine.position() != cached) {
+        bail!(
+            "{cached} cached positions cannot be reused for a {}-token prompt with {} positions in the cache",
+            prompt.len(),
+            engine.position()
+        );
+    }
+    if cached == 0 {
+        engine.reset();
+    }
     let depth = engine.draft_depth();
     if depth > 0 {
-        return speculate(engine, prompt, depth, policy, on_tokens, on_token);
+        return speculate(
+            engine,
+            &prompt[cached..],
+            depth,
+            policy,
+            on_tokens,
+            on_token,
+        );
     }
-    engine.reset();
     let started = Instant::now();
-    let mut logits = engine.forward(prompt, false)?;
+    let mut logits = engine.forward(&prompt[cached..], false)?;
     let prefill_seconds = started.elapsed().as_secs_f64();
     let started = Instant::now();
     let mut tokens = Vec::with_capacity(policy.count);
@@ -146,8 +187,12 @@ pub fn generate_with(
             break;
         }
         tokens.push(token);
-        on_token(token)?;
+        let flow = on_token(token)?;
         on_tokens(engine, 1)?;
+        if flow == Flow::Halt {
+            ending = Ending::Halted;
+            break;
+        }
         if tokens.len() == policy.count {
             break;
         }
@@ -173,19 +218,19 @@ pub fn generate_with(
 /// chosen from the model's distribution after exactly the tokens before it, one draw per
 /// token, so with the same sampler state the tokens are those of one-token-per-forward
 /// decoding (given that a forward over several positions computes what single-position
-/// forwards would). Rejected positions are dropped from the cache.
+/// forwards would). Rejected positions are dropped from the cache. `fresh` is the part of
+/// the prompt the cache does not hold yet.
 fn speculate(
     engine: &mut dyn Engine,
-    prompt: &[u32],
+    fresh: &[u32],
     depth: usize,
     policy: Policy,
     on_tokens: OnTokens,
     on_token: OnToken,
 ) -> Result<Generation> {
     let count = policy.count;
-    engine.reset();
     let started = Instant::now();
-    let logits = engine.forward(prompt, false)?;
+    let logits = engine.forward(fresh, false)?;
     let prefill_seconds = started.elapsed().as_secs_f64();
     let started = Instant::now();
     let mut non_finite = logits.iter().any(|v| !v.is_finite());
@@ -201,7 +246,9 @@ fn speculate(
             ending = Ending::Stop(token);
         } else {
             tokens.push(token);
-            on_token(token)?;
+            if on_token(token)? == Flow::Halt {
+                ending = Ending::Halted;
+            }
             on_tokens(engine, 1)?;
         }
     }
@@ -232,10 +279,14 @@ fn speculate(
             }
             tokens.push(token);
             emitted += 1;
-            on_token(token)?;
+            let flow = on_token(token)?;
             let hit = drafts.get(j) == Some(&token);
             if hit {
                 kept += 1;
+            }
+            if flow == Flow::Halt {
+                ending = Ending::Halted;
+                break;
             }
             if !hit || tokens.len() == count {
                 break;

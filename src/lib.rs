@@ -29,6 +29,7 @@ pub mod quant;
 pub mod route_trace;
 pub mod run;
 pub mod sampling;
+pub mod serve;
 pub mod session;
 pub mod settings;
 pub mod snapshot;

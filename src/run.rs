@@ -48,80 +48,17 @@ pub fn main_job(
     settings: &Settings,
     positionals: Positionals,
 ) -> Result<ExitCode> {
-    let Some(snap) = settings.text("SNAP") else {
-        bail!("SNAP is not set: pass SNAP=<model directory>, e.g. `coli SNAP=fixtures/olmoe_tiny 64 16 16`");
-    };
-    let threads = settings.count("THREADS") as usize;
-    if threads > 0 {
-        // Fails only if a pool already exists, which cannot happen before the first job.
-        let _ = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build_global();
-    }
-    let snapshot = Snapshot::open(&PathBuf::from(snap))?;
-    let name = engines::resolve(model, &snapshot)?;
-    Session::preflight(settings, snapshot.dir(), name)?;
+    let (snapshot, name) = open(model, settings)?;
     // Text mode's tokenizer and settings are checked before the weights are mapped.
     let text = TextMode::from_settings(settings, snapshot.dir())?;
     let perplexity = perplexity::Job::from_settings(settings, snapshot.dir())?;
-    let cap = match positionals.cap {
-        Some(cap) if cap > 0 => cap as usize,
-        _ => settings.count("CAP") as usize,
-    };
-    let expert_width = Width::from_bits(positionals.expert_bits).context("EBITS")?;
-    let dense_width = Width::from_bits(positionals.dense_bits).context("DBITS")?;
-    crate::quant::select_simd(crate::quant::Isa::from_setting(
-        settings.text("COLI_SIMD").unwrap_or("auto"),
-    )?);
-    crate::quant::act8::select(int8_activations(settings, &positionals)?);
-    backend::start(
-        backend::Choice::from_setting(settings.text("BACKEND").unwrap_or("cpu"))?,
-        settings.flag("GPU_DENSE"),
-    )?;
-    let options = LoadOptions {
-        store: StoreOptions {
-            cap,
-            width: expert_width,
-            budget: Budget::detect(settings.number("RAM_GB")),
-            io: ExpertIo::from_setting(settings.text("EXPERT_IO").unwrap_or("auto"))?,
-            direct: settings.flag_if_set("DIRECT"),
-            io_threads: settings.count("IO_THREADS").clamp(1, 64) as usize,
-            policy: Policy::from_setting(settings.text("COLI_POLICY").unwrap_or("lru"))?,
-            pilot: settings.count("PILOT") as usize,
-        },
-        dense_width,
-        draft: settings.count_if_set("DRAFT").map(|depth| depth as usize),
-        dsa_force: settings.flag("DSA_FORCE"),
-    };
-
-    let started = Instant::now();
-    let loading = loading_spinner(name);
-    let budget = options.store.budget.bytes;
-    let loaded = engines::load(name, &snapshot, options);
-    loading.finish_and_clear();
-    let mut engine = loaded?;
-    println!(
-        "== coli {name} | cache={} experts/layer | experts@{}-bit dense@{}-bit ==",
-        engine.cache_capacity(),
-        expert_width.bits(),
-        dense_width.bits()
-    );
-    println!(
-        "loaded in {:.2}s | resident dense: {:.2} MB",
-        started.elapsed().as_secs_f64(),
-        engine.resident_bytes() as f64 / 1e6
-    );
-    eprintln!("{}", engine.routed().store.summary());
-    for note in engine.notes() {
-        eprintln!("{note}");
-    }
-    let stops = engine.stop_tokens();
-    if !stops.is_empty() {
-        eprintln!(
-            "[stop] {} stop tokens: {}",
-            stops.len(),
-            oracle::join(stops)
-        );
+    let Loaded {
+        mut engine,
+        budget,
+        banner,
+    } = load(settings, positionals, &snapshot, name)?;
+    for line in banner {
+        println!("{line}");
     }
 
     let mut text_job = match &text {
@@ -226,6 +163,110 @@ pub fn main_job(
         return Ok(ExitCode::from(1));
     }
     Ok(finished)
+}
+
+/// The snapshot `SNAP` names and the engine that runs it, checked (with the files the run
+/// will write) before anything is loaded; the thread pool sized by `THREADS`.
+pub fn open(model: Option<&str>, settings: &Settings) -> Result<(Snapshot, &'static str)> {
+    let Some(snap) = settings.text("SNAP") else {
+        bail!("SNAP is not set: pass SNAP=<model directory>, e.g. `coli SNAP=fixtures/olmoe_tiny 64 16 16`");
+    };
+    let threads = settings.count("THREADS") as usize;
+    if threads > 0 {
+        // Fails only if a pool already exists, which cannot happen before the first job.
+        let _ = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build_global();
+    }
+    let snapshot = Snapshot::open(&PathBuf::from(snap))?;
+    let name = engines::resolve(model, &snapshot)?;
+    Session::preflight(settings, snapshot.dir(), name)?;
+    Ok((snapshot, name))
+}
+
+/// A loaded engine, the RAM budget its store was sized from, and the two banner lines
+/// (`== coli ... ==`, `loaded in ...`) for the caller to print where its mode prints them.
+pub struct Loaded {
+    pub engine: Box<dyn Engine>,
+    pub budget: u64,
+    pub banner: [String; 2],
+}
+
+/// Load `name` from `snapshot` as the settings and positionals ask: widths, kernels,
+/// backend, expert store. The store's summary, the engine's notes and its stop tokens go
+/// to stderr.
+pub fn load(
+    settings: &Settings,
+    positionals: Positionals,
+    snapshot: &Snapshot,
+    name: &'static str,
+) -> Result<Loaded> {
+    let cap = match positionals.cap {
+        Some(cap) if cap > 0 => cap as usize,
+        _ => settings.count("CAP") as usize,
+    };
+    let expert_width = Width::from_bits(positionals.expert_bits).context("EBITS")?;
+    let dense_width = Width::from_bits(positionals.dense_bits).context("DBITS")?;
+    crate::quant::select_simd(crate::quant::Isa::from_setting(
+        settings.text("COLI_SIMD").unwrap_or("auto"),
+    )?);
+    crate::quant::act8::select(int8_activations(settings, &positionals)?);
+    backend::start(
+        backend::Choice::from_setting(settings.text("BACKEND").unwrap_or("cpu"))?,
+        settings.flag("GPU_DENSE"),
+    )?;
+    let options = LoadOptions {
+        store: StoreOptions {
+            cap,
+            width: expert_width,
+            budget: Budget::detect(settings.number("RAM_GB")),
+            io: ExpertIo::from_setting(settings.text("EXPERT_IO").unwrap_or("auto"))?,
+            direct: settings.flag_if_set("DIRECT"),
+            io_threads: settings.count("IO_THREADS").clamp(1, 64) as usize,
+            policy: Policy::from_setting(settings.text("COLI_POLICY").unwrap_or("lru"))?,
+            pilot: settings.count("PILOT") as usize,
+        },
+        dense_width,
+        draft: settings.count_if_set("DRAFT").map(|depth| depth as usize),
+        dsa_force: settings.flag("DSA_FORCE"),
+    };
+
+    let started = Instant::now();
+    let loading = loading_spinner(name);
+    let budget = options.store.budget.bytes;
+    let loaded = engines::load(name, snapshot, options);
+    loading.finish_and_clear();
+    let engine = loaded?;
+    let banner = [
+        format!(
+            "== coli {name} | cache={} experts/layer | experts@{}-bit dense@{}-bit ==",
+            engine.cache_capacity(),
+            expert_width.bits(),
+            dense_width.bits()
+        ),
+        format!(
+            "loaded in {:.2}s | resident dense: {:.2} MB",
+            started.elapsed().as_secs_f64(),
+            engine.resident_bytes() as f64 / 1e6
+        ),
+    ];
+    eprintln!("{}", engine.routed().store.summary());
+    for note in engine.notes() {
+        eprintln!("{note}");
+    }
+    let stops = engine.stop_tokens();
+    if !stops.is_empty() {
+        eprintln!(
+            "[stop] {} stop tokens: {}",
+            stops.len(),
+            oracle::join(stops)
+        );
+    }
+    Ok(Loaded {
+        engine,
+        budget,
+        banner,
+    })
 }
 
 fn report(engine: &dyn Engine, tokens_per_second: f64) {

@@ -316,6 +316,24 @@ impl Session {
         Ok(())
     }
 
+    /// `coli serve`'s save after each turn: the history, and the trace flushed, so that a
+    /// killed server loses at most the turn in progress. The decay applies at the first save
+    /// only, so a server decays the history once, as one run does. A failure is said on
+    /// stderr and the server goes on; the next save carries the counts.
+    pub fn save_turn(&mut self, engine: &mut dyn Engine) {
+        let telemetry = engine.telemetry();
+        let unsaved = telemetry.unsaved_selections();
+        match telemetry.save_history(&self.history, self.save) {
+            Ok(_) => self.save.decay = Decay::NONE,
+            Err(err) => eprintln!(
+                "[USAGE] save failed: {err} \u{2014} {unsaved} selections wait for the next turn's save"
+            ),
+        }
+        if let Err(err) = telemetry.flush_trace() {
+            eprintln!("[ROUTE_TRACE] write failed: {err}");
+        }
+    }
+
     /// The end of a run (also after an interrupted generation): the history save
     /// (generating runs only), the `STATS` dump and the trace flush. Each is attempted
     /// whatever happened to the others; a failure is said on stderr with what was lost,

@@ -202,6 +202,12 @@ pub const KEYS: &[Key] = &[
         doc: "PROMPT: sampling seed; the same seed gives the same text; unset = from the clock",
     },
     Key {
+        name: "API_KEY",
+        kind: Kind::Text,
+        default: "",
+        doc: "coli serve: the bearer token every request but /health must carry; required to listen beyond loopback",
+    },
+    Key {
         name: "DRAFT",
         kind: Kind::Count,
         default: "",
@@ -351,6 +357,7 @@ pub enum SettingsError {
 }
 
 /// The resolved settings of one run.
+#[derive(Clone)]
 pub struct Settings {
     values: HashMap<&'static str, Value>,
 }

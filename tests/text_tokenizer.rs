@@ -7,7 +7,7 @@ mod text_support;
 
 use std::path::Path;
 
-use coli::text::{ChatTemplate, TextModel, TextTokenizer};
+use coli::text::{ChatMessage, ChatTemplate, TextModel, TextTokenizer};
 use proptest::prelude::*;
 use serde::Deserialize;
 
@@ -271,7 +271,17 @@ fn an_unknown_template_variable_is_an_error_naming_the_template() {
     .unwrap();
     let tokenizer = tokenizer(dir.path());
     let template = ChatTemplate::find(dir.path(), &tokenizer, None, "olmoe").unwrap();
-    let err = template.render("Hi", None, None).unwrap_err().to_string();
+    let err = template
+        .render(
+            &[ChatMessage {
+                role: "user".into(),
+                content: "Hi".into(),
+            }],
+            None,
+            None,
+        )
+        .unwrap_err()
+        .to_string();
     assert!(
         err.contains("chat_template.jinja") && err.contains("undefined"),
         "{err}"
@@ -284,7 +294,19 @@ fn an_unknown_template_variable_is_an_error_naming_the_template() {
     )
     .unwrap();
     let template = ChatTemplate::find(dir.path(), &tokenizer, None, "olmoe").unwrap();
-    assert_eq!(template.render("Hi", None, None).unwrap(), "Hi");
+    assert_eq!(
+        template
+            .render(
+                &[ChatMessage {
+                    role: "user".into(),
+                    content: "Hi".into()
+                }],
+                None,
+                None
+            )
+            .unwrap(),
+        "Hi"
+    );
 }
 
 #[test]

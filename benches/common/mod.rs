@@ -179,12 +179,7 @@ pub fn source_model(dir: &Path, layers: usize) -> PathBuf {
 
 /// `coli convert` of `source` to one of [`CONTAINERS`] in `dir` (`<label>-<layers>l`);
 /// shards already written are kept. Prints the converter's report.
-pub fn container(
-    source: &Path,
-    dir: &Path,
-    layers: usize,
-    spec: &Container,
-) -> PathBuf {
+pub fn container(source: &Path, dir: &Path, layers: usize, spec: &Container) -> PathBuf {
     let dst = dir.join(format!("{}-{layers}l", spec.label));
     let options = Options {
         expert_bits: spec.bits,

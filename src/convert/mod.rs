@@ -793,7 +793,11 @@ fn quantise_into(
 ) -> Result<Vec<u8>> {
     let (rows, cols) = (matrix.rows(), matrix.cols());
     // FP8's scales cover 128x128 blocks, so it is quantised 128 rows at a time.
-    let unit = if format == Format::Fp8E4m3B128 { 128 } else { 1 };
+    let unit = if format == Format::Fp8E4m3B128 {
+        128
+    } else {
+        1
+    };
     let block = ((16 << 20) / cols.max(1))
         .clamp(1, rows.max(1))
         .next_multiple_of(unit);

@@ -1,7 +1,8 @@
 //! Chat templates (`CHAT=1`): the model's own Jinja template, from `chat_template.jinja` or
 //! `tokenizer_config.json`'s `chat_template`, else the engine's built-in one, rendered with
 //! `minijinja` the way transformers renders them (`trim_blocks`, `lstrip_blocks`,
-//! Python string methods) for one user message and a generation prompt.
+//! Python string methods) for the conversation's messages (one user message in text mode,
+//! a request's in `coli serve`) and a generation prompt.
 //!
 //! Unlike transformers, a variable the template prints or iterates but coli does not provide
 //! is an error rather than empty text, so a template that needs more than one user turn
@@ -21,7 +22,14 @@ pub const CHAT_TEMPLATE_FILE: &str = "chat_template.jinja";
 
 /// The variables a template is rendered with, for messages.
 const PROVIDED: &str =
-    "messages (one user message), add_generation_prompt, bos_token, eos_token, raise_exception()";
+    "messages (role and content), add_generation_prompt, bos_token, eos_token, raise_exception()";
+
+/// One message of a conversation, as templates read it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
 
 /// A chat template and where it came from.
 pub struct ChatTemplate {
@@ -71,11 +79,11 @@ impl ChatTemplate {
         &self.source
     }
 
-    /// The text that starts an answer to `prompt`. An unset BOS or EOS token renders as
-    /// empty text, as in transformers.
+    /// The text that starts the answer to the last of `messages`. An unset BOS or EOS token
+    /// renders as empty text, as in transformers.
     pub fn render(
         &self,
-        prompt: &str,
+        messages: &[ChatMessage],
         bos_token: Option<&str>,
         eos_token: Option<&str>,
     ) -> Result<String> {
@@ -95,7 +103,7 @@ impl ChatTemplate {
             },
         );
         let context = minijinja::context! {
-            messages => vec![minijinja::context! { role => "user", content => prompt }],
+            messages => messages.iter().map(|m| minijinja::context! { role => &m.role, content => &m.content }).collect::<Vec<_>>(),
             add_generation_prompt => true,
             bos_token => bos_token.unwrap_or(""),
             eos_token => eos_token.unwrap_or(""),

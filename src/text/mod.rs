@@ -17,12 +17,12 @@ use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
 use crate::engines::Engine;
-use crate::generate::{generate_with, Ending, Generation, OnTokens, Policy};
+use crate::generate::{generate_with, Ending, Flow, Generation, OnTokens, Policy};
 use crate::sampling::Sampler;
 use crate::settings::Settings;
 use crate::snapshot::Snapshot;
 
-pub use chat::ChatTemplate;
+pub use chat::{ChatMessage, ChatTemplate};
 pub use tokenizer::{TextStream, TextTokenizer};
 
 /// How an engine's model turns a text prompt into ids and when its generation ends. Each
@@ -91,26 +91,40 @@ impl<'a> TextModel<'a> {
     /// rendered through the chat template with `chat`; then the BOS and the convention's
     /// prefix in front, each unless already there.
     pub fn prompt(&self, text: &str, chat: bool) -> Result<Prompt> {
+        if chat {
+            return self.chat_prompt(&[ChatMessage {
+                role: "user".to_string(),
+                content: text.to_string(),
+            }]);
+        }
+        let body = self.tokenizer.encode(text, true)?;
+        self.finish(body, text.to_string(), None)
+    }
+
+    /// The ids that start the answer to the last of `messages`, rendered through the chat
+    /// template; then the BOS and the convention's prefix, as [`TextModel::prompt`].
+    pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<Prompt> {
         let tokenizer = self.tokenizer;
-        let (body, encoded, template) = if chat {
-            let template = ChatTemplate::find(
-                self.dir,
-                tokenizer,
-                self.convention.chat_template,
-                self.engine,
-            )?;
-            let config = tokenizer.config();
-            let rendered = template.render(
-                text,
-                config.bos_token.as_deref(),
-                config.eos_token.as_deref(),
-            )?;
-            // A rendered template carries its own special tokens, as transformers encodes it.
-            let ids = tokenizer.encode(&rendered, false)?;
-            (ids, rendered, Some(template.source().to_string()))
-        } else {
-            (tokenizer.encode(text, true)?, text.to_string(), None)
-        };
+        let template = ChatTemplate::find(
+            self.dir,
+            tokenizer,
+            self.convention.chat_template,
+            self.engine,
+        )?;
+        let config = tokenizer.config();
+        let rendered = template.render(
+            messages,
+            config.bos_token.as_deref(),
+            config.eos_token.as_deref(),
+        )?;
+        // A rendered template carries its own special tokens, as transformers encodes it.
+        let body = tokenizer.encode(&rendered, false)?;
+        self.finish(body, rendered, Some(template.source().to_string()))
+    }
+
+    /// `body` (the encoded text) behind the BOS and the convention's prefix.
+    fn finish(&self, body: Vec<u32>, encoded: String, template: Option<String>) -> Result<Prompt> {
+        let tokenizer = self.tokenizer;
         let mut start = Vec::new();
         if self.convention.bos || tokenizer.config().add_bos_token {
             match self.bos_id()? {
@@ -340,12 +354,12 @@ impl TextJob<'_> {
     ) -> Result<Generation> {
         let mut stream = self.tokenizer.stream();
         let generation = {
-            let mut print = |token: u32| -> Result<()> {
+            let mut print = |token: u32| -> Result<Flow> {
                 if let Some(text) = stream.step(token)? {
                     out.write_all(text.as_bytes())?;
                     out.flush()?;
                 }
-                Ok(())
+                Ok(Flow::Continue)
             };
             let policy = Policy {
                 count,
@@ -367,6 +381,7 @@ impl TextJob<'_> {
             Ending::Limit => "NGEN reached".to_string(),
             Ending::Stop(id) => format!("stop token {id}"),
             Ending::Interrupted => "interrupted".to_string(),
+            Ending::Halted => "halted".to_string(),
         };
         let prefill = if generation.prefill_seconds > 0.0 {
             self.prompt.ids.len() as f64 / generation.prefill_seconds

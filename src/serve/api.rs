@@ -1,0 +1,413 @@
+//! The OpenAI wire format: request bodies parsed into typed requests (with messages that
+//! name the field at fault), response and stream-chunk bodies, and OpenAI-style errors. No
+//! engine, tokenizer or HTTP machinery here.
+
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::text::ChatMessage;
+
+/// An error as OpenAI returns it: an HTTP status and `{"error": {...}}`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    pub status: u16,
+    pub kind: &'static str,
+    pub code: Option<&'static str>,
+    pub message: String,
+}
+
+impl ApiError {
+    pub fn invalid(message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: 400,
+            kind: "invalid_request_error",
+            code: None,
+            message: message.into(),
+        }
+    }
+
+    pub fn body(&self) -> Value {
+        json!({
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": Value::Null,
+                "code": self.code,
+            }
+        })
+    }
+}
+
+/// What the model is asked to continue.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Input {
+    /// `/v1/chat/completions`: rendered through the model's chat template.
+    Chat(Vec<ChatMessage>),
+    /// `/v1/completions` with a string: encoded as text mode encodes a prompt.
+    Text(String),
+    /// `/v1/completions` with token ids.
+    Ids(Vec<u32>),
+}
+
+/// One request, checked.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Request {
+    pub model: Option<String>,
+    pub input: Input,
+    pub max_tokens: Option<usize>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub seed: Option<u64>,
+    pub stop: Vec<String>,
+    pub stream: bool,
+    /// `stream_options.include_usage`: a last chunk carrying `usage`.
+    pub stream_usage: bool,
+}
+
+#[derive(Deserialize)]
+struct Common {
+    model: Option<String>,
+    max_tokens: Option<u64>,
+    max_completion_tokens: Option<u64>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    seed: Option<u64>,
+    stop: Option<Stop>,
+    stream: Option<bool>,
+    stream_options: Option<StreamOptions>,
+    n: Option<u64>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Deserialize)]
+struct StreamOptions {
+    include_usage: Option<bool>,
+}
+
+#[derive(Deserialize)]
+struct Chat {
+    messages: Vec<Message>,
+    #[serde(flatten)]
+    common: Common,
+}
+
+#[derive(Deserialize)]
+struct Message {
+    role: String,
+    content: Option<Value>,
+}
+
+#[derive(Deserialize)]
+struct Completion {
+    prompt: Value,
+    #[serde(flatten)]
+    common: Common,
+}
+
+fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|err| {
+        ApiError::invalid(format!(
+            "the request body is not the JSON this endpoint takes: {err}"
+        ))
+    })
+}
+
+/// A `/v1/chat/completions` body.
+pub fn chat_request(body: &[u8]) -> Result<Request, ApiError> {
+    let chat: Chat = parse(body)?;
+    if chat.messages.is_empty() {
+        return Err(ApiError::invalid("messages: give at least one message"));
+    }
+    let messages = chat
+        .messages
+        .into_iter()
+        .enumerate()
+        .map(|(i, m)| {
+            Ok(ChatMessage {
+                content: message_text(i, m.content)?,
+                role: m.role,
+            })
+        })
+        .collect::<Result<Vec<_>, ApiError>>()?;
+    request(chat.common, Input::Chat(messages))
+}
+
+/// A message's content: a string, or an array of `{"type": "text", "text": ...}` parts.
+fn message_text(index: usize, content: Option<Value>) -> Result<String, ApiError> {
+    match content {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(text)) => Ok(text),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .map(|part| match (part.get("type"), part.get("text")) {
+                (Some(Value::String(kind)), Some(Value::String(text))) if kind == "text" => {
+                    Ok(text.as_str())
+                }
+                _ => Err(ApiError::invalid(format!(
+                    "messages[{index}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported"
+                ))),
+            })
+            .collect(),
+        Some(_) => Err(ApiError::invalid(format!(
+            "messages[{index}].content: expected a string or an array of text parts"
+        ))),
+    }
+}
+
+/// A `/v1/completions` body.
+pub fn completion_request(body: &[u8]) -> Result<Request, ApiError> {
+    let completion: Completion = parse(body)?;
+    let bad = || {
+        ApiError::invalid(
+            "prompt: expected a string, an array of one string, or an array of token ids",
+        )
+    };
+    let input = match completion.prompt {
+        Value::String(text) => Input::Text(text),
+        Value::Array(items) if items.len() == 1 && items[0].is_string() => {
+            Input::Text(items[0].as_str().unwrap_or_default().to_string())
+        }
+        Value::Array(items) if !items.is_empty() && items.iter().all(Value::is_u64) => Input::Ids(
+            items
+                .iter()
+                .map(|id| {
+                    id.as_u64()
+                        .and_then(|id| u32::try_from(id).ok())
+                        .ok_or_else(bad)
+                })
+                .collect::<Result<_, _>>()?,
+        ),
+        _ => return Err(bad()),
+    };
+    request(completion.common, input)
+}
+
+fn request(common: Common, input: Input) -> Result<Request, ApiError> {
+    if common.n.is_some_and(|n| n != 1) {
+        return Err(ApiError::invalid("n: one choice per request is supported"));
+    }
+    let stop = match common.stop {
+        None => Vec::new(),
+        Some(Stop::One(text)) => vec![text],
+        Some(Stop::Many(list)) => list,
+    };
+    if stop.iter().any(String::is_empty) || stop.len() > 4 {
+        return Err(ApiError::invalid(
+            "stop: up to 4 sequences, none of them empty",
+        ));
+    }
+    Ok(Request {
+        model: common.model,
+        input,
+        max_tokens: common
+            .max_completion_tokens
+            .or(common.max_tokens)
+            .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
+        temperature: common.temperature,
+        top_p: common.top_p,
+        seed: common.seed,
+        stop,
+        stream: common.stream.unwrap_or(false),
+        stream_usage: common
+            .stream_options
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false),
+    })
+}
+
+/// Why a generation ended, as OpenAI names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// A stop token or stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+}
+
+impl Finish {
+    pub fn name(self) -> &'static str {
+        match self {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+        }
+    }
+}
+
+/// Token counts of one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Usage {
+    pub prompt: usize,
+    pub completion: usize,
+    /// Prompt tokens whose KV came from the previous turn.
+    pub cached: usize,
+}
+
+impl Usage {
+    pub fn body(&self) -> Value {
+        json!({
+            "prompt_tokens": self.prompt,
+            "completion_tokens": self.completion,
+            "total_tokens": self.prompt + self.completion,
+            "prompt_tokens_details": { "cached_tokens": self.cached },
+        })
+    }
+}
+
+/// Which endpoint a response is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Chat,
+    Completion,
+}
+
+/// The response identity every body and chunk of one request carries.
+pub struct Identity<'a> {
+    pub id: &'a str,
+    pub created: u64,
+    pub model: &'a str,
+}
+
+/// The whole answer, for a request without `stream`.
+pub fn response(
+    endpoint: Endpoint,
+    who: &Identity,
+    text: &str,
+    finish: Finish,
+    usage: Usage,
+) -> Value {
+    let choice = match endpoint {
+        Endpoint::Chat => json!({
+            "index": 0,
+            "message": { "role": "assistant", "content": text },
+            "finish_reason": finish.name(),
+        }),
+        Endpoint::Completion => json!({
+            "index": 0,
+            "text": text,
+            "logprobs": Value::Null,
+            "finish_reason": finish.name(),
+        }),
+    };
+    json!({
+        "id": who.id,
+        "object": match endpoint {
+            Endpoint::Chat => "chat.completion",
+            Endpoint::Completion => "text_completion",
+        },
+        "created": who.created,
+        "model": who.model,
+        "choices": [choice],
+        "usage": usage.body(),
+    })
+}
+
+/// One server-sent chunk: a piece of text (the chat's first chunk also names the role), or
+/// the last one with the finish reason.
+pub fn chunk(
+    endpoint: Endpoint,
+    who: &Identity,
+    text: Option<&str>,
+    first: bool,
+    finish: Option<Finish>,
+) -> Value {
+    let finish_reason = finish.map_or(Value::Null, |f| f.name().into());
+    let choice = match endpoint {
+        Endpoint::Chat => {
+            let mut delta = serde_json::Map::new();
+            if first {
+                delta.insert("role".into(), "assistant".into());
+            }
+            if let Some(text) = text {
+                delta.insert("content".into(), text.into());
+            }
+            json!({ "index": 0, "delta": delta, "finish_reason": finish_reason })
+        }
+        Endpoint::Completion => json!({
+            "index": 0,
+            "text": text.unwrap_or(""),
+            "logprobs": Value::Null,
+            "finish_reason": finish_reason,
+        }),
+    };
+    json!({
+        "id": who.id,
+        "object": match endpoint {
+            Endpoint::Chat => "chat.completion.chunk",
+            Endpoint::Completion => "text_completion",
+        },
+        "created": who.created,
+        "model": who.model,
+        "choices": [choice],
+    })
+}
+
+/// The chunk `stream_options.include_usage` asks for after the last choice.
+pub fn usage_chunk(endpoint: Endpoint, who: &Identity, usage: Usage) -> Value {
+    let mut body = chunk(endpoint, who, None, false, None);
+    body["choices"] = json!([]);
+    body["usage"] = usage.body();
+    body
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chat_requests_take_strings_and_text_parts() {
+        let request = chat_request(
+            br#"{"model":"m","messages":[{"role":"system","content":"Be brief."},
+                {"role":"user","content":[{"type":"text","text":"Hi "},{"type":"text","text":"there"}]}],
+                "max_tokens":5,"stop":"\n","stream":true,"stream_options":{"include_usage":true},
+                "presence_penalty":0}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            request.input,
+            Input::Chat(vec![
+                ChatMessage {
+                    role: "system".into(),
+                    content: "Be brief.".into()
+                },
+                ChatMessage {
+                    role: "user".into(),
+                    content: "Hi there".into()
+                },
+            ])
+        );
+        assert_eq!(request.max_tokens, Some(5));
+        assert_eq!(request.stop, vec!["\n".to_string()]);
+        assert!(request.stream && request.stream_usage);
+    }
+
+    #[test]
+    fn bad_bodies_name_what_is_wrong() {
+        let message = |body: &[u8]| chat_request(body).unwrap_err().message;
+        assert!(message(b"{").contains("not the JSON"));
+        assert!(message(br#"{"messages":[]}"#).contains("at least one message"));
+        assert!(message(br#"{"messages":[{"role":"user","content":7}]}"#)
+            .contains("messages[0].content"));
+        assert!(
+            message(br#"{"messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#)
+                .contains("only text parts")
+        );
+        assert!(message(br#"{"messages":[{"role":"user","content":"x"}],"n":2}"#).contains("n:"));
+        assert!(
+            message(br#"{"messages":[{"role":"user","content":"x"}],"stop":[""]}"#)
+                .contains("stop:")
+        );
+        let completion = |body: &[u8]| completion_request(body).unwrap_err().message;
+        assert!(completion(br#"{"prompt":{"a":1}}"#).contains("prompt:"));
+        assert!(completion(br#"{"prompt":[1,-2]}"#).contains("prompt:"));
+        assert_eq!(
+            completion_request(br#"{"prompt":[1,2,3]}"#).unwrap().input,
+            Input::Ids(vec![1, 2, 3])
+        );
+    }
+}

@@ -1,0 +1,268 @@
+//! `GET /metrics`: the server's counters and histograms, and the expert cache's figures as
+//! of the last turn, in the Prometheus text format (version 0.0.4). The HTTP side counts
+//! requests; the engine thread records turns and the cache.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::Mutex;
+
+use crate::experts::CacheStats;
+
+/// Upper bounds of the time-to-first-token histogram, in seconds.
+const TTFT_BUCKETS: [f64; 10] = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+/// Upper bounds of the decode-rate histogram, in tokens per second.
+const RATE_BUCKETS: [f64; 10] = [1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0];
+
+#[derive(Default)]
+struct Histogram {
+    counts: Vec<u64>,
+    sum: f64,
+    count: u64,
+}
+
+impl Histogram {
+    fn observe(&mut self, bounds: &[f64], value: f64) {
+        if self.counts.is_empty() {
+            self.counts = vec![0; bounds.len()];
+        }
+        for (count, bound) in self.counts.iter_mut().zip(bounds) {
+            if value <= *bound {
+                *count += 1;
+            }
+        }
+        self.sum += value;
+        self.count += 1;
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str, bounds: &[f64]) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (i, bound) in bounds.iter().enumerate() {
+            let count = self.counts.get(i).copied().unwrap_or(0);
+            let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {count}");
+        }
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", self.count);
+        let _ = writeln!(out, "{name}_sum {}\n{name}_count {}", self.sum, self.count);
+    }
+}
+
+#[derive(Default)]
+struct Inner {
+    /// (endpoint, HTTP status) -> requests.
+    requests: BTreeMap<(&'static str, u16), u64>,
+    prompt_tokens: u64,
+    cached_prompt_tokens: u64,
+    completion_tokens: u64,
+    /// Generations stopped because their client went away.
+    abandoned: u64,
+    ttft: Histogram,
+    decode_rate: Histogram,
+    cache: CacheStats,
+    pinned: usize,
+    running: usize,
+    waiting: usize,
+}
+
+/// Shared between the HTTP handlers and the engine thread.
+#[derive(Default)]
+pub struct Metrics {
+    inner: Mutex<Inner>,
+}
+
+/// One finished turn, as the engine thread reports it.
+pub struct Turn {
+    pub prompt_tokens: usize,
+    pub cached_tokens: usize,
+    pub completion_tokens: usize,
+    /// From the request's arrival to its first token; `None` when no token came.
+    pub first_token_seconds: Option<f64>,
+    /// Decode rate after the first token; `None` with fewer than two tokens.
+    pub decode_rate: Option<f64>,
+    pub abandoned: bool,
+}
+
+impl Metrics {
+    fn with<T>(&self, f: impl FnOnce(&mut Inner) -> T) -> T {
+        // A poisoned lock still holds counts worth reporting.
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        f(&mut inner)
+    }
+
+    pub fn request(&self, endpoint: &'static str, status: u16) {
+        self.with(|m| *m.requests.entry((endpoint, status)).or_default() += 1);
+    }
+
+    /// A request entered the queue (`+1`) or left it for the engine (`-1`).
+    pub fn queue(&self, waiting: isize, running: isize) {
+        self.with(|m| {
+            m.waiting = m.waiting.saturating_add_signed(waiting);
+            m.running = m.running.saturating_add_signed(running);
+        });
+    }
+
+    /// (running, waiting) generations.
+    pub fn load(&self) -> (usize, usize) {
+        self.with(|m| (m.running, m.waiting))
+    }
+
+    pub fn turn(&self, turn: &Turn, cache: CacheStats, pinned: usize) {
+        self.with(|m| {
+            m.prompt_tokens += turn.prompt_tokens as u64;
+            m.cached_prompt_tokens += turn.cached_tokens as u64;
+            m.completion_tokens += turn.completion_tokens as u64;
+            m.abandoned += u64::from(turn.abandoned);
+            if let Some(seconds) = turn.first_token_seconds {
+                m.ttft.observe(&TTFT_BUCKETS, seconds);
+            }
+            if let Some(rate) = turn.decode_rate {
+                m.decode_rate.observe(&RATE_BUCKETS, rate);
+            }
+            m.cache = cache;
+            m.pinned = pinned;
+        });
+    }
+
+    pub fn render(&self) -> String {
+        self.with(|m| {
+            let mut out = String::new();
+            let mut metric = |name: &str, kind: &str, help: &str, samples: &[(String, f64)]| {
+                let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+                for (labels, value) in samples {
+                    let _ = writeln!(out, "{name}{labels} {value}");
+                }
+            };
+            let requests: Vec<(String, f64)> = m
+                .requests
+                .iter()
+                .map(|((endpoint, status), n)| {
+                    (
+                        format!("{{endpoint=\"{endpoint}\",status=\"{status}\"}}"),
+                        *n as f64,
+                    )
+                })
+                .collect();
+            let one = |v: f64| vec![(String::new(), v)];
+            metric(
+                "coli_requests_total",
+                "counter",
+                "HTTP requests answered, by endpoint and status.",
+                &requests,
+            );
+            metric(
+                "coli_requests_running",
+                "gauge",
+                "Generations running (one at a time).",
+                &one(m.running as f64),
+            );
+            metric(
+                "coli_requests_waiting",
+                "gauge",
+                "Generations queued behind the running one, served first come first served.",
+                &one(m.waiting as f64),
+            );
+            metric(
+                "coli_prompt_tokens_total",
+                "counter",
+                "Prompt tokens of finished turns.",
+                &one(m.prompt_tokens as f64),
+            );
+            metric(
+                "coli_prompt_tokens_cached_total",
+                "counter",
+                "Prompt tokens whose KV cache came from the previous turn (not prefilled).",
+                &one(m.cached_prompt_tokens as f64),
+            );
+            metric(
+                "coli_completion_tokens_total",
+                "counter",
+                "Generated tokens.",
+                &one(m.completion_tokens as f64),
+            );
+            metric(
+                "coli_generations_abandoned_total",
+                "counter",
+                "Generations stopped because the client disconnected.",
+                &one(m.abandoned as f64),
+            );
+            let cache = &m.cache;
+            metric(
+                "coli_expert_cache_hits_total",
+                "counter",
+                "Routed-expert lookups answered from memory, by where.",
+                &[
+                    ("{where=\"pin\"}".to_string(), cache.pin_hits as f64),
+                    ("{where=\"lru\"}".to_string(), cache.lru_hits as f64),
+                    ("{where=\"vram\"}".to_string(), cache.vram_hits as f64),
+                ],
+            );
+            metric(
+                "coli_expert_cache_misses_total",
+                "counter",
+                "Routed-expert lookups that had to load the expert.",
+                &one(cache.misses as f64),
+            );
+            metric(
+                "coli_expert_pins",
+                "gauge",
+                "Experts pinned in the expert cache.",
+                &one(m.pinned as f64),
+            );
+            metric(
+                "coli_expert_bytes_read_total",
+                "counter",
+                "Bytes the expert store read from the shard files (0 when experts are mapped).",
+                &one(cache.bytes_read as f64),
+            );
+            m.ttft.render(
+                &mut out,
+                "coli_time_to_first_token_seconds",
+                "From a request's arrival (queueing included) to its first generated token.",
+                &TTFT_BUCKETS,
+            );
+            m.decode_rate.render(
+                &mut out,
+                "coli_decode_tokens_per_second",
+                "Decode rate of each turn after its first token.",
+                &RATE_BUCKETS,
+            );
+            out
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_counters_and_cumulative_buckets() {
+        let metrics = Metrics::default();
+        metrics.request("chat", 200);
+        metrics.request("chat", 200);
+        metrics.request("completions", 400);
+        let turn = Turn {
+            prompt_tokens: 10,
+            cached_tokens: 4,
+            completion_tokens: 3,
+            first_token_seconds: Some(0.3),
+            decode_rate: Some(42.0),
+            abandoned: false,
+        };
+        let cache = CacheStats {
+            misses: 7,
+            lru_hits: 5,
+            ..CacheStats::default()
+        };
+        metrics.turn(&turn, cache, 2);
+        let text = metrics.render();
+        assert!(text.contains("coli_requests_total{endpoint=\"chat\",status=\"200\"} 2\n"));
+        assert!(text.contains("coli_requests_total{endpoint=\"completions\",status=\"400\"} 1\n"));
+        assert!(text.contains("coli_prompt_tokens_cached_total 4\n"));
+        assert!(text.contains("coli_expert_cache_misses_total 7\n"));
+        assert!(text.contains("coli_expert_cache_hits_total{where=\"lru\"} 5\n"));
+        assert!(text.contains("coli_time_to_first_token_seconds_bucket{le=\"0.25\"} 0\n"));
+        assert!(text.contains("coli_time_to_first_token_seconds_bucket{le=\"0.5\"} 1\n"));
+        assert!(text.contains("coli_time_to_first_token_seconds_bucket{le=\"+Inf\"} 1\n"));
+        assert!(text.contains("coli_decode_tokens_per_second_bucket{le=\"50\"} 1\n"));
+        assert!(text.contains("coli_expert_pins 2\n"));
+    }
+}

@@ -1,0 +1,471 @@
+//! `coli serve`: an OpenAI-compatible HTTP server (axum on tokio) in front of one engine.
+//! This module owns the HTTP side: binding, authentication, body limits, the routes, and
+//! server-sent events. The engine runs on a thread of its own ([`worker`]), one generation
+//! at a time, and the handlers only queue jobs and relay their events; nothing here touches
+//! the engine or the telemetry.
+
+mod api;
+mod metrics;
+mod worker;
+
+use std::convert::Infallible;
+use std::net::{IpAddr, SocketAddr};
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context, Result};
+use axum::body::{Body, Bytes};
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use crate::run::Positionals;
+use crate::settings::Settings;
+use api::{ApiError, Endpoint, Identity, Request};
+use metrics::Metrics;
+use worker::{Event, Job, ModelInfo};
+
+/// The largest request body accepted.
+const BODY_LIMIT: usize = 4 << 20;
+/// Requests waiting behind the running one before new ones are turned away (503).
+const QUEUE: usize = 64;
+
+struct App {
+    jobs: mpsc::Sender<Job>,
+    model: ModelInfo,
+    api_key: Option<String>,
+    metrics: Arc<Metrics>,
+    next_id: AtomicU64,
+    settings: Settings,
+}
+
+/// Serve the model the settings name on `host:port` until SIGINT or SIGTERM; then the
+/// queued and running generations finish, and the run ends as a run does (history saved,
+/// `STATS`, trace).
+pub fn run(
+    model: Option<&str>,
+    settings: Settings,
+    positionals: Positionals,
+    host: &str,
+    port: u16,
+) -> Result<ExitCode> {
+    let ip: IpAddr = match host {
+        "localhost" => IpAddr::from([127, 0, 0, 1]),
+        _ => host.parse().with_context(|| {
+            format!("--host {host:?}: expected an IP address such as 127.0.0.1 or 0.0.0.0")
+        })?,
+    };
+    let api_key = settings
+        .text("API_KEY")
+        .filter(|key| !key.is_empty())
+        .map(str::to_string);
+    if !ip.is_loopback() && api_key.is_none() {
+        bail!("--host {host}: listening beyond this machine needs API_KEY=<token> (clients then send `Authorization: Bearer <token>`); or keep the default --host 127.0.0.1");
+    }
+    let address = SocketAddr::new(ip, port);
+    // Bound before loading, so a port in use is said before minutes of loading.
+    let listener = std::net::TcpListener::bind(address).with_context(|| {
+        format!("cannot listen on {address} (is another server there? choose --port)")
+    })?;
+    listener.set_nonblocking(true)?;
+    let address = listener.local_addr()?;
+
+    let metrics = Arc::new(Metrics::default());
+    let (jobs, queue) = mpsc::channel(QUEUE);
+    let (engine_thread, info) = worker::spawn(
+        model.map(str::to_string),
+        settings.clone(),
+        positionals,
+        queue,
+        metrics.clone(),
+    )?;
+    let info_id = info.id.clone();
+    let app = Arc::new(App {
+        jobs,
+        model: info,
+        api_key,
+        metrics,
+        next_id: AtomicU64::new(1),
+        settings,
+    });
+    let router = Router::new()
+        .route("/health", get(health))
+        .route("/v1/models", get(models))
+        .route("/metrics", get(metrics_text))
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::disable())
+        .with_state(app);
+    let id = info_id.clone();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("cannot start the server's runtime")?;
+    let served = runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::from_std(listener)?;
+        // The line clients and scripts wait for.
+        eprintln!(
+            "[serve] {id} on http://{address}/v1 (one generation at a time; SIGINT/SIGTERM drain and save)"
+        );
+        axum::serve(listener, router)
+            .with_graceful_shutdown(shutdown())
+            .await
+    });
+    // Dropping the runtime drops the router and with it the queue's last sender.
+    drop(runtime);
+    served.context("the server stopped")?;
+    // Every sender is gone now: the engine thread finishes its queue and the run's end.
+    engine_thread
+        .join()
+        .map_err(|_| anyhow::anyhow!("the engine thread panicked"))
+}
+
+async fn shutdown() {
+    let interrupt = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut terminate =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(signal) => signal,
+                Err(_) => return interrupt.await.unwrap_or(()),
+            };
+        tokio::select! {
+            _ = interrupt => {}
+            _ = terminate.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = interrupt.await;
+    eprintln!("[serve] stopping: finishing queued generations, then saving");
+}
+
+fn error_response(err: &ApiError) -> Response {
+    let status = StatusCode::from_u16(err.status).unwrap_or(StatusCode::BAD_REQUEST);
+    (status, Json(err.body())).into_response()
+}
+
+/// `Err` when the request lacks the bearer token `API_KEY` asks for.
+fn authorize(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(key) = &app.api_key else {
+        return Ok(());
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    if given == Some(key.as_str()) {
+        Ok(())
+    } else {
+        Err(ApiError {
+            status: 401,
+            kind: "invalid_request_error",
+            code: Some("invalid_api_key"),
+            message: "this server needs `Authorization: Bearer <API_KEY>`".to_string(),
+        })
+    }
+}
+
+async fn not_found() -> Response {
+    error_response(&ApiError {
+        status: 404,
+        kind: "invalid_request_error",
+        code: None,
+        message: "no such endpoint: coli serves /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics".to_string(),
+    })
+}
+
+async fn health(State(app): State<Arc<App>>) -> Response {
+    let (running, waiting) = app.metrics.load();
+    Json(json!({
+        "status": "ok",
+        "model": app.model.id,
+        "engine": app.model.engine,
+        "generations": { "running": running, "waiting": waiting },
+        "concurrency": "one generation at a time; requests are served first come, first served",
+    }))
+    .into_response()
+}
+
+async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    if let Err(err) = authorize(&app, &headers) {
+        return error_response(&err);
+    }
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": app.model.id,
+            "object": "model",
+            "created": 0,
+            "owned_by": "coli",
+        }],
+    }))
+    .into_response()
+}
+
+async fn metrics_text(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    if let Err(err) = authorize(&app, &headers) {
+        return error_response(&err);
+    }
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        app.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn chat(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    complete(app, headers, body, Endpoint::Chat).await
+}
+
+async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    complete(app, headers, body, Endpoint::Completion).await
+}
+
+async fn complete(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: Endpoint) -> Response {
+    let label = match endpoint {
+        Endpoint::Chat => "chat",
+        Endpoint::Completion => "completions",
+    };
+    let response = match answer(&app, &headers, body, endpoint).await {
+        Ok(response) => response,
+        Err(err) => error_response(&err),
+    };
+    app.metrics.request(label, response.status().as_u16());
+    response
+}
+
+async fn read_body(headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
+    let too_large = || ApiError {
+        status: 413,
+        kind: "invalid_request_error",
+        code: None,
+        message: format!("the request body is over {BODY_LIMIT} bytes"),
+    };
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > BODY_LIMIT) {
+        return Err(too_large());
+    }
+    axum::body::to_bytes(body, BODY_LIMIT)
+        .await
+        .map_err(|_| too_large())
+}
+
+async fn answer(
+    app: &Arc<App>,
+    headers: &HeaderMap,
+    body: Body,
+    endpoint: Endpoint,
+) -> Result<Response, ApiError> {
+    authorize(app, headers)?;
+    let received = Instant::now();
+    let bytes = read_body(headers, body).await?;
+    let request = match endpoint {
+        Endpoint::Chat => api::chat_request(&bytes)?,
+        Endpoint::Completion => api::completion_request(&bytes)?,
+    };
+    if let Some(name) = &request.model {
+        if name != &app.model.id && name != app.model.engine {
+            return Err(ApiError {
+                status: 404,
+                kind: "invalid_request_error",
+                code: Some("model_not_found"),
+                message: format!(
+                    "model {name:?}: this server runs {:?} (GET /v1/models)",
+                    app.model.id
+                ),
+            });
+        }
+    }
+    let (job, mut events) = job(app, &request, received)?;
+    app.metrics.queue(1, 0);
+    if app.jobs.try_send(job).is_err() {
+        app.metrics.queue(-1, 0);
+        return Err(ApiError {
+            status: 503,
+            kind: "server_error",
+            code: None,
+            message: format!("{QUEUE} requests are already waiting; retry later"),
+        });
+    }
+    match events.recv().await {
+        Some(Event::Started) => {}
+        Some(Event::Failed(err)) => return Err(err),
+        _ => return Err(engine_gone()),
+    }
+    let sequence = app.next_id.fetch_add(1, Ordering::Relaxed);
+    let id = match endpoint {
+        Endpoint::Chat => format!("chatcmpl-{sequence}"),
+        Endpoint::Completion => format!("cmpl-{sequence}"),
+    };
+    let created = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let reply = Reply {
+        endpoint,
+        id,
+        created,
+        model: app.model.id.clone(),
+    };
+    if request.stream {
+        return Ok(stream(reply, events, request.stream_usage));
+    }
+    let mut text = String::new();
+    loop {
+        match events.recv().await {
+            Some(Event::Text(piece)) => text.push_str(&piece),
+            Some(Event::Done { finish, usage }) => {
+                return Ok(Json(api::response(
+                    endpoint,
+                    &reply.identity(),
+                    &text,
+                    finish,
+                    usage,
+                ))
+                .into_response())
+            }
+            Some(Event::Failed(err)) => return Err(err),
+            Some(Event::Started) | None => return Err(engine_gone()),
+        }
+    }
+}
+
+fn engine_gone() -> ApiError {
+    ApiError {
+        status: 500,
+        kind: "server_error",
+        code: None,
+        message: "the engine stopped before answering".to_string(),
+    }
+}
+
+/// The job for `request`, with the server's settings filling what the request leaves out.
+fn job(
+    app: &App,
+    request: &Request,
+    received: Instant,
+) -> Result<(Job, mpsc::UnboundedReceiver<Event>), ApiError> {
+    let temperature = match request.temperature {
+        Some(t) => t,
+        None => app
+            .settings
+            .text("TEMP")
+            .unwrap_or("0.7")
+            .trim()
+            .parse()
+            .map_err(|_| {
+                ApiError::invalid("the server's TEMP setting is not a number; give temperature")
+            })?,
+    };
+    let (events, receiver) = mpsc::unbounded_channel();
+    Ok((
+        Job {
+            input: request.input.clone(),
+            max_tokens: request.max_tokens,
+            temperature,
+            top_p: request
+                .top_p
+                .unwrap_or_else(|| app.settings.number("TOP_P")),
+            seed: request.seed.unwrap_or_else(|| {
+                app.settings.count_if_set("SEED").unwrap_or_else(|| {
+                    SystemTime::now()
+                        .duration_since(UNIX_EPOCH)
+                        .map_or(0, |d| d.as_nanos() as u64)
+                })
+            }),
+            stop: request.stop.clone(),
+            events,
+            received,
+        },
+        receiver,
+    ))
+}
+
+struct Reply {
+    endpoint: Endpoint,
+    id: String,
+    created: u64,
+    model: String,
+}
+
+impl Reply {
+    fn identity(&self) -> Identity<'_> {
+        Identity {
+            id: &self.id,
+            created: self.created,
+            model: &self.model,
+        }
+    }
+}
+
+/// Server-sent events: a chunk per piece of text, the finishing chunk, the usage chunk if
+/// asked, then `[DONE]`. Dropping the stream (the client left) drops the receiver, and the
+/// engine thread stops at its next token.
+fn stream(reply: Reply, events: mpsc::UnboundedReceiver<Event>, with_usage: bool) -> Response {
+    struct State {
+        reply: Reply,
+        events: mpsc::UnboundedReceiver<Event>,
+        first: bool,
+        pending: std::collections::VecDeque<String>,
+        done: bool,
+    }
+    let state = State {
+        reply,
+        events,
+        first: true,
+        pending: std::collections::VecDeque::new(),
+        done: false,
+    };
+    let data = |value: Value| value.to_string();
+    let chunks = futures_util::stream::unfold(state, move |mut state| async move {
+        loop {
+            if let Some(next) = state.pending.pop_front() {
+                return Some((Ok::<_, Infallible>(SseEvent::default().data(next)), state));
+            }
+            if state.done {
+                return None;
+            }
+            let who = state.reply.identity();
+            let endpoint = state.reply.endpoint;
+            match state.events.recv().await {
+                Some(Event::Text(piece)) => {
+                    let first = std::mem::replace(&mut state.first, false);
+                    let chunk = api::chunk(endpoint, &who, Some(&piece), first, None);
+                    state.pending.push_back(data(chunk));
+                }
+                Some(Event::Done { finish, usage }) => {
+                    let first = std::mem::replace(&mut state.first, false);
+                    let last = api::chunk(endpoint, &who, None, first, Some(finish));
+                    state.pending.push_back(data(last));
+                    if with_usage {
+                        state
+                            .pending
+                            .push_back(data(api::usage_chunk(endpoint, &who, usage)));
+                    }
+                    state.pending.push_back("[DONE]".to_string());
+                    state.done = true;
+                }
+                Some(Event::Failed(err)) => {
+                    state.pending.push_back(data(err.body()));
+                    state.done = true;
+                }
+                Some(Event::Started) | None => {
+                    state.pending.push_back(data(engine_gone().body()));
+                    state.done = true;
+                }
+            }
+        }
+    });
+    Sse::new(chunks).into_response()
+}
