@@ -1,0 +1,495 @@
+//! `coli serve` end to end, driven with `curl` against the trained fixture: KV reuse across
+//! turns gives a fresh run's tokens (and, in the library, on every engine, drafting
+//! included); concurrent clients all get complete answers; the history holds exactly the
+//! turns served when the server is killed; SIGTERM drains and saves; a client that leaves
+//! mid-stream stops its generation; bad requests get OpenAI-style errors; API_KEY.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use coli::engines::{self, LoadOptions};
+use coli::generate::{generate_after, generate_with, Flow, Policy};
+use coli::sampling::Sampler;
+use coli::snapshot::Snapshot;
+use common::{coli, coli_command, fixture, stderr};
+use serde_json::{json, Value};
+
+/// A running `coli serve`, killed when dropped.
+struct Server {
+    child: Child,
+    port: u16,
+    log: Arc<Mutex<String>>,
+}
+
+impl Server {
+    fn start(snap: &Path, extra: &[&str], env: &[(&str, &str)]) -> Server {
+        let snap_arg = format!("SNAP={}", snap.display());
+        let mut args = vec!["serve", "--port", "0", snap_arg.as_str(), "TEMP=0"];
+        args.extend_from_slice(extra);
+        let mut child = coli_command(&args, env)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("coli serve starts");
+        let log = Arc::new(Mutex::new(String::new()));
+        let (port_tx, port_rx) = mpsc::channel();
+        let stderr = child.stderr.take().unwrap();
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Some(rest) = line.split("on http://127.0.0.1:").nth(1) {
+                    let port: u16 = rest.split('/').next().unwrap().parse().unwrap();
+                    let _ = port_tx.send(port);
+                }
+                let mut log = sink.lock().unwrap();
+                log.push_str(&line);
+                log.push('\n');
+            }
+        });
+        let port = match port_rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(port) => port,
+            Err(_) => {
+                let _ = child.kill();
+                panic!("coli serve did not start: {}", log.lock().unwrap());
+            }
+        };
+        Server { child, port, log }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    /// `(HTTP status, body)` of a request through curl.
+    fn curl(&self, path: &str, body: Option<&str>, headers: &[&str]) -> (u16, String) {
+        let mut command = Command::new("curl");
+        command.args(["-s", "-N", "-w", "\n%{http_code}", &self.url(path)]);
+        for header in headers {
+            command.args(["-H", header]);
+        }
+        if let Some(body) = body {
+            command.args([
+                "-H",
+                "Content-Type: application/json",
+                "--data-binary",
+                "@-",
+            ]);
+            command.stdin(Stdio::piped());
+        }
+        command.stdout(Stdio::piped());
+        let mut child = command
+            .spawn()
+            .expect("curl runs (install it: apt-get install curl)");
+        if let Some(body) = body {
+            child
+                .stdin
+                .take()
+                .unwrap()
+                .write_all(body.as_bytes())
+                .unwrap();
+        }
+        let out = child.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let (body, status) = text.rsplit_once('\n').unwrap();
+        (status.trim().parse().unwrap(), body.to_string())
+    }
+
+    fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let (status, text) = self.curl(path, Some(&body.to_string()), &[]);
+        let value = serde_json::from_str(&text)
+            .unwrap_or_else(|e| panic!("{path} answered {status} {text:?}: {e}"));
+        (status, value)
+    }
+
+    fn metric(&self, name: &str) -> f64 {
+        let (_, text) = self.curl("/metrics", None, &[]);
+        text.lines()
+            .find_map(|line| line.strip_prefix(&format!("{name} ")))
+            .unwrap_or_else(|| panic!("{name} in {text}"))
+            .parse()
+            .unwrap()
+    }
+
+    fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .args([&format!("-{signal}"), &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
+    /// Wait for the server to exit; its exit code.
+    fn wait(&mut self) -> Option<i32> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status.code();
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("coli serve did not exit: {}", self.log.lock().unwrap());
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The trained fixture copied where the server may write its history.
+fn snapshot_copy(dir: &Path) -> PathBuf {
+    let snap = dir.join("olmoe_trained");
+    std::fs::create_dir_all(&snap).unwrap();
+    for entry in std::fs::read_dir(fixture("olmoe_trained")).unwrap() {
+        let entry = entry.unwrap();
+        let name = entry.file_name();
+        if !name.to_string_lossy().starts_with('.') {
+            std::fs::copy(entry.path(), snap.join(name)).unwrap();
+        }
+    }
+    snap
+}
+
+fn heldout_ids(count: usize) -> Vec<u32> {
+    std::fs::read_to_string(fixture("olmoe_trained").join("heldout_prose.ids"))
+        .unwrap()
+        .split(|c: char| c.is_whitespace() || c == ',')
+        .filter(|s| !s.is_empty())
+        .take(count)
+        .map(|s| s.parse().unwrap())
+        .collect()
+}
+
+fn completion(prompt: &[u32], max_tokens: usize) -> Value {
+    json!({ "prompt": prompt, "max_tokens": max_tokens, "temperature": 0 })
+}
+
+fn usage(body: &Value, key: &str) -> u64 {
+    body["usage"][key]
+        .as_u64()
+        .unwrap_or_else(|| panic!("usage.{key} in {body}"))
+}
+
+/// Selections the history holds, from `coli usage show`.
+fn history_selections(path: &Path) -> u64 {
+    let out = coli(&["usage", "show", path.to_str().unwrap()], &[]);
+    let text = common::stdout(&out);
+    text.lines()
+        .find_map(|l| l.strip_prefix("selections"))
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("selections in {text}{}", stderr(&out)))
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn a_next_turn_reuses_the_cache_and_answers_as_a_fresh_run() {
+    let temp = tempfile::tempdir().unwrap();
+    let snap = snapshot_copy(temp.path());
+    let server = Server::start(&snap, &["64", "16", "16", "USAGE_SAVE=0"], &[]);
+    let first = heldout_ids(24);
+    let (status, one) = server.post("/v1/completions", &completion(&first, 6));
+    assert_eq!(status, 200, "{one}");
+    assert_eq!(usage(&one, "completion_tokens"), 6);
+    // The next turn: the first prompt, its answer's ids (the same greedy run in this
+    // process) and new ids. The cache holds the prompt and the five answer tokens fed
+    // back (the sixth was never fed).
+    let snapshot = Snapshot::open(&snap).unwrap();
+    let mut engine = engines::load("olmoe", &snapshot, LoadOptions::exact(64)).unwrap();
+    let answer = coli::generate::greedy(engine.as_mut(), &first, 6)
+        .unwrap()
+        .tokens;
+    let mut second = first.clone();
+    second.extend_from_slice(&answer);
+    second.extend(heldout_ids(40)[24..].iter());
+    let (_, reused) = server.post("/v1/completions", &completion(&second, 8));
+    assert_eq!(usage(&reused, "prompt_tokens"), 46);
+    assert_eq!(
+        reused["usage"]["prompt_tokens_details"]["cached_tokens"], 29,
+        "{reused}"
+    );
+    // An unrelated prompt empties the cache; then the second prompt runs fresh.
+    server.post("/v1/completions", &completion(&heldout_ids(3)[1..], 2));
+    let (_, fresh) = server.post("/v1/completions", &completion(&second, 8));
+    assert_eq!(fresh["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(
+        reused["choices"][0]["text"], fresh["choices"][0]["text"],
+        "reused {reused} fresh {fresh}"
+    );
+    assert_eq!(server.metric("coli_prompt_tokens_cached_total"), 29.0);
+}
+
+#[test]
+fn every_engine_continues_a_cached_prefix_as_a_fresh_prefill_would() {
+    let cases = [
+        ("olmoe_tiny", None),
+        ("olmoe_trained", None),
+        ("inkling_tiny", None),
+        ("kimi_k3_tiny", None),
+        ("glm_moe_dsa_tiny", None),
+        ("glm_moe_dsa_tiny_mtp", Some(2)),
+    ];
+    for (name, draft) in cases {
+        let snapshot = Snapshot::open(&fixture(name)).unwrap();
+        let engine_name = engines::resolve(None, &snapshot).unwrap();
+        let options = LoadOptions {
+            draft,
+            ..LoadOptions::exact(64)
+        };
+        let mut engine = engines::load(engine_name, &snapshot, options).unwrap();
+        let vocab = engine.vocab_size() as u32;
+        let prompt: Vec<u32> = (0..7).map(|i| (i * 37 + 5) % vocab).collect();
+        let mut run = |engine: &mut dyn coli::engines::Engine, ids: &[u32], cached: usize| {
+            let policy = Policy {
+                count: 6,
+                sampler: &mut Sampler::greedy(),
+                stops: &[],
+            };
+            generate_after(engine, ids, cached, policy, &mut |_, _| Ok(()), &mut |_| {
+                Ok(Flow::Continue)
+            })
+            .unwrap()
+            .tokens
+        };
+        let answer = run(engine.as_mut(), &prompt, 0);
+        let mut conversation = prompt.clone();
+        conversation.extend_from_slice(&answer);
+        let held = engine.position();
+        assert!(held >= prompt.len() && held <= conversation.len(), "{name}");
+        conversation.truncate(held);
+        conversation.extend((0..5).map(|i| (i * 11 + 3) % vocab));
+        let continued = run(engine.as_mut(), &conversation, held);
+        let policy = Policy {
+            count: 6,
+            sampler: &mut Sampler::greedy(),
+            stops: &[],
+        };
+        let fresh = generate_with(
+            engine.as_mut(),
+            &conversation,
+            policy,
+            &mut |_, _| Ok(()),
+            &mut |_| Ok(Flow::Continue),
+        )
+        .unwrap()
+        .tokens;
+        assert_eq!(continued, fresh, "{name} (draft {draft:?})");
+    }
+}
+
+#[test]
+fn concurrent_clients_all_get_whole_answers_and_the_history_holds_every_turn() {
+    let temp = tempfile::tempdir().unwrap();
+    let snap = snapshot_copy(temp.path());
+    let history = temp.path().join("usage.coli_usage");
+    let history_arg = format!("COLI_USAGE={}", history.display());
+    let server = Arc::new(Server::start(&snap, &["64", "16", "16", &history_arg], &[]));
+    let prompt_of =
+        |client: usize, turn: usize| heldout_ids(8 + client * 5 + turn)[client..].to_vec();
+    let clients: Vec<_> = (0..4)
+        .map(|client| {
+            let server = server.clone();
+            std::thread::spawn(move || {
+                (0..2)
+                    .map(|turn| {
+                        let (status, body) = server
+                            .post("/v1/completions", &completion(&prompt_of(client, turn), 5));
+                        assert_eq!(status, 200, "{body}");
+                        body
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let answers: Vec<Value> = clients
+        .into_iter()
+        .flat_map(|c| c.join().unwrap())
+        .collect();
+    assert_eq!(answers.len(), 8);
+    // Each turn routes every token it feeds through 4 layers x top-4: the fresh prompt
+    // positions and every generated token but one that `max_tokens` left unfed.
+    let mut fed = 0;
+    for body in &answers {
+        assert_eq!(body["choices"][0]["finish_reason"], "length", "{body}");
+        assert_eq!(usage(body, "completion_tokens"), 5);
+        fed += usage(body, "prompt_tokens")
+            - body["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap()
+            + 5
+            - 1;
+    }
+    // A turn's answer goes out before its save; the metrics count it after.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while server.metric("coli_completion_tokens_total") < 40.0 {
+        assert!(Instant::now() < deadline, "8 turns were not all counted");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Killed without a chance to save: the history holds the turns saved after each one.
+    let mut server = Arc::try_unwrap(server).ok().unwrap();
+    server.signal("KILL");
+    server.wait();
+    assert_eq!(history_selections(&history), fed * 16);
+}
+
+#[test]
+fn sigterm_finishes_the_running_generation_then_saves() {
+    let temp = tempfile::tempdir().unwrap();
+    let snap = snapshot_copy(temp.path());
+    let history = temp.path().join("usage.coli_usage");
+    let history_arg = format!("COLI_USAGE={}", history.display());
+    let mut server = Server::start(&snap, &["64", "16", "16", &history_arg], &[]);
+    let port = server.port;
+    let prompt = heldout_ids(10);
+    let body = json!({ "prompt": prompt, "max_tokens": 400, "temperature": 0, "stream": true })
+        .to_string();
+    let (chunks_tx, chunks_rx) = mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        write!(
+            stream,
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut reader = BufReader::new(stream);
+        let mut all = String::new();
+        let mut line = String::new();
+        while reader.read_line(&mut line).unwrap() > 0 {
+            if line.starts_with("data: ") {
+                let _ = chunks_tx.send(());
+            }
+            all.push_str(&line);
+            line.clear();
+        }
+        all
+    });
+    chunks_rx.recv_timeout(Duration::from_secs(30)).unwrap();
+    server.signal("TERM");
+    let streamed = reader.join().unwrap();
+    assert!(streamed.contains("data: [DONE]"), "{streamed}");
+    assert!(
+        streamed.contains("\"finish_reason\":\"length\""),
+        "{streamed}"
+    );
+    assert_eq!(server.wait(), Some(0), "{}", server.log.lock().unwrap());
+    // 10 prompt positions and 399 generated tokens fed, 16 selections each.
+    assert_eq!(history_selections(&history), (10 + 399) * 16);
+}
+
+#[test]
+fn a_client_that_leaves_mid_stream_stops_its_generation() {
+    let temp = tempfile::tempdir().unwrap();
+    let snap = snapshot_copy(temp.path());
+    let server = Server::start(&snap, &["64", "16", "16", "USAGE_SAVE=0"], &[]);
+    let body =
+        json!({ "prompt": heldout_ids(6), "max_tokens": 4000, "temperature": 0, "stream": true })
+            .to_string();
+    {
+        let mut stream = TcpStream::connect(("127.0.0.1", server.port)).unwrap();
+        write!(
+            stream,
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut first = [0u8; 512];
+        let read = stream.read(&mut first).unwrap();
+        assert!(String::from_utf8_lossy(&first[..read]).contains("200 OK"));
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while server.metric("coli_generations_abandoned_total") < 1.0 {
+        assert!(Instant::now() < deadline, "the generation went on");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(server.metric("coli_completion_tokens_total") < 4000.0);
+    // The server goes on serving.
+    let (status, _) = server.post("/v1/completions", &completion(&heldout_ids(4), 2));
+    assert_eq!(status, 200);
+}
+
+#[test]
+fn bad_requests_get_openai_errors_and_the_server_goes_on() {
+    let temp = tempfile::tempdir().unwrap();
+    let snap = snapshot_copy(temp.path());
+    let server = Server::start(&snap, &["64", "16", "16", "USAGE_SAVE=0"], &[]);
+    let error_of = |status: u16, text: &str| -> (u16, String) {
+        let body: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{text}: {e}"));
+        (
+            status,
+            body["error"]["message"].as_str().unwrap().to_string(),
+        )
+    };
+    let (status, text) = server.curl("/v1/chat/completions", Some("{\"messages\": ["), &[]);
+    let (status, message) = error_of(status, &text);
+    assert_eq!(status, 400);
+    assert!(message.contains("not the JSON"), "{message}");
+    let (status, body) = server.post(
+        "/v1/chat/completions",
+        &json!({ "model": "gpt-4", "messages": [{ "role": "user", "content": "hi" }] }),
+    );
+    assert_eq!(status, 404);
+    assert_eq!(body["error"]["code"], "model_not_found");
+    let (status, body) = server.post("/v1/completions", &completion(&heldout_ids(5), 5000));
+    assert_eq!(status, 400);
+    assert_eq!(body["error"]["code"], "context_length_exceeded", "{body}");
+    let (status, body) = server.post("/v1/completions", &json!({ "prompt": [1, 2, 999999] }));
+    assert_eq!(status, 400);
+    assert!(body["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("vocabulary"));
+    let big = format!("{{\"prompt\": \"{}\"}}", "a".repeat(5 << 20));
+    let (status, text) = server.curl("/v1/completions", Some(&big), &[]);
+    assert_eq!(error_of(status, &text).0, 413);
+    let (status, text) = server.curl("/v2/nothing", None, &[]);
+    assert_eq!(error_of(status, &text).0, 404);
+    let (status, body) = server.post(
+        "/v1/chat/completions",
+        &json!({ "messages": [{ "role": "user", "content": "hi" }], "max_tokens": 3 }),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["object"], "chat.completion");
+    assert!(body["choices"][0]["message"]["content"].is_string());
+}
+
+#[test]
+fn api_key_is_required_beyond_loopback_and_checked_when_set() {
+    let temp = tempfile::tempdir().unwrap();
+    let snap = snapshot_copy(temp.path());
+    let out = coli(
+        &[
+            "serve",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "0",
+            &format!("SNAP={}", snap.display()),
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("API_KEY"), "{}", stderr(&out));
+    let server = Server::start(
+        &snap,
+        &["64", "16", "16", "USAGE_SAVE=0", "API_KEY=s3cret"],
+        &[],
+    );
+    let (status, _) = server.curl("/v1/models", None, &[]);
+    assert_eq!(status, 401);
+    let (status, _) = server.curl("/v1/models", None, &["Authorization: Bearer wrong"]);
+    assert_eq!(status, 401);
+    let (status, text) = server.curl("/v1/models", None, &["Authorization: Bearer s3cret"]);
+    assert_eq!(status, 200, "{text}");
+    let (status, _) = server.curl("/health", None, &[]);
+    assert_eq!(status, 200);
+}
