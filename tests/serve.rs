@@ -493,3 +493,58 @@ fn api_key_is_required_beyond_loopback_and_checked_when_set() {
     let (status, _) = server.curl("/health", None, &[]);
     assert_eq!(status, 200);
 }
+
+#[test]
+fn routed_experts_are_the_routing_that_computed_each_token_and_the_trace_numbers_on() {
+    let temp = tempfile::tempdir().unwrap();
+    let snap = snapshot_copy(temp.path());
+    let trace = temp.path().join("routes.trace");
+    let trace_arg = format!("ROUTE_TRACE={}", trace.display());
+    let mut server = Server::start(&snap, &["64", "16", "16", "USAGE_SAVE=0", &trace_arg], &[]);
+    let ask = |prompt: &[u32]| {
+        let mut body = completion(prompt, 5);
+        body["return_routed_experts"] = json!(true);
+        let (status, answer) = server.post("/v1/completions", &body);
+        assert_eq!(status, 200, "{answer}");
+        let routed: Vec<Vec<Vec<u32>>> =
+            serde_json::from_value(answer["choices"][0]["routed_experts"].clone()).unwrap();
+        routed
+    };
+    let first = ask(&heldout_ids(10));
+    let second = ask(&heldout_ids(12)[5..]);
+    server.signal("TERM");
+    assert_eq!(server.wait(), Some(0));
+    // `<call> <row> <layer> <id>:<gate> ...`: 4 MoE calls per forward, numbered on across
+    // both requests.
+    let mut calls: Vec<Vec<Vec<u32>>> = Vec::new();
+    for line in std::fs::read_to_string(&trace).unwrap().lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let (call, row): (usize, usize) = (fields[0].parse().unwrap(), fields[1].parse().unwrap());
+        if calls.len() <= call {
+            calls.resize(call + 1, Vec::new());
+        }
+        if calls[call].len() <= row {
+            calls[call].resize(row + 1, Vec::new());
+        }
+        calls[call][row] = fields[3..]
+            .iter()
+            .map(|pair| pair.split(':').next().unwrap().parse().unwrap())
+            .collect();
+    }
+    // Five forwards per request: the prefill (its last row chose the first token), then
+    // one per fed token; the fifth token is never fed.
+    assert_eq!(calls.len(), 2 * 5 * 4);
+    let expected = |forward_base: usize, prompt_rows: usize| -> Vec<Vec<Vec<u32>>> {
+        (0..5)
+            .map(|f| {
+                let row = if f == 0 { prompt_rows - 1 } else { 0 };
+                (0..4)
+                    .map(|layer| calls[(forward_base + f) * 4 + layer][row].clone())
+                    .collect()
+            })
+            .collect()
+    };
+    assert_eq!(first, expected(0, 10));
+    assert_eq!(second, expected(5, 7));
+    assert!(first.iter().flatten().all(|ids| ids.len() == 4));
+}

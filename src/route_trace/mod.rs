@@ -70,6 +70,32 @@ pub struct RouteTrace {
     /// experts of the MoE call in progress.
     guard: Option<guard::PlacementGuard>,
     call_experts: Vec<usize>,
+    /// The last forward's routing, while [`RouteTrace::keep_routes`] is on.
+    routes: Option<LastRoutes>,
+}
+
+/// The routing of the last forward: per MoE call in order, its layer and each batch row's
+/// selected ids. A call whose layer is not above the previous call's starts a new forward.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct LastRoutes {
+    /// Forwards seen since the routes were first kept.
+    pub forward: u64,
+    pub calls: Vec<(usize, Vec<Vec<u32>>)>,
+}
+
+impl LastRoutes {
+    /// Each call's selection for batch row `row` (empty where the call routed no such row).
+    pub fn row(&self, row: usize) -> Vec<Vec<u32>> {
+        self.calls
+            .iter()
+            .map(|(_, rows)| rows.get(row).cloned().unwrap_or_default())
+            .collect()
+    }
+
+    /// Rows of the last forward.
+    pub fn rows(&self) -> usize {
+        self.calls.iter().map(|(_, r)| r.len()).max().unwrap_or(0)
+    }
 }
 
 impl RouteTrace {
@@ -86,7 +112,19 @@ impl RouteTrace {
             trace: None,
             guard: None,
             call_experts: Vec::new(),
+            routes: None,
         })
+    }
+
+    /// Keep (or stop keeping) each forward's per-row routing for [`RouteTrace::last_routes`]
+    /// (`coli serve`'s `return_routed_experts`).
+    pub fn keep_routes(&mut self, on: bool) {
+        self.routes = on.then(LastRoutes::default);
+    }
+
+    /// The last forward's routing, when kept.
+    pub fn last_routes(&self) -> Option<&LastRoutes> {
+        self.routes.as_ref()
     }
 
     /// The engine name given at construction.
@@ -177,6 +215,13 @@ impl RouteTrace {
     /// [`MoeCall`]; dropping it ends the invocation, which advances the trace's `call`
     /// number (also when no row was routed, e.g. a device-side router).
     pub fn moe_call(&mut self, layer: usize) -> MoeCall<'_> {
+        if let Some(routes) = self.routes.as_mut() {
+            if routes.calls.last().is_none_or(|(last, _)| layer <= *last) {
+                routes.forward += 1;
+                routes.calls.clear();
+            }
+            routes.calls.push((layer, Vec::new()));
+        }
         MoeCall { rt: self, layer }
     }
 
@@ -302,6 +347,12 @@ impl MoeCall<'_> {
         }
         if rt.guard.is_some() {
             rt.call_experts.extend_from_slice(ids);
+        }
+        if let Some((_, rows)) = rt.routes.as_mut().and_then(|r| r.calls.last_mut()) {
+            if rows.len() <= row {
+                rows.resize(row + 1, Vec::new());
+            }
+            rows[row] = ids.iter().map(|&id| id as u32).collect();
         }
     }
 }

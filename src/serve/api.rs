@@ -62,6 +62,8 @@ pub struct Request {
     pub stream: bool,
     /// `stream_options.include_usage`: a last chunk carrying `usage`.
     pub stream_usage: bool,
+    /// `return_routed_experts`: per generated token, the experts each MoE layer chose.
+    pub routed_experts: bool,
 }
 
 #[derive(Deserialize)]
@@ -76,6 +78,7 @@ struct Common {
     stream: Option<bool>,
     stream_options: Option<StreamOptions>,
     n: Option<u64>,
+    return_routed_experts: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -218,6 +221,7 @@ fn request(common: Common, input: Input) -> Result<Request, ApiError> {
             .stream_options
             .and_then(|o| o.include_usage)
             .unwrap_or(false),
+        routed_experts: common.return_routed_experts.unwrap_or(false),
     })
 }
 
@@ -273,6 +277,9 @@ pub struct Identity<'a> {
     pub model: &'a str,
 }
 
+/// Per generated token, the ids each MoE layer chose (`[tokens][layers][k]`).
+pub type Routed = Vec<Vec<Vec<u32>>>;
+
 /// The whole answer, for a request without `stream`.
 pub fn response(
     endpoint: Endpoint,
@@ -280,8 +287,9 @@ pub fn response(
     text: &str,
     finish: Finish,
     usage: Usage,
+    routed: Option<&Routed>,
 ) -> Value {
-    let choice = match endpoint {
+    let mut choice = match endpoint {
         Endpoint::Chat => json!({
             "index": 0,
             "message": { "role": "assistant", "content": text },
@@ -294,6 +302,9 @@ pub fn response(
             "finish_reason": finish.name(),
         }),
     };
+    if let Some(routed) = routed {
+        choice["routed_experts"] = json!(routed);
+    }
     json!({
         "id": who.id,
         "object": match endpoint {
@@ -308,16 +319,16 @@ pub fn response(
 }
 
 /// One server-sent chunk: a piece of text (the chat's first chunk also names the role), or
-/// the last one with the finish reason.
+/// the last one with the finish reason (and the routed experts, when asked).
 pub fn chunk(
     endpoint: Endpoint,
     who: &Identity,
     text: Option<&str>,
     first: bool,
-    finish: Option<Finish>,
+    finish: Option<(Finish, Option<&Routed>)>,
 ) -> Value {
-    let finish_reason = finish.map_or(Value::Null, |f| f.name().into());
-    let choice = match endpoint {
+    let finish_reason = finish.map_or(Value::Null, |(f, _)| f.name().into());
+    let mut choice = match endpoint {
         Endpoint::Chat => {
             let mut delta = serde_json::Map::new();
             if first {
@@ -335,6 +346,9 @@ pub fn chunk(
             "finish_reason": finish_reason,
         }),
     };
+    if let Some((_, Some(routed))) = finish {
+        choice["routed_experts"] = json!(routed);
+    }
     json!({
         "id": who.id,
         "object": match endpoint {

@@ -325,13 +325,18 @@ async fn answer(
     loop {
         match events.recv().await {
             Some(Event::Text(piece)) => text.push_str(&piece),
-            Some(Event::Done { finish, usage }) => {
+            Some(Event::Done {
+                finish,
+                usage,
+                routed,
+            }) => {
                 return Ok(Json(api::response(
                     endpoint,
                     &reply.identity(),
                     &text,
                     finish,
                     usage,
+                    routed.as_ref(),
                 ))
                 .into_response())
             }
@@ -385,6 +390,7 @@ fn job(
                 })
             }),
             stop: request.stop.clone(),
+            routed_experts: request.routed_experts,
             events,
             received,
         },
@@ -444,9 +450,14 @@ fn stream(reply: Reply, events: mpsc::UnboundedReceiver<Event>, with_usage: bool
                     let chunk = api::chunk(endpoint, &who, Some(&piece), first, None);
                     state.pending.push_back(data(chunk));
                 }
-                Some(Event::Done { finish, usage }) => {
+                Some(Event::Done {
+                    finish,
+                    usage,
+                    routed,
+                }) => {
                     let first = std::mem::replace(&mut state.first, false);
-                    let last = api::chunk(endpoint, &who, None, first, Some(finish));
+                    let last =
+                        api::chunk(endpoint, &who, None, first, Some((finish, routed.as_ref())));
                     state.pending.push_back(data(last));
                     if with_usage {
                         state

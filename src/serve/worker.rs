@@ -15,7 +15,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use tokio::sync::mpsc::{Receiver, UnboundedSender};
 
-use super::api::{ApiError, Finish, Input, Usage};
+use super::api::{ApiError, Finish, Input, Routed, Usage};
 use super::metrics::{Metrics, Turn};
 use crate::engines::Engine;
 use crate::generate::{generate_after, Ending, Flow, Policy};
@@ -34,6 +34,8 @@ pub struct Job {
     pub top_p: f64,
     pub seed: u64,
     pub stop: Vec<String>,
+    /// Return, per generated token, the experts each MoE layer chose.
+    pub routed_experts: bool,
     pub events: UnboundedSender<Event>,
     pub received: Instant,
 }
@@ -45,7 +47,11 @@ pub enum Event {
     Failed(ApiError),
     Started,
     Text(String),
-    Done { finish: Finish, usage: Usage },
+    Done {
+        finish: Finish,
+        usage: Usage,
+        routed: Option<Routed>,
+    },
 }
 
 /// What the loaded model is, for `/v1/models` and request checks.
@@ -257,6 +263,8 @@ impl Worker<'_> {
             });
         }
 
+        engine.telemetry().keep_routes(job.routed_experts);
+        let mut routed: Routed = Vec::new();
         let mut text = StopScan::new(&job.stop);
         let mut stream = self.tokenizer.stream();
         let mut first_token = None;
@@ -279,8 +287,19 @@ impl Worker<'_> {
                 }
                 Ok(Flow::Continue)
             };
-            let mut on_tokens =
-                |engine: &mut dyn Engine, emitted: u64| session.after_tokens(engine, emitted);
+            // The token a forward's row chose was computed by that row's experts: the last
+            // row of the prefill, then the rows of each later forward in order.
+            let mut prefill = true;
+            let mut on_tokens = |engine: &mut dyn Engine, emitted: u64| {
+                if let Some(routes) = engine.telemetry().last_routes() {
+                    if std::mem::replace(&mut prefill, false) {
+                        routed.push(routes.row(routes.rows().saturating_sub(1)));
+                    } else {
+                        routed.extend((0..emitted as usize).map(|row| routes.row(row)));
+                    }
+                }
+                session.after_tokens(engine, emitted)
+            };
             let policy = Policy {
                 count,
                 sampler: &mut sampler,
@@ -296,9 +315,13 @@ impl Worker<'_> {
             );
             match result {
                 Ok(generation) => generation,
-                Err(err) => return Err(Failure::Engine(err)),
+                Err(err) => {
+                    engine.telemetry().keep_routes(false);
+                    return Err(Failure::Engine(err));
+                }
             }
         };
+        engine.telemetry().keep_routes(false);
         // What the cache holds now: the prompt and the generated tokens it has seen.
         let mut held = prompt.clone();
         held.extend_from_slice(&generation.tokens);
@@ -331,7 +354,12 @@ impl Worker<'_> {
             completion: generation.tokens.len(),
             cached: reuse,
         };
-        let _ = job.events.send(Event::Done { finish, usage });
+        let routed = job.routed_experts.then_some(routed);
+        let _ = job.events.send(Event::Done {
+            finish,
+            usage,
+            routed,
+        });
         Ok(Turn {
             prompt_tokens: usage.prompt,
             cached_tokens: usage.cached,
