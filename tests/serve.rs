@@ -248,7 +248,7 @@ fn every_engine_continues_a_cached_prefix_as_a_fresh_prefill_would() {
         let mut engine = engines::load(engine_name, &snapshot, options).unwrap();
         let vocab = engine.vocab_size() as u32;
         let prompt: Vec<u32> = (0..7).map(|i| (i * 37 + 5) % vocab).collect();
-        let mut run = |engine: &mut dyn coli::engines::Engine, ids: &[u32], cached: usize| {
+        let run = |engine: &mut dyn coli::engines::Engine, ids: &[u32], cached: usize| {
             let policy = Policy {
                 count: 6,
                 sampler: &mut Sampler::greedy(),
