@@ -74,7 +74,7 @@ impl Server {
         for header in headers {
             command.args(["-H", header]);
         }
-        if let Some(body) = body {
+        if body.is_some() {
             command.args([
                 "-H",
                 "Content-Type: application/json",
