@@ -317,17 +317,16 @@ impl Session {
     }
 
     /// `coli serve`'s save after each turn: the history, and the trace flushed, so that a
-    /// killed server loses at most the turn in progress. The decay applies at the first save
-    /// only, so a server decays the history once, as one run does. A failure is said on
-    /// stderr and the server goes on; the next save carries the counts.
+    /// killed server loses at most the turn in progress. `COLI_USAGE_DECAY` applies at
+    /// every save, as colibri's serve modes apply it: a half-life in turns. A failure is
+    /// said on stderr and the server goes on; the next save carries the counts.
     pub fn save_turn(&mut self, engine: &mut dyn Engine) {
         let telemetry = engine.telemetry();
         let unsaved = telemetry.unsaved_selections();
-        match telemetry.save_history(&self.history, self.save) {
-            Ok(_) => self.save.decay = Decay::NONE,
-            Err(err) => eprintln!(
+        if let Err(err) = telemetry.save_history(&self.history, self.save) {
+            eprintln!(
                 "[USAGE] save failed: {err} \u{2014} {unsaved} selections wait for the next turn's save"
-            ),
+            );
         }
         if let Err(err) = telemetry.flush_trace() {
             eprintln!("[ROUTE_TRACE] write failed: {err}");

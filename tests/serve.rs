@@ -453,6 +453,21 @@ fn bad_requests_get_openai_errors_and_the_server_goes_on() {
     assert_eq!(error_of(status, &text).0, 413);
     let (status, text) = server.curl("/v2/nothing", None, &[]);
     assert_eq!(error_of(status, &text).0, 404);
+    let (status, text) = server.curl("/v1/chat/completions", None, &[]);
+    assert_eq!(error_of(status, &text).0, 405);
+    let (status, text) = server.curl("/v1/models/olmoe_trained", None, &[]);
+    assert_eq!(status, 200, "{text}");
+    let (status, text) = server.curl("/v1/models/gpt-4", None, &[]);
+    assert_eq!(error_of(status, &text).0, 404);
+    let (status, body) = server.post(
+        "/v1/completions",
+        &json!({ "prompt": "x", "temperature": -1 }),
+    );
+    assert_eq!(status, 400);
+    assert!(body["error"]["message"]
+        .as_str()
+        .unwrap()
+        .starts_with("temperature"));
     let (status, body) = server.post(
         "/v1/chat/completions",
         &json!({ "messages": [{ "role": "user", "content": "hi" }], "max_tokens": 3 }),
@@ -479,6 +494,12 @@ fn api_key_is_required_beyond_loopback_and_checked_when_set() {
     );
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).contains("API_KEY"), "{}", stderr(&out));
+    let out = coli(
+        &["serve", "--port", "0", &format!("SNAP={}", snap.display())],
+        &[("TEMP", "/tmp")],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("TEMP=\"/tmp\""), "{}", stderr(&out));
     let server = Server::start(
         &snap,
         &["64", "16", "16", "USAGE_SAVE=0", "API_KEY=s3cret"],

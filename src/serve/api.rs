@@ -200,6 +200,16 @@ fn request(common: Common, input: Input) -> Result<Request, ApiError> {
         Some(Stop::One(text)) => vec![text],
         Some(Stop::Many(list)) => list,
     };
+    if let Some(t) = common.temperature.filter(|t| !(t.is_finite() && *t >= 0.0)) {
+        return Err(ApiError::invalid(format!(
+            "temperature {t}: expected a number >= 0 (0 = greedy)"
+        )));
+    }
+    if let Some(p) = common.top_p.filter(|p| !(*p > 0.0 && *p <= 1.0)) {
+        return Err(ApiError::invalid(format!(
+            "top_p {p}: expected a number in (0, 1]"
+        )));
+    }
     if stop.iter().any(String::is_empty) || stop.len() > 4 {
         return Err(ApiError::invalid(
             "stop: up to 4 sequences, none of them empty",
@@ -418,6 +428,8 @@ mod tests {
         );
         let completion = |body: &[u8]| completion_request(body).unwrap_err().message;
         assert!(completion(br#"{"prompt":{"a":1}}"#).contains("prompt:"));
+        assert!(completion(br#"{"prompt":"x","temperature":-1}"#).starts_with("temperature"));
+        assert!(completion(br#"{"prompt":"x","top_p":0}"#).starts_with("top_p"));
         assert!(completion(br#"{"prompt":[1,-2]}"#).contains("prompt:"));
         assert_eq!(
             completion_request(br#"{"prompt":[1,2,3]}"#).unwrap().input,

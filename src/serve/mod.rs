@@ -17,7 +17,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
 use axum::body::{Body, Bytes};
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{DefaultBodyLimit, Path, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
@@ -69,6 +69,14 @@ pub fn run(
     if !ip.is_loopback() && api_key.is_none() {
         bail!("--host {host}: listening beyond this machine needs API_KEY=<token> (clients then send `Authorization: Bearer <token>`); or keep the default --host 127.0.0.1");
     }
+    // What requests without `temperature` take, checked before anything loads.
+    let default_temperature = settings.text("TEMP").unwrap_or("0.7").trim();
+    if !default_temperature
+        .parse::<f64>()
+        .is_ok_and(|t| t.is_finite() && t >= 0.0)
+    {
+        bail!("TEMP={default_temperature:?}: requests that give no temperature take it, so it must be a number >= 0; pass TEMP=<number> (an environment TEMP naming a directory is overridden so)");
+    }
     let address = SocketAddr::new(ip, port);
     // Bound before loading, so a port in use is said before minutes of loading.
     let listener = std::net::TcpListener::bind(address).with_context(|| {
@@ -98,10 +106,12 @@ pub fn run(
     let router = Router::new()
         .route("/health", get(health))
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model_by_id))
         .route("/metrics", get(metrics_text))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::disable())
         .with_state(app);
     let id = info_id.clone();
@@ -195,20 +205,56 @@ async fn health(State(app): State<Arc<App>>) -> Response {
     .into_response()
 }
 
+async fn method_not_allowed() -> Response {
+    error_response(&ApiError {
+        status: 405,
+        kind: "invalid_request_error",
+        code: None,
+        message: "method not allowed: completions are POST, /v1/models, /health and /metrics GET"
+            .to_string(),
+    })
+}
+
+fn model_card(app: &App) -> Value {
+    json!({
+        "id": app.model.id,
+        "object": "model",
+        "created": 0,
+        "owned_by": "coli",
+    })
+}
+
 async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
     if let Err(err) = authorize(&app, &headers) {
         return error_response(&err);
     }
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": app.model.id,
-            "object": "model",
-            "created": 0,
-            "owned_by": "coli",
-        }],
-    }))
-    .into_response()
+    Json(json!({ "object": "list", "data": [model_card(&app)] })).into_response()
+}
+
+async fn model_by_id(
+    State(app): State<Arc<App>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err(err) = authorize(&app, &headers) {
+        return error_response(&err);
+    }
+    if id != app.model.id {
+        return error_response(&unknown_model(&app, &id));
+    }
+    Json(model_card(&app)).into_response()
+}
+
+fn unknown_model(app: &App, name: &str) -> ApiError {
+    ApiError {
+        status: 404,
+        kind: "invalid_request_error",
+        code: Some("model_not_found"),
+        message: format!(
+            "model {name:?}: this server runs {:?} (GET /v1/models)",
+            app.model.id
+        ),
+    }
 }
 
 async fn metrics_text(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
@@ -277,15 +323,7 @@ async fn answer(
     };
     if let Some(name) = &request.model {
         if name != &app.model.id && name != app.model.engine {
-            return Err(ApiError {
-                status: 404,
-                kind: "invalid_request_error",
-                code: Some("model_not_found"),
-                message: format!(
-                    "model {name:?}: this server runs {:?} (GET /v1/models)",
-                    app.model.id
-                ),
-            });
+            return Err(unknown_model(app, name));
         }
     }
     let (job, mut events) = job(app, &request, received)?;

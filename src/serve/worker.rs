@@ -131,7 +131,13 @@ pub fn run(
         metrics.queue(0, -1);
     }
     eprintln!("[serve] queue closed; saving");
-    session.finish(engine.as_mut(), RunKind::Generating)
+    // Every turn saved its selections; saving again would decay the history once more.
+    let kind = if engine.telemetry().unsaved_selections() > 0 {
+        RunKind::Generating
+    } else {
+        RunKind::Scoring
+    };
+    session.finish(engine.as_mut(), kind)
 }
 
 /// The id `/v1/models` lists: the model directory's last component.
