@@ -139,10 +139,10 @@ fn matvec(c: &mut Criterion) {
                 );
             }
             group.throughput(Throughput::Bytes(matrices[0].size_bytes() as u64));
-            // Integer weights also with int8 activations (`ACT_BITS=8`).
+            // Integer and MXFP4 weights also with int8 activations (`ACT_BITS=8`).
             let integer = matches!(
                 format,
-                Format::Int8Row | Format::Int4Row | Format::Int4Grouped { .. }
+                Format::Int8Row | Format::Int4Row | Format::Int4Grouped { .. } | Format::Mxfp4
             );
             for act8 in [false, true].into_iter().filter(|&a| !a || integer) {
                 coli::quant::act8::select(act8);
@@ -173,6 +173,7 @@ fn batched(c: &mut Criterion) {
             Format::F32,
             Format::Int8Row,
             Format::Int4Grouped { group: 64 },
+            Format::Mxfp4,
         ] {
             let matrix = Matrix::from_f32_as(rows, cols, &weights(rows, cols, 0), format)
                 .expect("every listed format encodes");

@@ -10,8 +10,8 @@
 #   - the real-shape OLMoE of `cargo bench --bench decode` (random bf16 weights, so random
 #     text: 256 random ids) as its bf16 source at f32 and its int8-row, int4-g64, fp8 and
 #     mxfp4 containers, when BENCH_DIR holds them (`cargo bench --bench decode` writes them).
-# Each integer format runs with f32 activations and with ACT_BITS=8; FP8 and MXFP4 have
-# f32 activations only (ACT_BITS=8 multiplies integer weights alone).
+# Each integer format and MXFP4 runs with f32 activations and with ACT_BITS=8; FP8 has f32
+# activations only (ACT_BITS=8 multiplies integer and MXFP4 weights).
 #
 #   scripts/quality.sh [OUT_DIR]    (default /tmp/coli-quality; BENCH_DIR=/tmp/coli-olmoe-bench)
 #
@@ -60,8 +60,12 @@ for domain in prose code; do
                 64 8 8 ACT_BITS=$act
         done
     done
-    for container in fp8 mxfp4-experts mxfp4; do
-        score "$container container" "$out/olmoe_trained-$container" "$ids" 128 64 "$base" 64 16 16
+    score "fp8 container" "$out/olmoe_trained-fp8" "$ids" 128 64 "$base" 64 16 16
+    for act in 32 8; do
+        for container in mxfp4-experts mxfp4; do
+            score "$container container" "$out/olmoe_trained-$container" "$ids" 128 64 "$base" \
+                64 8 8 ACT_BITS=$act
+        done
     done
 done
 
@@ -76,9 +80,12 @@ if [ -d "$bench/bf16-4l" ]; then
                 ACT_BITS=$act
         done
     done
-    for container in fp8 mxfp4; do
-        if [ -d "$bench/$container-4l" ]; then
-            score "$container container" "$bench/$container-4l" "$ids" 128 64 "$base" 64 16 16
-        fi
-    done
+    if [ -d "$bench/fp8-4l" ]; then
+        score "fp8 container" "$bench/fp8-4l" "$ids" 128 64 "$base" 64 16 16
+    fi
+    if [ -d "$bench/mxfp4-4l" ]; then
+        for act in 32 8; do
+            score "mxfp4 container" "$bench/mxfp4-4l" "$ids" 128 64 "$base" 64 8 8 ACT_BITS=$act
+        done
+    fi
 fi

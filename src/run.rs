@@ -345,7 +345,7 @@ fn int8_activations(settings: &Settings, positionals: &Positionals) -> Result<bo
     match settings.count("ACT_BITS") {
         16.. => Ok(false),
         8 if positionals.expert_bits >= 16 && positionals.dense_bits >= 16 => bail!(
-            "ACT_BITS=8 quantises activations for int8 and int4 weights; EBITS and DBITS >= 16 is the exact f32 path: lower EBITS or DBITS (e.g. `64 4 8`), or drop ACT_BITS"
+            "ACT_BITS=8 quantises activations for int8, int4 and MXFP4 weights; EBITS and DBITS >= 16 is the exact f32 path: lower EBITS or DBITS (e.g. `64 4 8`), or drop ACT_BITS"
         ),
         8 => Ok(true),
         other => bail!("ACT_BITS={other}: use 8 (int8 activations) or 32 (f32)"),

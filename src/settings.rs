@@ -295,7 +295,7 @@ pub const KEYS: &[Key] = &[
         name: "ACT_BITS",
         kind: Kind::Count,
         default: "32",
-        doc: "8: int8 activations for int8 and int4 weights (faster, slightly lossy: measure it with PPL=1 KLD_BASE=); 32: f32 activations everywhere. Refused with EBITS and DBITS >= 16, the exact path",
+        doc: "8: int8 activations for int8, int4 and MXFP4 weights (faster, slightly lossy: measure it with PPL=1 KLD_BASE=); 32: f32 activations everywhere. Refused with EBITS and DBITS >= 16, the exact path",
     },
     Key {
         name: "COLI_SIMD",

@@ -1,10 +1,12 @@
-//! `ACT_BITS=8`: int8 activations for int8 and int4 weights, an opt-in fast path that the
+//! `ACT_BITS=8`: int8 activations for int8, int4 and MXFP4 weights, an opt-in fast path that the
 //! oracle never takes (with `EBITS`/`DBITS >= 16` every matrix keeps f32 activations and
 //! the run refuses `ACT_BITS=8`).
 //!
 //! Each input row is quantised symmetrically, `s = max|x| / 127`, `q = round(x / s)`, and
 //! a weight row's dot product with it is an exact integer sum per scale group: int8 x int8
-//! for int8-row, int4 x int8 for int4-row and int4 in groups. The float part is fixed: a
+//! for int8-row, int4 x int8 for int4-row and int4 in groups, doubled e2m1 (the integers
+//! -12..=12) x int8 for MXFP4, whose power-of-two group scales keep every group's product
+//! exact. The float part is fixed: a
 //! group's integer sum times its scale is added to the row's running sum group by group,
 //! and the row's sum is multiplied by the activation scale (int8-row: the sum times the row
 //! scale times the activation scale). Integer sums do not depend on the order they are
@@ -16,11 +18,12 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use super::codec::{self, E2M1_DOUBLED};
 use super::kernels::Isa;
 
 static ENABLED: AtomicBool = AtomicBool::new(false);
 
-/// Turn int8 activations on or off for every int8 and int4 matrix product that runs on the
+/// Turn int8 activations on or off for every int8, int4 and MXFP4 matrix product that runs on the
 /// CPU from now on.
 pub fn select(on: bool) {
     ENABLED.store(on, Ordering::Relaxed);
@@ -42,7 +45,13 @@ pub(super) enum Weights<'a> {
         scales: &'a [f32],
         group: usize,
     },
+    /// e2m1 nibbles (low nibble first), `ceil(cols / 2)` bytes a row, one E8M0 exponent
+    /// per 32 columns.
+    Mxfp4 { packed: &'a [u8], scales: &'a [u8] },
 }
+
+/// Columns per MXFP4 scale.
+const MX_GROUP: usize = 32;
 
 /// One input row quantised: `q` in the layout the weights' kernel reads, and its scale.
 struct Quantised {
@@ -158,6 +167,28 @@ fn row_dot(weights: Weights, row: usize, cols: usize, x: &Quantised) -> f32 {
             }
             sum * x.scale
         }
+        Weights::Mxfp4 { packed, scales } => {
+            let stride = cols.div_ceil(2);
+            let w = &packed[row * stride..(row + 1) * stride];
+            let per_row = cols.div_ceil(MX_GROUP);
+            let whole = x.q.len() / BLOCK * BLOCK;
+            let mut sum = 0f32;
+            for g in 0..per_row {
+                let isum: i32 = (g * MX_GROUP..((g + 1) * MX_GROUP).min(cols))
+                    .map(|c| {
+                        let code = if c.is_multiple_of(2) {
+                            w[c / 2] & 15
+                        } else {
+                            w[c / 2] >> 4
+                        };
+                        i32::from(E2M1_DOUBLED[code as usize])
+                            * i32::from(x.q[deinterleaved_index(c, whole)])
+                    })
+                    .sum();
+                sum += isum as f32 * codec::mxfp4_group_scale(scales[row * per_row + g]);
+            }
+            sum * x.scale
+        }
     }
 }
 
@@ -251,7 +282,7 @@ pub(super) fn matmul(
         .chunks_exact(cols.max(1))
         .map(|x| match weights {
             Weights::Int8Row { .. } => Quantised::natural(x),
-            Weights::Int4 { .. } => Quantised::deinterleaved(x),
+            Weights::Int4 { .. } | Weights::Mxfp4 { .. } => Quantised::deinterleaved(x),
         })
         .collect();
     super::kernels::by_weight_rows(rows, cols, n, out, |first, count, sums| {
@@ -263,11 +294,12 @@ pub(super) fn matmul(
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{Quantised, Weights, BLOCK};
+    use super::{Quantised, Weights, BLOCK, MX_GROUP};
+    use crate::quant::codec::E2M1_DOUBLED;
 
     /// Whether these weights take the AVX2 path: int8 always; int4 when its scale groups
-    /// are whole blocks of 64 columns that tile the row (the published int4 layouts),
-    /// else the reference.
+    /// are whole blocks of 64 columns that tile the row (the published int4 layouts);
+    /// MXFP4 when the row is whole blocks; else the reference.
     pub fn covers(weights: Weights, cols: usize) -> bool {
         match weights {
             Weights::Int8Row { .. } => true,
@@ -275,6 +307,7 @@ mod avx2 {
                 let group = group.min(cols);
                 group.is_multiple_of(BLOCK) && cols.is_multiple_of(group)
             }
+            Weights::Mxfp4 { .. } => cols.is_multiple_of(BLOCK),
         }
     }
 
@@ -392,6 +425,68 @@ mod avx2 {
         sum
     }
 
+    /// Four MXFP4 rows against one input, before the activation scale. A block of 64
+    /// columns is two scale groups: its first 16 bytes hold columns 0..32, its last 16
+    /// columns 32..64, so the products' low four lanes are the first group and the high
+    /// four the second. Each group's exact integer sum times its scale is added to the
+    /// row's sum group by group, as the reference adds them.
+    #[inline(always)]
+    unsafe fn mxfp4_rows<const VNNI: bool>(
+        w: [&[u8]; 4],
+        scales: [&[u8]; 4],
+        x: &Quantised,
+        cols: usize,
+    ) -> [f32; 4] {
+        let table =
+            _mm256_broadcastsi128_si256(_mm_loadu_si128(E2M1_DOUBLED.as_ptr() as *const __m128i));
+        let ahead = 4 * cols / 2;
+        let mut sum = _mm_setzero_ps();
+        for b in 0..cols / BLOCK {
+            let xp = x.q.as_ptr().add(b * BLOCK);
+            let even = _mm256_loadu_si256(xp as *const __m256i);
+            let odd = _mm256_loadu_si256(xp.add(BLOCK / 2) as *const __m256i);
+            // A loop, not a closure, so that the intrinsics inherit the caller's AVX2.
+            let mut acc = [_mm256_setzero_si256(); 4];
+            for r in 0..4 {
+                let p = w[r].as_ptr().add(b * BLOCK / 2);
+                prefetch(p, ahead);
+                let bytes = _mm256_loadu_si256(p as *const __m256i);
+                let low = _mm256_and_si256(bytes, _mm256_set1_epi8(15));
+                let high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi8(15));
+                acc[r] = mul_i8::<VNNI>(acc[r], _mm256_shuffle_epi8(table, low), even);
+                acc[r] = mul_i8::<VNNI>(acc[r], _mm256_shuffle_epi8(table, high), odd);
+            }
+            // [rows 0..4 of the first group | rows 0..4 of the second].
+            let sums = _mm256_hadd_epi32(
+                _mm256_hadd_epi32(acc[0], acc[1]),
+                _mm256_hadd_epi32(acc[2], acc[3]),
+            );
+            let g = b * BLOCK / MX_GROUP;
+            let exponent = |r: usize, k: usize| i32::from(scales[r][g + k]);
+            let bits = _mm256_setr_epi32(
+                exponent(0, 0),
+                exponent(1, 0),
+                exponent(2, 0),
+                exponent(3, 0),
+                exponent(0, 1),
+                exponent(1, 1),
+                exponent(2, 1),
+                exponent(3, 1),
+            );
+            // 2^(s - 127) / 2, as `codec::mxfp4_group_scale`.
+            let scale = _mm256_mul_ps(
+                _mm256_castsi256_ps(_mm256_slli_epi32(bits, 23)),
+                _mm256_set1_ps(0.5),
+            );
+            let products = _mm256_mul_ps(_mm256_cvtepi32_ps(sums), scale);
+            sum = _mm_add_ps(sum, _mm256_castps256_ps128(products));
+            sum = _mm_add_ps(sum, _mm256_extractf128_ps(products, 1));
+        }
+        let mut out = [0f32; 4];
+        _mm_storeu_ps(out.as_mut_ptr(), sum);
+        out
+    }
+
     /// Rows `first..first + count` against every input, `out[(row - first) * n + t]`;
     /// rows in fours, the last ones one at a time.
     #[inline(always)]
@@ -425,6 +520,12 @@ mod avx2 {
                         let w = rows.map(|r| &packed[r * stride..(r + 1) * stride]);
                         let s = rows.map(|r| &scales[r * per_row..(r + 1) * per_row]);
                         int4_rows::<VNNI>(w, s, x, cols, group).map(|v| v * x.scale)
+                    }
+                    Weights::Mxfp4 { packed, scales } => {
+                        let (stride, per_row) = (cols / 2, cols / MX_GROUP);
+                        let w = rows.map(|r| &packed[r * stride..(r + 1) * stride]);
+                        let s = rows.map(|r| &scales[r * per_row..(r + 1) * per_row]);
+                        mxfp4_rows::<VNNI>(w, s, x, cols).map(|v| v * x.scale)
                     }
                 };
                 for k in 0..take {
@@ -465,7 +566,7 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::{quantize_int4_groups, quantize_int8_rows};
+    use crate::quant::{quantize_int4_groups, quantize_int8_rows, quantize_mxfp4, Format, Matrix};
 
     fn values(n: usize, seed: u32) -> Vec<f32> {
         (0..n)
@@ -500,7 +601,12 @@ mod tests {
                     values: &q8,
                     scales: &s8,
                 };
-                for weights in [int8, int4] {
+                let (mx_packed, mx_scales) = quantize_mxfp4(&w, cols);
+                let mxfp4 = Weights::Mxfp4 {
+                    packed: &mx_packed,
+                    scales: &mx_scales,
+                };
+                for weights in [int8, int4, mxfp4] {
                     let n = 3;
                     let x = values(n * cols, 7);
                     let mut reference = vec![0f32; n * rows];
@@ -554,7 +660,12 @@ mod tests {
             scales: &scales,
             group: 64,
         };
-        for (weights, xs) in [(int8, &xs), (int4, &x4)] {
+        let (mx_packed, mx_scales) = quantize_mxfp4(&w, cols);
+        let mxfp4 = Weights::Mxfp4 {
+            packed: &mx_packed,
+            scales: &mx_scales,
+        };
+        for (weights, xs) in [(int8, &xs), (int4, &x4), (mxfp4, &x4)] {
             let reference: Vec<f32> = (0..rows)
                 .flat_map(|r| xs.iter().map(move |x| row_dot(weights, r, cols, x)))
                 .collect();
@@ -623,6 +734,52 @@ mod tests {
                     y,
                     plain_int4(&packed, &scales, group, cols, r, &x),
                     "{rows}x{cols} g{group} row {r}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn mxfp4_computes_the_plain_integer_product_and_stays_close_to_the_float_one() {
+        for (rows, cols) in [(5, 64), (6, 2048), (3, 96), (4, 130)] {
+            let w = values(rows * cols, 13);
+            let (packed, exponents) = quantize_mxfp4(&w, cols);
+            let weights = Weights::Mxfp4 {
+                packed: &packed,
+                scales: &exponents,
+            };
+            let x = values(cols, 6);
+            let mut got = vec![0f32; rows];
+            matmul(Isa::detect(), weights, rows, cols, &x, 1, &mut got);
+            // Natural-order activations, group by group.
+            let (q, scale) = quantise(&x);
+            let stride = cols.div_ceil(2);
+            let per_row = cols.div_ceil(MX_GROUP);
+            for (r, &y) in got.iter().enumerate() {
+                let mut sum = 0f32;
+                for g in 0..per_row {
+                    let isum: i32 = (g * MX_GROUP..((g + 1) * MX_GROUP).min(cols))
+                        .map(|c| {
+                            let byte = packed[r * stride + c / 2];
+                            let code = if c % 2 == 0 { byte & 15 } else { byte >> 4 };
+                            i32::from(E2M1_DOUBLED[code as usize]) * i32::from(q[c])
+                        })
+                        .sum();
+                    sum += isum as f32 * codec::mxfp4_group_scale(exponents[r * per_row + g]);
+                }
+                assert_eq!(y, sum * scale, "{rows}x{cols} row {r}");
+            }
+            let dequantised = Matrix::from_f32_as(rows, cols, &w, Format::Mxfp4)
+                .unwrap()
+                .to_f32();
+            let want = float_reference(&dequantised, rows, cols, &x);
+            let step = x.iter().fold(0f32, |m, v| m.max(v.abs())) / 254.0;
+            for (r, (g, f)) in got.iter().zip(&want).enumerate() {
+                let row = &dequantised[r * cols..(r + 1) * cols];
+                let bound = step * row.iter().map(|v| v.abs()).sum::<f32>() + 1e-4;
+                assert!(
+                    (g - f).abs() <= bound,
+                    "row {r}: {g} vs {f} (bound {bound})"
                 );
             }
         }

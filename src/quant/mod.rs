@@ -461,7 +461,7 @@ impl Matrix {
         self.matmul_with(kernels::selected(), input, n, out)
     }
 
-    /// The weights of an int8 or int4 matrix, for the int8-activation path.
+    /// The weights of an int8, int4 or MXFP4 matrix, for the int8-activation path.
     fn integer_weights(&self) -> Option<act8::Weights<'_>> {
         match &self.storage {
             Storage::Int8Row { values, scales } => Some(act8::Weights::Int8Row {
@@ -476,6 +476,10 @@ impl Matrix {
                 packed: packed.as_slice(),
                 scales,
                 group: *group,
+            }),
+            Storage::Mxfp4 { packed, scales } => Some(act8::Weights::Mxfp4 {
+                packed: packed.as_slice(),
+                scales: scales.as_slice(),
             }),
             _ => None,
         }
