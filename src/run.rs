@@ -57,8 +57,13 @@ pub fn main_job(
         budget,
         banner,
     } = load(settings, positionals, &snapshot, name)?;
+    // Text mode's stdout is the generated text alone; its report lines go to stderr.
     for line in banner {
-        println!("{line}");
+        if text.is_some() {
+            eprintln!("{line}");
+        } else {
+            println!("{line}");
+        }
     }
 
     let mut text_job = match &text {
@@ -82,7 +87,7 @@ pub fn main_job(
         .unwrap_or_else(|| snapshot.dir().join("ref.json"));
     if let Some(job) = perplexity {
         job.run(engine.as_mut(), &ref_path)?;
-        report(engine.as_ref(), 0.0);
+        println!("{}", report_line(engine.as_ref(), 0.0));
         println!("{}", profile_line(engine.as_ref(), &run_started));
         return Ok(session.finish(engine.as_mut(), RunKind::Scoring));
     }
@@ -100,11 +105,14 @@ pub fn main_job(
             eprintln!("[text] non-finite logits during generation");
         }
         if let Some(speculation) = &generation.speculation {
-            println!("{speculation}");
+            eprintln!("{speculation}");
         }
-        println!("{}", job.summary(&generation));
-        report(engine.as_ref(), generation.decode_tokens_per_second());
-        println!("{}", profile_line(engine.as_ref(), &run_started));
+        eprintln!("{}", job.summary(&generation));
+        eprintln!(
+            "{}",
+            report_line(engine.as_ref(), generation.decode_tokens_per_second())
+        );
+        eprintln!("{}", profile_line(engine.as_ref(), &run_started));
         return Ok(session.finish(engine.as_mut(), RunKind::Generating));
     }
 
@@ -116,7 +124,7 @@ pub fn main_job(
         if settings.flag("REPLAY") {
             let line = replay(engine.as_mut(), ids, &mut session)?;
             println!("{line}");
-            report(engine.as_ref(), 0.0);
+            println!("{}", report_line(engine.as_ref(), 0.0));
             println!("{}", profile_line(engine.as_ref(), &run_started));
             return Ok(session.finish(engine.as_mut(), RunKind::Generating));
         }
@@ -132,7 +140,10 @@ pub fn main_job(
         if let Some(speculation) = &generation.speculation {
             println!("{speculation}");
         }
-        report(engine.as_ref(), generation.decode_tokens_per_second());
+        println!(
+            "{}",
+            report_line(engine.as_ref(), generation.decode_tokens_per_second())
+        );
         println!("{}", profile_line(engine.as_ref(), &run_started));
         return Ok(session.finish(engine.as_mut(), RunKind::Generating));
     }
@@ -146,7 +157,7 @@ pub fn main_job(
     } else {
         oracle::compare_greedy(engine.as_mut(), &reference)?
     };
-    report(engine.as_ref(), outcome.rate);
+    println!("{}", report_line(engine.as_ref(), outcome.rate));
     // An oracle run scores the reference's tokens: its routing is traced but not learned.
     let finished = session.finish(engine.as_mut(), RunKind::Scoring);
     if settings.flag("ORACLE_STRICT") && !outcome.passed() {
@@ -269,14 +280,15 @@ pub fn load(
     })
 }
 
-fn report(engine: &dyn Engine, tokens_per_second: f64) {
+/// `Expert cache hit rate: ...`, the line every mode ends with.
+fn report_line(engine: &dyn Engine, tokens_per_second: f64) -> String {
     let stats = engine.cache_stats();
     let vram = if stats.vram_hits > 0 {
         format!("{} vram + ", stats.vram_hits)
     } else {
         String::new()
     };
-    println!(
+    format!(
         "Expert cache hit rate: {:.1}% ({vram}{} pin + {} lru / {} miss) | RSS: {:.2} GB | {:.1} tok/s",
         stats.hit_rate(),
         stats.pin_hits,
@@ -284,7 +296,7 @@ fn report(engine: &dyn Engine, tokens_per_second: f64) {
         stats.misses,
         resident_set_bytes() as f64 / 1e9,
         tokens_per_second
-    );
+    )
 }
 
 /// A spinner on stderr while the engine maps and prepares its weights; drawn only when

@@ -50,21 +50,24 @@ pub fn tokenizer(dir: &Path) -> TextTokenizer {
     TextTokenizer::load(dir).expect("tokenizer loads")
 }
 
-/// The streamed text of a text run: what follows the `loaded in` line, up to the newline
-/// before the speculation line (when the engine drafted) or the `[text]` summary.
-pub fn streamed_text(stdout: &str) -> &str {
-    let start = stdout.find("\nloaded in ").expect("loaded line");
-    let start = start + 1 + stdout[start + 1..].find('\n').expect("end of loaded line") + 1;
-    let end = stdout
-        .rfind("\nspeculation (DRAFT=")
-        .or_else(|| stdout.rfind("\n[text] "))
-        .expect("summary line");
-    &stdout[start..end]
+/// A run's two streams: in text mode stdout is the generated text alone (and a final
+/// newline); the banner, summary and cache lines are on stderr.
+pub struct Run {
+    pub stdout: String,
+    pub stderr: String,
 }
 
-/// `(generated, ending)` from the `[text]` summary line.
-pub fn summary(stdout: &str) -> (usize, String) {
-    let line = stdout
+/// The streamed text of a text run: its stdout without the final newline.
+pub fn streamed_text(run: &Run) -> &str {
+    run.stdout
+        .strip_suffix('\n')
+        .expect("a text run ends its text with a newline")
+}
+
+/// `(generated, ending)` from the `[text]` summary line on stderr.
+pub fn summary(run: &Run) -> (usize, String) {
+    let line = run
+        .stderr
         .lines()
         .rev()
         .find(|line| line.starts_with("[text] "))
