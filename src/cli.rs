@@ -54,6 +54,16 @@ pub enum Command {
     /// not), /health and Prometheus /metrics; KV reused across a conversation's turns, the
     /// history saved after every turn. Settings as for a run (SNAP=..., CAP EBITS DBITS).
     Serve(ServeArgs),
+    /// Chat with the model in the terminal: multi-turn, through its chat template, the KV
+    /// cache reused across turns and the history saved after each. Settings as for a run.
+    Chat(ChatArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct ChatArgs {
+    /// KEY=VALUE settings, then up to three numbers: CAP EBITS DBITS, as for a run.
+    #[arg(value_name = "KEY=VALUE | CAP [EBITS [DBITS]]")]
+    pub args: Vec<String>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -139,6 +149,15 @@ pub fn run(argv: impl IntoIterator<Item = OsString>) -> Result<ExitCode> {
             Positionals::from_numbers(&numbers),
             &args.host,
             args.port,
+        );
+    }
+    if let Some(Command::Chat(args)) = &cli.command {
+        let (pairs, numbers) = split_args(&args.args)?;
+        let settings = Settings::resolve(&pairs, |name| std::env::var(name).ok())?;
+        return crate::serve::chat::run(
+            cli.model.as_deref(),
+            settings,
+            Positionals::from_numbers(&numbers),
         );
     }
     if let Some(Command::Settings) = cli.command {

@@ -17,6 +17,12 @@ pub fn install() {
     });
 }
 
+/// Forget a stop that was asked for and honoured, so that the next generation runs
+/// (`coli chat`: Ctrl-C ends one answer, not the conversation).
+pub fn clear() {
+    REQUESTED.store(false, Ordering::SeqCst);
+}
+
 /// Whether a stop was asked for.
 pub fn requested() -> bool {
     REQUESTED.load(Ordering::SeqCst)

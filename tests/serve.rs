@@ -569,3 +569,66 @@ fn routed_experts_are_the_routing_that_computed_each_token_and_the_trace_numbers
     assert_eq!(second, expected(5, 7));
     assert!(first.iter().flatten().all(|ids| ids.len() == 4));
 }
+
+#[test]
+fn coli_chat_holds_a_conversation_reusing_the_cache_and_saving_every_turn() {
+    let temp = tempfile::tempdir().unwrap();
+    let snap = snapshot_copy(temp.path());
+    let history = temp.path().join("usage.coli_usage");
+    let mut child = coli_command(
+        &[
+            "chat",
+            &format!("SNAP={}", snap.display()),
+            &format!("COLI_USAGE={}", history.display()),
+            "TEMP=0",
+            "NGEN=12",
+            "64",
+            "16",
+            "16",
+        ],
+        &[],
+    )
+    .stdin(Stdio::piped())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"The licence grants you\n\nWhat about the source code?\n/exit\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    // `[chat] P prompt tokens (C cached) | G generated (...)`, one per turn.
+    let turns: Vec<(u64, u64, u64, bool)> = err
+        .lines()
+        .filter_map(|l| l.split("[chat] ").nth(1))
+        .filter(|l| l.contains(" generated ("))
+        .map(|l| {
+            let n: Vec<u64> = l
+                .split(|c: char| !c.is_ascii_digit())
+                .filter(|s| !s.is_empty())
+                .map(|s| s.parse().unwrap())
+                .collect();
+            (n[0], n[1], n[2], l.ends_with("(NGEN reached)"))
+        })
+        .collect();
+    assert_eq!(turns.len(), 2, "{err}");
+    // The second turn's prompt holds the first turn and its answer, whose KV is reused.
+    assert!(turns[1].0 > turns[0].0 + turns[0].2, "{err}");
+    assert!(turns[1].1 > turns[0].0, "{err}");
+    // stdout is the answers alone.
+    let answers = common::stdout(&out);
+    assert!(
+        !answers.trim().is_empty() && !answers.contains("[chat]"),
+        "{answers}"
+    );
+    let fed: u64 = turns
+        .iter()
+        .map(|&(prompt, cached, generated, limit)| prompt - cached + generated - u64::from(limit))
+        .sum();
+    assert_eq!(history_selections(&history), fed * 16, "{err}");
+}

@@ -1,10 +1,12 @@
-//! `coli serve`: an OpenAI-compatible HTTP server (axum on tokio) in front of one engine.
+//! `coli serve`: an OpenAI-compatible HTTP server (axum on tokio) in front of one engine;
+//! and `coli chat` ([`chat`]), the same engine thread behind a terminal.
 //! This module owns the HTTP side: binding, authentication, body limits, the routes, and
 //! server-sent events. The engine runs on a thread of its own ([`worker`]), one generation
 //! at a time, and the handlers only queue jobs and relay their events; nothing here touches
 //! the engine or the telemetry.
 
 mod api;
+pub mod chat;
 mod metrics;
 mod worker;
 

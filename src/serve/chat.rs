@@ -1,0 +1,125 @@
+//! `coli chat`: a conversation in the terminal, on the engine thread `coli serve` uses
+//! ([`super::worker`]): each turn's prompt is the whole conversation through the model's
+//! chat template, so the KV cache of the turns before is reused, and the history is saved
+//! after every turn. The answer streams to stdout; prompts and turn lines go to stderr.
+//! Ctrl-C ends the answer in progress (twice: the program); `/reset` starts a new
+//! conversation; `/exit` or end of input ends the run as a run ends.
+
+use std::io::{BufRead, Write};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context, Result};
+use tokio::sync::mpsc;
+
+use super::api::{Finish, Input};
+use super::metrics::Metrics;
+use super::worker::{self, Event, Job};
+use crate::interrupt;
+use crate::run::Positionals;
+use crate::sampling::Sampler;
+use crate::settings::Settings;
+use crate::text::ChatMessage;
+
+pub fn run(model: Option<&str>, settings: Settings, positionals: Positionals) -> Result<ExitCode> {
+    let raw_temperature = settings.text("TEMP").unwrap_or("0.7").trim().to_string();
+    let Ok(temperature) = raw_temperature.parse::<f64>() else {
+        bail!("TEMP={raw_temperature:?}: expected a temperature >= 0 (0 = greedy); pass TEMP=<number> as an argument, which wins over the environment");
+    };
+    let top_p = settings.number("TOP_P");
+    Sampler::new(temperature, top_p, 0)?;
+    let seed = settings.count_if_set("SEED").unwrap_or_else(|| {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+    });
+    let (jobs, queue) = mpsc::channel(1);
+    let (engine_thread, info) = worker::spawn(
+        model.map(str::to_string),
+        settings,
+        positionals,
+        queue,
+        Arc::new(Metrics::default()),
+    )?;
+    interrupt::install();
+    eprintln!(
+        "[chat] {}: type a message, then Enter; /reset starts over, /exit or end of input quits",
+        info.id
+    );
+    let mut messages: Vec<ChatMessage> = Vec::new();
+    let mut lines = std::io::stdin().lock().lines();
+    for turn in 0u64.. {
+        eprint!("> ");
+        let Some(line) = lines.next() else { break };
+        let line = line.context("reading the message from stdin")?;
+        match line.trim() {
+            "" => continue,
+            "/exit" => break,
+            "/reset" => {
+                messages.clear();
+                eprintln!("[chat] a new conversation");
+                continue;
+            }
+            _ => {}
+        }
+        messages.push(ChatMessage {
+            role: "user".to_string(),
+            content: line,
+        });
+        let (events_tx, mut events) = mpsc::unbounded_channel();
+        let job = Job {
+            input: Input::Chat(messages.clone()),
+            max_tokens: None,
+            temperature,
+            top_p,
+            seed: seed.wrapping_add(turn),
+            stop: Vec::new(),
+            routed_experts: false,
+            events: events_tx,
+            received: Instant::now(),
+        };
+        if jobs.blocking_send(job).is_err() {
+            bail!("the engine thread stopped");
+        }
+        let mut answer = String::new();
+        let mut stdout = std::io::stdout();
+        loop {
+            match events.blocking_recv() {
+                Some(Event::Started) => {}
+                Some(Event::Text(piece)) => {
+                    stdout.write_all(piece.as_bytes())?;
+                    stdout.flush()?;
+                    answer.push_str(&piece);
+                }
+                Some(Event::Done { finish, usage, .. }) => {
+                    writeln!(stdout)?;
+                    let ending = match finish {
+                        Finish::Stop => "stopped",
+                        Finish::Length => "NGEN reached",
+                    };
+                    eprintln!(
+                        "[chat] {} prompt tokens ({} cached) | {} generated ({ending})",
+                        usage.prompt, usage.cached, usage.completion
+                    );
+                    messages.push(ChatMessage {
+                        role: "assistant".to_string(),
+                        content: std::mem::take(&mut answer),
+                    });
+                    break;
+                }
+                Some(Event::Failed(err)) => {
+                    eprintln!("[chat] {}", err.message);
+                    messages.pop();
+                    break;
+                }
+                None => bail!("the engine thread stopped"),
+            }
+        }
+        interrupt::clear();
+    }
+    drop(jobs);
+    engine_thread
+        .join()
+        .map_err(|_| anyhow::anyhow!("the engine thread panicked"))
+}
