@@ -176,7 +176,8 @@ pub fn generate_after(
     let mut logits = engine.forward(&prompt[cached..], false)?;
     let prefill_seconds = started.elapsed().as_secs_f64();
     let started = Instant::now();
-    let mut tokens = Vec::with_capacity(policy.count);
+    // Reserved up to a bound: a count may be far larger than any generation gets.
+    let mut tokens = Vec::with_capacity(policy.count.min(4096));
     let mut non_finite = false;
     let mut ending = Ending::Limit;
     while tokens.len() < policy.count {
@@ -234,7 +235,7 @@ fn speculate(
     let prefill_seconds = started.elapsed().as_secs_f64();
     let started = Instant::now();
     let mut non_finite = logits.iter().any(|v| !v.is_finite());
-    let mut tokens = Vec::with_capacity(count);
+    let mut tokens = Vec::with_capacity(count.min(4096));
     let mut stats = Speculation {
         depth,
         ..Speculation::default()

@@ -387,6 +387,32 @@ fn sigterm_finishes_the_running_generation_then_saves() {
 }
 
 #[test]
+fn a_second_sigterm_ends_a_long_drain_at_once() {
+    let temp = tempfile::tempdir().unwrap();
+    let snap = snapshot_copy(temp.path());
+    let mut server = Server::start(&snap, &["64", "16", "16", "USAGE_SAVE=0"], &[]);
+    let port = server.port;
+    let body =
+        json!({ "prompt": heldout_ids(6), "max_tokens": 4000, "temperature": 0, "stream": true })
+            .to_string();
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(
+        stream,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut first = [0u8; 256];
+    assert!(stream.read(&mut first).unwrap() > 0);
+    server.signal("TERM");
+    std::thread::sleep(Duration::from_millis(200));
+    server.signal("TERM");
+    let started = Instant::now();
+    assert_eq!(server.wait(), Some(143));
+    assert!(started.elapsed() < Duration::from_secs(10));
+}
+
+#[test]
 fn a_client_that_leaves_mid_stream_stops_its_generation() {
     let temp = tempfile::tempdir().unwrap();
     let snap = snapshot_copy(temp.path());
@@ -531,7 +557,8 @@ fn routed_experts_are_the_routing_that_computed_each_token_and_the_trace_numbers
             serde_json::from_value(answer["choices"][0]["routed_experts"].clone()).unwrap();
         routed
     };
-    let first = ask(&heldout_ids(10));
+    // 20 prompt rows: beyond the rows the capture keeps, but the last is kept.
+    let first = ask(&heldout_ids(20));
     let second = ask(&heldout_ids(12)[5..]);
     server.signal("TERM");
     assert_eq!(server.wait(), Some(0));
@@ -565,7 +592,7 @@ fn routed_experts_are_the_routing_that_computed_each_token_and_the_trace_numbers
             })
             .collect()
     };
-    assert_eq!(first, expected(0, 10));
+    assert_eq!(first, expected(0, 20));
     assert_eq!(second, expected(5, 7));
     assert!(first.iter().flatten().all(|ids| ids.len() == 4));
 }

@@ -74,27 +74,67 @@ pub struct RouteTrace {
     routes: Option<LastRoutes>,
 }
 
-/// The routing of the last forward: per MoE call in order, its layer and each batch row's
+/// The routing of the last forward: per MoE call in order, its layer and batch rows'
 /// selected ids. A call whose layer is not above the previous call's starts a new forward.
+/// The first [`LastRoutes::KEPT_ROWS`] rows and the last one are kept (a verifying
+/// forward's rows, and a prefill's last), so a long prompt costs no memory per row.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct LastRoutes {
     /// Forwards seen since the routes were first kept.
     pub forward: u64,
-    pub calls: Vec<(usize, Vec<Vec<u32>>)>,
+    calls: Vec<CallRoutes>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct CallRoutes {
+    layer: usize,
+    first: Vec<Vec<u32>>,
+    /// The highest row routed beyond the first ones, and its ids.
+    last: Option<(usize, Vec<u32>)>,
 }
 
 impl LastRoutes {
-    /// Each call's selection for batch row `row` (empty where the call routed no such row).
+    pub const KEPT_ROWS: usize = 16;
+
+    /// Each call's selection for batch row `row` (empty where the call routed no such row
+    /// or did not keep it).
     pub fn row(&self, row: usize) -> Vec<Vec<u32>> {
         self.calls
             .iter()
-            .map(|(_, rows)| rows.get(row).cloned().unwrap_or_default())
+            .map(|call| match (call.first.get(row), &call.last) {
+                (Some(ids), _) => ids.clone(),
+                (None, Some((last, ids))) if *last == row => ids.clone(),
+                _ => Vec::new(),
+            })
             .collect()
     }
 
     /// Rows of the last forward.
     pub fn rows(&self) -> usize {
-        self.calls.iter().map(|(_, r)| r.len()).max().unwrap_or(0)
+        self.calls
+            .iter()
+            .map(|call| {
+                call.last
+                    .as_ref()
+                    .map_or(call.first.len(), |(row, _)| row + 1)
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
+    fn record(&mut self, row: usize, ids: &[usize]) {
+        let Some(call) = self.calls.last_mut() else {
+            return;
+        };
+        let ids: Vec<u32> = ids.iter().map(|&id| id as u32).collect();
+        if row < Self::KEPT_ROWS {
+            if call.first.len() <= row {
+                call.first.resize(row + 1, Vec::new());
+            }
+            call.first[row] = ids;
+        } else if call.last.as_ref().is_none_or(|(last, _)| row >= *last) {
+            call.last = Some((row, ids));
+        }
     }
 }
 
@@ -216,11 +256,15 @@ impl RouteTrace {
     /// number (also when no row was routed, e.g. a device-side router).
     pub fn moe_call(&mut self, layer: usize) -> MoeCall<'_> {
         if let Some(routes) = self.routes.as_mut() {
-            if routes.calls.last().is_none_or(|(last, _)| layer <= *last) {
+            if routes.calls.last().is_none_or(|call| layer <= call.layer) {
                 routes.forward += 1;
                 routes.calls.clear();
             }
-            routes.calls.push((layer, Vec::new()));
+            routes.calls.push(CallRoutes {
+                layer,
+                first: Vec::new(),
+                last: None,
+            });
         }
         MoeCall { rt: self, layer }
     }
@@ -348,11 +392,8 @@ impl MoeCall<'_> {
         if rt.guard.is_some() {
             rt.call_experts.extend_from_slice(ids);
         }
-        if let Some((_, rows)) = rt.routes.as_mut().and_then(|r| r.calls.last_mut()) {
-            if rows.len() <= row {
-                rows.resize(row + 1, Vec::new());
-            }
-            rows[row] = ids.iter().map(|&id| id as u32).collect();
+        if let Some(routes) = rt.routes.as_mut() {
+            routes.record(row, ids);
         }
     }
 }

@@ -7,6 +7,10 @@ use serde_json::{json, Value};
 
 use crate::text::ChatMessage;
 
+/// The longest stop sequence: the text held back while it may still become one is at most
+/// this long.
+const MAX_STOP_BYTES: usize = 256;
+
 /// An error as OpenAI returns it: an HTTP status and `{"error": {...}}`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ApiError {
@@ -210,10 +214,14 @@ fn request(common: Common, input: Input) -> Result<Request, ApiError> {
             "top_p {p}: expected a number in (0, 1]"
         )));
     }
-    if stop.iter().any(String::is_empty) || stop.len() > 4 {
-        return Err(ApiError::invalid(
-            "stop: up to 4 sequences, none of them empty",
-        ));
+    if stop
+        .iter()
+        .any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES)
+        || stop.len() > 4
+    {
+        return Err(ApiError::invalid(format!(
+            "stop: up to 4 sequences, none of them empty or over {MAX_STOP_BYTES} bytes"
+        )));
     }
     Ok(Request {
         model: common.model,

@@ -79,6 +79,8 @@ pub fn run(model: Option<&str>, settings: Settings, positionals: Positionals) ->
             events: events_tx,
             received: Instant::now(),
         };
+        // A Ctrl-C at the prompt is not meant for this answer.
+        interrupt::clear();
         if jobs.blocking_send(job).is_err() {
             bail!("the engine thread stopped");
         }

@@ -79,6 +79,10 @@ pub fn run(
     {
         bail!("TEMP={default_temperature:?}: requests that give no temperature take it, so it must be a number >= 0; pass TEMP=<number> (an environment TEMP naming a directory is overridden so)");
     }
+    let top_p = settings.number("TOP_P");
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        bail!("TOP_P={top_p}: requests that give no top_p take it, so it must be in (0, 1]");
+    }
     let address = SocketAddr::new(ip, port);
     // Bound before loading, so a port in use is said before minutes of loading.
     let listener = std::net::TcpListener::bind(address).with_context(|| {
@@ -157,7 +161,23 @@ async fn shutdown() {
     }
     #[cfg(not(unix))]
     let _ = interrupt.await;
-    eprintln!("[serve] stopping: finishing queued generations, then saving");
+    eprintln!("[serve] stopping: finishing queued generations, then saving (a second Ctrl-C or SIGTERM quits at once)");
+    // The drain can be long; a second signal ends it. Every finished turn is saved.
+    tokio::spawn(async {
+        let _ = tokio::signal::ctrl_c().await;
+        eprintln!("[serve] quitting now; the turns that finished are in the history");
+        std::process::exit(130);
+    });
+    #[cfg(unix)]
+    if let Ok(mut terminate) =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+    {
+        tokio::spawn(async move {
+            terminate.recv().await;
+            eprintln!("[serve] quitting now; the turns that finished are in the history");
+            std::process::exit(143);
+        });
+    }
 }
 
 fn error_response(err: &ApiError) -> Response {
@@ -330,14 +350,21 @@ async fn answer(
     }
     let (job, mut events) = job(app, &request, received)?;
     app.metrics.queue(1, 0);
-    if app.jobs.try_send(job).is_err() {
-        app.metrics.queue(-1, 0);
-        return Err(ApiError {
-            status: 503,
-            kind: "server_error",
-            code: None,
-            message: format!("{QUEUE} requests are already waiting; retry later"),
-        });
+    match app.jobs.try_send(job) {
+        Ok(()) => {}
+        Err(mpsc::error::TrySendError::Full(_)) => {
+            app.metrics.queue(-1, 0);
+            return Err(ApiError {
+                status: 503,
+                kind: "server_error",
+                code: None,
+                message: format!("{QUEUE} requests are already waiting; retry later"),
+            });
+        }
+        Err(mpsc::error::TrySendError::Closed(_)) => {
+            app.metrics.queue(-1, 0);
+            return Err(engine_gone());
+        }
     }
     match events.recv().await {
         Some(Event::Started) => {}

@@ -4,8 +4,10 @@
 //!
 //! KV reuse: the thread remembers which token ids the engine's KV cache holds. A prompt
 //! that starts with all of them (a conversation's next turn: the earlier prompt, the answer
-//! and the new message) prefills only the rest, which computes what a fresh prefill of the
-//! whole prompt computes; any other prompt starts from an empty cache.
+//! and the new message) prefills only the rest; any other prompt starts from an empty
+//! cache. The cached positions hold what a fresh prefill computes, except that on the
+//! latent-attention engines (GLM-5.2, Kimi K3) the answer's positions came from the decode
+//! path, whose sums are ordered differently: equal up to rounding.
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -122,9 +124,28 @@ pub fn run(
     };
     while let Some(job) = jobs.blocking_recv() {
         metrics.queue(-1, 1);
-        let turn = worker.turn(engine.as_mut(), &mut session, job);
+        let events = job.events.clone();
+        // A panic in one generation answers that request and leaves the server serving.
+        let turn = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            worker.turn(engine.as_mut(), &mut session, job)
+        }))
+        .unwrap_or_else(|_| {
+            worker.cached.clear();
+            engine.reset();
+            let _ = events.send(Event::Failed(ApiError {
+                status: 500,
+                kind: "server_error",
+                code: None,
+                message: "the generation failed (the engine's KV cache was reset)".to_string(),
+            }));
+            None
+        });
         if let Some(turn) = turn {
-            session.save_turn(engine.as_mut());
+            // A turn that routed nothing (its client left while it waited) saves nothing,
+            // so it cannot decay the history.
+            if engine.telemetry().unsaved_selections() > 0 {
+                session.save_turn(engine.as_mut());
+            }
             let pinned = engine.expert_store().pinned().iter().map(Vec::len).sum();
             metrics.turn(&turn, engine.cache_stats(), pinned);
         }
@@ -279,6 +300,10 @@ impl Worker<'_> {
         let generation = {
             let mut on_token = |token: u32| -> Result<Flow> {
                 first_token.get_or_insert_with(|| job.received.elapsed().as_secs_f64());
+                if job.events.is_closed() {
+                    abandoned = true;
+                    return Ok(Flow::Halt);
+                }
                 let Some(piece) = stream.step(token)? else {
                     return Ok(Flow::Continue);
                 };
