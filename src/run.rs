@@ -43,11 +43,17 @@ impl Positionals {
     }
 }
 
+/// The main job; a run that a signal stopped exits `128 + signal` once it has saved.
 pub fn main_job(
     model: Option<&str>,
     settings: &Settings,
     positionals: Positionals,
 ) -> Result<ExitCode> {
+    let code = job(model, settings, positionals)?;
+    Ok(interrupt::exit_status().map_or(code, ExitCode::from))
+}
+
+fn job(model: Option<&str>, settings: &Settings, positionals: Positionals) -> Result<ExitCode> {
     let (snapshot, name) = open(model, settings)?;
     // Text mode's tokenizer and settings are checked before the weights are mapped.
     let text = TextMode::from_settings(settings, snapshot.dir())?;

@@ -257,7 +257,13 @@ fn bad_telemetry_settings_exit_2() {
 }
 
 #[test]
-fn ctrl_c_stops_generation_and_still_saves() {
+fn a_signal_stops_generation_saves_and_exits_128_plus_its_number() {
+    for (signal, code) in [("INT", 130), ("TERM", 143), ("HUP", 129)] {
+        stopped_by(signal, code);
+    }
+}
+
+fn stopped_by(signal: &str, code: i32) {
     let dir = copy_fixture("olmoe_tiny");
     let trace = dir.path().join("trace.txt");
     let child = Command::new(env!("CARGO_BIN_EXE_coli"))
@@ -283,14 +289,15 @@ fn ctrl_c_stops_generation_and_still_saves() {
     }
     std::thread::sleep(Duration::from_millis(300));
     let status = Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
+        .args([&format!("-{signal}"), &child.id().to_string()])
         .status()
         .unwrap();
     assert!(status.success());
     let out = child.wait_with_output().unwrap();
     let err = stderr(&out);
-    assert!(out.status.success(), "{err}");
-    let saved = stats_total(&err).expect("the history is saved on Ctrl-C");
+    assert_eq!(out.status.code(), Some(code), "SIG{signal}: {err}");
+    assert!(err.contains(&format!("[coli] SIG{signal}: stopping")), "{err}");
+    let saved = stats_total(&err).expect("the history is saved on a signal");
     let history = std::fs::read_to_string(dir.path().join(".coli_usage")).unwrap();
     // Selections are the data records; the `-5` recent-heat records are not counts.
     let total: u64 = history

@@ -409,7 +409,8 @@ fn ctrl_c_stops_text_and_still_saves_history() {
     out.read_to_end(&mut seen).unwrap();
     let output = child.wait_with_output().unwrap();
     let err = stderr(&output);
-    assert!(output.status.success(), "{err}");
+    // Saved, then 128 + SIGINT, so a script can tell it from a finished run.
+    assert_eq!(output.status.code(), Some(130), "{err}");
     let run = Run {
         stdout: String::from_utf8_lossy(&seen).into_owned(),
         stderr: err,
