@@ -142,7 +142,7 @@ pub fn run(argv: impl IntoIterator<Item = OsString>) -> Result<ExitCode> {
     }
     if let Some(Command::Serve(args)) = &cli.command {
         let (pairs, numbers) = split_args(&args.args)?;
-        let settings = Settings::resolve(&pairs, |name| std::env::var(name).ok())?;
+        let settings = Settings::from_process(&pairs)?;
         return crate::serve::run(
             cli.model.as_deref(),
             settings,
@@ -153,7 +153,7 @@ pub fn run(argv: impl IntoIterator<Item = OsString>) -> Result<ExitCode> {
     }
     if let Some(Command::Chat(args)) = &cli.command {
         let (pairs, numbers) = split_args(&args.args)?;
-        let settings = Settings::resolve(&pairs, |name| std::env::var(name).ok())?;
+        let settings = Settings::from_process(&pairs)?;
         return crate::serve::chat::run(
             cli.model.as_deref(),
             settings,
@@ -165,7 +165,7 @@ pub fn run(argv: impl IntoIterator<Item = OsString>) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     let (pairs, numbers) = split_args(&cli.args)?;
-    let settings = Settings::resolve(&pairs, |name| std::env::var(name).ok())?;
+    let settings = Settings::from_process(&pairs)?;
     let positionals = Positionals::from_numbers(&numbers);
     run::main_job(cli.model.as_deref(), &settings, positionals)
 }

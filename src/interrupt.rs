@@ -39,7 +39,9 @@ pub fn install() {
                     }
                 });
             }
-            Err(err) => eprintln!("[coli] no signal handler ({err}): Ctrl-C ends the run without saving"),
+            Err(err) => {
+                eprintln!("[coli] no signal handler ({err}): Ctrl-C ends the run without saving")
+            }
         }
         #[cfg(not(unix))]
         if let Err(err) = ctrlc::set_handler(|| received(2, "Ctrl-C")) {

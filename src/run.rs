@@ -188,7 +188,14 @@ pub fn open(model: Option<&str>, settings: &Settings) -> Result<(Snapshot, &'sta
     let Some(snap) = settings.text("SNAP") else {
         bail!("SNAP is not set: pass SNAP=<model directory>, e.g. `coli SNAP=fixtures/olmoe_tiny 64 16 16`");
     };
-    let threads = settings.count("THREADS") as usize;
+    let mut threads = settings.count("THREADS") as usize;
+    let available = std::thread::available_parallelism().map_or(1, usize::from);
+    if threads > available {
+        eprintln!(
+            "[threads] THREADS={threads} is more than the {available} CPUs this process may use; using {available}"
+        );
+        threads = available;
+    }
     if threads > 0 {
         // Fails only if a pool already exists, which cannot happen before the first job.
         let _ = rayon::ThreadPoolBuilder::new()

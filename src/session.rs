@@ -143,12 +143,10 @@ impl Session {
 
         let telemetry = engine.telemetry();
         if let Some(trace) = settings.text("ROUTE_TRACE") {
-            // A file the trace must not replace stops the run; one that cannot be created
-            // leaves it untraced, as the message says.
+            // A trace was asked for: one that cannot be created (or must not replace the
+            // file there) stops the run before the first token.
             if let Err(e) = telemetry.open_trace(Path::new(trace)) {
-                if e.kind() == std::io::ErrorKind::InvalidInput {
-                    bail!("ROUTE_TRACE={trace}: {e}");
-                }
+                bail!("ROUTE_TRACE={trace}: {e}; choose a path coli can create");
             }
         }
         telemetry.load_history(&history);

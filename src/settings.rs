@@ -342,11 +342,10 @@ pub enum Source {
 
 #[derive(Debug, Error, PartialEq)]
 pub enum SettingsError {
-    #[error("unknown setting {key}; did you mean {suggestion}? (`coli settings` lists them all)")]
-    UnknownKey {
-        key: String,
-        suggestion: &'static str,
-    },
+    #[error("unknown setting {key}; {hint} (`coli settings` lists them all)")]
+    UnknownKey { key: String, hint: String },
+    #[error("environment variable {key} is not UTF-8 ({value:?}); coli reads settings as UTF-8 text: set it again, or pass {key}=<value> as an argument")]
+    NotUnicode { key: &'static str, value: String },
     #[error("{origin} {key}={value:?}: expected {kind}")]
     BadValue {
         origin: String,
@@ -363,16 +362,38 @@ pub struct Settings {
 }
 
 impl Settings {
+    /// Resolve `arguments` (`KEY`, `VALUE` pairs) over the process's environment over
+    /// defaults; an environment value that is not UTF-8 is refused by name.
+    pub fn from_process(arguments: &[(String, String)]) -> Result<Settings, SettingsError> {
+        Settings::resolve_with(arguments, |key| match std::env::var_os(key.name) {
+            None => Ok(None),
+            Some(raw) => raw
+                .into_string()
+                .map(Some)
+                .map_err(|raw| SettingsError::NotUnicode {
+                    key: key.name,
+                    value: raw.to_string_lossy().into_owned(),
+                }),
+        })
+    }
+
     /// Resolve `arguments` (`KEY`, `VALUE` pairs) over the environment `env` over defaults.
     pub fn resolve(
         arguments: &[(String, String)],
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<Settings, SettingsError> {
+        Settings::resolve_with(arguments, |key| Ok(env(key.name)))
+    }
+
+    fn resolve_with(
+        arguments: &[(String, String)],
+        env: impl Fn(&'static Key) -> Result<Option<String>, SettingsError>,
+    ) -> Result<Settings, SettingsError> {
         let mut given: HashMap<&'static str, (String, Source)> = HashMap::new();
         for (name, value) in arguments {
             let key = find(name).ok_or_else(|| SettingsError::UnknownKey {
                 key: name.clone(),
-                suggestion: nearest(name),
+                hint: hint(name),
             })?;
             given.insert(key.name, (value.clone(), Source::Argument));
         }
@@ -380,7 +401,7 @@ impl Settings {
         for key in KEYS {
             let (raw, source) = match given.remove(key.name) {
                 Some(found) => found,
-                None => match env(key.name) {
+                None => match env(key)? {
                     Some(value) => (value, Source::Environment),
                     None if key.default.is_empty() => continue,
                     None => (key.default.to_string(), Source::Argument),
@@ -482,6 +503,31 @@ fn parse(kind: Kind, raw: &str) -> Option<Value> {
     }
 }
 
+/// Names people bring from colibri and other tools, and where they point here.
+const FOREIGN_NAMES: &[(&str, &str)] = &[
+    ("EBITS", "EBITS is a positional, not a setting: `coli SNAP=<dir> CAP EBITS DBITS`, e.g. `64 8 8`"),
+    ("DBITS", "DBITS is a positional, not a setting: `coli SNAP=<dir> CAP EBITS DBITS`, e.g. `64 8 8`"),
+    ("MODEL", "the engine is chosen with `--model <engine>` before the settings (by default from config.json's model_type)"),
+    ("ENGINE", "the engine is chosen with `--model <engine>` before the settings (by default from config.json's model_type)"),
+    ("DECAY", "the history's decay is COLI_USAGE_DECAY"),
+    ("USAGE_DECAY", "the history's decay is COLI_USAGE_DECAY"),
+    ("NUCLEUS", "colibri's NUCLEUS is TOP_P here"),
+    ("COLI_TEMP", "colibri's COLI_TEMP is TEMP here"),
+    ("TEMPERATURE", "the sampling temperature is TEMP"),
+    ("TOPK", "colibri's TOPK changes how many experts a token is routed to; coli has no routing overrides (a model routes as its config says; TOP_P is the sampling nucleus)"),
+    ("TOPP", "colibri's TOPP changes routing, not sampling; coli has no routing overrides (TOP_P is the sampling nucleus)"),
+    ("MAX_TOKENS", "the number of tokens to generate is NGEN"),
+];
+
+/// What to say about an unknown `name`: where a foreign name points, else the nearest key.
+fn hint(name: &str) -> String {
+    let upper = name.to_ascii_uppercase();
+    match FOREIGN_NAMES.iter().find(|(foreign, _)| *foreign == upper) {
+        Some((_, hint)) => hint.to_string(),
+        None => format!("did you mean {}?", nearest(name)),
+    }
+}
+
 /// The declared key closest to `name` by edit distance (case-insensitive).
 fn nearest(name: &str) -> &'static str {
     let upper = name.to_ascii_uppercase();
@@ -576,10 +622,14 @@ mod tests {
             err,
             SettingsError::UnknownKey {
                 key: "NGNE".into(),
-                suggestion: "NGEN"
+                hint: "did you mean NGEN?".into()
             }
         );
         assert_eq!(nearest("snap"), "SNAP");
+        assert!(hint("EBITS").contains("positional"));
+        assert!(hint("model").contains("--model"));
+        assert!(hint("DECAY").contains("COLI_USAGE_DECAY"));
+        assert!(hint("NUCLEUS").contains("TOP_P"));
     }
 
     #[test]

@@ -296,7 +296,10 @@ fn stopped_by(signal: &str, code: i32) {
     let out = child.wait_with_output().unwrap();
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(code), "SIG{signal}: {err}");
-    assert!(err.contains(&format!("[coli] SIG{signal}: stopping")), "{err}");
+    assert!(
+        err.contains(&format!("[coli] SIG{signal}: stopping")),
+        "{err}"
+    );
     let saved = stats_total(&err).expect("the history is saved on a signal");
     let history = std::fs::read_to_string(dir.path().join(".coli_usage")).unwrap();
     // Selections are the data records; the `-5` recent-heat records are not counts.

@@ -66,7 +66,7 @@ impl Width {
             5..=15 => Ok(Width::Int8Row),
             4 => Ok(Width::Int4Group64),
             _ => bail!(
-                "{bits}-bit weights are not supported: use 16 or more for f32 (exact), 5..8 for int8 per-row or 4 for int4 in groups of 64"
+                "{bits}-bit weights are not supported: use 16 or more for f32 (exact), 5..15 for int8 per row or 4 for int4 in groups of 64"
             ),
         }
     }

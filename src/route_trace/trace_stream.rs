@@ -73,10 +73,13 @@ impl TraceStream {
 
     /// Pushes buffered lines to the file; returns the first write error seen, if any.
     pub fn flush(&mut self) -> io::Result<()> {
+        let named = |e: io::Error, path: &Path| {
+            io::Error::new(e.kind(), format!("{}: {e}", path.display()))
+        };
         if let Some(e) = self.error.take() {
-            return Err(e);
+            return Err(named(e, &self.path));
         }
-        self.out.flush()
+        self.out.flush().map_err(|e| named(e, &self.path))
     }
 }
 

@@ -29,6 +29,21 @@ pub struct Shard {
 impl Shard {
     pub fn open(path: &Path) -> Result<Shard> {
         let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+        let kind = file
+            .metadata()
+            .with_context(|| format!("cannot read {}", path.display()))?
+            .file_type();
+        if !kind.is_file() {
+            bail!(
+                "{} is {}, not a safetensors file",
+                path.display(),
+                if kind.is_dir() {
+                    "a directory"
+                } else {
+                    "not a regular file"
+                }
+            );
+        }
         // SAFETY: the mapping is read-only; a shard rewritten underneath a running process is
         // outside what any reader of memory-mapped weights can defend against.
         let mapping = unsafe { Mmap::map(&file) }
