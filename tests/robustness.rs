@@ -121,3 +121,46 @@ fn a_directory_where_a_shard_should_be_is_named() {
         &["model.safetensors is a directory, not a safetensors file"],
     );
 }
+
+/// A copy of `name` whose config (its `text_config` when it has one) `edit` changes.
+fn with_config(name: &str, edit: impl Fn(&mut serde_json::Value)) -> tempfile::TempDir {
+    let dir = copy_fixture(name);
+    let path = dir.path().join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    match config.get_mut("text_config") {
+        Some(text) => edit(text),
+        None => edit(&mut config),
+    }
+    std::fs::write(&path, config.to_string()).unwrap();
+    dir
+}
+
+#[test]
+fn a_layer_count_the_checkpoint_does_not_hold_is_refused_before_allocating() {
+    for (name, layers) in [("olmoe_tiny", 3), ("inkling_tiny", 7), ("kimi_k3_tiny", 6)] {
+        for wrong in [1_000_000_000u64, 0, layers - 1, layers + 1] {
+            let dir = with_config(name, |c| c["num_hidden_layers"] = wrong.into());
+            let started = std::time::Instant::now();
+            let out = coli(&[&snap_arg(dir.path()), "64", "16", "16"], &[]);
+            refused(&out, &["config.json", "num_hidden_layers"]);
+            assert!(
+                started.elapsed() < std::time::Duration::from_secs(10),
+                "{name} {wrong}"
+            );
+        }
+    }
+    let dir = with_config("olmoe_tiny", |c| c["rms_norm_eps"] = (-1.0).into());
+    refused(
+        &coli(&[&snap_arg(dir.path()), "64", "16", "16"], &[]),
+        &["rms_norm_eps is -1"],
+    );
+    let dir = with_config("olmoe_tiny", |c| {
+        c["rope_theta"] = 0.0.into();
+        c.as_object_mut().unwrap().remove("rope_parameters");
+    });
+    refused(
+        &coli(&[&snap_arg(dir.path()), "64", "16", "16"], &[]),
+        &["rope_theta is 0"],
+    );
+}

@@ -703,6 +703,15 @@ impl GlmMoeDsa {
     pub fn load(snapshot: &Snapshot, options: LoadOptions) -> Result<GlmMoeDsa> {
         let config: Config = snapshot.config()?;
         config.validate()?;
+        // The MTP head, when the checkpoint has it, is layer `num_hidden_layers`.
+        super::check_config(
+            snapshot,
+            "model.layers.",
+            config.num_hidden_layers,
+            1,
+            config.rms_norm_eps,
+        )?;
+        super::check_positive("rope_theta", config.rope_theta())?;
         let sparse = config.sparse_layers()?;
         let full = config.full_indexer_layers()?;
         let (d, n_layers) = (config.hidden_size, config.num_hidden_layers);

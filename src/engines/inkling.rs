@@ -398,9 +398,16 @@ impl Inkling {
     pub fn load(snapshot: &Snapshot, options: LoadOptions) -> Result<Inkling> {
         let config = Config::read(snapshot)?;
         config.validate()?;
-        let kinds = config.layer_kinds()?;
         let names = Names::find(|name| snapshot.contains(name))
             .map_err(|err| anyhow!("{}: {err}", snapshot.dir().display()))?;
+        super::check_config(
+            snapshot,
+            &format!("{}layers.", names.prefix),
+            config.num_hidden_layers,
+            0,
+            config.rms_norm_eps,
+        )?;
+        let kinds = config.layer_kinds()?;
         let d = config.hidden_size;
         let (dense_inter, moe_inter) = config.intermediate_sizes();
         let kernel = config.conv_kernel()?;

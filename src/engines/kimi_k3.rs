@@ -140,12 +140,34 @@ fn default_eps() -> f64 {
 impl Config {
     /// The text config of `config.json`, with `eos_token_id` taken from the top level
     /// first.
+    /// The config, its layer count checked against the checkpoint before the rest of it
+    /// (whose checks walk the layers).
     pub fn read(snapshot: &Snapshot) -> Result<Config> {
         let path = snapshot.dir().join("config.json");
-        Config::from_json(snapshot.config_json(), &path)
+        let (config, what) = Config::parse(snapshot.config_json(), &path)?;
+        super::check_config(
+            snapshot,
+            &format!("{}model.layers.", tensor_prefix(snapshot)?),
+            config.num_hidden_layers,
+            0,
+            config.rms_norm_eps,
+        )?;
+        config
+            .validate()
+            .with_context(|| format!("{}: {what}", path.display()))?;
+        Ok(config)
     }
 
+    #[cfg(test)]
     fn from_json(root: &serde_json::Value, path: &Path) -> Result<Config> {
+        let (config, what) = Config::parse(root, path)?;
+        config
+            .validate()
+            .with_context(|| format!("{}: {what}", path.display()))?;
+        Ok(config)
+    }
+
+    fn parse(root: &serde_json::Value, path: &Path) -> Result<(Config, &'static str)> {
         let (text, what) = match root.get("text_config") {
             Some(text) if text.is_object() => (text, "text_config"),
             Some(other) => bail!(
@@ -159,10 +181,7 @@ impl Config {
         if let Some(eos) = root.get("eos_token_id").filter(|v| !v.is_null()) {
             config.eos_token_id = eos.clone();
         }
-        config
-            .validate()
-            .with_context(|| format!("{}: {what}", path.display()))?;
-        Ok(config)
+        Ok((config, what))
     }
 
     /// Per layer (0-based): whether it is a KDA layer.

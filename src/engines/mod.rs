@@ -178,6 +178,54 @@ pub fn load(name: &str, snapshot: &Snapshot, options: LoadOptions) -> Result<Box
     }
 }
 
+/// Checks of a config against its checkpoint that every engine makes before it allocates
+/// anything: `num_hidden_layers` is the number of decoder layers the checkpoint holds under
+/// `prefix` (`model.layers.`): every index below it is present and none at or above it
+/// beyond `extra` (an MTP head's layers); and the RMSNorm epsilon is a positive number.
+pub(crate) fn check_config(
+    snapshot: &Snapshot,
+    prefix: &str,
+    layers: usize,
+    extra: usize,
+    rms_norm_eps: f64,
+) -> Result<()> {
+    if !(rms_norm_eps.is_finite() && rms_norm_eps > 0.0) {
+        bail!("config.json: rms_norm_eps is {rms_norm_eps}; it must be a positive number");
+    }
+    let present: std::collections::BTreeSet<usize> = snapshot
+        .names()
+        .filter_map(|name| name.strip_prefix(prefix))
+        .filter_map(|rest| rest.split('.').next()?.parse().ok())
+        .collect();
+    let highest = present.iter().next_back().copied();
+    let found = match highest {
+        Some(h) => format!("layers 0..={h}"),
+        None => "no layers".to_string(),
+    };
+    if layers == 0 {
+        bail!("config.json: num_hidden_layers is 0; the checkpoint holds {found} under {prefix}N");
+    }
+    if let Some(missing) = (0..layers).find(|l| !present.contains(l)) {
+        bail!(
+            "config.json: num_hidden_layers is {layers}, but the checkpoint has no layer {missing} ({prefix}{missing}.*; it holds {found}): the config does not belong to these weights"
+        );
+    }
+    if let Some(h) = highest.filter(|&h| h >= layers + extra) {
+        bail!(
+            "config.json: num_hidden_layers is {layers}, but the checkpoint holds layers up to {h} ({prefix}{h}.*): the config does not describe every layer of these weights"
+        );
+    }
+    Ok(())
+}
+
+/// `value` of `key` in config.json is a positive number.
+pub(crate) fn check_positive(key: &str, value: f64) -> Result<()> {
+    if !(value.is_finite() && value > 0.0) {
+        bail!("config.json: {key} is {value}; it must be a positive number");
+    }
+    Ok(())
+}
+
 /// The engine to use: `--model` when given, else `model_type` from `config.json`; refuse
 /// when both are present and disagree.
 pub fn resolve(requested: Option<&str>, snapshot: &Snapshot) -> Result<&'static str> {

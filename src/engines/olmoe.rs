@@ -167,6 +167,14 @@ impl Olmoe {
     pub fn load(snapshot: &Snapshot, options: LoadOptions) -> Result<Olmoe> {
         let config: Config = snapshot.config()?;
         config.validate()?;
+        super::check_config(
+            snapshot,
+            "model.layers.",
+            config.num_hidden_layers,
+            0,
+            config.rms_norm_eps,
+        )?;
+        super::check_positive("rope_theta", config.rope_theta())?;
         let (d, hd) = (config.hidden_size, config.head_dim());
         let (heads, kv_heads) = (config.num_attention_heads, config.kv_heads());
         let dense = options.dense_width;
