@@ -260,6 +260,39 @@ fn missing_tensor_and_wrong_dtype_are_named() {
         &[],
         &["model.norm.weight", "I32", "expected F32, BF16 or F16"],
     );
+
+    // A routed expert in a wrong dtype is refused at load, not when it is first used, and
+    // the converter refuses it too.
+    let dir = copy_fixture("olmoe_tiny");
+    let expert = "model.layers.2.mlp.experts.6.down_proj.weight";
+    rewrite_shard(dir.path(), |tensors| {
+        for tensor in tensors.iter_mut().filter(|t| t.0 == expert) {
+            tensor.1 = safetensors::Dtype::I32;
+        }
+    });
+    assert_refused(
+        &[
+            &snap_arg(dir.path()),
+            "IDS=3",
+            "NGEN=1",
+            "USAGE_SAVE=0",
+            "64",
+            "16",
+            "16",
+        ],
+        &[],
+        &[expert, "I32"],
+    );
+    let out = tempfile::tempdir().unwrap();
+    assert_refused(
+        &[
+            "convert",
+            dir.path().to_str().unwrap(),
+            out.path().join("c").to_str().unwrap(),
+        ],
+        &[],
+        &[expert, "I32", "weight matrix"],
+    );
 }
 
 #[test]

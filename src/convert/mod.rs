@@ -347,6 +347,13 @@ fn plan(snapshot: &Snapshot, options: &Options) -> Result<Vec<Planned>> {
                     view.file.display()
                 );
             }
+            if classify(name, view.shape.len()) != Class::Keep {
+                bail!(
+                    "{}: tensor {name} is a weight matrix stored as {:?}; expected F32, BF16 or F16 (or quantised bytes with their scales): the checkpoint is damaged or not a model's",
+                    view.file.display(),
+                    view.dtype
+                );
+            }
             floats.push(Planned {
                 job: Job::Copy {
                     names: vec![name.to_string()],

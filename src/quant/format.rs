@@ -373,6 +373,10 @@ pub fn shaped(view: TensorView, shape: &[usize]) -> Result<TensorView> {
                 shape
             );
         }
+        // The dtype and byte count now, not when the tensor is first used (a routed
+        // expert may be read for the first time hours into a run).
+        let (cols, leading) = shape.split_last().map_or((1, &[][..]), |(c, l)| (*c, l));
+        float_format(&view, leading.iter().product(), cols)?;
         return Ok(view);
     }
     let Some((&cols, leading)) = shape.split_last() else {
