@@ -120,13 +120,19 @@ pub fn run(argv: impl IntoIterator<Item = OsString>) -> Result<ExitCode> {
         }
     };
     if let Some(Command::Convert(args)) = &cli.command {
+        if !(args.shard_gb.is_finite() && args.shard_gb > 0.0) {
+            bail!(
+                "--shard-gb {}: the largest shard must be a positive number of GB (default 4)",
+                args.shard_gb
+            );
+        }
         let dense_bits = args.dense_bits.unwrap_or(args.bits);
         let options = crate::convert::Options {
             expert_bits: args.expert_bits.unwrap_or(args.bits),
             dense_bits,
             io_bits: args.io_bits.unwrap_or(dense_bits.for_io()),
             group_size: args.group_size,
-            shard_bytes: (args.shard_gb.max(0.0) * 1e9) as u64,
+            shard_bytes: (args.shard_gb * 1e9) as u64,
         };
         let summary = crate::convert::convert(&args.src, &args.dst, &options)?;
         println!("{}", crate::convert::report(&summary, &args.dst));

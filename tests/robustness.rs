@@ -164,3 +164,36 @@ fn a_layer_count_the_checkpoint_does_not_hold_is_refused_before_allocating() {
         &["rope_theta is 0"],
     );
 }
+
+#[test]
+fn settings_and_tensors_the_model_cannot_use_are_refused_not_ignored() {
+    let snap = snap_arg(&fixture("olmoe_tiny"));
+    refused(
+        &coli(&[&snap, "DRAFT=2", "64", "16", "16"], &[]),
+        &["DRAFT=2", "olmoe has no draft"],
+    );
+    refused(
+        &coli(&[&snap, "DSA_FORCE=1", "64", "16", "16"], &[]),
+        &["DSA_FORCE=1", "no DSA indexer"],
+    );
+    let out = tempfile::tempdir().unwrap();
+    refused(
+        &coli(
+            &[
+                "convert",
+                fixture("olmoe_tiny").to_str().unwrap(),
+                out.path().join("c").to_str().unwrap(),
+                "--shard-gb",
+                "0",
+            ],
+            &[],
+        ),
+        &["--shard-gb 0", "positive"],
+    );
+    // One expert more than the config says: the checkpoint is not what the config describes.
+    let dir = with_config("olmoe_tiny", |c| c["num_experts"] = 7.into());
+    refused(
+        &coli(&[&snap_arg(dir.path()), "64", "16", "16"], &[]),
+        &["num_experts is 7", ".experts.7."],
+    );
+}

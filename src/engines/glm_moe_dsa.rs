@@ -709,6 +709,7 @@ impl GlmMoeDsa {
             "model.layers.",
             config.num_hidden_layers,
             1,
+            ("n_routed_experts", config.n_routed_experts),
             config.rms_norm_eps,
         )?;
         super::check_positive("rope_theta", config.rope_theta())?;

@@ -405,6 +405,7 @@ impl Inkling {
             &format!("{}layers.", names.prefix),
             config.num_hidden_layers,
             0,
+            ("n_routed_experts", config.n_routed_experts),
             config.rms_norm_eps,
         )?;
         let kinds = config.layer_kinds()?;

@@ -150,6 +150,7 @@ impl Config {
             &format!("{}model.layers.", tensor_prefix(snapshot)?),
             config.num_hidden_layers,
             0,
+            ("num_experts", config.num_experts),
             config.rms_norm_eps,
         )?;
         config

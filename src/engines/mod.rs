@@ -166,6 +166,15 @@ fn engine_of_model_type(model_type: &str) -> &str {
 
 /// Build the engine `name` from `snapshot`.
 pub fn load(name: &str, snapshot: &Snapshot, options: LoadOptions) -> Result<Box<dyn Engine>> {
+    // Settings that only GLM-5.2 reads are refused elsewhere rather than ignored.
+    if name != glm_moe_dsa::NAME {
+        if let Some(depth) = options.draft.filter(|&d| d > 0) {
+            bail!("DRAFT={depth}: {name} has no draft (MTP) head; speculative decoding is glm_moe_dsa's (drop DRAFT)");
+        }
+        if options.dsa_force {
+            bail!("DSA_FORCE=1: {name} has no DSA indexer; it is glm_moe_dsa's (drop DSA_FORCE)");
+        }
+    }
     match name {
         olmoe::NAME => Ok(Box::new(olmoe::Olmoe::load(snapshot, options)?)),
         inkling::NAME => Ok(Box::new(inkling::Inkling::load(snapshot, options)?)),
@@ -181,16 +190,29 @@ pub fn load(name: &str, snapshot: &Snapshot, options: LoadOptions) -> Result<Box
 /// Checks of a config against its checkpoint that every engine makes before it allocates
 /// anything: `num_hidden_layers` is the number of decoder layers the checkpoint holds under
 /// `prefix` (`model.layers.`): every index below it is present and none at or above it
-/// beyond `extra` (an MTP head's layers); and the RMSNorm epsilon is a positive number.
+/// beyond `extra` (an MTP head's layers); no routed expert (`.experts.N.`) is numbered at
+/// or beyond the config's count (`experts`: its key and value); and the RMSNorm epsilon is
+/// a positive number.
 pub(crate) fn check_config(
     snapshot: &Snapshot,
     prefix: &str,
     layers: usize,
     extra: usize,
+    experts: (&str, usize),
     rms_norm_eps: f64,
 ) -> Result<()> {
     if !(rms_norm_eps.is_finite() && rms_norm_eps > 0.0) {
         bail!("config.json: rms_norm_eps is {rms_norm_eps}; it must be a positive number");
+    }
+    let (key, count) = experts;
+    let beyond = snapshot.names().find(|name| {
+        name.split(".experts.")
+            .nth(1)
+            .and_then(|rest| rest.split('.').next()?.parse::<usize>().ok())
+            .is_some_and(|e| e >= count)
+    });
+    if let Some(name) = beyond {
+        bail!("config.json: {key} is {count}, but the checkpoint holds tensor {name}: the config does not describe these weights");
     }
     let present: std::collections::BTreeSet<usize> = snapshot
         .names()

@@ -172,6 +172,7 @@ impl Olmoe {
             "model.layers.",
             config.num_hidden_layers,
             0,
+            ("num_experts", config.num_experts),
             config.rms_norm_eps,
         )?;
         super::check_positive("rope_theta", config.rope_theta())?;
