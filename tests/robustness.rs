@@ -197,3 +197,37 @@ fn settings_and_tensors_the_model_cannot_use_are_refused_not_ignored() {
         &["num_experts is 7", ".experts.7."],
     );
 }
+
+#[test]
+fn a_config_number_beyond_any_model_and_a_bad_header_entry_are_named() {
+    let dir = with_config("kimi_k3_tiny", |c| {
+        c["moe_intermediate_size"] = u64::MAX.into()
+    });
+    refused(
+        &coli(&[&snap_arg(dir.path()), "64", "16", "16"], &[]),
+        &[
+            "moe_intermediate_size is 18446744073709551615",
+            "larger than any model",
+        ],
+    );
+    // A header entry whose offsets lie beyond the data: named, with the sizes.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        fixture("olmoe_tiny").join("config.json"),
+        dir.path().join("config.json"),
+    )
+    .unwrap();
+    let mut header =
+        br#"{"model.norm.weight":{"dtype":"F32","shape":[64],"data_offsets":[0,999999]}}"#.to_vec();
+    while header.len() % 8 != 0 {
+        header.push(b' ');
+    }
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(&header);
+    bytes.extend_from_slice(&[0u8; 256]);
+    std::fs::write(dir.path().join("model.safetensors"), bytes).unwrap();
+    refused(
+        &coli(&[&snap_arg(dir.path()), "64", "16", "16"], &[]),
+        &["tensor model.norm.weight", "[0, 999999]", "256 data bytes"],
+    );
+}

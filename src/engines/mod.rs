@@ -166,6 +166,7 @@ fn engine_of_model_type(model_type: &str) -> &str {
 
 /// Build the engine `name` from `snapshot`.
 pub fn load(name: &str, snapshot: &Snapshot, options: LoadOptions) -> Result<Box<dyn Engine>> {
+    check_config_integers(snapshot.config_json(), "")?;
     // Settings that only GLM-5.2 reads are refused elsewhere rather than ignored.
     if name != glm_moe_dsa::NAME {
         if let Some(depth) = options.draft.filter(|&d| d > 0) {
@@ -184,6 +185,37 @@ pub fn load(name: &str, snapshot: &Snapshot, options: LoadOptions) -> Result<Box
             "unknown engine {other:?}; this build runs: {}",
             ENGINES.join(", ")
         ),
+    }
+}
+
+/// The largest integer a config may hold: beyond every model dimension, layer and token
+/// count, and small enough that the shape arithmetic of two such numbers cannot overflow.
+const MAX_CONFIG_INTEGER: u64 = 1 << 31;
+
+/// Every integer in `config.json`, at any depth, is at most [`MAX_CONFIG_INTEGER`]; checked
+/// before an engine reads a dimension, so a hostile number is refused by name instead of
+/// overflowing a shape or sizing an allocation.
+fn check_config_integers(value: &serde_json::Value, path: &str) -> Result<()> {
+    match value {
+        serde_json::Value::Number(n) => match n.as_u64() {
+            Some(v) if v > MAX_CONFIG_INTEGER => bail!(
+                "config.json: {path} is {v}, larger than any model's dimension or count (at most {MAX_CONFIG_INTEGER})"
+            ),
+            _ => Ok(()),
+        },
+        serde_json::Value::Array(items) => items
+            .iter()
+            .enumerate()
+            .try_for_each(|(i, item)| check_config_integers(item, &format!("{path}[{i}]"))),
+        serde_json::Value::Object(map) => map.iter().try_for_each(|(key, item)| {
+            let path = if path.is_empty() {
+                key.clone()
+            } else {
+                format!("{path}.{key}")
+            };
+            check_config_integers(item, &path)
+        }),
+        _ => Ok(()),
     }
 }
 

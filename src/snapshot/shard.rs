@@ -115,8 +115,65 @@ fn describe(path: &Path, bytes: &[u8], err: SafeTensorError) -> anyhow::Error {
             path.display(),
             bytes.len()
         ),
-        other => anyhow!("{}: invalid safetensors header: {other:?}", path.display()),
+        other => match bad_entry(bytes) {
+            Some(detail) => anyhow!("{}: invalid safetensors header: {detail}", path.display()),
+            None => anyhow!("{}: invalid safetensors header: {other:?}", path.display()),
+        },
     }
+}
+
+/// The first tensor entry whose declared size or place is wrong, said with its name: its
+/// dtype and shape against its `data_offsets`, or offsets beyond the data.
+fn bad_entry(bytes: &[u8]) -> Option<String> {
+    let header_len = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?) as usize;
+    let header: serde_json::Value =
+        serde_json::from_slice(bytes.get(8..8usize.checked_add(header_len)?)?).ok()?;
+    let data_len = bytes.len().saturating_sub(8 + header_len) as u64;
+    for (name, info) in header.as_object()? {
+        if name == "__metadata__" {
+            continue;
+        }
+        let offsets: Vec<u64> = info
+            .get("data_offsets")
+            .and_then(|o| o.as_array())
+            .map(|o| o.iter().filter_map(|v| v.as_u64()).collect())
+            .unwrap_or_default();
+        let [start, end] = offsets[..] else {
+            return Some(format!(
+                "tensor {name}: data_offsets {:?} is not [start, end]",
+                info.get("data_offsets")
+            ));
+        };
+        if start > end || end > data_len {
+            return Some(format!(
+                "tensor {name}: data_offsets [{start}, {end}] lie beyond the {data_len} data bytes the file holds"
+            ));
+        }
+        let width = match info.get("dtype").and_then(|d| d.as_str()) {
+            Some("F64" | "I64" | "U64") => 8,
+            Some("F32" | "I32" | "U32") => 4,
+            Some("F16" | "BF16" | "I16" | "U16") => 2,
+            Some("I8" | "U8" | "BOOL" | "F8_E4M3" | "F8_E5M2" | "F8_E8M0") => 1,
+            _ => continue,
+        };
+        let shape: Option<Vec<u64>> = info
+            .get("shape")
+            .and_then(|s| s.as_array())
+            .map(|s| s.iter().filter_map(|v| v.as_u64()).collect());
+        let Some(shape) = shape else { continue };
+        let needed = shape
+            .iter()
+            .try_fold(width, |acc: u64, &d| acc.checked_mul(d));
+        if needed != Some(end - start) {
+            return Some(format!(
+                "tensor {name}: dtype {} and shape {shape:?} need {} bytes, its data_offsets [{start}, {end}] hold {}",
+                info["dtype"].as_str().unwrap_or("?"),
+                needed.map_or("more than 2^64".to_string(), |n| n.to_string()),
+                end - start
+            ));
+        }
+    }
+    None
 }
 
 /// The header length and the data length a header declares, read without validation.
