@@ -219,7 +219,7 @@ fn a_config_number_beyond_any_model_and_a_bad_header_entry_are_named() {
     .unwrap();
     let mut header =
         br#"{"model.norm.weight":{"dtype":"F32","shape":[64],"data_offsets":[0,999999]}}"#.to_vec();
-    while header.len() % 8 != 0 {
+    while !header.len().is_multiple_of(8) {
         header.push(b' ');
     }
     let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
