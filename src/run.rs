@@ -77,6 +77,18 @@ fn job(model: Option<&str>, settings: &Settings, positionals: Positionals) -> Re
         None => None,
     };
 
+    let ngen = settings.count("NGEN") as usize;
+    if perplexity.is_some() {
+        let window = settings.count("CTX") as usize;
+        check_context(&snapshot, settings, "a CTX window", window)?;
+    } else if let Some(job) = &text_job {
+        let positions = job.prompt_tokens() + ngen;
+        check_context(&snapshot, settings, "the prompt and NGEN", positions)?;
+    } else if let Some(ids) = settings.ids("IDS") {
+        let generated = if settings.flag("REPLAY") { 0 } else { ngen };
+        check_context(&snapshot, settings, "IDS and NGEN", ids.len() + generated)?;
+    }
+
     interrupt::install();
     let run_started = Instant::now();
     // Only generation folds its routing into the history; an oracle run scores.
@@ -206,6 +218,28 @@ pub fn open(model: Option<&str>, settings: &Settings) -> Result<(Snapshot, &'sta
     let name = engines::resolve(model, &snapshot)?;
     Session::preflight(settings, snapshot.dir(), name)?;
     Ok((snapshot, name))
+}
+
+/// `positions` (what `what` takes) within config.json's `max_position_embeddings`, unless
+/// `LONG_CONTEXT=1` allows more.
+fn check_context(
+    snapshot: &Snapshot,
+    settings: &Settings,
+    what: &str,
+    positions: usize,
+) -> Result<()> {
+    let config = snapshot.config_json();
+    let limit = config
+        .get("text_config")
+        .unwrap_or(config)
+        .get("max_position_embeddings")
+        .and_then(serde_json::Value::as_u64);
+    match limit {
+        Some(limit) if positions as u64 > limit && !settings.flag("LONG_CONTEXT") => bail!(
+            "{what} take {positions} positions, beyond the model's max_position_embeddings ({limit}) in config.json: shorten them, or pass LONG_CONTEXT=1 to run positions it was not trained on"
+        ),
+        _ => Ok(()),
+    }
 }
 
 /// A loaded engine, the RAM budget its store was sized from, and the two banner lines

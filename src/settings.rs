@@ -202,6 +202,12 @@ pub const KEYS: &[Key] = &[
         doc: "PROMPT: sampling seed; the same seed gives the same text; unset = from the clock",
     },
     Key {
+        name: "LONG_CONTEXT",
+        kind: Kind::Bool,
+        default: "0",
+        doc: "allow prompts and generations beyond config.json's max_position_embeddings (positions the model was not trained on)",
+    },
+    Key {
         name: "API_KEY",
         kind: Kind::Text,
         default: "",

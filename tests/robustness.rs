@@ -231,3 +231,49 @@ fn a_config_number_beyond_any_model_and_a_bad_header_entry_are_named() {
         &["tensor model.norm.weight", "[0, 999999]", "256 data bytes"],
     );
 }
+
+#[test]
+fn positions_beyond_the_trained_context_are_refused_unless_allowed() {
+    let dir = copy_fixture("olmoe_tiny");
+    let snap = snap_arg(dir.path());
+    // max_position_embeddings is 4096: 4090 ids and 10 more tokens are beyond it.
+    let ids = format!(
+        "IDS={}",
+        (0..4090)
+            .map(|i| (i % 100).to_string())
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    refused(
+        &coli(
+            &[&snap, &ids, "NGEN=10", "USAGE_SAVE=0", "64", "16", "16"],
+            &[],
+        ),
+        &[
+            "IDS and NGEN take 4100 positions",
+            "max_position_embeddings (4096)",
+            "LONG_CONTEXT=1",
+        ],
+    );
+    refused(
+        &coli(
+            &[&snap, "PPL=1", "IDS=1 2 3", "CTX=5000", "64", "16", "16"],
+            &[],
+        ),
+        &["a CTX window take 5000 positions"],
+    );
+    let out = coli(
+        &[
+            &snap,
+            &ids,
+            "NGEN=10",
+            "USAGE_SAVE=0",
+            "LONG_CONTEXT=1",
+            "64",
+            "16",
+            "16",
+        ],
+        &[],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+}

@@ -375,6 +375,11 @@ impl TextJob<'_> {
         Ok(generation)
     }
 
+    /// The prompt's length in tokens.
+    pub fn prompt_tokens(&self) -> usize {
+        self.prompt.ids.len()
+    }
+
     /// `[text] P prompt tokens | G generated (why it ended) | prefill X tok/s | decode Y tok/s`
     pub fn summary(&self, generation: &Generation) -> String {
         let ending = match generation.ending {
