@@ -77,16 +77,26 @@ fn job(model: Option<&str>, settings: &Settings, positionals: Positionals) -> Re
         None => None,
     };
 
-    let ngen = settings.count("NGEN") as usize;
-    if perplexity.is_some() {
-        let window = settings.count("CTX") as usize;
-        check_context(&snapshot, settings, "a CTX window", window)?;
+    let limit = context_limit(&snapshot, settings);
+    let mut ngen = settings.count("NGEN") as usize;
+    let prompt = if perplexity.is_some() {
+        Some(("a CTX window", settings.count("CTX") as usize))
     } else if let Some(job) = &text_job {
-        let positions = job.prompt_tokens() + ngen;
-        check_context(&snapshot, settings, "the prompt and NGEN", positions)?;
-    } else if let Some(ids) = settings.ids("IDS") {
-        let generated = if settings.flag("REPLAY") { 0 } else { ngen };
-        check_context(&snapshot, settings, "IDS and NGEN", ids.len() + generated)?;
+        Some(("the prompt", job.prompt_tokens()))
+    } else {
+        settings.ids("IDS").map(|ids| ("IDS", ids.len()))
+    };
+    if let (Some(limit), Some((what, positions))) = (limit, prompt) {
+        if positions > limit {
+            bail!("{what} takes {positions} positions, beyond the model's max_position_embeddings ({limit}) in config.json: shorten it, or pass LONG_CONTEXT=1 to run positions it was not trained on");
+        }
+        if ngen > limit - positions && perplexity.is_none() && !settings.flag("REPLAY") {
+            eprintln!(
+                "[context] NGEN={ngen}: generation stops at the model's {limit} positions ({} tokens after this prompt); LONG_CONTEXT=1 goes on",
+                limit - positions
+            );
+            ngen = limit - positions;
+        }
     }
 
     interrupt::install();
@@ -115,7 +125,7 @@ fn job(model: Option<&str>, settings: &Settings, positionals: Positionals) -> Re
             |engine: &mut dyn Engine, emitted: u64| session.after_tokens(engine, emitted);
         let generation = job.run(
             engine.as_mut(),
-            settings.count("NGEN") as usize,
+            ngen,
             &mut on_tokens,
             &mut std::io::stdout(),
         )?;
@@ -148,12 +158,7 @@ fn job(model: Option<&str>, settings: &Settings, positionals: Positionals) -> Re
         }
         let mut on_tokens =
             |engine: &mut dyn Engine, emitted: u64| session.after_tokens(engine, emitted);
-        let generation = greedy_with(
-            engine.as_mut(),
-            ids,
-            settings.count("NGEN") as usize,
-            &mut on_tokens,
-        )?;
+        let generation = greedy_with(engine.as_mut(), ids, ngen, &mut on_tokens)?;
         println!("{}", oracle::join(&generation.tokens));
         if let Some(speculation) = &generation.speculation {
             println!("{speculation}");
@@ -220,26 +225,19 @@ pub fn open(model: Option<&str>, settings: &Settings) -> Result<(Snapshot, &'sta
     Ok((snapshot, name))
 }
 
-/// `positions` (what `what` takes) within config.json's `max_position_embeddings`, unless
-/// `LONG_CONTEXT=1` allows more.
-fn check_context(
-    snapshot: &Snapshot,
-    settings: &Settings,
-    what: &str,
-    positions: usize,
-) -> Result<()> {
+/// config.json's `max_position_embeddings`: the positions a run may use, unless
+/// `LONG_CONTEXT=1` allows more (`None`: no limit).
+fn context_limit(snapshot: &Snapshot, settings: &Settings) -> Option<usize> {
+    if settings.flag("LONG_CONTEXT") {
+        return None;
+    }
     let config = snapshot.config_json();
-    let limit = config
+    config
         .get("text_config")
         .unwrap_or(config)
         .get("max_position_embeddings")
-        .and_then(serde_json::Value::as_u64);
-    match limit {
-        Some(limit) if positions as u64 > limit && !settings.flag("LONG_CONTEXT") => bail!(
-            "{what} take {positions} positions, beyond the model's max_position_embeddings ({limit}) in config.json: shorten them, or pass LONG_CONTEXT=1 to run positions it was not trained on"
-        ),
-        _ => Ok(()),
-    }
+        .and_then(serde_json::Value::as_u64)
+        .map(|limit| limit as usize)
 }
 
 /// A loaded engine, the RAM budget its store was sized from, and the two banner lines

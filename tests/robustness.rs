@@ -236,21 +236,31 @@ fn a_config_number_beyond_any_model_and_a_bad_header_entry_are_named() {
 fn positions_beyond_the_trained_context_are_refused_unless_allowed() {
     let dir = copy_fixture("olmoe_tiny");
     let snap = snap_arg(dir.path());
-    // max_position_embeddings is 4096: 4090 ids and 10 more tokens are beyond it.
-    let ids = format!(
-        "IDS={}",
-        (0..4090)
-            .map(|i| (i % 100).to_string())
-            .collect::<Vec<_>>()
-            .join(" ")
-    );
+    // max_position_embeddings is 4096.
+    let ids = |n: usize| {
+        format!(
+            "IDS={}",
+            (0..n)
+                .map(|i| (i % 100).to_string())
+                .collect::<Vec<_>>()
+                .join(" ")
+        )
+    };
     refused(
         &coli(
-            &[&snap, &ids, "NGEN=10", "USAGE_SAVE=0", "64", "16", "16"],
+            &[
+                &snap,
+                &ids(4100),
+                "NGEN=1",
+                "USAGE_SAVE=0",
+                "64",
+                "16",
+                "16",
+            ],
             &[],
         ),
         &[
-            "IDS and NGEN take 4100 positions",
+            "IDS takes 4100 positions",
             "max_position_embeddings (4096)",
             "LONG_CONTEXT=1",
         ],
@@ -260,13 +270,36 @@ fn positions_beyond_the_trained_context_are_refused_unless_allowed() {
             &[&snap, "PPL=1", "IDS=1 2 3", "CTX=5000", "64", "16", "16"],
             &[],
         ),
-        &["a CTX window take 5000 positions"],
+        &["a CTX window takes 5000 positions"],
+    );
+    // A generation that would run past it stops there, and says so.
+    let out = coli(
+        &[
+            &snap,
+            &ids(4090),
+            "NGEN=10",
+            "USAGE_SAVE=0",
+            "64",
+            "16",
+            "16",
+        ],
+        &[],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stderr(&out)
+        .contains("[context] NGEN=10: generation stops at the model's 4096 positions (6 tokens"));
+    assert_eq!(
+        stdout(&out)
+            .lines()
+            .find(|l| l.split(' ').count() > 1 && l.chars().all(|c| c.is_ascii_digit() || c == ' '))
+            .map(|l| l.split(' ').count()),
+        Some(6)
     );
     let out = coli(
         &[
             &snap,
-            &ids,
-            "NGEN=10",
+            &ids(4100),
+            "NGEN=2",
             "USAGE_SAVE=0",
             "LONG_CONTEXT=1",
             "64",
