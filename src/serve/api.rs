@@ -30,6 +30,16 @@ impl ApiError {
         }
     }
 
+    /// A failure on the server's side (HTTP `status`, 5xx).
+    pub fn server(status: u16, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            kind: "server_error",
+            code: None,
+            message: message.into(),
+        }
+    }
+
     pub fn body(&self) -> Value {
         json!({
             "error": {

@@ -354,12 +354,10 @@ async fn answer(
         Ok(()) => {}
         Err(mpsc::error::TrySendError::Full(_)) => {
             app.metrics.queue(-1, 0);
-            return Err(ApiError {
-                status: 503,
-                kind: "server_error",
-                code: None,
-                message: format!("{QUEUE} requests are already waiting; retry later"),
-            });
+            return Err(ApiError::server(
+                503,
+                format!("{QUEUE} requests are already waiting; retry later"),
+            ));
         }
         Err(mpsc::error::TrySendError::Closed(_)) => {
             app.metrics.queue(-1, 0);
@@ -414,12 +412,7 @@ async fn answer(
 }
 
 fn engine_gone() -> ApiError {
-    ApiError {
-        status: 500,
-        kind: "server_error",
-        code: None,
-        message: "the engine stopped before answering".to_string(),
-    }
+    ApiError::server(500, "the engine stopped before answering")
 }
 
 /// The job for `request`, with the server's settings filling what the request leaves out.

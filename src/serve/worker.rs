@@ -132,12 +132,10 @@ pub fn run(
         .unwrap_or_else(|_| {
             worker.cached.clear();
             engine.reset();
-            let _ = events.send(Event::Failed(ApiError {
-                status: 500,
-                kind: "server_error",
-                code: None,
-                message: "the generation failed (the engine's KV cache was reset)".to_string(),
-            }));
+            let _ = events.send(Event::Failed(ApiError::server(
+                500,
+                "the generation failed (the engine's KV cache was reset)",
+            )));
             None
         });
         if let Some(turn) = turn {
@@ -195,12 +193,10 @@ impl Worker<'_> {
                 // What the cache holds is unknown now.
                 self.cached.clear();
                 engine.reset();
-                let _ = events.send(Event::Failed(ApiError {
-                    status: 500,
-                    kind: "server_error",
-                    code: None,
-                    message: format!("generation failed: {err:#}"),
-                }));
+                let _ = events.send(Event::Failed(ApiError::server(
+                    500,
+                    format!("generation failed: {err:#}"),
+                )));
                 None
             }
         }
