@@ -310,3 +310,29 @@ fn positions_beyond_the_trained_context_are_refused_unless_allowed() {
     );
     assert!(out.status.success(), "{}", stderr(&out));
 }
+
+#[test]
+fn a_pin_file_with_no_records_says_so() {
+    let dir = copy_fixture("olmoe_tiny");
+    let garbage = dir.path().join("notes.bin");
+    std::fs::write(&garbage, [0xde, 0xad, 0xbe, 0xef, b'\n', 0x01]).unwrap();
+    let out = coli(
+        &[
+            &snap_arg(dir.path()),
+            &format!("PIN={}", garbage.display()),
+            "IDS=3 11",
+            "NGEN=2",
+            "USAGE_SAVE=0",
+            "64",
+            "16",
+            "16",
+        ],
+        &[],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("no expert-usage records for this engine in it"),
+        "{}",
+        stderr(&out)
+    );
+}

@@ -408,8 +408,15 @@ pub fn plan_pins(
     let mut table = loaded.zeroed_like();
     let outcome = history::read(&path, engine, trust, &mut table);
     history::announce(&path, engine, &outcome);
-    if let ReadOutcome::Missing = outcome {
-        eprintln!("[PIN] {}: no such file (no pin this run)", path.display());
+    match &outcome {
+        ReadOutcome::Missing => {
+            eprintln!("[PIN] {}: no such file (no pin this run)", path.display());
+        }
+        ReadOutcome::Read(_) if outcome.total() == 0 => eprintln!(
+            "[PIN] {}: no expert-usage records for this engine in it (is it a .coli_usage history?); nothing pinned",
+            path.display()
+        ),
+        _ => {}
     }
     let (pins, bytes, reserve) = choose(&table, req, expert_bytes);
     let source = match req.pin {
