@@ -134,7 +134,16 @@ pub fn run(argv: impl IntoIterator<Item = OsString>) -> Result<ExitCode> {
             group_size: args.group_size,
             shard_bytes: (args.shard_gb * 1e9) as u64,
         };
-        let summary = crate::convert::convert(&args.src, &args.dst, &options)?;
+        let summary = crate::convert::convert(&args.src, &args.dst, &options).map_err(|err| {
+            if args.dst.join(".coli-convert.json").is_file() {
+                err.context(format!(
+                    "{}: the conversion stopped; rerun the same command to resume from its complete shards (the .partial files are removed then)",
+                    args.dst.display()
+                ))
+            } else {
+                err
+            }
+        })?;
         println!("{}", crate::convert::report(&summary, &args.dst));
         return Ok(ExitCode::SUCCESS);
     }

@@ -336,3 +336,31 @@ fn a_pin_file_with_no_records_says_so() {
         stderr(&out)
     );
 }
+
+#[test]
+fn a_conversion_that_stops_says_a_rerun_resumes() {
+    let out = tempfile::tempdir().unwrap();
+    let dst = out.path().join("c");
+    let convert = || {
+        coli(
+            &[
+                "convert",
+                fixture("olmoe_tiny").to_str().unwrap(),
+                dst.to_str().unwrap(),
+            ],
+            &[],
+        )
+    };
+    assert!(convert().status.success());
+    // The shard's place taken by a directory: the rename at the end of the shard fails.
+    let shard = dst.join("model-00001-of-00001.safetensors");
+    std::fs::remove_file(&shard).unwrap();
+    std::fs::create_dir(&shard).unwrap();
+    refused(
+        &convert(),
+        &[
+            "the conversion stopped; rerun the same command to resume",
+            "Is a directory",
+        ],
+    );
+}
