@@ -45,7 +45,12 @@ fn arb_value() -> impl Strategy<Value = Value> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(64))]
+    // A fixed seed keeps the suite's verdict the same from run to run; PROPTEST_CASES=4000
+    // explores further (it found the shape overflow the 2^31 bound now refuses).
+    #![proptest_config(ProptestConfig {
+        rng_seed: proptest::test_runner::RngSeed::Fixed(20261201),
+        ..ProptestConfig::with_cases(64)
+    })]
 
     #[test]
     fn any_config_value_loads_or_is_refused(
