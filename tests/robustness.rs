@@ -13,6 +13,29 @@ fn snap_arg(path: &std::path::Path) -> String {
     format!("SNAP={}", path.display())
 }
 
+/// A two-token greedy run of `snap` with `extra` settings, the history left alone.
+fn short_run(snap: &str, extra: &str) -> std::process::Output {
+    coli(
+        &[
+            snap,
+            extra,
+            "IDS=3 11",
+            "NGEN=2",
+            "USAGE_SAVE=0",
+            "64",
+            "16",
+            "16",
+        ],
+        &[],
+    )
+}
+
+/// `out` succeeded and said `needle` on stderr.
+fn warned(out: &std::process::Output, needle: &str) {
+    assert!(out.status.success(), "{}", stderr(out));
+    assert!(stderr(out).contains(needle), "{}", stderr(out));
+}
+
 fn refused(out: &std::process::Output, needles: &[&str]) {
     let message = stderr(out);
     assert_eq!(out.status.code(), Some(2), "{}{message}", stdout(out));
@@ -64,24 +87,9 @@ fn names_from_colibri_and_other_tools_point_to_ours() {
 #[test]
 fn more_threads_than_cpus_are_bounded_and_said() {
     let snap = snap_arg(&fixture("olmoe_tiny"));
-    let out = coli(
-        &[
-            &snap,
-            "THREADS=100000",
-            "IDS=3 11",
-            "NGEN=2",
-            "USAGE_SAVE=0",
-            "64",
-            "16",
-            "16",
-        ],
-        &[],
-    );
-    assert!(out.status.success(), "{}", stderr(&out));
-    assert!(
-        stderr(&out).contains("[threads] THREADS=100000 is more than the"),
-        "{}",
-        stderr(&out)
+    warned(
+        &short_run(&snap, "THREADS=100000"),
+        "[threads] THREADS=100000 is more than the",
     );
 }
 
@@ -316,24 +324,9 @@ fn a_pin_file_with_no_records_says_so() {
     let dir = copy_fixture("olmoe_tiny");
     let garbage = dir.path().join("notes.bin");
     std::fs::write(&garbage, [0xde, 0xad, 0xbe, 0xef, b'\n', 0x01]).unwrap();
-    let out = coli(
-        &[
-            &snap_arg(dir.path()),
-            &format!("PIN={}", garbage.display()),
-            "IDS=3 11",
-            "NGEN=2",
-            "USAGE_SAVE=0",
-            "64",
-            "16",
-            "16",
-        ],
-        &[],
-    );
-    assert!(out.status.success(), "{}", stderr(&out));
-    assert!(
-        stderr(&out).contains("no expert-usage records for this engine in it"),
-        "{}",
-        stderr(&out)
+    warned(
+        &short_run(&snap_arg(dir.path()), &format!("PIN={}", garbage.display())),
+        "no expert-usage records for this engine in it",
     );
 }
 

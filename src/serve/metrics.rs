@@ -147,42 +147,48 @@ impl Metrics {
                 "HTTP requests answered, by endpoint and status.",
                 &requests,
             );
-            metric(
-                "coli_requests_running",
-                "gauge",
-                "Generations running (one at a time).",
-                &one(m.running as f64),
-            );
-            metric(
-                "coli_requests_waiting",
-                "gauge",
-                "Generations queued behind the running one, served first come first served.",
-                &one(m.waiting as f64),
-            );
-            metric(
-                "coli_prompt_tokens_total",
-                "counter",
-                "Prompt tokens of finished turns.",
-                &one(m.prompt_tokens as f64),
-            );
-            metric(
-                "coli_prompt_tokens_cached_total",
-                "counter",
-                "Prompt tokens whose KV cache came from the previous turn (not prefilled).",
-                &one(m.cached_prompt_tokens as f64),
-            );
-            metric(
-                "coli_completion_tokens_total",
-                "counter",
-                "Generated tokens.",
-                &one(m.completion_tokens as f64),
-            );
-            metric(
-                "coli_generations_abandoned_total",
-                "counter",
-                "Generations stopped because the client disconnected.",
-                &one(m.abandoned as f64),
-            );
+            // The metrics with one sample each: name, type, help, value.
+            let single = [
+                (
+                    "coli_requests_running",
+                    "gauge",
+                    "Generations running (one at a time).",
+                    m.running as f64,
+                ),
+                (
+                    "coli_requests_waiting",
+                    "gauge",
+                    "Generations queued behind the running one, served first come first served.",
+                    m.waiting as f64,
+                ),
+                (
+                    "coli_prompt_tokens_total",
+                    "counter",
+                    "Prompt tokens of finished turns.",
+                    m.prompt_tokens as f64,
+                ),
+                (
+                    "coli_prompt_tokens_cached_total",
+                    "counter",
+                    "Prompt tokens whose KV cache came from the previous turn (not prefilled).",
+                    m.cached_prompt_tokens as f64,
+                ),
+                (
+                    "coli_completion_tokens_total",
+                    "counter",
+                    "Generated tokens.",
+                    m.completion_tokens as f64,
+                ),
+                (
+                    "coli_generations_abandoned_total",
+                    "counter",
+                    "Generations stopped because the client disconnected.",
+                    m.abandoned as f64,
+                ),
+            ];
+            for (name, kind, help, value) in single {
+                metric(name, kind, help, &one(value));
+            }
             let cache = &m.cache;
             metric(
                 "coli_expert_cache_hits_total",
@@ -194,24 +200,29 @@ impl Metrics {
                     ("{where=\"vram\"}".to_string(), cache.vram_hits as f64),
                 ],
             );
-            metric(
-                "coli_expert_cache_misses_total",
-                "counter",
-                "Routed-expert lookups that had to load the expert.",
-                &one(cache.misses as f64),
-            );
-            metric(
-                "coli_expert_pins",
-                "gauge",
-                "Experts pinned in the expert cache.",
-                &one(m.pinned as f64),
-            );
-            metric(
-                "coli_expert_bytes_read_total",
-                "counter",
-                "Bytes the expert store read from the shard files (0 when experts are mapped).",
-                &one(cache.bytes_read as f64),
-            );
+            let cache_single = [
+                (
+                    "coli_expert_cache_misses_total",
+                    "counter",
+                    "Routed-expert lookups that had to load the expert.",
+                    cache.misses as f64,
+                ),
+                (
+                    "coli_expert_pins",
+                    "gauge",
+                    "Experts pinned in the expert cache.",
+                    m.pinned as f64,
+                ),
+                (
+                    "coli_expert_bytes_read_total",
+                    "counter",
+                    "Bytes the expert store read from the shard files (0 when experts are mapped).",
+                    cache.bytes_read as f64,
+                ),
+            ];
+            for (name, kind, help, value) in cache_single {
+                metric(name, kind, help, &one(value));
+            }
             m.ttft.render(
                 &mut out,
                 "coli_time_to_first_token_seconds",
