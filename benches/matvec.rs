@@ -77,16 +77,17 @@ fn memory_bandwidth(c: &mut Criterion) {
     group.finish();
 }
 
-/// Fused multiply-adds from registers only (twelve independent 8-lane chains per thread,
-/// no memory traffic), on every thread: the compute ceiling the batched (prefill) kernels
-/// are measured against, in multiply-adds per second.
+/// Fused multiply-adds from registers only (twelve independent chains per thread, no
+/// memory traffic), on every thread, at 256 and (where the CPU has it) 512 bits: the
+/// compute ceiling the batched (prefill) kernels are measured against, in multiply-adds
+/// per second.
 fn fma_peak(c: &mut Criterion) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::*;
         const STEPS: usize = 1 << 20;
         #[target_feature(enable = "avx2,fma")]
-        unsafe fn chains(seed: f32) -> f32 {
+        unsafe fn chains256(seed: f32) -> f32 {
             let mut acc = [_mm256_set1_ps(seed); 12];
             let (a, b) = (_mm256_set1_ps(0.999_9), _mm256_set1_ps(1e-4));
             for _ in 0..STEPS {
@@ -102,22 +103,43 @@ fn fma_peak(c: &mut Criterion) {
             );
             lanes.iter().sum()
         }
+        #[target_feature(enable = "avx512f")]
+        unsafe fn chains512(seed: f32) -> f32 {
+            let mut acc = [_mm512_set1_ps(seed); 12];
+            let (a, b) = (_mm512_set1_ps(0.999_9), _mm512_set1_ps(1e-4));
+            for _ in 0..STEPS {
+                for v in acc.iter_mut() {
+                    *v = _mm512_fmadd_ps(*v, a, b);
+                }
+            }
+            let mut total = _mm512_setzero_ps();
+            for v in acc {
+                total = _mm512_add_ps(total, v);
+            }
+            _mm512_reduce_add_ps(total)
+        }
         if !is_x86_feature_detected!("avx2") || !is_x86_feature_detected!("fma") {
             return;
         }
         let threads = rayon::current_num_threads();
         let mut group = c.benchmark_group("compute");
-        group.throughput(Throughput::Elements((threads * STEPS * 12 * 8) as u64));
-        group.bench_function("avx2 fma peak", |b| {
-            b.iter(|| {
-                let sum: f32 = (0..threads)
-                    // SAFETY: AVX2 and FMA were detected above.
-                    .into_par_iter()
-                    .map(|t| unsafe { chains(t as f32 * 1e-3) })
-                    .sum();
-                black_box(sum)
-            })
-        });
+        let mut peak = |name: &str, lanes: usize, chains: unsafe fn(f32) -> f32| {
+            group.throughput(Throughput::Elements((threads * STEPS * 12 * lanes) as u64));
+            group.bench_function(name, |b| {
+                b.iter(|| {
+                    let sum: f32 = (0..threads)
+                        .into_par_iter()
+                        // SAFETY: the instruction sets were detected before this is called.
+                        .map(|t| unsafe { chains(t as f32 * 1e-3) })
+                        .sum();
+                    black_box(sum)
+                })
+            });
+        };
+        peak("avx2 fma peak", 8, chains256);
+        if is_x86_feature_detected!("avx512f") {
+            peak("avx512 fma peak", 16, chains512);
+        }
         group.finish();
     }
 }

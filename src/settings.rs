@@ -307,7 +307,7 @@ pub const KEYS: &[Key] = &[
         name: "COLI_SIMD",
         kind: Kind::Text,
         default: "auto",
-        doc: "CPU kernels: auto (best detected), scalar (the reference), avx2, neon; results are identical",
+        doc: "CPU kernels: auto (best detected), scalar (the reference), avx2, avx512, neon; results are identical",
     },
     Key {
         name: "BACKEND",

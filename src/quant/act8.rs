@@ -243,7 +243,8 @@ fn block(
     out: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 && Isa::detect() == Isa::Avx2 && avx2::covers(weights, cols) {
+    // The integer products are 256 bits wide; an AVX-512 CPU runs them too.
+    if matches!(isa, Isa::Avx2 | Isa::Avx512) && isa.supported() && avx2::covers(weights, cols) {
         // SAFETY: AVX2 (and for the second, AVX-VNNI) was detected; the shapes are the
         // matrix's.
         return unsafe {

@@ -1,6 +1,6 @@
 //! The matrix kernels, written once over an 8-lane vector type ([`Lanes`]) and an element
 //! decoder ([`Decode`]), and instantiated for the scalar reference, AVX2/FMA (x86-64) and
-//! NEON (aarch64).
+//! NEON (aarch64); the AVX-512 kernels (`avx512`) run two of these vectors per register.
 //!
 //! The arithmetic is fixed so that every instantiation gives the same bits: a row's
 //! elements are decoded exactly (an int8, a nibble, an e4m3 or e2m1 code, a bf16/f16 to its
@@ -198,7 +198,7 @@ pub enum Scaling<'a> {
 }
 
 impl Scaling<'_> {
-    fn group_size(&self) -> Option<usize> {
+    pub(super) fn group_size(&self) -> Option<usize> {
         match *self {
             Scaling::None | Scaling::Row(_) => None,
             Scaling::Groups { size, .. } => Some(size),
@@ -206,20 +206,29 @@ impl Scaling<'_> {
         }
     }
 
+    /// The group scales of row `row`, looked up once per row rather than once per group
+    /// (the FP8 block row is a division).
     #[inline(always)]
-    fn group_scale(&self, row: usize, group: usize) -> f32 {
+    pub(super) fn row_scales(&self, row: usize) -> RowScales<'_> {
         match *self {
-            Scaling::None | Scaling::Row(_) => 1.0,
+            Scaling::None | Scaling::Row(_) => RowScales::One,
             Scaling::Groups {
                 scales,
                 per_row,
                 row_div,
                 ..
-            } => scales[(row / row_div) * per_row + group],
+            } => {
+                let start = (row / row_div) * per_row;
+                RowScales::F32(&scales[start..start + per_row])
+            }
             Scaling::E8m0 { scales, per_row } => {
-                codec::mxfp4_group_scale(scales[row * per_row + group])
+                RowScales::E8m0(&scales[row * per_row..(row + 1) * per_row])
             }
         }
+    }
+
+    fn group_scale(&self, row: usize, group: usize) -> f32 {
+        self.row_scales(row).at(group)
     }
 
     /// The scale that multiplies element `i` of row `row` when the row is written out.
@@ -228,6 +237,25 @@ impl Scaling<'_> {
             Scaling::None => 1.0,
             Scaling::Row(scales) => scales[row],
             _ => self.group_scale(row, i / self.group_size().unwrap_or(usize::MAX)),
+        }
+    }
+}
+
+/// One row's group scales.
+#[derive(Clone, Copy)]
+pub(super) enum RowScales<'a> {
+    One,
+    F32(&'a [f32]),
+    E8m0(&'a [u8]),
+}
+
+impl RowScales<'_> {
+    #[inline(always)]
+    pub(super) fn at(&self, group: usize) -> f32 {
+        match *self {
+            RowScales::One => 1.0,
+            RowScales::F32(scales) => scales[group],
+            RowScales::E8m0(scales) => codec::mxfp4_group_scale(scales[group]),
         }
     }
 }
@@ -294,6 +322,8 @@ unsafe fn dot_rows<V: Lanes, D: Decode<V>, const R: usize>(
         Some(size) => {
             let per_group = size / 8;
             let chunks = cols.div_ceil(8);
+            let row_scales: [RowScales; R] =
+                std::array::from_fn(|r| scaling.row_scales(scale_row + r));
             let mut group = 0;
             let mut c = 0;
             while c < chunks {
@@ -315,7 +345,7 @@ unsafe fn dot_rows<V: Lanes, D: Decode<V>, const R: usize>(
                     c += 1;
                 }
                 for r in 0..R {
-                    let scale = V::splat(scaling.group_scale(scale_row + r, group));
+                    let scale = V::splat(row_scales[r].at(group));
                     acc[r] = V::fma(partial[r], scale, acc[r]);
                 }
                 group += 1;
@@ -410,6 +440,8 @@ unsafe fn dot_tile<V: Lanes, const R: usize, const T: usize>(
         }
         Some(size) => {
             let per_group = size / 8;
+            let row_scales: [RowScales; R] =
+                std::array::from_fn(|r| scaling.row_scales(scale_row + r));
             let mut group = 0;
             let mut c = 0;
             while c < chunks {
@@ -420,7 +452,7 @@ unsafe fn dot_tile<V: Lanes, const R: usize, const T: usize>(
                     c += 1;
                 }
                 for r in 0..R {
-                    let scale = V::splat(scaling.group_scale(scale_row + r, group));
+                    let scale = V::splat(row_scales[r].at(group));
                     for t in 0..T {
                         acc[r][t] = V::fma(partial[r][t], scale, acc[r][t]);
                     }
@@ -598,6 +630,8 @@ pub enum Isa {
     Scalar,
     /// x86-64 AVX2 + FMA + F16C.
     Avx2,
+    /// x86-64 AVX-512 F/BW/DQ/VL beside AVX2: two 8-lane vectors per register.
+    Avx512,
     /// aarch64 Advanced SIMD.
     Neon,
 }
@@ -607,31 +641,46 @@ impl Isa {
         match self {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
             Isa::Neon => "neon",
         }
     }
 
     /// The best instruction set this CPU supports.
     pub fn detect() -> Isa {
+        *Isa::usable().last().unwrap_or(&Isa::Scalar)
+    }
+
+    /// Every instruction set usable on this CPU, the reference first and the best last.
+    pub fn available() -> Vec<Isa> {
+        Isa::usable().to_vec()
+    }
+
+    /// Whether this CPU can run `self`.
+    pub fn supported(self) -> bool {
+        Isa::usable().contains(&self)
+    }
+
+    fn usable() -> &'static [Isa] {
+        static USABLE: std::sync::OnceLock<Vec<Isa>> = std::sync::OnceLock::new();
+        USABLE.get_or_init(Isa::probe)
+    }
+
+    fn probe() -> Vec<Isa> {
+        let mut isas = vec![Isa::Scalar];
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("fma")
-            && std::arch::is_x86_feature_detected!("f16c")
         {
-            return Isa::Avx2;
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx2") && has!("fma") && has!("f16c") {
+                isas.push(Isa::Avx2);
+                if has!("avx512f") && has!("avx512bw") && has!("avx512dq") && has!("avx512vl") {
+                    isas.push(Isa::Avx512);
+                }
+            }
         }
         #[cfg(target_arch = "aarch64")]
         if std::arch::is_aarch64_feature_detected!("neon") {
-            return Isa::Neon;
-        }
-        Isa::Scalar
-    }
-
-    /// Every instruction set usable on this CPU, the reference first.
-    pub fn available() -> Vec<Isa> {
-        let mut isas = vec![Isa::Scalar];
-        if Isa::detect() != Isa::Scalar {
-            isas.push(Isa::detect());
+            isas.push(Isa::Neon);
         }
         isas
     }
@@ -642,8 +691,9 @@ impl Isa {
             "" | "auto" => return Ok(Isa::detect()),
             "scalar" => Isa::Scalar,
             "avx2" => Isa::Avx2,
+            "avx512" => Isa::Avx512,
             "neon" => Isa::Neon,
-            other => bail!("COLI_SIMD={other:?}: expected auto, scalar, avx2 or neon"),
+            other => bail!("COLI_SIMD={other:?}: expected auto, scalar, avx2, avx512 or neon"),
         };
         if !Isa::available().contains(&wanted) {
             bail!(
@@ -668,6 +718,7 @@ fn encode(isa: Isa) -> u8 {
         Isa::Scalar => 0,
         Isa::Avx2 => 1,
         Isa::Neon => 2,
+        Isa::Avx512 => 3,
     }
 }
 
@@ -683,6 +734,7 @@ pub fn selected() -> Isa {
         0 => Isa::Scalar,
         1 => Isa::Avx2,
         2 => Isa::Neon,
+        3 => Isa::Avx512,
         _ => {
             let isa = std::env::var("COLI_SIMD")
                 .ok()
@@ -731,14 +783,12 @@ pub fn matmul<D>(isa: Isa, view: View<'_, D::Elem>, input: &[f32], n: usize, out
 where
     D: Decode<Scalar> + SimdDecode,
 {
-    let isa = if isa == Isa::detect() {
-        isa
-    } else {
-        Isa::Scalar
-    };
+    let isa = if isa.supported() { isa } else { Isa::Scalar };
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => drive(&super::x86::Avx2Block::<D>(view), view, input, n, out),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => drive(&super::avx512::Avx512Block::<D>(view), view, input, n, out),
         #[cfg(target_arch = "aarch64")]
         Isa::Neon => drive(&super::neon::NeonBlock::<D>(view), view, input, n, out),
         _ => drive(&ScalarBlock::<D>(view), view, input, n, out),
@@ -753,14 +803,12 @@ where
     assert_eq!(x.len(), view.cols, "row_dot input width");
     assert!(row < view.rows, "row {row} of {}", view.rows);
     let mut out = [0f32];
-    let isa = if isa == Isa::detect() {
-        isa
-    } else {
-        Isa::Scalar
-    };
+    let isa = if isa.supported() { isa } else { Isa::Scalar };
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => super::x86::Avx2Block::<D>(view).rows(row, x, &mut out),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => super::avx512::Avx512Block::<D>(view).rows(row, x, &mut out),
         #[cfg(target_arch = "aarch64")]
         Isa::Neon => super::neon::NeonBlock::<D>(view).rows(row, x, &mut out),
         _ => ScalarBlock::<D>(view).rows(row, x, &mut out),
@@ -770,9 +818,9 @@ where
 
 /// The decoders every compiled instruction set provides.
 #[cfg(target_arch = "x86_64")]
-pub trait SimdDecode: Decode<super::x86::Avx2> {}
+pub trait SimdDecode: Decode<super::x86::Avx2> + super::avx512::Pair {}
 #[cfg(target_arch = "x86_64")]
-impl<T: Decode<super::x86::Avx2>> SimdDecode for T {}
+impl<T: Decode<super::x86::Avx2> + super::avx512::Pair> SimdDecode for T {}
 #[cfg(target_arch = "aarch64")]
 pub trait SimdDecode: Decode<super::neon::Neon> {}
 #[cfg(target_arch = "aarch64")]

@@ -18,6 +18,8 @@
 //! This module does not know about models, experts or caching.
 
 pub mod act8;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 mod codec;
 pub mod format;
 mod kernels;

@@ -11,7 +11,7 @@ use super::kernels::{
 };
 
 #[derive(Clone, Copy)]
-pub struct Avx2(__m256);
+pub struct Avx2(pub(super) __m256);
 
 impl Lanes for Avx2 {
     #[inline(always)]

@@ -1,0 +1,529 @@
+//! The AVX-512 instantiation of the kernels: one 512-bit register holds *two* of the
+//! kernels' 8-lane vectors, each with its own sum, so every result keeps the bits the
+//! 8-lane contract ([`super::kernels`]) defines while each instruction does twice the work.
+//!
+//! - One input row (decode): the halves are two weight rows against the same input. The
+//!   nibble and minifloat formats, whose decoding costs more than their multiply-add, decode
+//!   both rows' chunks with one set of instructions ([`Pair`]).
+//! - A batch (prefill): the halves are two input rows against the same decoded weight row;
+//!   a tile of four weight rows by three input pairs keeps twelve accumulators in flight.
+//!
+//! Entered only after runtime detection (AVX-512 F, BW, DQ and VL beside AVX2, FMA and F16C:
+//! [`super::kernels::Isa::detect`]); a lone last row goes to the AVX2 kernels, which compute
+//! the same bits.
+
+use std::arch::x86_64::*;
+
+use super::codec::E2M1_DOUBLED;
+use super::kernels::{
+    self, Bf16Codes, Block, Codes, Decode, E2m1Codes, E4m3Codes, F16Codes, F32Codes, I8Codes,
+    Int4Codes, Lanes, RowScales, Scaling, View,
+};
+use super::x86::Avx2;
+
+/// Two 8-lane vectors: lanes 0-7 are the first, 8-15 the second.
+#[derive(Clone, Copy)]
+pub(super) struct Two(__m512);
+
+impl Two {
+    #[inline(always)]
+    unsafe fn zero() -> Two {
+        Two(_mm512_setzero_ps())
+    }
+    #[inline(always)]
+    unsafe fn fma(a: Two, b: Two, c: Two) -> Two {
+        Two(_mm512_fmadd_ps(a.0, b.0, c.0))
+    }
+    /// The same eight floats in both halves.
+    #[inline(always)]
+    unsafe fn both(ptr: *const f32) -> Two {
+        Two(_mm512_broadcast_f32x8(_mm256_loadu_ps(ptr)))
+    }
+    /// Eight floats from `low` and eight from `high`.
+    #[inline(always)]
+    unsafe fn halves(low: *const f32, high: *const f32) -> Two {
+        Two(_mm512_insertf32x8::<1>(
+            _mm512_castps256_ps512(_mm256_loadu_ps(low)),
+            _mm256_loadu_ps(high),
+        ))
+    }
+    #[inline(always)]
+    unsafe fn splats(low: f32, high: f32) -> Two {
+        Two(_mm512_mask_blend_ps(
+            0xFF00,
+            _mm512_set1_ps(low),
+            _mm512_set1_ps(high),
+        ))
+    }
+    /// Each half summed in the 8-lane order.
+    #[inline(always)]
+    unsafe fn sums(self) -> [f32; 2] {
+        [
+            Avx2(_mm512_castps512_ps256(self.0)).sum(),
+            Avx2(_mm512_extractf32x8_ps::<1>(self.0)).sum(),
+        ]
+    }
+}
+
+/// Chunk `c` of two rows decoded into the two halves.
+pub(super) trait Pair: Decode<Avx2> {
+    /// # Safety
+    /// `8c + 8` must not exceed either row's element count, and the CPU must have AVX-512.
+    unsafe fn pair(low: &[Self::Elem], high: &[Self::Elem], c: usize) -> Two;
+}
+
+impl Pair for F32Codes {
+    #[inline(always)]
+    unsafe fn pair(low: &[f32], high: &[f32], c: usize) -> Two {
+        Two::halves(low.as_ptr().add(c * 8), high.as_ptr().add(c * 8))
+    }
+}
+
+/// Eight 16-bit codes of each row, `low`'s first.
+#[inline(always)]
+unsafe fn sixteen_u16(low: &[u16], high: &[u16], c: usize) -> __m256i {
+    _mm256_inserti128_si256::<1>(
+        _mm256_castsi128_si256(_mm_loadu_si128(low.as_ptr().add(c * 8) as *const __m128i)),
+        _mm_loadu_si128(high.as_ptr().add(c * 8) as *const __m128i),
+    )
+}
+
+/// Eight bytes of each row, `low`'s first.
+#[inline(always)]
+unsafe fn sixteen_bytes(low: &[u8], high: &[u8], c: usize) -> __m128i {
+    let a = std::ptr::read_unaligned(low.as_ptr().add(c * 8) as *const i64);
+    let b = std::ptr::read_unaligned(high.as_ptr().add(c * 8) as *const i64);
+    _mm_set_epi64x(b, a)
+}
+
+/// Four bytes (eight nibbles) of each row: `low`'s word in lanes 0-7, `high`'s in 8-15.
+#[inline(always)]
+unsafe fn nibble_words(low: &[u8], high: &[u8], c: usize) -> (i32, i32) {
+    (
+        std::ptr::read_unaligned(low.as_ptr().add(c * 4) as *const i32),
+        std::ptr::read_unaligned(high.as_ptr().add(c * 4) as *const i32),
+    )
+}
+
+impl Pair for Bf16Codes {
+    #[inline(always)]
+    unsafe fn pair(low: &[u16], high: &[u16], c: usize) -> Two {
+        let bits = _mm512_cvtepu16_epi32(sixteen_u16(low, high, c));
+        Two(_mm512_castsi512_ps(_mm512_slli_epi32::<16>(bits)))
+    }
+}
+
+impl Pair for F16Codes {
+    #[inline(always)]
+    unsafe fn pair(low: &[u16], high: &[u16], c: usize) -> Two {
+        Two(_mm512_cvtph_ps(sixteen_u16(low, high, c)))
+    }
+}
+
+impl Pair for I8Codes {
+    #[inline(always)]
+    unsafe fn pair(low: &[i8], high: &[i8], c: usize) -> Two {
+        let a = std::ptr::read_unaligned(low.as_ptr().add(c * 8) as *const i64);
+        let b = std::ptr::read_unaligned(high.as_ptr().add(c * 8) as *const i64);
+        Two(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_set_epi64x(
+            b, a,
+        ))))
+    }
+}
+
+impl Pair for Int4Codes {
+    #[inline(always)]
+    unsafe fn pair(low: &[u8], high: &[u8], c: usize) -> Two {
+        // As the AVX2 decoder: each lane shifts its copy of the word by 4 * lane.
+        let (a, b) = nibble_words(low, high, c);
+        let words = _mm512_mask_set1_epi32(_mm512_set1_epi32(a), 0xFF00, b);
+        let shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+        let nibbles = _mm512_and_si512(_mm512_srlv_epi32(words, shifts), _mm512_set1_epi32(0x0F));
+        Two(_mm512_cvtepi32_ps(_mm512_sub_epi32(
+            nibbles,
+            _mm512_set1_epi32(8),
+        )))
+    }
+}
+
+impl Pair for E4m3Codes {
+    #[inline(always)]
+    unsafe fn pair(low: &[u8], high: &[u8], c: usize) -> Two {
+        // The AVX2 decoder's steps on sixteen lanes.
+        let bytes = _mm512_cvtepu8_epi32(sixteen_bytes(low, high, c));
+        let magnitude = _mm512_and_si512(bytes, _mm512_set1_epi32(0x7F));
+        let value = _mm512_mul_ps(
+            _mm512_castsi512_ps(_mm512_slli_epi32::<20>(magnitude)),
+            _mm512_set1_ps(f32::from_bits(0x7B80_0000)),
+        );
+        let sign = _mm512_slli_epi32::<24>(_mm512_and_si512(bytes, _mm512_set1_epi32(0x80)));
+        let nan = _mm512_maskz_mov_epi32(
+            _mm512_cmpeq_epi32_mask(magnitude, _mm512_set1_epi32(0x7F)),
+            _mm512_set1_epi32(0x7FC0_0000),
+        );
+        Two(_mm512_or_ps(
+            value,
+            _mm512_castsi512_ps(_mm512_or_si512(sign, nan)),
+        ))
+    }
+}
+
+impl Pair for E2m1Codes {
+    #[inline(always)]
+    unsafe fn pair(low: &[u8], high: &[u8], c: usize) -> Two {
+        let (a, b) = nibble_words(low, high, c);
+        let bytes = _mm_setr_epi32(a, b, 0, 0);
+        let low_nibbles = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
+        let high_nibbles = _mm_and_si128(_mm_srli_epi16::<4>(bytes), _mm_set1_epi8(0x0F));
+        // Bytes 0-3 interleaved are the first row's eight codes, bytes 4-7 the second's.
+        let codes = _mm_unpacklo_epi8(low_nibbles, high_nibbles);
+        let table = _mm_loadu_si128(E2M1_DOUBLED.as_ptr() as *const __m128i);
+        Two(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(
+            table, codes,
+        ))))
+    }
+}
+
+/// Row `row` of a matrix stored as `data`.
+#[inline(always)]
+fn row_of<D: Codes>(data: &[D::Elem], cols: usize, row: usize) -> &[D::Elem] {
+    let stride = D::stride(cols);
+    &data[row * stride..(row + 1) * stride]
+}
+
+/// A row's last `cols % 8` elements (decoded) beside zeros, as the 8-lane kernels pad them.
+#[inline(always)]
+fn padded_tail<D: Codes>(row: &[D::Elem], start: usize, cols: usize) -> [f32; 8] {
+    let mut lanes = [0f32; 8];
+    for (lane, i) in lanes.iter_mut().zip(start..cols) {
+        *lane = D::value(row, i);
+    }
+    lanes
+}
+
+/// The dot products of `P` pairs of rows (rows `first + 2p` and `first + 2p + 1`) with
+/// `x`: each half fed what the 8-lane `dot_rows` feeds one row, in the same order.
+#[inline(always)]
+unsafe fn dot_pairs<D: Pair, const P: usize>(
+    data: &[D::Elem],
+    first: usize,
+    x: &[f32],
+    cols: usize,
+    scaling: Scaling,
+) -> [[f32; 2]; P] {
+    let rows: [[&[D::Elem]; 2]; P] = std::array::from_fn(|p| {
+        [
+            row_of::<D>(data, cols, first + 2 * p),
+            row_of::<D>(data, cols, first + 2 * p + 1),
+        ]
+    });
+    let full = cols / 8;
+    let mut x_tail = [0f32; 8];
+    x_tail[..cols - full * 8].copy_from_slice(&x[full * 8..cols]);
+    let tails: [[[f32; 8]; 2]; P] = std::array::from_fn(|p| {
+        [
+            padded_tail::<D>(rows[p][0], full * 8, cols),
+            padded_tail::<D>(rows[p][1], full * 8, cols),
+        ]
+    });
+    // The rows of the next block, one request per cache line (see `dot_rows`).
+    let ahead = 2 * P * std::mem::size_of_val(rows[0][0]);
+    let per_line = (64 / D::CHUNK_BYTES).max(1);
+    let mut acc = [Two::zero(); P];
+    let mut out = [[0f32; 2]; P];
+    match scaling {
+        Scaling::None | Scaling::Row(_) => {
+            for c in 0..full {
+                if c.is_multiple_of(per_line) {
+                    for row in rows.iter().flatten() {
+                        let line = (row.as_ptr() as *const u8).wrapping_add(c * D::CHUNK_BYTES);
+                        Avx2::prefetch(line.wrapping_add(ahead));
+                    }
+                }
+                let xv = Two::both(x.as_ptr().add(c * 8));
+                for p in 0..P {
+                    acc[p] = Two::fma(D::pair(rows[p][0], rows[p][1], c), xv, acc[p]);
+                }
+            }
+            if full * 8 < cols {
+                let xv = Two::both(x_tail.as_ptr());
+                for p in 0..P {
+                    acc[p] = Two::fma(
+                        Two::halves(tails[p][0].as_ptr(), tails[p][1].as_ptr()),
+                        xv,
+                        acc[p],
+                    );
+                }
+            }
+            for p in 0..P {
+                out[p] = acc[p].sums();
+                if let Scaling::Row(scales) = scaling {
+                    for h in 0..2 {
+                        out[p][h] *= scales[first + 2 * p + h];
+                    }
+                }
+            }
+        }
+        _ => {
+            let per_group = scaling.group_size().unwrap_or(8) / 8;
+            let chunks = cols.div_ceil(8);
+            let row_scales: [[RowScales; 2]; P] = std::array::from_fn(|p| {
+                [
+                    scaling.row_scales(first + 2 * p),
+                    scaling.row_scales(first + 2 * p + 1),
+                ]
+            });
+            let mut group = 0;
+            let mut c = 0;
+            while c < chunks {
+                let end = (c + per_group).min(chunks);
+                let mut partial = [Two::zero(); P];
+                while c < end.min(full) {
+                    if c.is_multiple_of(per_line) {
+                        for row in rows.iter().flatten() {
+                            let line = (row.as_ptr() as *const u8).wrapping_add(c * D::CHUNK_BYTES);
+                            Avx2::prefetch(line.wrapping_add(ahead));
+                        }
+                    }
+                    let xv = Two::both(x.as_ptr().add(c * 8));
+                    for p in 0..P {
+                        partial[p] = Two::fma(D::pair(rows[p][0], rows[p][1], c), xv, partial[p]);
+                    }
+                    c += 1;
+                }
+                if c < end {
+                    let xv = Two::both(x_tail.as_ptr());
+                    for p in 0..P {
+                        partial[p] = Two::fma(
+                            Two::halves(tails[p][0].as_ptr(), tails[p][1].as_ptr()),
+                            xv,
+                            partial[p],
+                        );
+                    }
+                    c += 1;
+                }
+                for p in 0..P {
+                    let scale = Two::splats(row_scales[p][0].at(group), row_scales[p][1].at(group));
+                    acc[p] = Two::fma(partial[p], scale, acc[p]);
+                }
+                group += 1;
+            }
+            for p in 0..P {
+                out[p] = acc[p].sums();
+            }
+        }
+    }
+    out
+}
+
+/// `out[i] = row(first + i) · x`: four pairs of rows at a time, then one pair, then a last
+/// row on the AVX2 kernel.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+unsafe fn rows<D: Pair>(view: &View<'_, D::Elem>, first: usize, x: &[f32], out: &mut [f32]) {
+    let (data, cols, scaling) = (view.data, view.cols, view.scaling);
+    let mut i = 0;
+    while i + 8 <= out.len() {
+        let sums = dot_pairs::<D, 4>(data, first + i, x, cols, scaling);
+        out[i..i + 8].copy_from_slice(sums.as_flattened());
+        i += 8;
+    }
+    while i + 2 <= out.len() {
+        let sums = dot_pairs::<D, 1>(data, first + i, x, cols, scaling);
+        out[i..i + 2].copy_from_slice(sums.as_flattened());
+        i += 2;
+    }
+    if i < out.len() {
+        kernels::rows_into::<Avx2, D>(data, cols, scaling, first + i, x, &mut out[i..]);
+    }
+}
+
+/// `n` inputs laid out as pairs: pair `p`, chunk `c` is 16 floats, input `2p`'s chunk `c`
+/// then input `2p + 1`'s (zeros past the last column and for a missing last input).
+fn interleave_pairs(input: &[f32], n: usize, cols: usize) -> Vec<f32> {
+    let chunks = cols.div_ceil(8);
+    let mut pairs = vec![0f32; n.div_ceil(2) * chunks * 16];
+    for (t, x) in input.chunks_exact(cols).enumerate().take(n) {
+        let (p, half) = (t / 2, t % 2);
+        for (c, values) in x.chunks(8).enumerate() {
+            let at = (p * chunks + c) * 16 + half * 8;
+            pairs[at..at + values.len()].copy_from_slice(values);
+        }
+    }
+    pairs
+}
+
+/// Chunk `c` of `R` decoded rows against `T` input pairs, `into[r][t] += w[r] * x[t]`. A
+/// function, not a closure, so that it inherits the caller's instruction set when inlined.
+#[inline(always)]
+unsafe fn pair_step<const R: usize, const T: usize>(
+    decoded: [&[f32]; R],
+    pairs: [&[f32]; T],
+    c: usize,
+    into: &mut [[Two; T]; R],
+) {
+    let mut xv = [Two::zero(); T];
+    for t in 0..T {
+        xv[t] = Two(_mm512_loadu_ps(pairs[t].as_ptr().add(c * 16)));
+    }
+    for r in 0..R {
+        let wv = Two::both(decoded[r].as_ptr().add(c * 8));
+        for t in 0..T {
+            into[r][t] = Two::fma(wv, xv[t], into[r][t]);
+        }
+    }
+}
+
+/// `R` decoded rows (each `chunks * 8` floats, zero-padded) against `T` input pairs:
+/// `R x T` accumulators, each half fed the multiply-adds `dot_tile` feeds its own.
+#[inline(always)]
+unsafe fn pair_tile<const R: usize, const T: usize>(
+    decoded: [&[f32]; R],
+    scale_row: usize,
+    pairs: [&[f32]; T],
+    chunks: usize,
+    scaling: Scaling,
+) -> [[[f32; 2]; T]; R] {
+    let mut acc = [[Two::zero(); T]; R];
+    let mut out = [[[0f32; 2]; T]; R];
+    match scaling {
+        Scaling::None | Scaling::Row(_) => {
+            for c in 0..chunks {
+                pair_step(decoded, pairs, c, &mut acc);
+            }
+            for r in 0..R {
+                for t in 0..T {
+                    out[r][t] = acc[r][t].sums();
+                    if let Scaling::Row(scales) = scaling {
+                        out[r][t] = out[r][t].map(|s| s * scales[scale_row + r]);
+                    }
+                }
+            }
+        }
+        _ => {
+            let per_group = scaling.group_size().unwrap_or(8) / 8;
+            let row_scales: [RowScales; R] =
+                std::array::from_fn(|r| scaling.row_scales(scale_row + r));
+            let mut group = 0;
+            let mut c = 0;
+            while c < chunks {
+                let end = (c + per_group).min(chunks);
+                let mut partial = [[Two::zero(); T]; R];
+                while c < end {
+                    pair_step(decoded, pairs, c, &mut partial);
+                    c += 1;
+                }
+                for r in 0..R {
+                    let scale = _mm512_set1_ps(row_scales[r].at(group));
+                    for t in 0..T {
+                        acc[r][t] = Two::fma(partial[r][t], Two(scale), acc[r][t]);
+                    }
+                }
+                group += 1;
+            }
+            for r in 0..R {
+                for t in 0..T {
+                    out[r][t] = acc[r][t].sums();
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Rows `first..first + count` against every one of the `n` inputs, written as
+/// `out[(row - first) * n + t]`: each block of four rows decoded to f32 once (by the AVX2
+/// decoders, exact), then run against the inputs two per register.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+unsafe fn batched<D: Decode<Avx2>>(
+    view: &View<'_, D::Elem>,
+    first: usize,
+    count: usize,
+    input: &[f32],
+    n: usize,
+    out: &mut [f32],
+) {
+    let (data, cols, scaling) = (view.data, view.cols, view.scaling);
+    let chunks = cols.div_ceil(8);
+    let width = chunks * 8;
+    let pairs = interleave_pairs(input, n, cols);
+    let pair = |p: usize| &pairs[p * chunks * 16..(p + 1) * chunks * 16];
+    let pair_count = n.div_ceil(2);
+    let mut scratch = vec![0f32; 4 * width];
+    let full = cols / 8;
+    let mut i = 0;
+    while i < count {
+        let block = (count - i).min(4);
+        for k in 0..block {
+            let row = row_of::<D>(data, cols, first + i + k);
+            let decoded = &mut scratch[k * width..(k + 1) * width];
+            for c in 0..full {
+                D::chunk(row, c).store(decoded.as_mut_ptr().add(c * 8));
+            }
+            for (j, value) in decoded.iter_mut().enumerate().skip(full * 8) {
+                *value = if j < cols { D::value(row, j) } else { 0.0 };
+            }
+        }
+        let decoded = |k: usize| &scratch[k * width..(k + 1) * width];
+        let r = first + i;
+        let mut put = |k: usize, p: usize, sums: [f32; 2]| {
+            for (h, s) in sums.into_iter().enumerate() {
+                if 2 * p + h < n {
+                    out[(i + k) * n + 2 * p + h] = s;
+                }
+            }
+        };
+        let mut p = 0;
+        while p < pair_count {
+            let take = (pair_count - p).min(3);
+            if block == 4 {
+                let rows = [decoded(0), decoded(1), decoded(2), decoded(3)];
+                match take {
+                    3 => {
+                        let xs = [pair(p), pair(p + 1), pair(p + 2)];
+                        let sums = pair_tile::<4, 3>(rows, r, xs, chunks, scaling);
+                        for (k, row) in sums.iter().enumerate() {
+                            row.iter().enumerate().for_each(|(t, &s)| put(k, p + t, s));
+                        }
+                    }
+                    2 => {
+                        let sums =
+                            pair_tile::<4, 2>(rows, r, [pair(p), pair(p + 1)], chunks, scaling);
+                        for (k, row) in sums.iter().enumerate() {
+                            row.iter().enumerate().for_each(|(t, &s)| put(k, p + t, s));
+                        }
+                    }
+                    _ => {
+                        let sums = pair_tile::<4, 1>(rows, r, [pair(p)], chunks, scaling);
+                        for (k, row) in sums.iter().enumerate() {
+                            put(k, p, row[0]);
+                        }
+                    }
+                }
+            } else {
+                for k in 0..block {
+                    for u in p..p + take {
+                        let sums =
+                            pair_tile::<1, 1>([decoded(k)], r + k, [pair(u)], chunks, scaling);
+                        put(k, u, sums[0][0]);
+                    }
+                }
+            }
+            p += take;
+        }
+        i += block;
+    }
+}
+
+pub(super) struct Avx512Block<'a, D: Pair>(pub View<'a, D::Elem>);
+
+impl<D: Pair> Block for Avx512Block<'_, D> {
+    fn rows(&self, first: usize, x: &[f32], out: &mut [f32]) {
+        // SAFETY: an Avx512Block is built only when `Isa::detect` found AVX-512 F/BW/DQ/VL,
+        // AVX2, FMA and F16C.
+        unsafe { rows::<D>(&self.0, first, x, out) }
+    }
+    fn batched(&self, first: usize, count: usize, input: &[f32], n: usize, out: &mut [f32]) {
+        // SAFETY: as above.
+        unsafe { batched::<D>(&self.0, first, count, input, n, out) }
+    }
+}
