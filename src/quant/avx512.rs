@@ -67,12 +67,17 @@ impl Two {
 
 /// Chunk `c` of two rows decoded into the two halves.
 pub(super) trait Pair: Decode<Avx2> {
+    /// Whether one input row runs two weight rows per register. Only formats whose
+    /// decoding costs more than their multiply-add gain from it; a format that streams at
+    /// memory speed keeps the AVX2 row kernel (measured no faster in pairs).
+    const ROWS_IN_PAIRS: bool;
     /// # Safety
     /// `8c + 8` must not exceed either row's element count, and the CPU must have AVX-512.
     unsafe fn pair(low: &[Self::Elem], high: &[Self::Elem], c: usize) -> Two;
 }
 
 impl Pair for F32Codes {
+    const ROWS_IN_PAIRS: bool = false;
     #[inline(always)]
     unsafe fn pair(low: &[f32], high: &[f32], c: usize) -> Two {
         Two::halves(low.as_ptr().add(c * 8), high.as_ptr().add(c * 8))
@@ -106,6 +111,7 @@ unsafe fn nibble_words(low: &[u8], high: &[u8], c: usize) -> (i32, i32) {
 }
 
 impl Pair for Bf16Codes {
+    const ROWS_IN_PAIRS: bool = false;
     #[inline(always)]
     unsafe fn pair(low: &[u16], high: &[u16], c: usize) -> Two {
         let bits = _mm512_cvtepu16_epi32(sixteen_u16(low, high, c));
@@ -114,6 +120,7 @@ impl Pair for Bf16Codes {
 }
 
 impl Pair for F16Codes {
+    const ROWS_IN_PAIRS: bool = false;
     #[inline(always)]
     unsafe fn pair(low: &[u16], high: &[u16], c: usize) -> Two {
         Two(_mm512_cvtph_ps(sixteen_u16(low, high, c)))
@@ -121,6 +128,7 @@ impl Pair for F16Codes {
 }
 
 impl Pair for I8Codes {
+    const ROWS_IN_PAIRS: bool = false;
     #[inline(always)]
     unsafe fn pair(low: &[i8], high: &[i8], c: usize) -> Two {
         let a = std::ptr::read_unaligned(low.as_ptr().add(c * 8) as *const i64);
@@ -132,6 +140,7 @@ impl Pair for I8Codes {
 }
 
 impl Pair for Int4Codes {
+    const ROWS_IN_PAIRS: bool = true;
     #[inline(always)]
     unsafe fn pair(low: &[u8], high: &[u8], c: usize) -> Two {
         // As the AVX2 decoder: each lane shifts its copy of the word by 4 * lane.
@@ -147,6 +156,7 @@ impl Pair for Int4Codes {
 }
 
 impl Pair for E4m3Codes {
+    const ROWS_IN_PAIRS: bool = true;
     #[inline(always)]
     unsafe fn pair(low: &[u8], high: &[u8], c: usize) -> Two {
         // The AVX2 decoder's steps on sixteen lanes.
@@ -169,6 +179,7 @@ impl Pair for E4m3Codes {
 }
 
 impl Pair for E2m1Codes {
+    const ROWS_IN_PAIRS: bool = true;
     #[inline(always)]
     unsafe fn pair(low: &[u8], high: &[u8], c: usize) -> Two {
         let (a, b) = nibble_words(low, high, c);
@@ -317,11 +328,14 @@ unsafe fn dot_pairs<D: Pair, const P: usize>(
 }
 
 /// `out[i] = row(first + i) · x`: four pairs of rows at a time, then one pair, then a last
-/// row on the AVX2 kernel.
+/// row on the AVX2 kernel (every row there where the format does not run in pairs).
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
 unsafe fn rows<D: Pair>(view: &View<'_, D::Elem>, first: usize, x: &[f32], out: &mut [f32]) {
     let (data, cols, scaling) = (view.data, view.cols, view.scaling);
     let mut i = 0;
+    if !D::ROWS_IN_PAIRS {
+        return kernels::rows_into::<Avx2, D>(data, cols, scaling, first, x, out);
+    }
     while i + 8 <= out.len() {
         let sums = dot_pairs::<D, 4>(data, first + i, x, cols, scaling);
         out[i..i + 8].copy_from_slice(sums.as_flattened());
@@ -431,10 +445,10 @@ unsafe fn pair_tile<const R: usize, const T: usize>(
 }
 
 /// Rows `first..first + count` against every one of the `n` inputs, written as
-/// `out[(row - first) * n + t]`: each block of four rows decoded to f32 once (by the AVX2
-/// decoders, exact), then run against the inputs two per register.
+/// `out[(row - first) * n + t]`: each block of four rows decoded to f32 once (two rows per
+/// register, exact), then run against the inputs two per register.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
-unsafe fn batched<D: Decode<Avx2>>(
+unsafe fn batched<D: Pair>(
     view: &View<'_, D::Elem>,
     first: usize,
     count: usize,
@@ -453,15 +467,35 @@ unsafe fn batched<D: Decode<Avx2>>(
     let mut i = 0;
     while i < count {
         let block = (count - i).min(4);
-        for k in 0..block {
-            let row = row_of::<D>(data, cols, first + i + k);
-            let decoded = &mut scratch[k * width..(k + 1) * width];
+        // Rows in pairs, a last odd one alone; the chunk past the last whole one padded
+        // with zeros.
+        let mut k = 0;
+        while k < block {
+            let paired = k + 1 < block;
+            let low = row_of::<D>(data, cols, first + i + k);
+            let high = row_of::<D>(data, cols, first + i + k + usize::from(paired));
+            let (top, bottom) = scratch[k * width..].split_at_mut(width);
             for c in 0..full {
-                D::chunk(row, c).store(decoded.as_mut_ptr().add(c * 8));
+                if paired {
+                    let two = D::pair(low, high, c).0;
+                    _mm256_storeu_ps(top.as_mut_ptr().add(c * 8), _mm512_castps512_ps256(two));
+                    _mm256_storeu_ps(
+                        bottom.as_mut_ptr().add(c * 8),
+                        _mm512_extractf32x8_ps::<1>(two),
+                    );
+                } else {
+                    D::chunk(low, c).store(top.as_mut_ptr().add(c * 8));
+                }
             }
-            for (j, value) in decoded.iter_mut().enumerate().skip(full * 8) {
-                *value = if j < cols { D::value(row, j) } else { 0.0 };
+            for (row, decoded) in [(low, top), (high, &mut bottom[..width])]
+                .into_iter()
+                .take(1 + usize::from(paired))
+            {
+                for (j, value) in decoded.iter_mut().enumerate().skip(full * 8) {
+                    *value = if j < cols { D::value(row, j) } else { 0.0 };
+                }
             }
+            k += 2;
         }
         let decoded = |k: usize| &scratch[k * width..(k + 1) * width];
         let r = first + i;
