@@ -212,6 +212,43 @@ fn padded_tail<D: Codes>(row: &[D::Elem], start: usize, cols: usize) -> [f32; 8]
     lanes
 }
 
+/// Chunk `c` of each pair of rows against `x`, into `into`; where a cache line starts,
+/// first ask for the one `ahead` bytes on in each row (the next block's, see `dot_rows`).
+/// A function, not a closure, so that it inherits the caller's instruction set.
+#[inline(always)]
+unsafe fn pairs_step<D: Pair, const P: usize>(
+    rows: &[[&[D::Elem]; 2]; P],
+    x: &[f32],
+    c: usize,
+    ahead: usize,
+    into: &mut [Two; P],
+) {
+    if c.is_multiple_of((64 / D::CHUNK_BYTES).max(1)) {
+        for row in rows.iter().flatten() {
+            let line = (row.as_ptr() as *const u8).wrapping_add(c * D::CHUNK_BYTES);
+            Avx2::prefetch(line.wrapping_add(ahead));
+        }
+    }
+    let xv = Two::both(x.as_ptr().add(c * 8));
+    for p in 0..P {
+        into[p] = Two::fma(D::pair(rows[p][0], rows[p][1], c), xv, into[p]);
+    }
+}
+
+/// The zero-padded last chunk of each pair of rows against `x`'s.
+#[inline(always)]
+unsafe fn tails_step<const P: usize>(
+    tails: &[[[f32; 8]; 2]; P],
+    x_tail: &[f32; 8],
+    into: &mut [Two; P],
+) {
+    let xv = Two::both(x_tail.as_ptr());
+    for p in 0..P {
+        let rows = Two::halves(tails[p][0].as_ptr(), tails[p][1].as_ptr());
+        into[p] = Two::fma(rows, xv, into[p]);
+    }
+}
+
 /// The dot products of `P` pairs of rows (rows `first + 2p` and `first + 2p + 1`) with
 /// `x`: each half fed what the 8-lane `dot_rows` feeds one row, in the same order.
 #[inline(always)]
@@ -239,32 +276,15 @@ unsafe fn dot_pairs<D: Pair, const P: usize>(
     });
     // The rows of the next block, one request per cache line (see `dot_rows`).
     let ahead = 2 * P * std::mem::size_of_val(rows[0][0]);
-    let per_line = (64 / D::CHUNK_BYTES).max(1);
     let mut acc = [Two::zero(); P];
     let mut out = [[0f32; 2]; P];
     match scaling {
         Scaling::None | Scaling::Row(_) => {
             for c in 0..full {
-                if c.is_multiple_of(per_line) {
-                    for row in rows.iter().flatten() {
-                        let line = (row.as_ptr() as *const u8).wrapping_add(c * D::CHUNK_BYTES);
-                        Avx2::prefetch(line.wrapping_add(ahead));
-                    }
-                }
-                let xv = Two::both(x.as_ptr().add(c * 8));
-                for p in 0..P {
-                    acc[p] = Two::fma(D::pair(rows[p][0], rows[p][1], c), xv, acc[p]);
-                }
+                pairs_step::<D, P>(&rows, x, c, ahead, &mut acc);
             }
             if full * 8 < cols {
-                let xv = Two::both(x_tail.as_ptr());
-                for p in 0..P {
-                    acc[p] = Two::fma(
-                        Two::halves(tails[p][0].as_ptr(), tails[p][1].as_ptr()),
-                        xv,
-                        acc[p],
-                    );
-                }
+                tails_step(&tails, &x_tail, &mut acc);
             }
             for p in 0..P {
                 out[p] = acc[p].sums();
@@ -290,27 +310,11 @@ unsafe fn dot_pairs<D: Pair, const P: usize>(
                 let end = (c + per_group).min(chunks);
                 let mut partial = [Two::zero(); P];
                 while c < end.min(full) {
-                    if c.is_multiple_of(per_line) {
-                        for row in rows.iter().flatten() {
-                            let line = (row.as_ptr() as *const u8).wrapping_add(c * D::CHUNK_BYTES);
-                            Avx2::prefetch(line.wrapping_add(ahead));
-                        }
-                    }
-                    let xv = Two::both(x.as_ptr().add(c * 8));
-                    for p in 0..P {
-                        partial[p] = Two::fma(D::pair(rows[p][0], rows[p][1], c), xv, partial[p]);
-                    }
+                    pairs_step::<D, P>(&rows, x, c, ahead, &mut partial);
                     c += 1;
                 }
                 if c < end {
-                    let xv = Two::both(x_tail.as_ptr());
-                    for p in 0..P {
-                        partial[p] = Two::fma(
-                            Two::halves(tails[p][0].as_ptr(), tails[p][1].as_ptr()),
-                            xv,
-                            partial[p],
-                        );
-                    }
+                    tails_step(&tails, &x_tail, &mut partial);
                     c += 1;
                 }
                 for p in 0..P {
