@@ -130,6 +130,44 @@ fn a_directory_where_a_shard_should_be_is_named() {
     );
 }
 
+/// A named pipe where a shard should be is refused without opening it (an open would wait
+/// for a writer). Should coli open it anyway, the test writes nothing and closes its end, so
+/// the run sees an empty file instead of hanging.
+#[cfg(unix)]
+#[test]
+fn a_named_pipe_where_a_shard_should_be_is_refused_without_waiting() {
+    let dir = tempfile::tempdir().unwrap();
+    let pipe = dir.path().join("model.safetensors");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&pipe)
+        .status()
+        .expect("mkfifo runs");
+    assert!(made.success());
+    std::fs::copy(
+        fixture("olmoe_tiny").join("config.json"),
+        dir.path().join("config.json"),
+    )
+    .unwrap();
+    let run = std::thread::spawn({
+        let snap = snap_arg(dir.path());
+        move || coli(&[&snap, "64", "16", "16"], &[])
+    });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !run.is_finished() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    if !run.is_finished() {
+        // Unblock a reader that opened the pipe, then fail.
+        drop(std::fs::OpenOptions::new().write(true).open(&pipe));
+        run.join().unwrap();
+        panic!("coli waited on the named pipe");
+    }
+    refused(
+        &run.join().unwrap(),
+        &["model.safetensors is a pipe, socket or device, not a safetensors file"],
+    );
+}
+
 /// A copy of `name` whose config (its `text_config` when it has one) `edit` changes.
 fn with_config(name: &str, edit: impl Fn(&mut serde_json::Value)) -> tempfile::TempDir {
     let dir = copy_fixture(name);

@@ -28,10 +28,9 @@ pub struct Shard {
 
 impl Shard {
     pub fn open(path: &Path) -> Result<Shard> {
-        let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
-        let kind = file
-            .metadata()
-            .with_context(|| format!("cannot read {}", path.display()))?
+        // Looked at before opening: opening a named pipe waits for a writer, forever.
+        let kind = std::fs::metadata(path)
+            .with_context(|| format!("cannot open {}", path.display()))?
             .file_type();
         if !kind.is_file() {
             bail!(
@@ -40,10 +39,11 @@ impl Shard {
                 if kind.is_dir() {
                     "a directory"
                 } else {
-                    "not a regular file"
+                    "a pipe, socket or device"
                 }
             );
         }
+        let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
         // SAFETY: the mapping is read-only; a shard rewritten underneath a running process is
         // outside what any reader of memory-mapped weights can defend against.
         let mapping = unsafe { Mmap::map(&file) }
