@@ -184,10 +184,11 @@ fn matvec(c: &mut Criterion) {
 }
 
 /// A batch of rows against one matrix, the weights read once for all rows: 32 (a prompt
-/// through a dense projection) and 4 (the rows one expert of 64 at top-8 gets from it).
+/// through a dense projection) and 4 (the rows one expert of 64 at top-8 gets from it),
+/// and 64 rows through an expert's 2048-column gate (its share of a 512-token prompt),
+/// where the inputs no longer fit the first-level cache beside the weights.
 fn batched(c: &mut Criterion) {
-    let (rows, cols) = (2048, 1024);
-    for n in [32, 4] {
+    for (rows, cols, n) in [(2048, 1024, 32), (2048, 1024, 4), (1024, 2048, 64)] {
         let x: Vec<f32> = (0..n * cols).map(|i| (i % 7) as f32 * 0.1 - 0.3).collect();
         let mut y = vec![0f32; n * rows];
         let mut group = c.benchmark_group(format!("matmul {rows}x{cols} x{n} rows"));

@@ -59,6 +59,23 @@ impl fmt::Display for Speculation {
 }
 
 impl Generation {
+    /// Whether a signal stopped the prefill, so that nothing was generated.
+    pub fn stopped_in_prefill(&self) -> bool {
+        self.ending == Ending::Interrupted && self.tokens.is_empty()
+    }
+
+    /// A generation whose prefill (started at `started`) a signal stopped: no tokens.
+    fn interrupted_in_prefill(started: Instant, speculation: Option<Speculation>) -> Generation {
+        Generation {
+            tokens: Vec::new(),
+            prefill_seconds: started.elapsed().as_secs_f64(),
+            decode_seconds: 0.0,
+            non_finite: false,
+            speculation,
+            ending: Ending::Interrupted,
+        }
+    }
+
     /// Decode throughput: tokens after the first (which comes from the prefill) per second.
     pub fn decode_tokens_per_second(&self) -> f64 {
         let decoded = self.tokens.len().saturating_sub(1);
@@ -173,7 +190,9 @@ pub fn generate_after(
         );
     }
     let started = Instant::now();
-    let mut logits = engine.forward(&prompt[cached..], false)?;
+    let Some(mut logits) = prefill(engine, &prompt[cached..])? else {
+        return Ok(Generation::interrupted_in_prefill(started, None));
+    };
     let prefill_seconds = started.elapsed().as_secs_f64();
     let started = Instant::now();
     // Reserved up to a bound: a count may be far larger than any generation gets.
@@ -213,6 +232,19 @@ pub fn generate_after(
     })
 }
 
+/// The prompt's forward, which a signal may stop between layers: then the engine's cache,
+/// which holds part of it, is cleared and there are no logits.
+fn prefill(engine: &mut dyn Engine, tokens: &[u32]) -> Result<Option<Vec<f32>>> {
+    match interrupt::abortable(|| engine.forward(tokens, false)) {
+        Ok(logits) => Ok(Some(logits)),
+        Err(err) if err.is::<interrupt::Interrupted>() => {
+            engine.reset();
+            Ok(None)
+        }
+        Err(err) => Err(err),
+    }
+}
+
 /// Speculative decoding with the engine's draft head: each forward feeds the token chosen
 /// last plus up to `depth` drafted ones; the sampler chooses a token at every fed position
 /// in turn, and the drafts are kept while they equal what it chose. Every token is thus
@@ -231,15 +263,18 @@ fn speculate(
 ) -> Result<Generation> {
     let count = policy.count;
     let started = Instant::now();
-    let logits = engine.forward(fresh, false)?;
+    let stats = Speculation {
+        depth,
+        ..Speculation::default()
+    };
+    let Some(logits) = prefill(engine, fresh)? else {
+        return Ok(Generation::interrupted_in_prefill(started, Some(stats)));
+    };
     let prefill_seconds = started.elapsed().as_secs_f64();
     let started = Instant::now();
     let mut non_finite = logits.iter().any(|v| !v.is_finite());
     let mut tokens = Vec::with_capacity(count.min(4096));
-    let mut stats = Speculation {
-        depth,
-        ..Speculation::default()
-    };
+    let mut stats = stats;
     let mut ending = Ending::Limit;
     if count > 0 {
         let token = policy.sampler.pick(&logits);

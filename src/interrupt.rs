@@ -2,7 +2,14 @@
 //! to stop after the current token, so the run ends normally, still saves its routing
 //! history and flushes its trace, and then exits `128 + signal` (130, 143, 129) so a script
 //! can tell it from a finished run; a second one exits at once.
+//!
+//! A prefill is one forward over the whole prompt (each layer's experts read once for every
+//! token, which is what makes it affordable when they stream from disk), so it stops between
+//! layers instead: its forward runs inside [`abortable`], the engines call [`checkpoint`]
+//! before each layer, and the forward ends with [`Interrupted`].
 
+use std::cell::Cell;
+use std::fmt;
 use std::sync::atomic::{AtomicI32, Ordering};
 
 /// The signal that asked for a stop, 0 for none.
@@ -19,7 +26,9 @@ fn received(signal: i32, name: &str) {
     if REQUESTED.swap(signal, Ordering::SeqCst) != 0 {
         std::process::exit(128 + signal);
     }
-    eprintln!("\n[coli] {name}: stopping after this token (send it again to quit at once)");
+    eprintln!(
+        "\n[coli] {name}: stopping after this token, or in a prefill after this layer (send it again to quit at once)"
+    );
 }
 
 /// Install the handler (once per process; later calls do nothing).
@@ -67,4 +76,45 @@ pub fn exit_status() -> Option<u8> {
         0 => None,
         signal => u8::try_from(128 + signal).ok(),
     }
+}
+
+/// The error of a forward that a stop ended between two layers (inside [`abortable`]): the
+/// forward did not finish, and the engine's cache holds a part of it.
+#[derive(Debug)]
+pub struct Interrupted;
+
+impl fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("the forward was stopped by a signal between two layers")
+    }
+}
+
+impl std::error::Error for Interrupted {}
+
+thread_local! {
+    /// Whether the forward running on this thread may stop between layers.
+    static ABORTABLE: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Run `forward` (a prefill) so that a stop asked for meanwhile ends it at the next
+/// [`checkpoint`]. Other forwards (a decode step, a speculative check) always finish: the
+/// loops around them stop between tokens, with the cache consistent.
+pub fn abortable<T>(forward: impl FnOnce() -> T) -> T {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            ABORTABLE.set(self.0);
+        }
+    }
+    let _restore = Restore(ABORTABLE.replace(true));
+    forward()
+}
+
+/// Called by the engines before each layer: [`Interrupted`] inside [`abortable`] once a stop
+/// was asked for, otherwise nothing.
+pub fn checkpoint() -> anyhow::Result<()> {
+    if ABORTABLE.get() && requested() {
+        return Err(Interrupted.into());
+    }
+    Ok(())
 }

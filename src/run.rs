@@ -159,6 +159,12 @@ fn job(model: Option<&str>, settings: &Settings, positionals: Positionals) -> Re
         let mut on_tokens =
             |engine: &mut dyn Engine, emitted: u64| session.after_tokens(engine, emitted);
         let generation = greedy_with(engine.as_mut(), ids, ngen, &mut on_tokens)?;
+        if generation.stopped_in_prefill() {
+            eprintln!(
+                "[coli] stopped during the prefill of {} tokens: nothing generated",
+                ids.len()
+            );
+        }
         println!("{}", oracle::join(&generation.tokens));
         if let Some(speculation) = &generation.speculation {
             println!("{speculation}");

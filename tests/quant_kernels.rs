@@ -20,8 +20,9 @@ const FORMATS: [Format; 11] = [
 ];
 
 /// `[rows, cols]` covering single elements, partial 8-lane chunks, partial groups, odd
-/// nibble rows, 4-row blocks with remainders, and several FP8 128-row blocks.
-const SHAPES: [(usize, usize); 10] = [
+/// nibble rows, 4-row blocks with remainders, several FP8 128-row blocks, and rows long
+/// enough that a batch walks them in several column steps.
+const SHAPES: [(usize, usize); 11] = [
     (1, 1),
     (3, 7),
     (5, 8),
@@ -32,6 +33,7 @@ const SHAPES: [(usize, usize); 10] = [
     (7, 255),
     (130, 257),
     (260, 96),
+    (6, 600),
 ];
 
 /// A deterministic spread of magnitudes (with some exact zeros and a few large values) so

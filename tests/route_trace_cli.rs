@@ -318,6 +318,86 @@ fn stopped_by(signal: &str, code: i32) {
     assert_eq!(traced, saved);
 }
 
+#[test]
+fn a_signal_during_a_long_prefill_stops_it_between_layers() {
+    // OLMoE runs the prompt in one forward; Kimi K3 in chunks of 32 tokens, each through
+    // every layer (its routed layers: 5 of 6).
+    for (fixture, routed_layers, whole_layers) in
+        [("olmoe_tiny", 3, true), ("kimi_k3_tiny", 5, false)]
+    {
+        prefill_stopped(fixture, routed_layers, whole_layers);
+    }
+}
+
+fn prefill_stopped(fixture: &str, routed_layers: usize, whole_layers: bool) {
+    // 4000 tokens (the fixtures' whole context): the prefill takes seconds, and the trace's
+    // first write comes early in it (in OLMoE's first layer), so a signal sent then lands
+    // well before the forward could end.
+    const TOKENS: usize = 4000;
+    let dir = copy_fixture(fixture);
+    let trace = dir.path().join("trace.txt");
+    let ids: Vec<String> = (0..TOKENS)
+        .map(|i| ((i * 7) % 120 + 3).to_string())
+        .collect();
+    let child = Command::new(env!("CARGO_BIN_EXE_coli"))
+        .args([
+            &snap(dir.path()),
+            &format!("IDS={}", ids.join(" ")),
+            "NGEN=4",
+            &format!("ROUTE_TRACE={}", trace.display()),
+            "64",
+            "16",
+            "16",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    while std::fs::metadata(&trace).map_or(0, |m| m.len()) == 0
+        && started.elapsed() < Duration::from_secs(120)
+    {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let status = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = child.wait_with_output().unwrap();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(130), "{fixture}: {err}");
+    assert!(
+        err.contains(&format!(
+            "stopped during the prefill of {TOKENS} tokens: nothing generated"
+        )),
+        "{fixture}: {err}"
+    );
+    assert_eq!(
+        generated_ids(&stdout(&out)),
+        "",
+        "{fixture}: {}",
+        stdout(&out)
+    );
+    // Part of the prompt went through the routed layers, not all of it; what was routed
+    // is both traced and saved.
+    let text = std::fs::read_to_string(&trace).unwrap();
+    let lines = text.lines().count();
+    assert!(
+        lines > 0 && lines < routed_layers * TOKENS,
+        "{fixture}: {lines} trace lines"
+    );
+    if whole_layers {
+        assert_eq!(lines % TOKENS, 0, "{fixture}: {lines} trace lines");
+    }
+    let saved = stats_total(&err).expect("the history is saved on a signal");
+    let traced: u64 = text
+        .lines()
+        .map(|l| (l.split(' ').count() - 3) as u64)
+        .sum();
+    assert_eq!(traced, saved, "{fixture}");
+}
+
 /// A history of `olmoe_tiny`'s shape (3 layers, 8 experts) holding 324,024 selections:
 /// well past AUTOPIN's 5000, at full confidence.
 fn hot_history() -> String {

@@ -25,6 +25,7 @@ use super::moe::{Predictor, Route, RoutedExperts, SigmoidRouter};
 use super::{Engine, LoadOptions};
 use crate::experts::{ExpertStore, ExpertTensors};
 use crate::generate::argmax;
+use crate::interrupt;
 use crate::profile::{self, Phase};
 use crate::quant::{load_vector, Matrix, Width};
 use crate::route_trace::RouteTrace;
@@ -977,6 +978,7 @@ impl Engine for GlmMoeDsa {
             routed: &mut self.routed,
         };
         for (l, (layer, cache)) in self.layers.iter().zip(self.caches.iter_mut()).enumerate() {
+            interrupt::checkpoint()?;
             layer.forward(l, cache, &mut pass, &mut x)?;
         }
         self.tokens.extend_from_slice(tokens);

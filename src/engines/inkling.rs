@@ -19,6 +19,7 @@ use super::short_conv::{ConvState, ShortConv};
 use super::window_attention::{windowed_attention, DistanceBias, WindowKvCache};
 use super::{Engine, LoadOptions};
 use crate::experts::{ExpertStore, ExpertTensors};
+use crate::interrupt;
 use crate::profile::{self, Phase};
 use crate::quant::{load_vector, Matrix, Width};
 use crate::route_trace::RouteTrace;
@@ -827,6 +828,7 @@ impl Engine for Inkling {
         rms_norm_in_place(&mut x, &self.embed_norm, eps);
         let mut h = vec![0f32; n * d];
         for l in 0..self.layers.len() {
+            interrupt::checkpoint()?;
             rms_norm(&x, &self.layers[l].input_norm, eps, &mut h);
             let attention = profile::time(Phase::Attention, || self.attention(l, &h, n));
             let layer = &self.layers[l];

@@ -33,6 +33,7 @@ use super::situ::{Situ, SituMlp};
 use super::{Engine, LoadOptions};
 use crate::backend::Activation;
 use crate::experts::{ExpertStore, ExpertTensors};
+use crate::interrupt;
 use crate::profile::{self, Phase};
 use crate::quant::{load_vector, Matrix, Width};
 use crate::route_trace::RouteTrace;
@@ -846,6 +847,7 @@ impl KimiK3 {
         };
         let mut h = vec![0f32; n * d];
         for (l, (layer, state)) in self.layers.iter().zip(self.states.iter_mut()).enumerate() {
+            interrupt::checkpoint()?;
             let input = stream.attention_input(l, &layer.attention_mix);
             rms_norm(&input, &layer.input_norm, eps, &mut h);
             let attention = profile::time(Phase::Attention, || layer.attention(state, &pass, &h))?;

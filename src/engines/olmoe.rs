@@ -12,6 +12,7 @@ use super::moe::{softmax_top_k, Predictor, Route, RoutedExperts};
 use super::window_attention::{windowed_attention, WindowKvCache};
 use super::{Engine, LoadOptions};
 use crate::experts::{ExpertStore, ExpertTensors};
+use crate::interrupt;
 use crate::profile::{self, Phase};
 use crate::quant::{load_vector, matmul_shared_input, Matrix, Width};
 use crate::route_trace::RouteTrace;
@@ -424,6 +425,7 @@ impl Engine for Olmoe {
             self.embed.row_into(token as usize, row);
         }
         for l in 0..self.layers.len() {
+            interrupt::checkpoint()?;
             let attention = profile::time(Phase::Attention, || self.attention(l, &x, n, start));
             add(&mut x, &attention);
             let moe = self.moe(l, &x, n)?;

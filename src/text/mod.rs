@@ -385,6 +385,9 @@ impl TextJob<'_> {
         let ending = match generation.ending {
             Ending::Limit => "NGEN reached".to_string(),
             Ending::Stop(id) => format!("stop token {id}"),
+            Ending::Interrupted if generation.stopped_in_prefill() => {
+                "interrupted during the prefill".to_string()
+            }
             Ending::Interrupted => "interrupted".to_string(),
             Ending::Halted => "halted".to_string(),
         };
