@@ -1,5 +1,6 @@
-//! The layer operations engines share: RMSNorm, rotary embeddings, softmax, top-k
-//! selection, SwiGLU, causal attention with grouped key/value heads and its KV cache.
+//! The layer operations engines share: RMSNorm and LayerNorm, rotary embeddings, softmax,
+//! top-k selection, SwiGLU and the gated FFN, the attention shape. Causal attention and its
+//! KV cache are `window_attention`'s.
 //!
 //! Each function computes what the transformers reference computes for that block, in
 //! f32 over rows of a row-major batch. Nothing here knows which model calls it.
