@@ -17,7 +17,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde::Deserialize;
 
 use super::dsa::{IndexKeys, Indexer, IndexerShape};
-use super::layers::{add_in_place, rms_norm, Rope, SwigluMlp};
+use super::layers::{add_in_place, embed_tokens, lm_head, rms_norm, Rope, SwigluMlp};
 use super::mla::{
     attend_absorbed, attend_plain, Keys, LatentCache, MlaProjections, MlaShape, Projected,
 };
@@ -867,15 +867,7 @@ impl GlmMoeDsa {
     }
 
     fn embed_rows(&self, tokens: &[u32]) -> Result<Vec<f32>> {
-        let (d, vocab) = (self.config.hidden_size, self.config.vocab_size);
-        let mut x = vec![0f32; tokens.len() * d];
-        for (row, &token) in x.chunks_exact_mut(d).zip(tokens) {
-            if token as usize >= vocab {
-                bail!("token id {token} is outside the vocabulary (vocab_size {vocab})");
-            }
-            self.embed.row_into(token as usize, row);
-        }
-        Ok(x)
+        embed_tokens(&self.embed, tokens, self.config.vocab_size)
     }
 
     /// One MTP step over `n` rows: `hidden` (the main model's final-normalised states, or
@@ -953,14 +945,7 @@ impl Engine for GlmMoeDsa {
     }
 
     fn forward(&mut self, tokens: &[u32], all_positions: bool) -> Result<Vec<f32>> {
-        let (n, d, vocab) = (
-            tokens.len(),
-            self.config.hidden_size,
-            self.config.vocab_size,
-        );
-        if n == 0 {
-            bail!("forward needs at least one token");
-        }
+        let (n, d) = (tokens.len(), self.config.hidden_size);
         let start = self.position();
         let mut x = self.embed_rows(tokens)?;
         let mut pass = Pass {
@@ -1002,10 +987,7 @@ impl Engine for GlmMoeDsa {
         } else {
             &normed[(rows - 1) * d..]
         };
-        let m = heads.len() / d;
-        let mut logits = vec![0f32; m * vocab];
-        profile::time(Phase::LmHead, || self.lm_head.matmul(heads, m, &mut logits));
-        Ok(logits)
+        Ok(lm_head(&self.lm_head, heads))
     }
 
     fn reset(&mut self) {

@@ -13,7 +13,9 @@ use std::sync::Arc;
 use anyhow::{anyhow, bail, Result};
 use serde::Deserialize;
 
-use super::layers::{rms_norm, rms_norm_in_place, AttentionShape, SwigluMlp};
+use super::layers::{
+    embed_tokens, lm_head, rms_norm, rms_norm_in_place, AttentionShape, SwigluMlp,
+};
 use super::moe::{biased_top_k, Predictor, Route, RoutedExperts};
 use super::short_conv::{ConvState, ShortConv};
 use super::window_attention::{windowed_attention, DistanceBias, WindowKvCache};
@@ -814,17 +816,8 @@ impl Engine for Inkling {
             self.config.hidden_size,
             self.config.vocab_size,
         );
-        if n == 0 {
-            bail!("forward needs at least one token");
-        }
         let eps = self.config.rms_norm_eps;
-        let mut x = vec![0f32; n * d];
-        for (row, &token) in x.chunks_exact_mut(d).zip(tokens) {
-            if token as usize >= rows {
-                bail!("token id {token} is outside the vocabulary (vocab_size {rows})");
-            }
-            self.embed.row_into(token as usize, row);
-        }
+        let mut x = embed_tokens(&self.embed, tokens, rows)?;
         rms_norm_in_place(&mut x, &self.embed_norm, eps);
         let mut h = vec![0f32; n * d];
         for l in 0..self.layers.len() {
@@ -853,10 +846,7 @@ impl Engine for Inkling {
         rms_norm(last, &self.final_norm, eps, &mut normed);
         let multiplier = self.config.logits_mup_width_multiplier as f32;
         normed.iter_mut().for_each(|v| *v /= multiplier);
-        let mut logits = vec![0f32; m * rows];
-        profile::time(Phase::LmHead, || {
-            self.lm_head.matmul(&normed, m, &mut logits)
-        });
+        let logits = lm_head(&self.lm_head, &normed);
         let kept = self.config.logit_count();
         if kept == rows {
             return Ok(logits);

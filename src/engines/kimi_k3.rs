@@ -26,7 +26,7 @@ use serde::Deserialize;
 
 use super::attn_res::{ResMix, ResidualStream};
 use super::kda::{Kda, KdaShape, KdaState};
-use super::layers::{rms_norm, rms_norm_in_place};
+use super::layers::{embed_tokens, lm_head, rms_norm, rms_norm_in_place};
 use super::mla::{attend_absorbed, attend_plain, Keys, LatentCache, MlaProjections, MlaShape};
 use super::moe::{Predictor, Route, RoutedExperts, SigmoidRouter};
 use super::situ::{Situ, SituMlp};
@@ -830,13 +830,7 @@ impl KimiK3 {
             self.config.hidden_size,
             self.config.vocab_size,
         );
-        let mut x = vec![0f32; n * d];
-        for (row, &token) in x.chunks_exact_mut(d).zip(tokens) {
-            if token as usize >= vocab {
-                bail!("token id {token} is outside the vocabulary (vocab_size {vocab})");
-            }
-            self.embed.row_into(token as usize, row);
-        }
+        let x = embed_tokens(&self.embed, tokens, vocab)?;
         let eps = self.config.rms_norm_eps;
         let mut stream = ResidualStream::new(x, d, self.config.block_size());
         let mut pass = Pass {
@@ -897,13 +891,7 @@ impl Engine for KimiK3 {
             }
             self.position += chunk.len();
         }
-        let (d, vocab) = (self.config.hidden_size, self.config.vocab_size);
-        let m = hidden.len() / d;
-        let mut logits = vec![0f32; m * vocab];
-        profile::time(Phase::LmHead, || {
-            self.lm_head.matmul(&hidden, m, &mut logits)
-        });
-        Ok(logits)
+        Ok(lm_head(&self.lm_head, &hidden))
     }
 
     fn reset(&mut self) {

@@ -1,14 +1,42 @@
-//! The layer operations engines share: RMSNorm and LayerNorm, rotary embeddings, softmax,
+//! The layer operations engines share: the embedding lookup and the LM head every forward
+//! begins and ends with, RMSNorm and LayerNorm, rotary embeddings, softmax,
 //! top-k selection, SwiGLU and the gated FFN, the attention shape. Causal attention and its
 //! KV cache are `window_attention`'s.
 //!
 //! Each function computes what the transformers reference computes for that block, in
 //! f32 over rows of a row-major batch. Nothing here knows which model calls it.
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 
+use crate::profile::{self, Phase};
 use crate::quant::{matmul_shared_input, Matrix, Width};
 use crate::snapshot::Snapshot;
+
+/// The embedding rows of `tokens`, `tokens.len() x embed.cols()`: a forward's first step in
+/// every engine, refusing an empty forward and an id outside the config's `vocab`.
+pub fn embed_tokens(embed: &Matrix, tokens: &[u32], vocab: usize) -> Result<Vec<f32>> {
+    if tokens.is_empty() {
+        bail!("forward needs at least one token");
+    }
+    let d = embed.cols();
+    let mut x = vec![0f32; tokens.len() * d];
+    for (row, &token) in x.chunks_exact_mut(d).zip(tokens) {
+        if token as usize >= vocab {
+            bail!("token id {token} is outside the vocabulary (vocab_size {vocab})");
+        }
+        embed.row_into(token as usize, row);
+    }
+    Ok(x)
+}
+
+/// The LM head over the final-normalised `rows` (each `head.cols()` wide): one row of
+/// `head.rows()` logits each, timed as the `PROFILE:` line's `lm_head`.
+pub fn lm_head(head: &Matrix, rows: &[f32]) -> Vec<f32> {
+    let m = rows.len() / head.cols();
+    let mut logits = vec![0f32; m * head.rows()];
+    profile::time(Phase::LmHead, || head.matmul(rows, m, &mut logits));
+    logits
+}
 
 /// `a · b` over the shorter length, in eight interleaved partial sums (element `8c + l`
 /// goes to sum `l`; the eight are added pairwise at the end, the tail last): independent

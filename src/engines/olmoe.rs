@@ -7,7 +7,7 @@ use std::sync::Arc;
 use anyhow::{bail, Result};
 use serde::Deserialize;
 
-use super::layers::{rms_norm, rms_norm_in_place, AttentionShape, Rope};
+use super::layers::{embed_tokens, lm_head, rms_norm, rms_norm_in_place, AttentionShape, Rope};
 use super::moe::{softmax_top_k, Predictor, Route, RoutedExperts};
 use super::window_attention::{windowed_attention, WindowKvCache};
 use super::{Engine, LoadOptions};
@@ -413,17 +413,8 @@ impl Engine for Olmoe {
             self.config.hidden_size,
             self.config.vocab_size,
         );
-        if n == 0 {
-            bail!("forward needs at least one token");
-        }
         let start = self.position();
-        let mut x = vec![0f32; n * d];
-        for (row, &token) in x.chunks_exact_mut(d).zip(tokens) {
-            if token as usize >= vocab {
-                bail!("token id {token} is outside the vocabulary (vocab_size {vocab})");
-            }
-            self.embed.row_into(token as usize, row);
-        }
+        let mut x = embed_tokens(&self.embed, tokens, vocab)?;
         for l in 0..self.layers.len() {
             interrupt::checkpoint()?;
             let attention = profile::time(Phase::Attention, || self.attention(l, &x, n, start));
@@ -444,11 +435,7 @@ impl Engine for Olmoe {
             self.config.rms_norm_eps,
             &mut normed,
         );
-        let mut logits = vec![0f32; m * vocab];
-        profile::time(Phase::LmHead, || {
-            self.lm_head.matmul(&normed, m, &mut logits)
-        });
-        Ok(logits)
+        Ok(lm_head(&self.lm_head, &normed))
     }
 
     fn reset(&mut self) {
