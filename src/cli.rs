@@ -19,7 +19,8 @@ use crate::settings::{self, Settings};
     after_help = "Examples:\n  coli --model olmoe SNAP=fixtures/olmoe_tiny 64 16 16       greedy oracle check, exact f32\n  coli SNAP=fixtures/olmoe_tiny TF=1 ORACLE_STRICT=1 1 16 16  teacher-forced, one slot per layer\n  coli SNAP=fixtures/olmoe_tiny IDS=\"1 2 3\" NGEN=8            generate token ids\n  coli settings                                              every KEY with its default"
 )]
 pub struct Cli {
-    /// Engine to run (olmoe); defaults to model_type in SNAP/config.json.
+    /// Engine to run (olmoe, inkling, glm_moe_dsa, kimi_k3); defaults to model_type in
+    /// SNAP/config.json.
     #[arg(long, value_name = "ENGINE")]
     pub model: Option<String>,
 
@@ -106,6 +107,10 @@ pub struct ConvertArgs {
     /// Largest output shard in GB.
     #[arg(long, default_value_t = 4.0)]
     pub shard_gb: f64,
+    /// The engine whose f32 tensors stay f32 (olmoe, inkling, glm_moe_dsa, kimi_k3);
+    /// defaults to model_type in SRC/config.json.
+    #[arg(long, value_name = "ENGINE")]
+    pub model: Option<String>,
 }
 
 /// Parse `argv` and run; errors are reported by the caller with exit code 2.
@@ -133,6 +138,7 @@ pub fn run(argv: impl IntoIterator<Item = OsString>) -> Result<ExitCode> {
             io_bits: args.io_bits.unwrap_or(dense_bits.for_io()),
             group_size: args.group_size,
             shard_bytes: (args.shard_gb * 1e9) as u64,
+            model: args.model.clone(),
         };
         let summary = crate::convert::convert(&args.src, &args.dst, &options).map_err(|err| {
             if args.dst.join(".coli-convert.json").is_file() {

@@ -518,3 +518,65 @@ fn fp8_and_mxfp4_containers_compute_what_their_encoding_of_the_source_computes()
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).contains("fp8 or mxfp4"), "{}", stderr(&out));
 }
+
+#[test]
+fn the_engine_declares_what_stays_f32_and_convert_asks_it() {
+    let src = common::copy_fixture("glm_moe_dsa_tiny");
+    let config_path = src.path().join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    config.as_object_mut().unwrap().remove("model_type");
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    let out_dir = tempfile::tempdir().unwrap();
+    let dst = out_dir.path().join("int4");
+    let argv = |extra: &[&'static str]| {
+        let mut argv = vec![
+            "convert".to_string(),
+            src.path().display().to_string(),
+            dst.display().to_string(),
+            "--bits".to_string(),
+            "4".to_string(),
+        ];
+        argv.extend(extra.iter().map(|s| s.to_string()));
+        argv
+    };
+    let run = |extra: &[&'static str]| {
+        let args = argv(extra);
+        coli(&args.iter().map(String::as_str).collect::<Vec<_>>(), &[])
+    };
+
+    // Without model_type nobody says what stays f32: refused before anything is written.
+    let out = run(&[]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("has no model_type; pass --model ENGINE"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(!dst.exists());
+    let out = run(&["--model", "glm5"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("unknown engine \"glm5\""),
+        "{}",
+        stderr(&out)
+    );
+    assert!(!dst.exists());
+
+    // Named, the engine's declaration keeps the indexer's head weights f32 at 4 bits.
+    let out = run(&["--model", "glm_moe_dsa"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let snapshot = Snapshot::open(&dst).unwrap();
+    let indexer = snapshot
+        .tensor("model.layers.0.self_attn.indexer.weights_proj.weight")
+        .unwrap();
+    assert_eq!(indexer.dtype, Dtype::F32);
+    let query = snapshot
+        .tensor("model.layers.0.self_attn.indexer.wq_b.weight")
+        .unwrap();
+    assert_ne!(
+        query.dtype,
+        Dtype::F32,
+        "the indexer's other matrices are quantised"
+    );
+}

@@ -187,6 +187,7 @@ pub fn container(source: &Path, dir: &Path, layers: usize, spec: &Container) -> 
         io_bits: spec.io_bits,
         group_size: 64,
         shard_bytes: 4_000_000_000,
+        model: None,
     };
     let summary = convert::convert(source, &dst, &options).expect("convert");
     println!("{}", convert::report(&summary, &dst));

@@ -33,6 +33,7 @@ use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use rayon::prelude::*;
 
+use crate::engines;
 use crate::quant::{self, Format, Matrix, Width};
 use crate::snapshot::{Dtype, Snapshot, TensorView};
 use writer::{Entry, ShardWriter};
@@ -109,6 +110,8 @@ pub struct Options {
     pub group_size: usize,
     /// Largest shard, in bytes (a routed expert is never split across shards).
     pub shard_bytes: u64,
+    /// `--model`: the engine whose f32 tensors are kept (default: from `model_type`).
+    pub model: Option<String>,
 }
 
 /// Where a tensor class goes.
@@ -194,22 +197,16 @@ enum Class {
     Dense,
 }
 
-fn classify(name: &str, rank: usize) -> Class {
+/// A tensor's class: what every engine keeps in f32 (vectors, norms, routers, biases), what
+/// the engine declares it reads only in f32 (`kept`: name fragments,
+/// [`engines::kept_in_f32`]), else by role.
+fn classify(name: &str, rank: usize, kept: &[&str]) -> Class {
     let keep = rank < 2
         || name.contains("norm")
         || name.ends_with(".gate.weight")
         || name.contains(".router.")
         || name.ends_with(".bias")
-        || name.contains("e_score_correction")
-        || name.contains("conv")
-        || name.ends_with("weights_proj.weight")
-        // Attention-residual pseudo-queries (`[1, hidden]`) are read as vectors, like routers.
-        || name.ends_with("res_proj.weight")
-        // KDA's beta and decay-gate projections: small, and the gate's exponent amplifies
-        // rounding, so the engine keeps them f32 at every width.
-        || [".b_proj.weight", ".f_a_proj.weight", ".f_b_proj.weight"]
-            .iter()
-            .any(|suffix| name.ends_with(suffix));
+        || kept.iter().any(|fragment| name.contains(fragment));
     let matrix = name.ends_with(".weight") || name.ends_with("_proj");
     if keep || !matrix {
         Class::Keep
@@ -290,7 +287,8 @@ fn is_float(dtype: Dtype) -> bool {
 }
 
 /// The jobs for every tensor of `snapshot`, in write order.
-fn plan(snapshot: &Snapshot, options: &Options) -> Result<Vec<Planned>> {
+/// Every tensor's job; `kept`: what the engine reads only in f32.
+fn plan(snapshot: &Snapshot, options: &Options, kept: &[&str]) -> Result<Vec<Planned>> {
     let mut names: Vec<&str> = snapshot.names().collect();
     names.sort_unstable();
     let mut views = HashMap::new();
@@ -347,7 +345,7 @@ fn plan(snapshot: &Snapshot, options: &Options) -> Result<Vec<Planned>> {
                     view.file.display()
                 );
             }
-            if classify(name, view.shape.len()) != Class::Keep {
+            if classify(name, view.shape.len(), kept) != Class::Keep {
                 bail!(
                     "{}: tensor {name} is a weight matrix stored as {:?}; expected F32, BF16 or F16 (or quantised bytes with their scales): the checkpoint is damaged or not a model's",
                     view.file.display(),
@@ -369,7 +367,7 @@ fn plan(snapshot: &Snapshot, options: &Options) -> Result<Vec<Planned>> {
             });
             continue;
         }
-        let class = classify(name, view.shape.len());
+        let class = classify(name, view.shape.len(), kept);
         let target = match class {
             Class::Keep => Target::Float,
             Class::Io => io_target,
@@ -604,7 +602,10 @@ pub fn convert(src: &Path, dst: &Path, options: &Options) -> Result<Summary> {
         }
     }
     let snapshot = Snapshot::open(src).context("convert: the source checkpoint")?;
-    let shard_plan = shards(plan(&snapshot, options)?, options.shard_bytes.max(1));
+    let engine = engines::resolve(options.model.as_deref(), &snapshot)
+        .context("convert: the engine decides which tensors stay f32")?;
+    let kept = engines::kept_in_f32(engine);
+    let shard_plan = shards(plan(&snapshot, options, kept)?, options.shard_bytes.max(1));
     let count = shard_plan.len();
     let manifest = serde_json::json!({
         "source": fingerprint(&snapshot),
@@ -877,43 +878,71 @@ mod tests {
 
     #[test]
     fn classes() {
+        // What an engine declares is kept; without the declaration it would be quantised.
+        let indexer = "model.layers.0.self_attn.indexer.weights_proj.weight";
+        assert_eq!(classify(indexer, 2, &[]), Class::Dense);
         assert_eq!(
-            classify("model.layers.0.input_layernorm.weight", 1),
+            classify(indexer, 2, engines::glm_moe_dsa::KEPT_F32),
             Class::Keep
         );
-        assert_eq!(classify("model.layers.0.mlp.gate.weight", 2), Class::Keep);
+        for name in [
+            "model.layers.0.self_attn.f_a_proj.weight",
+            "model.layers.2.self_attention_res_proj.weight",
+        ] {
+            assert_eq!(
+                classify(name, 2, engines::kimi_k3::KEPT_F32),
+                Class::Keep,
+                "{name}"
+            );
+        }
         assert_eq!(
-            classify("model.layers.0.self_attn.q_a_layernorm.weight", 1),
+            classify("model.layers.0.input_layernorm.weight", 1, &[]),
             Class::Keep
         );
         assert_eq!(
-            classify("model.layers.0.attn_sconv.conv1d.weight", 3),
+            classify("model.layers.0.mlp.gate.weight", 2, &[]),
             Class::Keep
         );
         assert_eq!(
-            classify("model.layers.0.self_attn.rel_logits_proj.proj", 2),
+            classify("model.layers.0.self_attn.q_a_layernorm.weight", 1, &[]),
             Class::Keep
         );
-        assert_eq!(classify("model.embed_tokens.weight", 2), Class::Io);
-        assert_eq!(classify("lm_head.weight", 2), Class::Io);
         assert_eq!(
-            classify("model.layers.1.mlp.experts.3.down_proj.weight", 2),
+            classify(
+                "model.layers.0.attn_sconv.conv1d.weight",
+                3,
+                engines::inkling::KEPT_F32
+            ),
+            Class::Keep
+        );
+        assert_eq!(
+            classify(
+                "model.layers.0.self_attn.rel_logits_proj.proj",
+                2,
+                engines::inkling::KEPT_F32
+            ),
+            Class::Keep
+        );
+        assert_eq!(classify("model.embed_tokens.weight", 2, &[]), Class::Io);
+        assert_eq!(classify("lm_head.weight", 2, &[]), Class::Io);
+        assert_eq!(
+            classify("model.layers.1.mlp.experts.3.down_proj.weight", 2, &[]),
             Class::Expert
         );
         assert_eq!(
-            classify("model.layers.1.mlp.experts.gate_up_proj", 3),
+            classify("model.layers.1.mlp.experts.gate_up_proj", 3, &[]),
             Class::Expert
         );
         assert_eq!(
-            classify("model.layers.1.mlp.shared_experts.gate_proj", 3),
+            classify("model.layers.1.mlp.shared_experts.gate_proj", 3, &[]),
             Class::Dense
         );
         assert_eq!(
-            classify("model.layers.1.self_attn.q_proj.weight", 2),
+            classify("model.layers.1.self_attn.q_proj.weight", 2, &[]),
             Class::Dense
         );
         assert_eq!(
-            classify("model.layers.1.mlp.gate_proj.weight", 2),
+            classify("model.layers.1.mlp.gate_proj.weight", 2, &[]),
             Class::Dense
         );
     }

@@ -34,6 +34,11 @@ use crate::text::PromptConvention;
 
 pub const NAME: &str = "glm_moe_dsa";
 
+/// Name fragments of the tensors this engine reads only in f32, beyond what every engine
+/// keeps (vectors, norms, routers, biases): the DSA indexer's head weights, which weigh
+/// the scores its top-k selection compares, and the router's score correction.
+pub const KEPT_F32: &[&str] = &["weights_proj.weight", "e_score_correction"];
+
 /// GLM prompts start with `[gMASK]<sop>`; every special token (`<|user|>`, `<|endoftext|>`,
 /// ...) ends an answer.
 const PROMPT: PromptConvention = PromptConvention {

@@ -30,6 +30,11 @@ use crate::text::PromptConvention;
 
 pub const NAME: &str = "inkling";
 
+/// Name fragments of the tensors this engine reads only in f32, beyond what every engine
+/// keeps (vectors, norms, routers, biases): the short-convolution taps and the relative
+/// position bias bank (`rel_logits_proj.proj`), both read as vectors.
+pub const KEPT_F32: &[&str] = &["conv", "rel_logits_proj"];
+
 /// Inkling prompts have no BOS; answers contain content-part markers, so only the EOS ids
 /// end them.
 const PROMPT: PromptConvention = PromptConvention {

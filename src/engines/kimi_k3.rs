@@ -42,6 +42,20 @@ use crate::text::PromptConvention;
 
 pub const NAME: &str = "kimi_k3";
 
+/// Name fragments of the tensors this engine reads only in f32, beyond what every engine
+/// keeps (vectors, norms, routers, biases): the KDA convolution taps; the beta and
+/// decay-gate projections, small, whose gate's exponent amplifies rounding; the
+/// attention-residual pseudo-queries (`[1, hidden]`, read as vectors); the router's score
+/// correction.
+pub const KEPT_F32: &[&str] = &[
+    "conv",
+    ".b_proj.weight",
+    ".f_a_proj.weight",
+    ".f_b_proj.weight",
+    "res_proj.weight",
+    "e_score_correction",
+];
+
 /// XTML, thinking off: each turn `<|open|>message role="R"<|sep|>TEXT<|close|>message<|sep|>`
 /// then `<|end_of_msg|>`; `developer` speaks as `system`; the answer opens a `response`.
 const CHAT_TEMPLATE: &str = concat!(

@@ -148,6 +148,19 @@ pub trait Engine {
 /// Every engine this build can run.
 pub const ENGINES: &[&str] = &[olmoe::NAME, inkling::NAME, glm_moe_dsa::NAME, kimi_k3::NAME];
 
+/// What `coli convert` keeps in f32 for `engine` (one of [`ENGINES`]), beside what every
+/// engine keeps (vectors, norms, routers, biases): fragments of the names of the tensors
+/// the engine reads only in f32, declared by the engine beside the code that reads them.
+pub fn kept_in_f32(engine: &str) -> &'static [&'static str] {
+    match engine {
+        olmoe::NAME => olmoe::KEPT_F32,
+        inkling::NAME => inkling::KEPT_F32,
+        glm_moe_dsa::NAME => glm_moe_dsa::KEPT_F32,
+        kimi_k3::NAME => kimi_k3::KEPT_F32,
+        other => unreachable!("{other} is not in ENGINES"),
+    }
+}
+
 /// `model_type` values that name an engine differently: Inkling's text config, and its
 /// multimodal release config whose text part this engine runs; Kimi K3's text config.
 const MODEL_TYPES: &[(&str, &str)] = &[

@@ -21,6 +21,10 @@ use crate::text::PromptConvention;
 
 pub const NAME: &str = "olmoe";
 
+/// Matrices this engine reads only in f32, beyond what every engine keeps (vectors, norms,
+/// routers, biases): none.
+pub const KEPT_F32: &[&str] = &[];
+
 /// OLMoE prompts: the tokenizer's own encoding (no BOS), the Tulu chat format of
 /// OLMoE-Instruct, and every special token ends an answer.
 const PROMPT: PromptConvention = PromptConvention {
