@@ -19,9 +19,8 @@ use crate::settings::{self, Settings};
     after_help = "Examples:\n  coli --model olmoe SNAP=fixtures/olmoe_tiny 64 16 16       greedy oracle check, exact f32\n  coli SNAP=fixtures/olmoe_tiny TF=1 ORACLE_STRICT=1 1 16 16  teacher-forced, one slot per layer\n  coli SNAP=fixtures/olmoe_tiny IDS=\"1 2 3\" NGEN=8            generate token ids\n  coli settings                                              every KEY with its default"
 )]
 pub struct Cli {
-    /// Engine to run (olmoe, inkling, glm_moe_dsa, kimi_k3); defaults to model_type in
-    /// SNAP/config.json.
-    #[arg(long, value_name = "ENGINE")]
+    /// Engine to run; defaults to model_type in SNAP/config.json.
+    #[arg(long, value_name = "ENGINE", value_parser = engine_names())]
     pub model: Option<String>,
 
     /// KEY=VALUE settings, then up to three numbers: CAP (expert slots per MoE layer,
@@ -107,10 +106,15 @@ pub struct ConvertArgs {
     /// Largest output shard in GB.
     #[arg(long, default_value_t = 4.0)]
     pub shard_gb: f64,
-    /// The engine whose f32 tensors stay f32 (olmoe, inkling, glm_moe_dsa, kimi_k3);
-    /// defaults to model_type in SRC/config.json.
-    #[arg(long, value_name = "ENGINE")]
+    /// The engine whose f32 tensors stay f32; defaults to model_type in SRC/config.json.
+    #[arg(long, value_name = "ENGINE", value_parser = engine_names())]
     pub model: Option<String>,
+}
+
+/// `--model`'s values: the engines this build runs, so that clap lists them in `--help`
+/// and refuses a typo with them.
+fn engine_names() -> clap::builder::PossibleValuesParser {
+    clap::builder::PossibleValuesParser::new(crate::engines::ENGINES)
 }
 
 /// Parse `argv` and run; errors are reported by the caller with exit code 2.

@@ -557,7 +557,7 @@ fn the_engine_declares_what_stays_f32_and_convert_asks_it() {
     let out = run(&["--model", "glm5"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(
-        stderr(&out).contains("unknown engine \"glm5\""),
+        stderr(&out).contains("invalid value 'glm5' for '--model <ENGINE>'"),
         "{}",
         stderr(&out)
     );
