@@ -14,6 +14,7 @@
 //!   each token;
 //! - [`route_trace`] counts every routing decision and keeps the usage history.
 //! - [`tools`] reads those histories and traces offline (`coli usage`, `coli trace`).
+pub mod activation;
 pub mod backend;
 pub mod cli;
 pub mod convert;

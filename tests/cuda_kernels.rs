@@ -21,10 +21,11 @@ mod cuda_reference;
 
 use std::sync::OnceLock;
 
+use coli::activation::Activation;
+use coli::activation::Situ;
 use coli::backend::cuda::{compile_kernels, CudaDevice};
-use coli::backend::{Activation, Device, DeviceError, ExpertGroup, GroupExpert, RawMatrix};
+use coli::backend::{Device, DeviceError, ExpertGroup, GroupExpert, RawMatrix};
 use coli::engines::layers;
-use coli::engines::situ::Situ;
 use coli::quant::{Format, Isa, Matrix};
 use cuda_reference::{cpu_group, expert_matrices, magnitudes, routes_batched, routes_single};
 

@@ -13,10 +13,11 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
+use coli::activation::Activation;
+use coli::activation::Situ;
 use coli::backend::cuda::{Arg, GroupBuffers, GroupPlan, Layout, MatmulPlan, Placed, Step};
-use coli::backend::{Activation, ExpertGroup, GroupExpert, RawMatrix, RawScales};
+use coli::backend::{ExpertGroup, GroupExpert, RawMatrix, RawScales};
 use coli::engines::layers;
-use coli::engines::situ::Situ;
 use coli::quant::{Format, Isa, Matrix};
 use common::random;
 use cuda_reference::{cpu_group, expert_matrices, magnitudes, routes_batched, routes_single};

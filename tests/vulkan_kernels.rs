@@ -13,10 +13,11 @@ mod common;
 use std::process::Command;
 use std::sync::OnceLock;
 
+use coli::activation::Activation;
+use coli::activation::Situ;
 use coli::backend::vulkan::VulkanDevice;
-use coli::backend::{Activation, Device, DeviceError, ExpertGroup, GroupExpert};
+use coli::backend::{Device, DeviceError, ExpertGroup, GroupExpert};
 use coli::engines::layers::{rms_norm, swiglu_ffn};
-use coli::engines::situ::Situ;
 use coli::quant::{Format, Isa, Matrix};
 use common::random;
 

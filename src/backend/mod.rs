@@ -24,7 +24,7 @@ use std::sync::{Arc, OnceLock};
 use anyhow::{bail, Context, Result};
 use thiserror::Error;
 
-use crate::engines::situ::Situ;
+use crate::activation::Activation;
 use crate::quant::Format;
 
 /// A weight matrix as a device receives it: the compute format's bytes, row-major, each
@@ -50,25 +50,6 @@ pub enum RawScales<'a> {
     F32(&'a [f32]),
     /// E8M0 exponent bytes, one per row and 32 columns (MXFP4).
     E8m0(&'a [u8]),
-}
-
-/// The element-wise combination of the gate and up projections in a gated FFN.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Activation {
-    /// `silu(gate) * up`.
-    SwiGlu,
-    /// Kimi K3's bounded SiTU-GLU.
-    Situ(Situ),
-}
-
-impl Activation {
-    /// `gate = act(gate, up)` on the CPU.
-    pub fn apply(&self, gate: &mut [f32], up: &[f32]) {
-        match self {
-            Activation::SwiGlu => crate::engines::layers::swiglu(gate, up),
-            Activation::Situ(situ) => situ.apply(gate, up),
-        }
-    }
 }
 
 /// A weight a device holds, by the number it gave at upload.

@@ -24,8 +24,8 @@ use anyhow::{bail, Result};
 use rayon::prelude::*;
 
 use super::gated_norm::rms_norm_sigmoid_gated;
-use super::layers::silu;
 use super::short_conv::{ConvState, ShortConv};
+use crate::activation::silu;
 use crate::quant::{load_vector, Matrix, Width};
 use crate::snapshot::Snapshot;
 

@@ -8,6 +8,7 @@
 
 use anyhow::{bail, Result};
 
+use crate::activation::swiglu;
 use crate::profile::{self, Phase};
 use crate::quant::{matmul_shared_input, Matrix, Width};
 use crate::snapshot::Snapshot;
@@ -194,17 +195,6 @@ pub fn top_k(scores: &[f32], k: usize) -> Vec<(usize, f32)> {
         }
     });
     order.into_iter().take(k).map(|i| (i, scores[i])).collect()
-}
-
-pub fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
-}
-
-/// `gate = silu(gate) * up`, element-wise, leaving the product in `gate`.
-pub fn swiglu(gate: &mut [f32], up: &[f32]) {
-    for (g, &u) in gate.iter_mut().zip(up) {
-        *g = silu(*g) * u;
-    }
 }
 
 /// `down(silu(gate x) * up x)` for `n` rows of `input`.

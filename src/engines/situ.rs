@@ -1,39 +1,15 @@
-//! SiTU-GLU, Kimi K3's bounded gated activation, and the dense MLP built on it (K3's first
-//! layer and its fused shared experts; its routed experts run [`Situ::ffn`] too).
-//!
-//! `situ(g, u) = b1 tanh(g / b1) sigmoid(g) * b2 tanh(u / b2)`: SwiGLU to first order near the
-//! origin, with each factor bounded (`|.| < b1` and `< b2`). Without a linear beta the up
-//! branch passes through unchanged, as the vendor code does when
-//! `activation_situ_linear_beta` is null.
+//! The dense MLP on SiTU-GLU, Kimi K3's bounded gated activation ([`Situ`], in
+//! [`crate::activation`]): K3's first layer and its fused shared experts; its routed
+//! experts run [`Situ::ffn`] too.
 
 use anyhow::Result;
 
 use super::layers::glu_ffn;
+use crate::activation::Situ;
 use crate::quant::{Matrix, Width};
 use crate::snapshot::Snapshot;
 
-/// The two betas of SiTU-GLU (`activation_situ_beta`, `activation_situ_linear_beta`).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Situ {
-    pub beta: f32,
-    pub linear_beta: Option<f32>,
-}
-
 impl Situ {
-    /// `gate = situ(gate, up)`, element-wise, leaving the product in `gate`.
-    pub fn apply(&self, gate: &mut [f32], up: &[f32]) {
-        let b1 = self.beta;
-        for (g, &u) in gate.iter_mut().zip(up) {
-            let x = *g;
-            let bounded = b1 * (x / b1).tanh() * (1.0 / (1.0 + (-x).exp()));
-            let linear = match self.linear_beta {
-                Some(b2) => b2 * (u / b2).tanh(),
-                None => u,
-            };
-            *g = bounded * linear;
-        }
-    }
-
     /// `down(situ(gate x, up x))` for `n` rows of `input`.
     pub fn ffn(
         &self,

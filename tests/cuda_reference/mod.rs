@@ -3,7 +3,7 @@
 
 #![allow(dead_code)]
 
-use coli::backend::Activation;
+use coli::activation::Activation;
 use coli::quant::{Format, Isa, Matrix};
 
 /// `count` experts of `width` inputs and `inter` hidden units: gate, up and down in

@@ -39,7 +39,8 @@ use self::setup::{
     choose_physical_device, create_instance, create_logical_device, find_memory_type,
     has_large_mappable_device_memory, largest_device_local_heap, load_entry, pipeline_of,
 };
-use super::{Activation, Device, DeviceError, DeviceMemory, ExpertGroup, RawMatrix, WeightId};
+use super::{Device, DeviceError, DeviceMemory, ExpertGroup, RawMatrix, WeightId};
+use crate::activation::Activation;
 
 /// How long one submission may run before the device is declared failed.
 const FENCE_TIMEOUT: Duration = Duration::from_secs(10);
