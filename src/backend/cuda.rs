@@ -164,31 +164,22 @@ impl Layout {
         if rows == 0 || cols == 0 {
             return unsupported("an empty matrix".into());
         }
-        let nibbles = cols.div_ceil(2);
-        let (row_bytes, group, per_row, scale_count) = match matrix.format {
-            Format::F32 => (cols * 4, 0, 0, 0),
-            Format::Bf16 | Format::F16 => (cols * 2, 0, 0, 0),
-            Format::Int8Row => (cols, 0, 0, rows),
-            Format::Int4Row => (nibbles, 0, 0, rows),
-            Format::Int4Grouped { group } => {
-                if group == 0 || !group.is_multiple_of(8) {
-                    return unsupported(format!("group size {group} is not a multiple of 8"));
-                }
-                let per_row = cols.div_ceil(group);
-                (nibbles, group, per_row, rows * per_row)
-            }
-            Format::Fp8E4m3B128 => {
-                let per_row = cols.div_ceil(128);
-                (cols, 0, per_row, rows.div_ceil(128) * per_row)
-            }
-            Format::Mxfp4 => {
-                let per_row = cols.div_ceil(32);
-                (nibbles, 0, per_row, rows * per_row)
-            }
-            Format::Int2Row | Format::Int3G64 | Format::E8Iq3Lattice => {
-                return unsupported("no CUDA kernel for this format".into())
-            }
+        let Some(row_bytes) = matrix.format.row_bytes(cols) else {
+            return unsupported("no CUDA kernel for this format".into());
         };
+        let group = match matrix.format {
+            Format::Int4Grouped { group } if group == 0 || !group.is_multiple_of(8) => {
+                return unsupported(format!("group size {group} is not a multiple of 8"));
+            }
+            Format::Int4Grouped { group } => group,
+            _ => 0,
+        };
+        // The kernels take 0 scales per row for one scale per row.
+        let per_row = match matrix.format {
+            Format::Int8Row | Format::Int4Row => 0,
+            format => format.scales_per_row(cols),
+        };
+        let scale_count = matrix.format.scale_count(rows, cols);
         if matrix.data.len() != rows * row_bytes {
             return unsupported(format!(
                 "{} data bytes, expected {rows} rows of {row_bytes}",

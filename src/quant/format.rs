@@ -80,6 +80,42 @@ impl Format {
         matches!(self, Format::F32 | Format::Bf16 | Format::F16)
     }
 
+    /// Bytes of one stored row of `cols` weights, each row starting on a byte boundary
+    /// (the nibble formats pack two weights a byte, low nibble first); `None` for a format
+    /// coli has no kernels for. The one place this arithmetic lives: the kernels and both
+    /// GPU backends ask it.
+    pub fn row_bytes(self, cols: usize) -> Option<usize> {
+        Some(match self {
+            Format::F32 => cols * 4,
+            Format::Bf16 | Format::F16 => cols * 2,
+            Format::Int8Row | Format::Fp8E4m3B128 => cols,
+            Format::Int4Row | Format::Int4Grouped { .. } | Format::Mxfp4 => cols.div_ceil(2),
+            Format::Int2Row | Format::Int3G64 | Format::E8Iq3Lattice => return None,
+        })
+    }
+
+    /// Scales along one row of `cols` weights: one for the row formats, one per group of
+    /// columns for int4-grouped and MXFP4 (32), one per 128-column block for FP8 (shared by
+    /// 128 rows); none for the float formats.
+    pub fn scales_per_row(self, cols: usize) -> usize {
+        match self {
+            Format::Int8Row | Format::Int4Row => 1,
+            Format::Int4Grouped { group } => cols.div_ceil(group.max(1)),
+            Format::Fp8E4m3B128 => cols.div_ceil(128),
+            Format::Mxfp4 => cols.div_ceil(32),
+            _ => 0,
+        }
+    }
+
+    /// Scales a `rows x cols` matrix stores (FP8: one per 128x128 block).
+    pub fn scale_count(self, rows: usize, cols: usize) -> usize {
+        let per_row = self.scales_per_row(cols);
+        match self {
+            Format::Fp8E4m3B128 => rows.div_ceil(128) * per_row,
+            _ => rows * per_row,
+        }
+    }
+
     /// Whether a stamp naming `name` describes this format. A float tensor stamped `f32`
     /// agrees whatever its float dtype: colibri reads every float tensor as f32.
     fn answers_to(self, name: &str) -> bool {
@@ -391,4 +427,29 @@ pub fn shaped(view: TensorView, shape: &[usize]) -> Result<TensorView> {
         shape: shape.to_vec(),
         ..view
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_per_row_and_scale_counts_follow_the_layouts() {
+        // (format, rows, cols, row bytes, scales per row, scales)
+        let cases = [
+            (Format::F32, 3, 5, 20, 0, 0),
+            (Format::Bf16, 3, 5, 10, 0, 0),
+            (Format::Int8Row, 3, 5, 5, 1, 3),
+            (Format::Int4Row, 3, 5, 3, 1, 3),
+            (Format::Int4Grouped { group: 64 }, 3, 100, 50, 2, 6),
+            (Format::Fp8E4m3B128, 130, 257, 257, 3, 6),
+            (Format::Mxfp4, 2, 33, 17, 2, 4),
+        ];
+        for (format, rows, cols, row_bytes, per_row, count) in cases {
+            assert_eq!(format.row_bytes(cols), Some(row_bytes), "{format}");
+            assert_eq!(format.scales_per_row(cols), per_row, "{format}");
+            assert_eq!(format.scale_count(rows, cols), count, "{format}");
+        }
+        assert_eq!(Format::Int3G64.row_bytes(64), None);
+    }
 }

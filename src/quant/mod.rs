@@ -232,7 +232,7 @@ macro_rules! with_view {
                 let scaling = Scaling::Groups {
                     size: 128,
                     scales,
-                    per_row: cols.div_ceil(128),
+                    per_row: Format::Fp8E4m3B128.scales_per_row(cols),
                     row_div: 128,
                 };
                 let $view = view(codes.as_slice(), rows, cols, scaling);
@@ -242,7 +242,7 @@ macro_rules! with_view {
                 type $codes = E2m1Codes;
                 let scaling = Scaling::E8m0 {
                     scales: scales.as_slice(),
-                    per_row: cols.div_ceil(32),
+                    per_row: Format::Mxfp4.scales_per_row(cols),
                 };
                 let $view = view(packed.as_slice(), rows, cols, scaling);
                 $body

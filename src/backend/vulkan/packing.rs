@@ -53,24 +53,22 @@ impl Packing {
                 "an empty {rows}x{cols} matrix"
             )));
         }
-        let row_scaled = |code, row_bytes| (code, row_bytes, 1, cols.max(1), 1);
-        let (code, row_bytes, scale_stride, group, scale_row_div) = match matrix.format {
-            Format::F32 => (F32, cols * 4, 0, 1, 1),
-            Format::Bf16 => (BF16, cols * 2, 0, 1, 1),
-            Format::F16 => (F16, cols * 2, 0, 1, 1),
-            Format::Int8Row => row_scaled(INT8, cols),
-            Format::Int4Row => row_scaled(INT4, cols.div_ceil(2)),
+        let format = matrix.format;
+        // 0 only for the formats without kernels, which the match below refuses.
+        let row_bytes = format.row_bytes(cols).unwrap_or(0);
+        let per_row = format.scales_per_row(cols);
+        let (code, scale_stride, group, scale_row_div) = match format {
+            Format::F32 => (F32, 0, 1, 1),
+            Format::Bf16 => (BF16, 0, 1, 1),
+            Format::F16 => (F16, 0, 1, 1),
+            Format::Int8Row => (INT8, 1, cols.max(1), 1),
+            Format::Int4Row => (INT4, 1, cols.max(1), 1),
             Format::Int4Grouped { group } if group > 0 && group.is_multiple_of(8) => {
-                (INT4, cols.div_ceil(2), cols.div_ceil(group), group, 1)
+                (INT4, per_row, group, 1)
             }
-            Format::Mxfp4 => (
-                MXFP4,
-                cols.div_ceil(2),
-                cols.div_ceil(MXFP4_GROUP).div_ceil(4),
-                MXFP4_GROUP,
-                1,
-            ),
-            Format::Fp8E4m3B128 => (FP8, cols, cols.div_ceil(FP8_BLOCK), FP8_BLOCK, FP8_BLOCK),
+            // E8M0 bytes, four to a 32-bit word.
+            Format::Mxfp4 => (MXFP4, per_row.div_ceil(4), MXFP4_GROUP, 1),
+            Format::Fp8E4m3B128 => (FP8, per_row, FP8_BLOCK, FP8_BLOCK),
             other => {
                 return Err(DeviceError::Unsupported(format!(
                     "{other} weights on the Vulkan device"
