@@ -17,12 +17,13 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde::Deserialize;
 
 use super::dsa::{IndexKeys, Indexer, IndexerShape};
-use super::layers::{add_in_place, embed_tokens, lm_head, rms_norm, Rope, SwigluMlp};
+use super::layers::{add_in_place, embed_tokens, lm_head, rms_norm, GatedMlp, Rope};
 use super::mla::{
     attend_absorbed, attend_plain, Keys, LatentCache, MlaProjections, MlaShape, Projected,
 };
 use super::moe::{Predictor, Route, RoutedExperts, SigmoidRouter};
 use super::{Engine, LoadOptions};
+use crate::activation::Activation;
 use crate::experts::{ExpertStore, ExpertTensors};
 use crate::generate::argmax;
 use crate::interrupt;
@@ -385,11 +386,11 @@ enum Selection {
 }
 
 enum Ffn {
-    Dense(SwigluMlp),
+    Dense(GatedMlp),
     Moe {
         router: Arc<Matrix>,
         gate: SigmoidRouter,
-        shared: Option<SwigluMlp>,
+        shared: Option<GatedMlp>,
     },
 }
 
@@ -494,21 +495,21 @@ impl Layer {
                 },
                 shared: match shared_inter {
                     0 => None,
-                    inter => Some(SwigluMlp::load(
+                    inter => Some(GatedMlp::load(
                         snapshot,
                         &format!("{p}.mlp.shared_experts"),
-                        d,
-                        inter,
+                        (d, inter),
+                        Activation::SwiGlu,
                         width,
                     )?),
                 },
             }
         } else {
-            Ffn::Dense(SwigluMlp::load(
+            Ffn::Dense(GatedMlp::load(
                 snapshot,
                 &format!("{p}.mlp"),
-                d,
-                config.intermediate_size,
+                (d, config.intermediate_size),
+                Activation::SwiGlu,
                 width,
             )?)
         };
@@ -537,7 +538,7 @@ impl Layer {
             } => {
                 router.size_bytes()
                     + 4 * gate.bias.len()
-                    + shared.as_ref().map_or(0, SwigluMlp::size_bytes)
+                    + shared.as_ref().map_or(0, GatedMlp::size_bytes)
             }
         };
         4 * vectors + matrices + selection + ffn

@@ -13,13 +13,12 @@ use std::sync::Arc;
 use anyhow::{anyhow, bail, Result};
 use serde::Deserialize;
 
-use super::layers::{
-    embed_tokens, lm_head, rms_norm, rms_norm_in_place, AttentionShape, SwigluMlp,
-};
+use super::layers::{embed_tokens, lm_head, rms_norm, rms_norm_in_place, AttentionShape, GatedMlp};
 use super::moe::{biased_top_k, Predictor, Route, RoutedExperts};
 use super::short_conv::{ConvState, ShortConv};
 use super::window_attention::{windowed_attention, DistanceBias, WindowKvCache};
 use super::{Engine, LoadOptions};
+use crate::activation::Activation;
 use crate::experts::{ExpertStore, ExpertTensors};
 use crate::interrupt;
 use crate::profile::{self, Phase};
@@ -362,12 +361,12 @@ struct Moe {
     router: Arc<Matrix>,
     bias: Vec<f32>,
     global_scale: f32,
-    shared: Vec<SwigluMlp>,
+    shared: Vec<GatedMlp>,
 }
 
 enum Mlp {
     Dense {
-        mlp: Box<SwigluMlp>,
+        mlp: Box<GatedMlp>,
         global_scale: f32,
     },
     Sparse(Moe),
@@ -511,7 +510,8 @@ impl Inkling {
                     global_scale: scalar(snapshot, &format!("{m}.gate.global_scale"))?,
                     shared: (0..n_shared)
                         .map(|j| {
-                            Ok(SwigluMlp::from_matrices(
+                            Ok(GatedMlp::from_matrices(
+                                Activation::SwiGlu,
                                 Matrix::load(&gate.select(j)?, dense)?,
                                 Matrix::load(&up.select(j)?, dense)?,
                                 Matrix::load(&down_shared.select(j)?, dense)?,
@@ -522,7 +522,13 @@ impl Inkling {
                 (Mlp::Sparse(moe), experts)
             } else {
                 let mlp = Mlp::Dense {
-                    mlp: Box::new(SwigluMlp::load(snapshot, &m, d, dense_inter, dense)?),
+                    mlp: Box::new(GatedMlp::load(
+                        snapshot,
+                        &m,
+                        (d, dense_inter),
+                        Activation::SwiGlu,
+                        dense,
+                    )?),
                     global_scale: scalar(snapshot, &format!("{m}.global_scale"))?,
                 };
                 (mlp, Vec::new())
@@ -902,7 +908,7 @@ impl Engine for Inkling {
                     Mlp::Sparse(moe) => {
                         moe.router.size_bytes()
                             + floats(&moe.bias)
-                            + moe.shared.iter().map(SwigluMlp::size_bytes).sum::<usize>()
+                            + moe.shared.iter().map(GatedMlp::size_bytes).sum::<usize>()
                     }
                 };
                 attention

@@ -26,13 +26,11 @@ use serde::Deserialize;
 
 use super::attn_res::{ResMix, ResidualStream};
 use super::kda::{Kda, KdaShape, KdaState};
-use super::layers::{embed_tokens, lm_head, rms_norm, rms_norm_in_place};
+use super::layers::{embed_tokens, lm_head, rms_norm, rms_norm_in_place, GatedMlp};
 use super::mla::{attend_absorbed, attend_plain, Keys, LatentCache, MlaProjections, MlaShape};
 use super::moe::{Predictor, Route, RoutedExperts, SigmoidRouter};
-use super::situ::SituMlp;
 use super::{Engine, LoadOptions};
-use crate::activation::Activation;
-use crate::activation::Situ;
+use crate::activation::{Activation, Situ};
 use crate::experts::{ExpertStore, ExpertTensors};
 use crate::interrupt;
 use crate::profile::{self, Phase};
@@ -452,11 +450,11 @@ struct LatentMoe {
     down: Matrix,
     norm: Option<Vec<f32>>,
     up: Matrix,
-    shared: Option<SituMlp>,
+    shared: Option<GatedMlp>,
 }
 
 enum Ffn {
-    Dense(Box<SituMlp>),
+    Dense(Box<GatedMlp>),
     Moe(Box<LatentMoe>),
 }
 
@@ -518,12 +516,11 @@ impl Layer {
             }))
         };
         let ffn = if l < config.first_k_dense_replace {
-            Ffn::Dense(Box::new(SituMlp::load(
+            Ffn::Dense(Box::new(GatedMlp::load(
                 snapshot,
                 &format!("{p}.mlp"),
-                d,
-                config.intermediate_size,
-                config.situ(),
+                (d, config.intermediate_size),
+                Activation::Situ(config.situ()),
                 width,
             )?))
         } else {
@@ -570,12 +567,11 @@ impl Layer {
                 )?,
                 shared: (shared > 0)
                     .then(|| {
-                        SituMlp::load(
+                        GatedMlp::load(
                             snapshot,
                             &format!("{m}.shared_experts"),
-                            d,
-                            shared,
-                            config.situ(),
+                            (d, shared),
+                            Activation::Situ(config.situ()),
                             width,
                         )
                     })
@@ -608,7 +604,7 @@ impl Layer {
                     + moe.down.size_bytes()
                     + moe.up.size_bytes()
                     + 4 * (moe.choose.bias.len() + moe.norm.as_ref().map_or(0, Vec::len))
-                    + moe.shared.as_ref().map_or(0, SituMlp::size_bytes)
+                    + moe.shared.as_ref().map_or(0, GatedMlp::size_bytes)
             }
         };
         mixer

@@ -8,7 +8,7 @@
 
 use anyhow::{bail, Result};
 
-use crate::activation::swiglu;
+use crate::activation::{swiglu, Activation};
 use crate::profile::{self, Phase};
 use crate::quant::{matmul_shared_input, Matrix, Width};
 use crate::snapshot::Snapshot;
@@ -222,34 +222,41 @@ pub fn glu_ffn(
     out
 }
 
-/// A dense SwiGLU MLP (`{prefix}.{gate,up,down}_proj.weight`): dense layers and shared
-/// experts.
-pub struct SwigluMlp {
+/// A dense gated MLP (`{prefix}.{gate,up,down}_proj.weight`), `down(act(gate x, up x))`:
+/// dense layers and shared experts, SwiGLU or SiTU-GLU.
+pub struct GatedMlp {
+    act: Activation,
     gate: Matrix,
     up: Matrix,
     down: Matrix,
 }
 
-impl SwigluMlp {
+impl GatedMlp {
     /// From matrices already loaded, e.g. one expert sliced from a stacked tensor.
-    pub fn from_matrices(gate: Matrix, up: Matrix, down: Matrix) -> SwigluMlp {
-        SwigluMlp { gate, up, down }
+    pub fn from_matrices(act: Activation, gate: Matrix, up: Matrix, down: Matrix) -> GatedMlp {
+        GatedMlp {
+            act,
+            gate,
+            up,
+            down,
+        }
     }
 
     pub fn load(
         snapshot: &Snapshot,
         prefix: &str,
-        hidden: usize,
-        inter: usize,
+        (hidden, inter): (usize, usize),
+        act: Activation,
         width: Width,
-    ) -> Result<SwigluMlp> {
+    ) -> Result<GatedMlp> {
         let load = |name: &str, shape: [usize; 2]| -> Result<Matrix> {
             Matrix::load(
                 &snapshot.tensor_shaped(&format!("{prefix}.{name}.weight"), &shape)?,
                 width,
             )
         };
-        Ok(SwigluMlp {
+        Ok(GatedMlp {
+            act,
             gate: load("gate_proj", [inter, hidden])?,
             up: load("up_proj", [inter, hidden])?,
             down: load("down_proj", [hidden, inter])?,
@@ -257,7 +264,9 @@ impl SwigluMlp {
     }
 
     pub fn forward(&self, input: &[f32], n: usize) -> Vec<f32> {
-        swiglu_ffn(&self.gate, &self.up, &self.down, input, n)
+        glu_ffn(&self.gate, &self.up, &self.down, input, n, |g, u| {
+            self.act.apply(g, u)
+        })
     }
 
     pub fn size_bytes(&self) -> usize {

@@ -1,13 +1,10 @@
-//! The dense MLP on SiTU-GLU, Kimi K3's bounded gated activation ([`Situ`], in
-//! [`crate::activation`]): K3's first layer and its fused shared experts; its routed
-//! experts run [`Situ::ffn`] too.
-
-use anyhow::Result;
+//! SiTU-GLU's FFN ([`Situ`], Kimi K3's bounded gated activation, is in
+//! [`crate::activation`]): what K3's routed experts run; its dense layers and shared experts
+//! are [`GatedMlp`](super::layers::GatedMlp)s of the same activation.
 
 use super::layers::glu_ffn;
 use crate::activation::Situ;
-use crate::quant::{Matrix, Width};
-use crate::snapshot::Snapshot;
+use crate::quant::Matrix;
 
 impl Situ {
     /// `down(situ(gate x, up x))` for `n` rows of `input`.
@@ -20,50 +17,6 @@ impl Situ {
         n: usize,
     ) -> Vec<f32> {
         glu_ffn(gate, up, down, input, n, |g, u| self.apply(g, u))
-    }
-}
-
-/// A dense SiTU-GLU MLP (`{prefix}.{gate,up,down}_proj.weight`).
-pub struct SituMlp {
-    act: Situ,
-    gate: Matrix,
-    up: Matrix,
-    down: Matrix,
-}
-
-impl SituMlp {
-    pub fn load(
-        snapshot: &Snapshot,
-        prefix: &str,
-        hidden: usize,
-        inter: usize,
-        act: Situ,
-        width: Width,
-    ) -> Result<SituMlp> {
-        let [gate, up, down] = [
-            ("gate_proj", [inter, hidden]),
-            ("up_proj", [inter, hidden]),
-            ("down_proj", [hidden, inter]),
-        ]
-        .map(|(name, shape)| {
-            snapshot
-                .tensor_shaped(&format!("{prefix}.{name}.weight"), &shape)
-                .and_then(|view| Matrix::load(&view, width))
-        });
-        Ok(SituMlp {
-            act,
-            gate: gate?,
-            up: up?,
-            down: down?,
-        })
-    }
-
-    pub fn forward(&self, input: &[f32], n: usize) -> Vec<f32> {
-        self.act.ffn(&self.gate, &self.up, &self.down, input, n)
-    }
-
-    pub fn size_bytes(&self) -> usize {
-        self.gate.size_bytes() + self.up.size_bytes() + self.down.size_bytes()
     }
 }
 
