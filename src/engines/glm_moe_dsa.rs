@@ -10,10 +10,9 @@
 //! decoding: `eh_proj [enorm(embed(next)); hnorm(h)]` through one more MLA + MoE layer with
 //! its own latent cache, then `shared_head.norm` and the main LM head.
 
-use std::path::Path;
 use std::sync::Arc;
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, bail, Result};
 use serde::Deserialize;
 
 use super::dsa::{IndexKeys, Indexer, IndexerShape};
@@ -102,8 +101,10 @@ pub struct Config {
     pub index_topk_pattern: Option<serde_json::Value>,
     pub index_topk_freq: usize,
     pub index_skip_topk_offset: usize,
-    pub eos_token_id: serde_json::Value,
 }
+
+/// transformers' `GlmMoeDsaConfig` default `eos_token_id`, for a `config.json` without one.
+const DEFAULT_EOS: &[u32] = &[1];
 
 impl Default for Config {
     fn default() -> Config {
@@ -143,7 +144,6 @@ impl Default for Config {
             index_topk_pattern: None,
             index_topk_freq: 1,
             index_skip_topk_offset: 2,
-            eos_token_id: serde_json::Value::from(1),
         }
     }
 }
@@ -325,48 +325,6 @@ impl Config {
         }
         Ok(())
     }
-}
-
-/// `eos_token_id` as JSON: one id, a list of ids, or null.
-fn eos_ids(value: &serde_json::Value, path: &Path) -> Result<Vec<u32>> {
-    let id = |v: &serde_json::Value| {
-        v.as_u64()
-            .and_then(|id| u32::try_from(id).ok())
-            .ok_or_else(|| {
-                anyhow!(
-                    "{}: eos_token_id must be a token id or a list of token ids, found {value}",
-                    path.display()
-                )
-            })
-    };
-    match value {
-        serde_json::Value::Null => Ok(Vec::new()),
-        serde_json::Value::Array(items) => items.iter().map(id).collect(),
-        single => Ok(vec![id(single)?]),
-    }
-}
-
-/// The stop ids: `config.json`'s `eos_token_id` united with `generation_config.json`'s, in
-/// first-seen order.
-fn stop_tokens(snapshot: &Snapshot, config: &Config) -> Result<Vec<u32>> {
-    let mut ids = eos_ids(&config.eos_token_id, &snapshot.dir().join("config.json"))?;
-    let path = snapshot.dir().join("generation_config.json");
-    if path.exists() {
-        let text = std::fs::read_to_string(&path)
-            .with_context(|| format!("cannot read {}", path.display()))?;
-        let json: serde_json::Value = serde_json::from_str(&text)
-            .with_context(|| format!("{} is not valid JSON", path.display()))?;
-        if let Some(value) = json.get("eos_token_id") {
-            ids.extend(eos_ids(value, &path)?);
-        }
-    }
-    let mut seen = Vec::with_capacity(ids.len());
-    for id in ids {
-        if !seen.contains(&id) {
-            seen.push(id);
-        }
-    }
-    Ok(seen)
 }
 
 /// The MLA projections of one layer and its output projection.
@@ -710,6 +668,7 @@ impl GlmMoeDsa {
     pub fn load(snapshot: &Snapshot, options: LoadOptions) -> Result<GlmMoeDsa> {
         let config: Config = snapshot.config()?;
         config.validate()?;
+        let stop = snapshot.stop_ids(DEFAULT_EOS)?;
         // The MTP head, when the checkpoint has it, is layer `num_hidden_layers`.
         super::check_config(
             snapshot,
@@ -833,7 +792,7 @@ impl GlmMoeDsa {
         let mut engine = GlmMoeDsa {
             shape: config.mla_shape(),
             rope: Rope::new(config.qk_rope_head_dim, config.rope_theta()),
-            stop: stop_tokens(snapshot, &config)?,
+            stop,
             embed,
             final_norm: load_vector(&snapshot.tensor("model.norm.weight")?, d)?,
             lm_head,
@@ -1169,21 +1128,6 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("rope_type \"yarn\""));
-    }
-
-    #[test]
-    fn eos_is_an_id_a_list_or_null() {
-        let path = Path::new("config.json");
-        assert_eq!(eos_ids(&serde_json::json!(7), path).unwrap(), vec![7]);
-        assert_eq!(
-            eos_ids(&serde_json::json!([3, 9]), path).unwrap(),
-            vec![3, 9]
-        );
-        assert!(eos_ids(&serde_json::Value::Null, path).unwrap().is_empty());
-        assert!(eos_ids(&serde_json::json!("x"), path)
-            .unwrap_err()
-            .to_string()
-            .contains("eos_token_id must be"));
     }
 
     #[test]

@@ -75,17 +75,6 @@ pub const PREFILL_CHUNK: usize = 32;
 /// RMSNorm default epsilon, not `rms_norm_eps`.
 const LORA_NORM_EPS: f64 = 1e-6;
 
-/// Token ids in a config: one id, a list of ids, or null; `what` names the key.
-fn token_ids(value: &serde_json::Value, what: &str) -> Result<Vec<u32>> {
-    let id = |v: &serde_json::Value| v.as_u64().and_then(|id| u32::try_from(id).ok());
-    let ids = match value {
-        serde_json::Value::Null => Some(Vec::new()),
-        serde_json::Value::Array(items) => items.iter().map(id).collect(),
-        single => id(single).map(|id| vec![id]),
-    };
-    ids.ok_or_else(|| anyhow!("{what} must be a token id or a list of token ids, found {value}"))
-}
-
 /// `linear_attn_config`.
 #[derive(Debug, Clone, Deserialize)]
 pub struct LinearAttnConfig {
@@ -142,9 +131,6 @@ pub struct Config {
     pub moe_layer_freq: Option<usize>,
     pub tie_word_embeddings: Option<bool>,
     pub quantization_config: Option<serde_json::Value>,
-    /// The release keeps it at the top level; read there first.
-    #[serde(default)]
-    pub eos_token_id: serde_json::Value,
 }
 
 fn default_eps() -> f64 {
@@ -152,8 +138,6 @@ fn default_eps() -> f64 {
 }
 
 impl Config {
-    /// The text config of `config.json`, with `eos_token_id` taken from the top level
-    /// first.
     /// The config, its layer count checked against the checkpoint before the rest of it
     /// (whose checks walk the layers).
     pub fn read(snapshot: &Snapshot) -> Result<Config> {
@@ -191,11 +175,8 @@ impl Config {
             ),
             None => (root, "the config"),
         };
-        let mut config: Config = serde_json::from_value(text.clone())
+        let config: Config = serde_json::from_value(text.clone())
             .map_err(|err| anyhow!("{}: {what}: {err}", path.display()))?;
-        if let Some(eos) = root.get("eos_token_id").filter(|v| !v.is_null()) {
-            config.eos_token_id = eos.clone();
-        }
         Ok((config, what))
     }
 
@@ -372,7 +353,6 @@ impl Config {
         if let Some(quant) = &self.quantization_config {
             check_quantization(quant)?;
         }
-        token_ids(&self.eos_token_id, "eos_token_id")?;
         Ok(())
     }
 }
@@ -711,32 +691,6 @@ fn layer_experts(snapshot: &Snapshot, config: &Config, p: &str) -> Result<Vec<Ex
         .collect()
 }
 
-/// The stop ids: `eos_token_id` of `config.json` (top level, else text config) and of
-/// `generation_config.json`, first seen first.
-fn stop_tokens(snapshot: &Snapshot, config: &Config) -> Result<Vec<u32>> {
-    let mut ids = token_ids(&config.eos_token_id, "eos_token_id")?;
-    let path = snapshot.dir().join("generation_config.json");
-    if path.exists() {
-        let text = std::fs::read_to_string(&path)
-            .with_context(|| format!("cannot read {}", path.display()))?;
-        let json: serde_json::Value = serde_json::from_str(&text)
-            .with_context(|| format!("{} is not valid JSON", path.display()))?;
-        if let Some(value) = json.get("eos_token_id") {
-            ids.extend(token_ids(
-                value,
-                &format!("{}: eos_token_id", path.display()),
-            )?);
-        }
-    }
-    let mut seen = Vec::with_capacity(ids.len());
-    for id in ids {
-        if !seen.contains(&id) {
-            seen.push(id);
-        }
-    }
-    Ok(seen)
-}
-
 pub struct KimiK3 {
     config: Config,
     situ: Situ,
@@ -754,6 +708,7 @@ pub struct KimiK3 {
 impl KimiK3 {
     pub fn load(snapshot: &Snapshot, options: LoadOptions) -> Result<KimiK3> {
         let config = Config::read(snapshot)?;
+        let stop = snapshot.stop_ids(&[])?;
         let prefix = tensor_prefix(snapshot)?;
         let (d, n_layers) = (config.hidden_size, config.num_hidden_layers);
         let dense = options.dense_width;
@@ -817,7 +772,7 @@ impl KimiK3 {
                 ExpertStore::new(Vec::new(), 1, options.store.width),
                 telemetry,
             ),
-            stop: stop_tokens(snapshot, &config)?,
+            stop,
             position: 0,
             config,
         };
@@ -996,12 +951,10 @@ mod tests {
     fn text_config_or_bare_and_one_indexed_layers() {
         let bare = parse(text()).unwrap();
         assert_eq!(bare.kda_layers(), vec![true, true, true, false]);
-        assert_eq!(token_ids(&bare.eos_token_id, "").unwrap(), vec![7]);
         let wrapped = parse(serde_json::json!({
             "model_type": "kimi_k3", "eos_token_id": [3, 5], "text_config": text()
         }))
         .unwrap();
-        assert_eq!(token_ids(&wrapped.eos_token_id, "").unwrap(), vec![3, 5]);
         assert_eq!(wrapped.situ().linear_beta, Some(25.0));
         assert_eq!(wrapped.groups(), (1, 1));
     }
@@ -1024,7 +977,6 @@ mod tests {
             .contains("routed_expert_hidden_size"));
         assert!(with("num_key_value_heads", 1.into()).contains("num_key_value_heads"));
         assert!(with("num_expert_group", 3.into()).contains("num_expert_group"));
-        assert!(with("eos_token_id", "x".into()).contains("eos_token_id"));
         let missing = {
             let mut t = text();
             t.as_object_mut().unwrap().remove("activation_situ_beta");

@@ -117,6 +117,31 @@ impl Snapshot {
         &self.config
     }
 
+    /// The ids that end a generation by the model's own files ([`model_stop_ids`]);
+    /// `absent`: what the engine's transformers config class defaults to when `config.json`
+    /// has no `eos_token_id`.
+    pub fn stop_ids(&self, absent: &[u32]) -> Result<Vec<u32>> {
+        let key = "eos_token_id";
+        let given = self.config.get(key).is_some()
+            || self
+                .config
+                .get("text_config")
+                .and_then(|t| t.get(key))
+                .is_some();
+        let mut ids = model_stop_ids(&self.dir, &self.config)?;
+        if !given {
+            ids.splice(
+                0..0,
+                absent
+                    .iter()
+                    .copied()
+                    .filter(|id| !ids.contains(id))
+                    .collect::<Vec<_>>(),
+            );
+        }
+        Ok(ids)
+    }
+
     /// `config.json` as a typed engine configuration; serde's message names the key.
     pub fn config<T: DeserializeOwned>(&self) -> Result<T> {
         serde_json::from_value(self.config.clone())
@@ -281,4 +306,94 @@ fn check_index(dir: &Path, shard_paths: &[PathBuf]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The ids that end a generation by the files of the model in `dir` (`config`: its
+/// `config.json`): `eos_token_id` of `config.json` (the top level, else its `text_config`),
+/// then of `generation_config.json` when there is one, each id once, first seen first.
+/// Every engine's stop list and text mode's start from these.
+pub fn model_stop_ids(dir: &Path, config: &serde_json::Value) -> Result<Vec<u32>> {
+    let key = "eos_token_id";
+    let top = config.get(key).filter(|v| !v.is_null());
+    let text = config.get("text_config").and_then(|t| t.get(key));
+    let mut ids = token_ids(top.or(text), key, &dir.join("config.json"))?;
+    let path = dir.join("generation_config.json");
+    if path.is_file() {
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        let json: serde_json::Value = serde_json::from_str(&text)
+            .with_context(|| format!("{} is not valid JSON", path.display()))?;
+        ids.extend(token_ids(json.get(key), key, &path)?);
+    }
+    let mut seen = Vec::with_capacity(ids.len());
+    for id in ids {
+        if !seen.contains(&id) {
+            seen.push(id);
+        }
+    }
+    Ok(seen)
+}
+
+/// The token ids of `key` in the file at `path`: one id, a list of ids, or null or absent
+/// (none).
+pub fn token_ids(value: Option<&serde_json::Value>, key: &str, path: &Path) -> Result<Vec<u32>> {
+    let as_id = |v: &serde_json::Value| v.as_u64().and_then(|id| u32::try_from(id).ok());
+    let ids = match value {
+        None | Some(serde_json::Value::Null) => Some(Vec::new()),
+        Some(serde_json::Value::Array(items)) => items.iter().map(as_id).collect(),
+        Some(single) => as_id(single).map(|id| vec![id]),
+    };
+    match ids {
+        Some(ids) => Ok(ids),
+        None => bail!(
+            "{}: {key} must be a token id or a list of token ids (or null), found {}",
+            path.display(),
+            value.map_or(String::new(), ToString::to_string)
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_ids_are_an_id_a_list_or_null() {
+        let path = Path::new("config.json");
+        let ids = |value: serde_json::Value| token_ids(Some(&value), "eos_token_id", path);
+        assert_eq!(ids(serde_json::json!(7)).unwrap(), vec![7]);
+        assert_eq!(ids(serde_json::json!([3, 9])).unwrap(), vec![3, 9]);
+        assert!(ids(serde_json::Value::Null).unwrap().is_empty());
+        assert!(token_ids(None, "eos_token_id", path).unwrap().is_empty());
+        let err = ids(serde_json::json!("x")).unwrap_err().to_string();
+        assert!(
+            err.contains("config.json: eos_token_id must be a token id or a list of token ids"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn stop_ids_come_from_the_top_level_first_then_the_generation_config() {
+        let dir = tempfile::tempdir().unwrap();
+        let stops = |config: serde_json::Value| model_stop_ids(dir.path(), &config).unwrap();
+        let text = serde_json::json!({"eos_token_id": 4});
+        assert_eq!(stops(serde_json::json!({"text_config": text})), vec![4]);
+        assert_eq!(
+            stops(serde_json::json!({"eos_token_id": [3, 5], "text_config": text})),
+            vec![3, 5]
+        );
+        assert_eq!(
+            stops(serde_json::json!({"eos_token_id": null, "text_config": text})),
+            vec![4]
+        );
+        std::fs::write(
+            dir.path().join("generation_config.json"),
+            r#"{"eos_token_id": [5, 8]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            stops(serde_json::json!({"eos_token_id": [3, 5]})),
+            vec![3, 5, 8]
+        );
+    }
 }

@@ -13,14 +13,14 @@ use std::io::Write;
 use std::path::Path;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use serde_json::Value;
 
 use crate::engines::Engine;
 use crate::generate::{generate_with, Ending, Flow, Generation, OnTokens, Policy};
 use crate::sampling::Sampler;
 use crate::settings::Settings;
-use crate::snapshot::Snapshot;
+use crate::snapshot::{model_stop_ids, token_ids, Snapshot};
 
 pub use chat::{ChatMessage, ChatTemplate};
 pub use tokenizer::{TextStream, TextTokenizer};
@@ -167,16 +167,7 @@ impl<'a> TextModel<'a> {
     /// `text_config`) and of `generation_config.json`, `tokenizer_config.json`'s `eos_token`,
     /// the engine's own, and with [`PromptConvention::stop_on_special`] every special token.
     pub fn stop_ids(&self, engine_stops: &[u32]) -> Result<Vec<u32>> {
-        let config_path = self.dir.join("config.json");
-        let mut ids = config_ids(self.config, "eos_token_id", &config_path)?;
-        let generation_path = self.dir.join("generation_config.json");
-        if generation_path.is_file() {
-            let text = std::fs::read_to_string(&generation_path)
-                .with_context(|| format!("reading {}", generation_path.display()))?;
-            let json: Value = serde_json::from_str(&text)
-                .with_context(|| format!("{}: not valid JSON", generation_path.display()))?;
-            ids.extend(config_ids(&json, "eos_token_id", &generation_path)?);
-        }
+        let mut ids = model_stop_ids(self.dir, self.config)?;
         if let Some(eos) = &self.tokenizer.config().eos_token {
             ids.push(self.tokenizer.config_token_id("eos_token", eos)?);
         }
@@ -190,7 +181,12 @@ impl<'a> TextModel<'a> {
     }
 
     fn bos_id(&self) -> Result<Option<u32>> {
-        let from_config = config_ids(self.config, "bos_token_id", &self.dir.join("config.json"))?;
+        let key = "bos_token_id";
+        let value = self
+            .config
+            .get(key)
+            .or_else(|| self.config.get("text_config").and_then(|t| t.get(key)));
+        let from_config = token_ids(value, key, &self.dir.join("config.json"))?;
         if let Some(&id) = from_config.first() {
             return Ok(Some(id));
         }
@@ -208,36 +204,6 @@ fn without_repeat(start: &[u32], body: &[u32]) -> Vec<u32> {
         .find(|&k| body.starts_with(&start[k..]))
         .unwrap_or(start.len());
     start[..keep].to_vec()
-}
-
-/// Token ids under `key` (top level, or in `text_config` for multimodal configs): one id, a
-/// list, or null.
-fn config_ids(config: &Value, key: &str, path: &Path) -> Result<Vec<u32>> {
-    let value = config
-        .get(key)
-        .or_else(|| config.get("text_config").and_then(|text| text.get(key)));
-    let as_id = |v: &Value| v.as_u64().and_then(|id| u32::try_from(id).ok());
-    match value {
-        None | Some(Value::Null) => Ok(Vec::new()),
-        Some(Value::Array(items)) => items
-            .iter()
-            .map(|item| {
-                as_id(item).with_context(|| {
-                    format!(
-                        "{}: {key} must list token ids, found {item}",
-                        path.display()
-                    )
-                })
-            })
-            .collect(),
-        Some(single) => match as_id(single) {
-            Some(id) => Ok(vec![id]),
-            None => bail!(
-                "{}: {key} must be a token id, a list of token ids or null, found {single}",
-                path.display()
-            ),
-        },
-    }
 }
 
 /// Text mode's settings and tokenizer, checked before the model loads.
@@ -416,31 +382,5 @@ mod tests {
         assert_eq!(without_repeat(&[1, 2], &[1, 5]), vec![1, 2]);
         assert_eq!(without_repeat(&[0, 1, 2], &[1, 2, 5]), vec![0]);
         assert_eq!(without_repeat(&[], &[1]), Vec::<u32>::new());
-    }
-
-    #[test]
-    fn config_ids_take_an_id_a_list_or_null() {
-        let path = Path::new("config.json");
-        let ids = |json: Value| config_ids(&json, "eos_token_id", path);
-        assert_eq!(
-            ids(serde_json::json!({"eos_token_id": 7})).unwrap(),
-            vec![7]
-        );
-        assert_eq!(
-            ids(serde_json::json!({"eos_token_id": [3, 9]})).unwrap(),
-            vec![3, 9]
-        );
-        assert!(ids(serde_json::json!({"eos_token_id": null}))
-            .unwrap()
-            .is_empty());
-        assert_eq!(
-            ids(serde_json::json!({"text_config": {"eos_token_id": 4}})).unwrap(),
-            vec![4]
-        );
-        let err = ids(serde_json::json!({"eos_token_id": "x"})).unwrap_err();
-        assert!(
-            err.to_string().contains("config.json: eos_token_id"),
-            "{err}"
-        );
     }
 }
