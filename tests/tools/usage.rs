@@ -1,7 +1,7 @@
 //! `coli usage show | merge | migrate` through the binary and the library: reports,
 //! sums that keep every count, refusals named by file, and atomic output.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 

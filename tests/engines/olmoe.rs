@@ -2,7 +2,7 @@
 //! (and only there), and `IDS=` mode continues the reference. Exactness at every cache size,
 //! the trace, chunked prefill and reset are in `conformance.rs`, for every engine.
 
-mod common;
+use crate::common;
 
 use common::{coli, fixture, stderr, stdout};
 

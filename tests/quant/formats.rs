@@ -4,7 +4,7 @@
 //! compressed-tensors MXFP4 naming, colibri's merged OLMoE expert container, and bad
 //! containers refused through the binary with exit code 2.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::path::Path;

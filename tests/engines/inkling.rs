@@ -8,7 +8,7 @@
 //! `local_layer_ids`, `dense_mlp_idx`, `sconv_kernel_size`) and the older tensor names
 //! (`model.language_model.*`, `embed_norm` outside the embedding).
 
-mod common;
+use crate::common;
 
 use coli::engines::{self, Engine, LoadOptions};
 use coli::generate::argmax;

@@ -6,7 +6,7 @@
 //! MTP head gives the tokens of plain greedy decoding at every draft depth; and the routing
 //! telemetry sees every MoE layer and row and no dense layer.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 

@@ -12,7 +12,7 @@
 //! What one engine alone has (windows, the DSA indexer, MTP drafts, the KDA recurrence) is
 //! tested in its own file.
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;

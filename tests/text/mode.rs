@@ -3,8 +3,8 @@
 //! stop it, `NGEN` bounds it, `CHAT=1` renders a template, bad input exits 2, and Ctrl-C
 //! stops it with the routing history saved.
 
-mod common;
-mod text_support;
+use crate::common;
+use crate::text_support;
 
 use std::io::Read;
 use std::path::Path;

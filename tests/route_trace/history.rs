@@ -2,7 +2,7 @@
 //! (`rt_init("glm_moe_dsa", 5, 8)`), the refusal texts, IKU1, trust, decay, `USAGE_SAVE`,
 //! merge-on-save and the never-overwrite rule.
 
-mod route_trace_support;
+use crate::route_trace_support;
 
 use std::fs;
 use std::path::{Path, PathBuf};

@@ -2,7 +2,7 @@
 //! `while (fscanf(f, "%d %d %u", ...) == 3)` loop with an `l >= 0` guard, compiled with the
 //! system C compiler. Also the trace's `%.4f` against glibc's printf.
 
-mod route_trace_support;
+use crate::route_trace_support;
 
 use std::io::Write as _;
 use std::process::{Command, Stdio};

@@ -1,7 +1,7 @@
 //! `coli trace plot`: heat maps of traces and histories and the hit-rate curve, as PNG
 //! and SVG of the requested size (decoded back here), and its refusals.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 

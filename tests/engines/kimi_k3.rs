@@ -11,7 +11,7 @@
 //! config with unprefixed tensors, grouped top-k, no SiTU linear beta and a last
 //! attention-residual block that is cut short.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 

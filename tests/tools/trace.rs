@@ -1,7 +1,7 @@
 //! `coli trace stats | simulate` on synthetic traces with known answers, on malformed
 //! input, and on traces the engine wrote for the committed OLMoE fixture.
 
-mod common;
+use crate::common;
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};

@@ -2,7 +2,7 @@
 //! stream, histories that accumulate across runs, placement from a history, refusal of a
 //! foreign engine's history, and a save on Ctrl-C.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::{Command, Stdio};

@@ -2,8 +2,8 @@
 //! the Python `tokenizers` library's, round trips, streaming decode across split UTF-8
 //! characters, chat templates, each engine's prompt convention and the stop set.
 
-mod common;
-mod text_support;
+use crate::common;
+use crate::text_support;
 
 use std::path::Path;
 
