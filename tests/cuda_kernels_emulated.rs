@@ -341,9 +341,12 @@ fn stage<'a>(
     group: &'a ExpertGroup<'a>,
     placed: &[[Placed; 3]],
 ) -> (GroupPlan<'a>, GroupBuffers) {
-    let plan = GroupPlan::new(group, |id| Ok(placed[id as usize / 3][id as usize % 3]))
-        .unwrap()
-        .expect("a group with routed rows");
+    let out_len = group.rows * group.width;
+    let plan = GroupPlan::new(group, out_len, |id| {
+        Ok(placed[id as usize / 3][id as usize % 3])
+    })
+    .unwrap()
+    .expect("a group with routed rows");
     let at = GroupBuffers {
         staged: emulation.reserve(plan.staged_bytes()),
         gate: emulation.reserve(plan.hidden_bytes()),

@@ -31,6 +31,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::{self, CompileOptions, Ptx};
 
+use super::group::GroupRouting;
 use super::{
     Activation, Device, DeviceError, DeviceMemory, ExpertGroup, RawMatrix, RawScales, WeightId,
 };
@@ -506,44 +507,30 @@ pub struct GroupPlan<'a> {
     max_n: usize,
     gate_up_blocks: usize,
     down_blocks: usize,
-    slot_rows: Vec<i32>,
-    row_start: Vec<i32>,
-    entry_slot: Vec<i32>,
-    entry_weight: Vec<f32>,
+    routing: GroupRouting<'a>,
 }
 
 impl<'a> GroupPlan<'a> {
-    /// The layout of `group`, with `placed` saying where each weight is; `None` when no
-    /// expert has a row (the output is all zeros).
+    /// The layout of `group` into `out_len` outputs, with `placed` saying where each
+    /// weight is; `None` when no expert has a row (the output is all zeros).
     pub fn new(
         group: &'a ExpertGroup<'a>,
+        out_len: usize,
         mut placed: impl FnMut(WeightId) -> Result<Placed, DeviceError>,
     ) -> Result<Option<GroupPlan<'a>>, DeviceError> {
-        let (rows, width) = (group.rows, group.width);
-        if group.input.len() != rows * width {
-            return Err(DeviceError::Unsupported(format!(
-                "expert group of {rows} rows of width {width} with {} inputs",
-                group.input.len()
-            )));
-        }
-        let routed: Vec<_> = group
-            .experts
-            .iter()
-            .filter(|e| !e.rows.is_empty())
-            .collect();
-        let slots: usize = routed.iter().map(|e| e.rows.len()).sum();
-        if slots == 0 {
+        let Some(routing) = GroupRouting::new(group, out_len)? else {
             return Ok(None);
-        }
+        };
+        let (rows, width, slots) = (group.rows, group.width, routing.slots());
         if rows > GRID_Y_MAX {
             return Err(DeviceError::Unsupported(format!(
                 "{rows} rows in one group"
             )));
         }
 
-        let mut experts = Vec::with_capacity(routed.len());
-        let (mut first, mut gate_up_blocks, mut down_blocks) = (0, 0, 0);
-        for expert in &routed {
+        let mut experts = Vec::with_capacity(routing.experts.len());
+        let (mut gate_up_blocks, mut down_blocks) = (0, 0);
+        for &(expert, first) in &routing.experts {
             let [gate, up, down] = [expert.gate, expert.up, expert.down].map(&mut placed);
             let [gate, up, down] = [gate?, up?, down?];
             let (g, u, d) = (gate.layout, up.layout, down.layout);
@@ -551,27 +538,24 @@ impl<'a> GroupPlan<'a> {
                 && u.cols == width
                 && u.rows == g.rows
                 && d.cols == g.rows
-                && d.rows == width
-                && expert.rows.iter().all(|&(row, _)| row < rows);
+                && d.rows == width;
             if !fits {
                 return Err(DeviceError::Unsupported(format!(
                     "expert of gate {}x{}, up {}x{}, down {}x{} in a group of width {width} and {rows} rows",
                     g.rows, g.cols, u.rows, u.cols, d.rows, d.cols
                 )));
             }
-            let n = expert.rows.len();
             let block0 = [gate_up_blocks, gate_up_blocks + blocks(g.rows), down_blocks];
             gate_up_blocks += blocks(g.rows) + blocks(u.rows);
             down_blocks += blocks(d.rows);
             experts.push(PlannedExpert {
                 matrices: [gate, up, down],
                 first,
-                n,
+                n: expert.rows.len(),
                 block0,
             });
-            first += n;
         }
-        let max_n = routed.iter().map(|e| e.rows.len()).max().unwrap_or(0);
+        let max_n = experts.iter().map(|e| e.n).max().unwrap_or(0);
         let widest = experts
             .iter()
             .map(|e| e.matrices[0].layout.rows)
@@ -582,27 +566,6 @@ impl<'a> GroupPlan<'a> {
             return Err(DeviceError::Unsupported(format!(
                 "{slots} expert rows of width {inter_stride}, {max_n} for one expert"
             )));
-        }
-
-        let mut slot_rows = Vec::with_capacity(slots);
-        let mut row_start = vec![0i32; rows + 1];
-        for expert in &routed {
-            for &(row, _) in expert.rows {
-                slot_rows.push(row as i32);
-                row_start[row + 1] += 1;
-            }
-        }
-        for r in 0..rows {
-            row_start[r + 1] += row_start[r];
-        }
-        let mut next: Vec<usize> = row_start[..rows].iter().map(|&s| s as usize).collect();
-        let mut entry_slot = vec![0i32; slots];
-        let mut entry_weight = vec![0f32; slots];
-        let entries = routed.iter().flat_map(|e| e.rows.iter());
-        for (slot, &(row, weight)) in entries.enumerate() {
-            entry_slot[next[row]] = slot as i32;
-            entry_weight[next[row]] = weight;
-            next[row] += 1;
         }
 
         let xstride = round_up(width, 32);
@@ -628,10 +591,7 @@ impl<'a> GroupPlan<'a> {
             max_n,
             gate_up_blocks,
             down_blocks,
-            slot_rows,
-            row_start,
-            entry_slot,
-            entry_weight,
+            routing,
         }))
     }
 
@@ -662,7 +622,7 @@ impl<'a> GroupPlan<'a> {
             self.width,
             self.xstride,
         );
-        put_i32(&mut bytes[offsets[1]..], &self.slot_rows);
+        put_i32(&mut bytes[offsets[1]..], &self.routing.slot_rows);
         let hidden_row = |slot: usize| (slot * self.inter_stride * 4) as u64;
         for (k, expert) in self.experts.iter().enumerate() {
             let [gate, up, down] = expert.matrices;
@@ -691,9 +651,9 @@ impl<'a> GroupPlan<'a> {
             }
             .write(&mut bytes[offsets[3] + k * JOB_BYTES..]);
         }
-        put_i32(&mut bytes[offsets[4]..], &self.row_start);
-        put_i32(&mut bytes[offsets[5]..], &self.entry_slot);
-        put_f32(&mut bytes[offsets[6]..], &self.entry_weight);
+        put_i32(&mut bytes[offsets[4]..], &self.routing.row_start);
+        put_i32(&mut bytes[offsets[5]..], &self.routing.entry_slot);
+        put_f32(&mut bytes[offsets[6]..], &self.routing.entry_weight);
     }
 
     /// What to queue after the staged bytes are at `at.staged`.
@@ -1420,16 +1380,10 @@ impl Device for CudaDevice {
     }
 
     fn expert_group(&self, group: &ExpertGroup<'_>, out: &mut [f32]) -> Result<(), DeviceError> {
-        if out.len() != group.rows * group.width {
-            return Err(DeviceError::Unsupported(format!(
-                "expert group of {} rows of width {} into {} outputs",
-                group.rows,
-                group.width,
-                out.len()
-            )));
-        }
+        let out_len = out.len();
         self.locked(|state| {
-            let Some(plan) = GroupPlan::new(group, |id| state.placed(id, &self.stream))? else {
+            let Some(plan) = GroupPlan::new(group, out_len, |id| state.placed(id, &self.stream))?
+            else {
                 out.fill(0.0);
                 return Ok(());
             };
@@ -1621,7 +1575,7 @@ mod tests {
             activation: Activation::SwiGlu,
         };
         // Experts 12 wide: two blocks of rows for each gate and up product, one for a down.
-        let plan = GroupPlan::new(&group, |id| {
+        let plan = GroupPlan::new(&group, 4 * 8, |id| {
             let data = 0x1000 * (id + 1);
             Ok(if id % 3 == 2 {
                 float_matrix(8, 12, data)
@@ -1633,10 +1587,10 @@ mod tests {
         .expect("routed rows");
         // Slots: expert 0's rows 2, 0, then expert 2's rows 0, 1. Each output row lists
         // its (slot, weight) entries in expert order.
-        assert_eq!(plan.slot_rows, [2, 0, 0, 1]);
-        assert_eq!(plan.row_start, [0, 2, 3, 4, 4]);
-        assert_eq!(plan.entry_slot, [1, 2, 3, 0]);
-        assert_eq!(plan.entry_weight, [0.25, 2.0, 1.0, 0.5]);
+        assert_eq!(plan.routing.slot_rows, [2, 0, 0, 1]);
+        assert_eq!(plan.routing.row_start, [0, 2, 3, 4, 4]);
+        assert_eq!(plan.routing.entry_slot, [1, 2, 3, 0]);
+        assert_eq!(plan.routing.entry_weight, [0.25, 2.0, 1.0, 0.5]);
         assert_eq!((plan.inter_stride, plan.hidden_bytes()), (32, 4 * 32 * 4));
 
         let at = GroupBuffers {

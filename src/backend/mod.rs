@@ -15,6 +15,7 @@
 //! without comment. This module owns that policy; the devices only compute and report.
 
 pub mod cuda;
+pub mod group;
 pub mod tier;
 pub mod vulkan;
 

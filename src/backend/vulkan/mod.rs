@@ -39,6 +39,7 @@ use self::setup::{
     choose_physical_device, create_instance, create_logical_device, find_memory_type,
     has_large_mappable_device_memory, largest_device_local_heap, load_entry, pipeline_of,
 };
+use super::group::GroupRouting;
 use super::{Device, DeviceError, DeviceMemory, ExpertGroup, RawMatrix, WeightId};
 use crate::activation::Activation;
 
@@ -1262,13 +1263,10 @@ impl VulkanDevice {
         out: &mut [f32],
     ) -> Result<(), DeviceError> {
         let (rows, width) = (group.rows, group.width);
-        if group.input.len() != rows * width || out.len() != rows * width {
-            return Err(DeviceError::Unsupported(format!(
-                "an expert group of {rows}x{width} with {} inputs and {} outputs",
-                group.input.len(),
-                out.len()
-            )));
-        }
+        let Some(routing) = GroupRouting::new(group, out.len())? else {
+            out.fill(0.0);
+            return Ok(());
+        };
         let shape = |id, want_rows: Option<usize>, want_cols: Option<usize>| {
             let weight = Self::weight(state, id)?;
             let packing = weight.packing;
@@ -1283,51 +1281,36 @@ impl VulkanDevice {
             }
             Ok((packing, buffers))
         };
+        // A slot's down row is the slot: the routing's order.
         let mut slots = Vec::new();
-        let (mut index, mut hidden, mut down_row) = (0, 0, 0);
-        // Each output row's (down row, gate weight) entries, in expert order.
-        let mut entries: Vec<Vec<(u32, f32)>> = vec![Vec::new(); rows];
-        let mut routed = Vec::new();
-        for expert in group.experts {
-            if expert.rows.is_empty() {
-                continue;
-            }
+        let mut hidden = 0;
+        for &(expert, first) in &routing.experts {
             let gate = shape(expert.gate, None, Some(width))?;
             let inter = gate.0.rows;
             let up = shape(expert.up, Some(inter), Some(width))?;
             let down = shape(expert.down, Some(width), Some(inter))?;
-            for (j, &(row, weight)) in expert.rows.iter().enumerate() {
-                if row >= rows {
-                    return Err(DeviceError::Unsupported(format!(
-                        "an expert routed row {row} of a {rows}-row group"
-                    )));
-                }
-                routed.push(row as u32);
-                entries[row].push(((down_row + j) as u32, weight));
-            }
             let m = expert.rows.len();
             slots.push(ExpertSlot {
                 gate,
                 up,
                 down,
                 rows: m,
-                index,
+                index: first,
                 hidden,
-                down_row,
+                down_row: first,
             });
-            index += m;
             hidden += m * inter;
-            down_row += m;
         }
-        let mut starts = Vec::with_capacity(rows + 1);
-        let mut flat = Vec::new();
-        starts.push(0u32);
-        for row in &entries {
-            for &(source, weight) in row {
-                flat.extend([source, weight.to_bits()]);
-            }
-            starts.push((flat.len() / 2) as u32);
-        }
+        let down_row = routing.slots();
+        let routed: Vec<u32> = routing.slot_rows.iter().map(|&r| r as u32).collect();
+        let starts: Vec<u32> = routing.row_start.iter().map(|&s| s as u32).collect();
+        // Each output row's (down row, gate weight) entries, in expert order.
+        let flat: Vec<u32> = routing
+            .entry_slot
+            .iter()
+            .zip(&routing.entry_weight)
+            .flat_map(|(&slot, weight)| [slot as u32, weight.to_bits()])
+            .collect();
         // Scratch: input, routed-row indices, entry starts, entries | gate, up, down, out.
         let index_at = rows * width;
         let starts_at = index_at + routed.len();
