@@ -12,15 +12,14 @@
 //! What one engine alone has (windows, the DSA indexer, MTP drafts, the KDA recurrence) is
 //! tested in its own file.
 
-use crate::common;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 
+use crate::common::{self, fixture};
+use crate::reference;
 use coli::engines::{self, Engine, LoadOptions};
 use coli::generate::argmax;
 use coli::snapshot::Snapshot;
-use common::fixture;
 
 struct Case {
     engine: &'static str,
@@ -62,30 +61,6 @@ const CASES: &[Case] = &[
     case("kimi_k3", "kimi_k3_tiny", 6, 1..6, 8, 2),
     case("kimi_k3", "kimi_k3_tiny_b", 7, 2..7, 12, 3),
 ];
-
-struct Reference {
-    prompt: usize,
-    full_ids: Vec<u32>,
-    tf_pred: Vec<u32>,
-}
-
-fn reference(name: &str) -> Reference {
-    let text = std::fs::read_to_string(fixture(name).join("ref.json")).unwrap();
-    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let ids = |key: &str| -> Vec<u32> {
-        json[key]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap() as u32)
-            .collect()
-    };
-    Reference {
-        prompt: ids("prompt_ids").len(),
-        full_ids: ids("full_ids"),
-        tf_pred: ids("tf_pred"),
-    }
-}
 
 /// The case's engine in f32 with `cap` slots per layer, not drafting.
 fn load(c: &Case, cap: usize) -> Box<dyn Engine> {
@@ -192,7 +167,8 @@ fn a_prompt_in_chunks_or_token_by_token_predicts_what_one_forward_does() {
         engine.reset();
         let mut uneven = Vec::new();
         let mut start = 0;
-        for size in [5, 1, 11, 2, 1, 7].iter().cycle() {
+        // 35: longer than Kimi K3's prefill chunk of 32.
+        for size in [5, 1, 35, 2, 1, 7].iter().cycle() {
             if start == r.full_ids.len() {
                 break;
             }
@@ -214,9 +190,16 @@ fn a_prompt_in_chunks_or_token_by_token_predicts_what_one_forward_does() {
 
         // The last position's logits alone.
         engine.reset();
-        let last = engine.forward(&r.full_ids[..r.prompt], false).unwrap();
+        let last = engine
+            .forward(&r.full_ids[..r.prompt_ids.len()], false)
+            .unwrap();
         assert_eq!(last.len(), vocab, "{}", c.fixture);
-        assert_eq!(argmax(&last), r.tf_pred[r.prompt - 1], "{}", c.fixture);
+        assert_eq!(
+            argmax(&last),
+            r.tf_pred[r.prompt_ids.len() - 1],
+            "{}",
+            c.fixture
+        );
     }
 }
 
@@ -230,8 +213,8 @@ fn a_reset_engine_computes_what_a_fresh_one_does() {
         // Used first (another prompt, then a few decode steps), then reset.
         let mut used = load(c, 2);
         let other: Vec<u32> = r.full_ids.iter().rev().copied().collect();
-        used.forward(&other[..r.prompt], false).unwrap();
-        for &token in &other[r.prompt..r.prompt + 3] {
+        used.forward(&other[..r.prompt_ids.len()], false).unwrap();
+        for &token in &other[r.prompt_ids.len()..r.prompt_ids.len() + 3] {
             used.forward(&[token], false).unwrap();
         }
         used.reset();

@@ -7,6 +7,7 @@
 //! telemetry sees every MoE layer and row and no dense layer.
 
 use crate::common;
+use crate::{reference, reference_in};
 
 use std::collections::BTreeSet;
 
@@ -61,32 +62,6 @@ const MTP: Fixture = Fixture {
 
 const FIXTURES: [&Fixture; 3] = [&TINY, &GROUPED, &MTP];
 
-struct Reference {
-    prompt_ids: Vec<u32>,
-    full_ids: Vec<u32>,
-    tf_pred: Vec<u32>,
-    json: serde_json::Value,
-}
-
-fn reference(name: &str, file: &str) -> Reference {
-    let text = std::fs::read_to_string(fixture(name).join(file)).unwrap();
-    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let ids = |key: &str| -> Vec<u32> {
-        json[key]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap() as u32)
-            .collect()
-    };
-    Reference {
-        prompt_ids: ids("prompt_ids"),
-        full_ids: ids("full_ids"),
-        tf_pred: ids("tf_pred"),
-        json,
-    }
-}
-
 fn load_from(
     snapshot: &Snapshot,
     cap: usize,
@@ -118,7 +93,7 @@ fn run(args: &[&str]) -> (bool, String, String) {
 #[test]
 fn greedy_is_exact_at_every_cache_size() {
     for f in FIXTURES {
-        let r = reference(f.name, "ref.json");
+        let r = reference(f.name);
         let generated = r.full_ids.len() - r.prompt_ids.len();
         let snap = format!("SNAP={}", fixture(f.name).display());
         for cap in [1, 2, f.experts] {
@@ -145,11 +120,11 @@ fn greedy_is_exact_at_every_cache_size() {
 #[test]
 fn the_indexer_selects_on_the_fixtures() {
     for f in FIXTURES {
-        let r = reference(f.name, "ref.json");
+        let r = reference(f.name);
         assert!(r.full_ids.len() >= 4 * f.index_topk, "{}", f.name);
         assert!(r.json["selecting_rows"].as_u64().unwrap() > 0, "{}", f.name);
         // Dense attention (every key kept) predicts differently: the selection matters.
-        let dense = reference(f.name, "ref_dense.json");
+        let dense = reference_in(f.name, "ref_dense.json");
         assert_ne!(dense.tf_pred, r.tf_pred, "{}", f.name);
     }
 }
@@ -157,7 +132,7 @@ fn the_indexer_selects_on_the_fixtures() {
 #[test]
 fn dsa_force_matches_the_dense_reference() {
     for f in FIXTURES {
-        let n = reference(f.name, "ref.json").full_ids.len();
+        let n = reference(f.name).full_ids.len();
         let snap = format!("SNAP={}", fixture(f.name).display());
         let dense = format!("REF={}", fixture(f.name).join("ref_dense.json").display());
         let (ok, out, err) = run(&[
@@ -199,7 +174,7 @@ fn without_selection(name: &str) -> tempfile::TempDir {
 #[test]
 fn dsa_force_is_dense_attention_bit_for_bit() {
     for f in FIXTURES {
-        let r = reference(f.name, "ref.json");
+        let r = reference(f.name);
         let dense_dir = without_selection(f.name);
         let mut dense = load_from(
             &Snapshot::open(dense_dir.path()).unwrap(),
@@ -238,7 +213,7 @@ fn dsa_force_is_dense_attention_bit_for_bit() {
 #[test]
 fn absorbed_decode_equals_the_plain_path() {
     for f in FIXTURES {
-        let r = reference(f.name, "ref.json");
+        let r = reference(f.name);
         let mut engine = load(f.name, f.experts, Some(0), false);
         let vocab = engine.vocab_size();
         // One forward from position 0 expands the latent cache (plain path).
@@ -268,7 +243,7 @@ fn absorbed_decode_equals_the_plain_path() {
 
 #[test]
 fn drafting_gives_the_tokens_of_plain_greedy() {
-    let r = reference(MTP.name, "ref.json");
+    let r = reference(MTP.name);
     let generated = r.full_ids.len() - r.prompt_ids.len();
     let snap = format!("SNAP={}", fixture(MTP.name).display());
     for cap in [1, MTP.experts] {
@@ -318,7 +293,7 @@ fn drafting_gives_the_tokens_of_plain_greedy() {
 fn depth_one_drafts_are_the_reference_mtp_predictions() {
     // The generator runs the MTP head in PyTorch along the reference sequence and replays the
     // depth-1 loop; with unambiguous margins the counts must agree exactly.
-    let r = reference(MTP.name, "ref.json");
+    let r = reference(MTP.name);
     let mtp = &r.json["mtp"];
     assert!(
         mtp["exact"].as_bool().unwrap(),
@@ -345,7 +320,7 @@ fn depth_one_drafts_are_the_reference_mtp_predictions() {
 fn drafting_is_lossless_beyond_the_reference() {
     // Past the reference nothing guarantees margins, so this holds only because verifying
     // drafts computes bit for bit what one-token steps compute.
-    let r = reference(MTP.name, "ref.json");
+    let r = reference(MTP.name);
     let mut baseline = load(MTP.name, 2, Some(0), false);
     let want = greedy(baseline.as_mut(), &r.prompt_ids, 64).unwrap().tokens;
     for depth in 1..=3 {
@@ -361,7 +336,7 @@ fn drafting_is_lossless_beyond_the_reference() {
 
 #[test]
 fn truncate_only_drops_the_last_forward() {
-    let r = reference(MTP.name, "ref.json");
+    let r = reference(MTP.name);
     let mut engine = load(MTP.name, 2, Some(1), false);
     engine.forward(&r.full_ids[..10], false).unwrap();
     engine.forward(&r.full_ids[10..13], true).unwrap();
@@ -382,7 +357,7 @@ fn truncate_only_drops_the_last_forward() {
 #[test]
 fn route_trace_covers_every_moe_layer_and_no_dense_one() {
     for f in FIXTURES {
-        let r = reference(f.name, "ref.json");
+        let r = reference(f.name);
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("trace.txt");
         let mut engine = load(f.name, f.experts, Some(0), false);
@@ -431,7 +406,7 @@ fn route_trace_covers_every_moe_layer_and_no_dense_one() {
 
 #[test]
 fn the_mtp_head_routes_on_its_own_row() {
-    let r = reference(MTP.name, "ref.json");
+    let r = reference(MTP.name);
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("trace.txt");
     let mut engine = load(MTP.name, MTP.experts, Some(1), false);
@@ -455,7 +430,7 @@ fn the_mtp_head_routes_on_its_own_row() {
 #[test]
 fn history_round_trips_with_the_engine_identity() {
     for f in [&TINY, &MTP] {
-        let r = reference(f.name, "ref.json");
+        let r = reference(f.name);
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join(".coli_usage");
         let mut engine = load(f.name, f.experts, Some(0), false);

@@ -9,6 +9,7 @@
 //! (`model.language_model.*`, `embed_norm` outside the embedding).
 
 use crate::common;
+use crate::reference;
 
 use coli::engines::{self, Engine, LoadOptions};
 use coli::generate::argmax;
@@ -40,28 +41,6 @@ const FIXTURES: &[Fixture] = &[
         sparse: 2..6,
     },
 ];
-
-struct Reference {
-    full_ids: Vec<u32>,
-    tf_pred: Vec<u32>,
-}
-
-fn reference(name: &str) -> Reference {
-    let text = std::fs::read_to_string(fixture(name).join("ref.json")).unwrap();
-    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let ids = |key: &str| -> Vec<u32> {
-        json[key]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap() as u32)
-            .collect()
-    };
-    Reference {
-        full_ids: ids("full_ids"),
-        tf_pred: ids("tf_pred"),
-    }
-}
 
 fn load(name: &str, cap: usize) -> Box<dyn Engine> {
     let snapshot = Snapshot::open(&fixture(name)).unwrap();

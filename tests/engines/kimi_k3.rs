@@ -1,8 +1,9 @@
 //! Kimi K3 against its PyTorch reference (`fixtures/gen/kimi_k3_reference.py`, built from
 //! transformers' `kimi_linear` and `glm5_next` modules) on the committed fixtures, what only
-//! it has (exactness at every cache size is in `conformance.rs`): a
-//! forward in the engine's prefill chunks, in uneven chunks and one token at a time (KDA
-//! recurrence, convolution windows and MLA cache carried across calls); the KDA step against
+//! it has (exactness at every cache size, and one forward against uneven chunks and one token
+//! at a time, are in `conformance.rs`): prompts that cross the engine's prefill chunk, so that
+//! those runs carry the KDA recurrence, convolution windows and MLA cache across it; the KDA
+//! step against
 //! transformers' `recurrent_kimi_delta_attention`; the routing telemetry of every MoE layer
 //! and of no dense one; config and checkpoint errors that name what is wrong.
 //!
@@ -12,6 +13,7 @@
 //! attention-residual block that is cut short.
 
 use crate::common;
+use crate::reference;
 
 use std::collections::BTreeSet;
 
@@ -47,31 +49,8 @@ const FIXTURES: &[Fixture] = &[
     },
 ];
 
-struct Reference {
-    prompt: usize,
-    full_ids: Vec<u32>,
-    tf_pred: Vec<u32>,
-}
-
 fn json(path: &std::path::Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
-}
-
-fn reference(name: &str) -> Reference {
-    let json = json(&fixture(name).join("ref.json"));
-    let ids = |key: &str| -> Vec<u32> {
-        json[key]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap() as u32)
-            .collect()
-    };
-    Reference {
-        prompt: json["prompt_ids"].as_array().unwrap().len(),
-        full_ids: ids("full_ids"),
-        tf_pred: ids("tf_pred"),
-    }
 }
 
 fn load(name: &str, cap: usize) -> Box<dyn Engine> {
@@ -85,59 +64,21 @@ fn predictions(logits: &[f32], vocab: usize) -> Vec<u32> {
 }
 
 #[test]
-fn chunked_prefill_equals_token_by_token() {
+fn the_prompts_cross_a_prefill_chunk() {
+    // So that the conformance suite's one forward, uneven chunks (one longer than a chunk)
+    // and token-by-token runs cross K3's own chunk boundary.
     for f in FIXTURES {
         let r = reference(f.name);
         assert!(
-            r.prompt > PREFILL_CHUNK,
+            r.prompt_ids.len() > PREFILL_CHUNK,
             "{}: the prompt must cross a prefill chunk",
             f.name
         );
         let mut engine = load(f.name, 2);
-        let vocab = engine.vocab_size();
-        // One forward: the engine's own chunks of PREFILL_CHUNK.
         let whole = engine.forward(&r.full_ids, true).unwrap();
-        assert_eq!(engine.position(), r.full_ids.len());
+        assert_eq!(engine.position(), r.full_ids.len(), "{}", f.name);
+        let vocab = engine.vocab_size();
         assert_eq!(predictions(&whole, vocab), r.tf_pred, "{}", f.name);
-
-        // One token at a time (every MLA step on the absorbed path).
-        engine.reset();
-        let mut single = Vec::new();
-        for (position, &token) in r.full_ids.iter().enumerate() {
-            assert_eq!(engine.position(), position);
-            single.extend(engine.forward(&[token], true).unwrap());
-        }
-        assert_eq!(predictions(&single, vocab), r.tf_pred, "{}", f.name);
-
-        // Uneven chunks, some longer than PREFILL_CHUNK.
-        engine.reset();
-        let mut uneven = Vec::new();
-        let mut start = 0;
-        for size in [5, 1, PREFILL_CHUNK + 3, 2, 1, 7].iter().cycle() {
-            if start == r.full_ids.len() {
-                break;
-            }
-            let end = (start + size).min(r.full_ids.len());
-            uneven.extend(engine.forward(&r.full_ids[start..end], true).unwrap());
-            start = end;
-        }
-        assert_eq!(predictions(&uneven, vocab), r.tf_pred, "{}", f.name);
-
-        // The splits change only the summation order of the MLA path, not the values.
-        for other in [&single, &uneven] {
-            let worst = whole
-                .iter()
-                .zip(other.iter())
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
-            assert!(worst < 1e-3, "{}: logits differ by {worst}", f.name);
-        }
-
-        // The last position's logits alone, after a prompt longer than a chunk.
-        engine.reset();
-        let last = engine.forward(&r.full_ids[..r.prompt], false).unwrap();
-        assert_eq!(last.len(), vocab);
-        assert_eq!(argmax(&last), r.tf_pred[r.prompt - 1], "{}", f.name);
     }
 }
 

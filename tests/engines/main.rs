@@ -5,6 +5,41 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+/// A fixture's `ref.json` (or another reference file beside it): the ids the transformers
+/// reference ran and what it predicted.
+pub struct Reference {
+    pub prompt_ids: Vec<u32>,
+    pub full_ids: Vec<u32>,
+    /// The argmax after each position of `full_ids` (teacher-forced).
+    pub tf_pred: Vec<u32>,
+    pub json: serde_json::Value,
+}
+
+/// `file` of fixture `name` (`ref.json`, or e.g. `ref_dense.json`).
+pub fn reference_in(name: &str, file: &str) -> Reference {
+    let text = std::fs::read_to_string(common::fixture(name).join(file)).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let ids = |key: &str| -> Vec<u32> {
+        json[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect()
+    };
+    Reference {
+        prompt_ids: ids("prompt_ids"),
+        full_ids: ids("full_ids"),
+        tf_pred: ids("tf_pred"),
+        json,
+    }
+}
+
+/// Fixture `name`'s `ref.json`.
+pub fn reference(name: &str) -> Reference {
+    reference_in(name, "ref.json")
+}
+
 mod conformance;
 mod glm_moe_dsa;
 mod inkling;

@@ -263,37 +263,43 @@ fn a_signal_stops_generation_saves_and_exits_128_plus_its_number() {
     }
 }
 
-fn stopped_by(signal: &str, code: i32) {
-    let dir = copy_fixture("olmoe_tiny");
-    let trace = dir.path().join("trace.txt");
+/// `coli args` with its routing traced to `trace`, sent `SIG<signal>` once the trace has
+/// its first bytes (and `settle` later): its output.
+fn signalled_once_traced(
+    args: &[&str],
+    trace: &Path,
+    signal: &str,
+    settle: Duration,
+) -> std::process::Output {
     let child = Command::new(env!("CARGO_BIN_EXE_coli"))
-        .args([
-            &snap(dir.path()),
-            PROMPT,
-            "NGEN=1000000",
-            &format!("ROUTE_TRACE={}", trace.display()),
-            "64",
-            "16",
-            "16",
-        ])
+        .args(args)
+        .arg(format!("ROUTE_TRACE={}", trace.display()))
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    // Wait until decoding is under way (the trace grows), then interrupt.
     let started = Instant::now();
-    while std::fs::metadata(&trace).map_or(0, |m| m.len()) == 0
-        && started.elapsed() < Duration::from_secs(60)
+    while std::fs::metadata(trace).map_or(0, |m| m.len()) == 0
+        && started.elapsed() < Duration::from_secs(120)
     {
-        std::thread::sleep(Duration::from_millis(50));
+        std::thread::sleep(Duration::from_millis(20));
     }
-    std::thread::sleep(Duration::from_millis(300));
+    std::thread::sleep(settle);
     let status = Command::new("kill")
         .args([&format!("-{signal}"), &child.id().to_string()])
         .status()
         .unwrap();
     assert!(status.success());
-    let out = child.wait_with_output().unwrap();
+    child.wait_with_output().unwrap()
+}
+
+fn stopped_by(signal: &str, code: i32) {
+    let dir = copy_fixture("olmoe_tiny");
+    let trace = dir.path().join("trace.txt");
+    // Decoding is under way once the trace grows.
+    let snap = snap(dir.path());
+    let args = [&snap[..], PROMPT, "NGEN=1000000", "64", "16", "16"];
+    let out = signalled_once_traced(&args, &trace, signal, Duration::from_millis(300));
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(code), "SIG{signal}: {err}");
     assert!(
@@ -339,32 +345,9 @@ fn prefill_stopped(fixture: &str, routed_layers: usize, whole_layers: bool) {
     let ids: Vec<String> = (0..TOKENS)
         .map(|i| ((i * 7) % 120 + 3).to_string())
         .collect();
-    let child = Command::new(env!("CARGO_BIN_EXE_coli"))
-        .args([
-            &snap(dir.path()),
-            &format!("IDS={}", ids.join(" ")),
-            "NGEN=4",
-            &format!("ROUTE_TRACE={}", trace.display()),
-            "64",
-            "16",
-            "16",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let started = Instant::now();
-    while std::fs::metadata(&trace).map_or(0, |m| m.len()) == 0
-        && started.elapsed() < Duration::from_secs(120)
-    {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let status = Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let out = child.wait_with_output().unwrap();
+    let (snap, ids) = (snap(dir.path()), format!("IDS={}", ids.join(" ")));
+    let args = [&snap[..], &ids, "NGEN=4", "64", "16", "16"];
+    let out = signalled_once_traced(&args, &trace, "INT", Duration::ZERO);
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(130), "{fixture}: {err}");
     assert!(
