@@ -1,7 +1,7 @@
 //! Which format a stored weight is in: the names colibri's containers use, the inference
 //! from byte counts (a pre-quantised weight `name` carries no format field, only its byte
-//! count and the count of its scales), and the `colibri.fmt` container stamp that may
-//! confirm it.
+//! count and the count of its scales), and the check against the `colibri.fmt` container
+//! stamp (which `snapshot` parses and merges) that may confirm it.
 //!
 //! A quantised weight `W[O, I]` is `name` (raw U8/I8 bytes, usually a flat 1-D array) plus
 //! a scale tensor: `name.qs` (F32) in colibri's containers, `name_scale_inv` (F32 per
@@ -10,10 +10,9 @@
 //! The snapshot attaches that tensor to the view as `scales`; this module decides what the
 //! pair means for the shape the engine expects.
 
-use std::collections::HashMap;
 use std::fmt;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 
 use crate::snapshot::{Dtype, TensorView};
 
@@ -147,47 +146,6 @@ const KNOWN_NAMES: &[&str] = &[
     "fp8-e4m3-b128",
     "int4-rans256-g0",
 ];
-
-/// The stamp of one shard: `__metadata__["colibri.fmt"]`, a JSON-encoded object of tensor
-/// name to format name. Refused when it is not that.
-pub fn parse_stamp(text: &str) -> Result<HashMap<String, String>> {
-    let value: serde_json::Value = serde_json::from_str(text)
-        .context("colibri.fmt is not JSON; expected an object of tensor name to format name")?;
-    let Some(object) = value.as_object() else {
-        bail!("colibri.fmt is not a JSON object; expected an object of tensor name to format name");
-    };
-    object
-        .iter()
-        .map(|(tensor, format)| match format.as_str() {
-            Some(format) => Ok((tensor.clone(), format.to_string())),
-            None => bail!("colibri.fmt entry {tensor:?} is {format}, not a format name string"),
-        })
-        .collect()
-}
-
-/// Merge one shard's stamp into the snapshot's: agreeing duplicates collapse, conflicting
-/// claims for one tensor are refused.
-pub fn merge_stamp(
-    into: &mut HashMap<String, String>,
-    shard: &std::path::Path,
-    text: &str,
-) -> Result<()> {
-    let stamp = parse_stamp(text)
-        .with_context(|| format!("{}: malformed container stamp", shard.display()))?;
-    for (tensor, format) in stamp {
-        match into.get(&tensor) {
-            Some(previous) if *previous != format => bail!(
-                "{}: container stamp says tensor {tensor} is {format}, another shard's stamp says {previous}",
-                shard.display()
-            ),
-            Some(_) => {}
-            None => {
-                into.insert(tensor, format);
-            }
-        }
-    }
-    Ok(())
-}
 
 /// The stored byte counts of a view, for inference and messages.
 struct Counts {

@@ -7,6 +7,7 @@
 //! not interpret weights (that is `quant`) and it never copies tensor data.
 
 mod shard;
+mod stamp;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -73,7 +74,7 @@ impl Snapshot {
         for (index, path) in shard_paths.iter().enumerate() {
             let shard = Shard::open(path)?;
             if let Some(stamp) = shard.metadata("colibri.fmt") {
-                crate::quant::format::merge_stamp(&mut stamps, path, stamp)?;
+                stamp::merge_stamp(&mut stamps, path, stamp)?;
             }
             for (name, info) in shard.entries() {
                 let entry = TensorEntry {
