@@ -270,11 +270,11 @@ pub fn load(
     let expert_width = Width::from_bits(positionals.expert_bits).context("EBITS")?;
     let dense_width = Width::from_bits(positionals.dense_bits).context("DBITS")?;
     crate::quant::select_simd(crate::quant::Isa::from_setting(
-        settings.text("COLI_SIMD").unwrap_or("auto"),
+        settings.text_or_default("COLI_SIMD"),
     )?);
     crate::quant::act8::select(int8_activations(settings, &positionals)?);
     backend::start(
-        backend::Choice::from_setting(settings.text("BACKEND").unwrap_or("cpu"))?,
+        backend::Choice::from_setting(settings.text_or_default("BACKEND"))?,
         settings.flag("GPU_DENSE"),
     )?;
     let options = LoadOptions {
@@ -282,10 +282,10 @@ pub fn load(
             cap,
             width: expert_width,
             budget: Budget::detect(settings.number("RAM_GB")),
-            io: ExpertIo::from_setting(settings.text("EXPERT_IO").unwrap_or("auto"))?,
+            io: ExpertIo::from_setting(settings.text_or_default("EXPERT_IO"))?,
             direct: settings.flag_if_set("DIRECT"),
             io_threads: settings.count("IO_THREADS").clamp(1, 64) as usize,
-            policy: Policy::from_setting(settings.text("COLI_POLICY").unwrap_or("lru"))?,
+            policy: Policy::from_setting(settings.text_or_default("COLI_POLICY"))?,
             pilot: settings.count("PILOT") as usize,
         },
         dense_width,

@@ -463,6 +463,13 @@ impl Settings {
         }
     }
 
+    /// A text setting with a default in the registry: its value, which resolution always
+    /// gives, so that no caller repeats the default.
+    pub fn text_or_default(&self, name: &str) -> &str {
+        self.text(name)
+            .unwrap_or_else(|| find(name).map_or("", |key| key.default))
+    }
+
     pub fn text(&self, name: &str) -> Option<&str> {
         match self.values.get(name) {
             Some(Value::Text(s)) => Some(s),
@@ -589,6 +596,25 @@ pub fn table() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_text_setting_left_unset_reads_as_its_registry_default() {
+        let settings = Settings::resolve(&[], |_| None).unwrap();
+        for key in KEYS
+            .iter()
+            .filter(|k| k.kind == Kind::Text && !k.default.is_empty())
+        {
+            assert_eq!(
+                settings.text_or_default(key.name),
+                key.default,
+                "{}",
+                key.name
+            );
+        }
+        let given = [("BACKEND".to_string(), "vulkan".to_string())];
+        let settings = Settings::resolve(&given, |_| None).unwrap();
+        assert_eq!(settings.text_or_default("BACKEND"), "vulkan");
+    }
 
     fn no_env(_: &str) -> Option<String> {
         None

@@ -23,7 +23,7 @@ use crate::settings::Settings;
 use crate::text::ChatMessage;
 
 pub fn run(model: Option<&str>, settings: Settings, positionals: Positionals) -> Result<ExitCode> {
-    let raw_temperature = settings.text("TEMP").unwrap_or("0.7").trim().to_string();
+    let raw_temperature = settings.text_or_default("TEMP").trim().to_string();
     let Ok(temperature) = raw_temperature.parse::<f64>() else {
         bail!("TEMP={raw_temperature:?}: expected a temperature >= 0 (0 = greedy); pass TEMP=<number> as an argument, which wins over the environment");
     };

@@ -72,7 +72,7 @@ pub fn run(
         bail!("--host {host}: listening beyond this machine needs API_KEY=<token> (clients then send `Authorization: Bearer <token>`); or keep the default --host 127.0.0.1");
     }
     // What requests without `temperature` take, checked before anything loads.
-    let default_temperature = settings.text("TEMP").unwrap_or("0.7").trim();
+    let default_temperature = settings.text_or_default("TEMP").trim();
     if !default_temperature
         .parse::<f64>()
         .is_ok_and(|t| t.is_finite() && t >= 0.0)

@@ -226,7 +226,7 @@ impl TextMode {
         if settings.ids("IDS").is_some() {
             bail!("PROMPT and IDS are two modes: give the prompt as text (PROMPT=) or as token ids (IDS=), not both");
         }
-        let temperature = temperature(settings.text("TEMP").unwrap_or("0.7"))?;
+        let temperature = temperature(settings.text_or_default("TEMP"))?;
         let top_p = settings.number("TOP_P");
         // The sampler is built per run; this checks the values before anything loads.
         Sampler::new(temperature, top_p, 0)?;
