@@ -41,7 +41,8 @@ pub enum Command {
     Settings,
     /// Convert a Hugging Face checkpoint (f32/bf16/f16, or FP8 with block scales) into a
     /// quantised container that every engine reads: int8 per row or int4 per group, norms,
-    /// routers and biases kept f32. Resumable: rerun the same command after an interruption.
+    /// routers, biases and what the engine reads only in f32 kept f32. Resumable: rerun the
+    /// same command after an interruption.
     Convert(ConvertArgs),
     /// Inspect, merge and migrate `.coli_usage` expert-usage histories (no model loaded).
     #[command(subcommand)]

@@ -579,4 +579,24 @@ fn the_engine_declares_what_stays_f32_and_convert_asks_it() {
         Dtype::F32,
         "the indexer's other matrices are quantised"
     );
+
+    // Asked for as another engine's checkpoint, nothing keeps them f32: the declaration,
+    // not a rule of names, decided.
+    let other = out_dir.path().join("as-olmoe");
+    let args = [
+        "convert",
+        src.path().to_str().unwrap(),
+        other.to_str().unwrap(),
+        "--bits",
+        "4",
+        "--model",
+        "olmoe",
+    ];
+    let out = coli(&args, &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let snapshot = Snapshot::open(&other).unwrap();
+    let indexer = snapshot
+        .tensor("model.layers.0.self_attn.indexer.weights_proj.weight")
+        .unwrap();
+    assert_ne!(indexer.dtype, Dtype::F32);
 }

@@ -1,7 +1,7 @@
 // coli's CUDA kernels, compiled at run time by NVRTC (no headers, no fast math, no
 // flush-to-zero). Every product accumulates in f32 over f32 activations.
 //
-// Layouts the host prepares (src/backend/cuda.rs):
+// Layouts the host prepares (src/backend/cuda/plan.rs):
 // - A weight row is `stride` bytes, a multiple of 16, zero-padded past the format's row
 //   bytes; a thread reads one 16-byte unit at a time. `units` per row = ceil(cols / E),
 //   where E is the elements one unit holds (f32 4, bf16/f16 8, int8/fp8 16, int4/mxfp4 32).

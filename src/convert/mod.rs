@@ -2,8 +2,11 @@
 //! `weight_scale_inv` 128x128 block scales) to a colibri-style container, the format every
 //! engine reads with no change (see [`crate::quant::format`]).
 //!
-//! Each tensor falls into a class: norms, routers, biases, conv taps and every other
-//! non-matrix tensor are kept in f32; the embedding and LM head (`io`) take `--io-bits`;
+//! Each tensor falls into a class: norms, routers, biases and every other non-matrix
+//! tensor are kept in f32, and so is what the checkpoint's engine declares it reads only in
+//! f32 ([`crate::engines::kept_in_f32`]: convolution taps, the DSA indexer's head weights,
+//! KDA's beta and decay-gate projections, ...; a checkpoint of no engine coli runs is
+//! refused); the embedding and LM head (`io`) take `--io-bits`;
 //! routed experts `--expert-bits`; every other matrix `--dense-bits`. A class at `>= 16`
 //! bits keeps the source float dtype (FP8 is dequantised to f32), `5..8` bits is int8 with
 //! one scale per row, `4` is int4 in groups of `--group-size` columns (0: one scale per row);
@@ -609,6 +612,7 @@ pub fn convert(src: &Path, dst: &Path, options: &Options) -> Result<Summary> {
     let count = shard_plan.len();
     let manifest = serde_json::json!({
         "source": fingerprint(&snapshot),
+        "engine": engine,
         "expert_bits": options.expert_bits.manifest(),
         "dense_bits": options.dense_bits.manifest(),
         "io_bits": options.io_bits.manifest(),

@@ -81,8 +81,8 @@ impl Format {
 
     /// Bytes of one stored row of `cols` weights, each row starting on a byte boundary
     /// (the nibble formats pack two weights a byte, low nibble first); `None` for a format
-    /// coli has no kernels for. The one place this arithmetic lives: the kernels and both
-    /// GPU backends ask it.
+    /// coli has no kernels for. The kernels' scaling and both GPU backends' upload checks
+    /// ask it.
     pub fn row_bytes(self, cols: usize) -> Option<usize> {
         Some(match self {
             Format::F32 => cols * 4,

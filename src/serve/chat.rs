@@ -94,6 +94,15 @@ pub fn run(model: Option<&str>, settings: Settings, positionals: Positionals) ->
                     stdout.flush()?;
                     answer.push_str(&piece);
                 }
+                Some(Event::Done { usage, .. })
+                    if usage.completion == 0 && interrupt::requested() =>
+                {
+                    // Stopped during the prefill: nothing was answered, so the turn is not
+                    // kept (an empty answer would be in every later prompt).
+                    eprintln!("[chat] stopped during the prefill; the message is not kept");
+                    messages.pop();
+                    break;
+                }
                 Some(Event::Done { finish, usage, .. }) => {
                     writeln!(stdout)?;
                     let ending = match finish {

@@ -425,8 +425,7 @@ fn job(
         Some(t) => t,
         None => app
             .settings
-            .text("TEMP")
-            .unwrap_or("0.7")
+            .text_or_default("TEMP")
             .trim()
             .parse()
             .map_err(|_| {

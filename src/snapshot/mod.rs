@@ -129,16 +129,13 @@ impl Snapshot {
                 .get("text_config")
                 .and_then(|t| t.get(key))
                 .is_some();
-        let mut ids = model_stop_ids(&self.dir, &self.config)?;
-        if !given {
-            ids.splice(
-                0..0,
-                absent
-                    .iter()
-                    .copied()
-                    .filter(|id| !ids.contains(id))
-                    .collect::<Vec<_>>(),
-            );
+        let read = model_stop_ids(&self.dir, &self.config)?;
+        let defaults = if given { &[][..] } else { absent };
+        let mut ids = Vec::with_capacity(defaults.len() + read.len());
+        for id in defaults.iter().chain(&read) {
+            if !ids.contains(id) {
+                ids.push(*id);
+            }
         }
         Ok(ids)
     }

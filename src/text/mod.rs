@@ -357,7 +357,8 @@ impl TextJob<'_> {
             Ending::Interrupted => "interrupted".to_string(),
             Ending::Halted => "halted".to_string(),
         };
-        let prefill = if generation.prefill_seconds > 0.0 {
+        // A prefill a signal stopped did not run the whole prompt: no rate.
+        let prefill = if generation.prefill_seconds > 0.0 && !generation.stopped_in_prefill() {
             self.prompt.ids.len() as f64 / generation.prefill_seconds
         } else {
             0.0
