@@ -89,6 +89,22 @@ impl<'g> GroupRouting<'g> {
     }
 }
 
+/// Experts `0..routes.len()` with weights `3e`, `3e + 1`, `3e + 2` and those rows, for the
+/// layout tests here and in the devices' plans.
+#[cfg(test)]
+pub(crate) fn numbered_experts<'a>(routes: &[&'a [(usize, f32)]]) -> Vec<GroupExpert<'a>> {
+    routes
+        .iter()
+        .enumerate()
+        .map(|(e, rows)| GroupExpert {
+            gate: 3 * e as u64,
+            up: 3 * e as u64 + 1,
+            down: 3 * e as u64 + 2,
+            rows,
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -97,16 +113,7 @@ mod tests {
     #[test]
     fn slots_in_expert_order_and_each_row_sums_in_expert_order() {
         let rows_of = [&[(2, 0.5), (0, 0.25)][..], &[], &[(0, 2.0), (1, 1.0)]];
-        let experts: Vec<GroupExpert> = rows_of
-            .iter()
-            .enumerate()
-            .map(|(i, rows)| GroupExpert {
-                gate: 3 * i as u64,
-                up: 3 * i as u64 + 1,
-                down: 3 * i as u64 + 2,
-                rows,
-            })
-            .collect();
+        let experts = numbered_experts(&rows_of);
         let input = vec![0f32; 4 * 8];
         let group = ExpertGroup {
             experts: &experts,

@@ -643,7 +643,6 @@ pub(super) const GRID_Y_MAX: usize = 65535;
 mod tests {
     use super::*;
     use crate::backend::cuda::{KERNEL_NAMES, KERNEL_SOURCE};
-    use crate::backend::GroupExpert;
 
     /// The value of `#define NAME value` in the kernel source.
     fn defined(name: &str) -> Option<i64> {
@@ -787,14 +786,7 @@ mod tests {
     fn a_group_plan_lays_out_slots_jobs_and_combine_lists() {
         // Expert 0 takes rows 2 and 0, expert 1 none, expert 2 rows 0 and 1; row 3 none.
         let routes: [&[(usize, f32)]; 3] = [&[(2, 0.5), (0, 0.25)], &[], &[(0, 2.0), (1, 1.0)]];
-        let experts: Vec<GroupExpert<'_>> = (0..3)
-            .map(|e| GroupExpert {
-                gate: 3 * e as u64,
-                up: 3 * e as u64 + 1,
-                down: 3 * e as u64 + 2,
-                rows: routes[e],
-            })
-            .collect();
+        let experts = crate::backend::group::numbered_experts(&routes);
         let input = vec![0f32; 4 * 8];
         let group = ExpertGroup {
             experts: &experts,
