@@ -90,21 +90,23 @@ impl Generation {
 /// Greedily generate `count` tokens after `prompt`, starting from an empty KV cache;
 /// speculatively (same tokens) when the engine drafts.
 pub fn greedy(engine: &mut dyn Engine, prompt: &[u32], count: usize) -> Result<Generation> {
-    greedy_with(engine, prompt, count, &mut |_, _| Ok(()))
+    greedy_with(engine, prompt, count, &[], &mut |_, _| Ok(()))
 }
 
-/// [`greedy`], calling `on_tokens` as tokens come out. A Ctrl-C stops it after the current
-/// forward with the tokens so far.
+/// [`greedy`], ending early when it chooses one of `stops` (not kept in the tokens) and
+/// calling `on_tokens` as tokens come out. A Ctrl-C stops it after the current forward
+/// with the tokens so far.
 pub fn greedy_with(
     engine: &mut dyn Engine,
     prompt: &[u32],
     count: usize,
+    stops: &[u32],
     on_tokens: OnTokens,
 ) -> Result<Generation> {
     let policy = Policy {
         count,
         sampler: &mut Sampler::greedy(),
-        stops: &[],
+        stops,
     };
     generate_with(engine, prompt, policy, on_tokens, &mut |_| {
         Ok(Flow::Continue)

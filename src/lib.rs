@@ -23,6 +23,7 @@ pub mod experts;
 pub mod files;
 pub mod generate;
 pub mod interrupt;
+pub mod layout;
 pub mod oracle;
 pub mod perplexity;
 pub mod profile;

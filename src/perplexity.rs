@@ -61,17 +61,19 @@ impl Job {
     /// `None` unless `PPL=1`. Reads `PPL_FILE` (tokenized with the snapshot's tokenizer)
     /// and an existing `KLD_BASE`, so that bad input stops the run before anything loads.
     pub fn from_settings(settings: &Settings, dir: &Path) -> Result<Option<Job>> {
-        if !settings.flag("PPL") {
-            for key in ["PPL_FILE", "KLD_BASE"] {
-                if settings.text(key).is_some() {
-                    bail!("{key} is read by perplexity runs only: add PPL=1");
-                }
+        if !settings.ppl {
+            let given = [
+                ("PPL_FILE", settings.ppl_file.is_some()),
+                ("KLD_BASE", settings.kld_base.is_some()),
+            ];
+            if let Some((key, _)) = given.iter().find(|(_, given)| *given) {
+                bail!("{key} is read by perplexity runs only: add PPL=1");
             }
             return Ok(None);
         }
-        let other_mode = if settings.text("PROMPT").is_some() {
+        let other_mode = if settings.prompt.is_some() {
             Some("PROMPT")
-        } else if settings.flag("REPLAY") {
+        } else if settings.replay {
             Some("REPLAY")
         } else {
             None
@@ -79,14 +81,10 @@ impl Job {
         if let Some(key) = other_mode {
             bail!("PPL=1 scores PPL_FILE, IDS or the reference's tokens; {key} is another mode: drop one of them");
         }
-        let windows = Windows::new(
-            settings.count("CTX") as usize,
-            settings.count("PPL_STRIDE") as usize,
-        )?;
-        let ids = match (settings.text("PPL_FILE"), settings.ids("IDS")) {
+        let windows = Windows::new(settings.ctx, settings.ppl_stride)?;
+        let ids = match (&settings.ppl_file, &settings.ids) {
             (Some(_), Some(_)) => bail!("PPL_FILE and IDS are two sources of tokens: give one"),
-            (Some(file), None) => {
-                let path = Path::new(file);
+            (Some(path), None) => {
                 let bytes = files::read_input(path)
                     .with_context(|| format!("PPL_FILE: cannot read {}", path.display()))?;
                 let text = String::from_utf8(bytes).map_err(|e| {
@@ -103,7 +101,7 @@ impl Job {
             (None, Some(ids)) => Some((ids.to_vec(), "IDS".to_string())),
             (None, None) => None,
         };
-        let base_path = settings.text("KLD_BASE").map(PathBuf::from);
+        let base_path = settings.kld_base.clone();
         let base = match &base_path {
             Some(path) => Base::open(path)?,
             None => None,

@@ -2,7 +2,6 @@
 //! run the mode the settings ask for (oracle comparison, generation from ids, or text from
 //! a prompt) and report.
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -12,8 +11,8 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use crate::backend;
 use crate::engines::{self, Engine, LoadOptions};
 use crate::experts::budget::proc_field;
-use crate::experts::{Budget, ExpertIo, Policy, StoreOptions};
-use crate::generate::greedy_with;
+use crate::experts::{Budget, StoreOptions};
+use crate::generate::{greedy_with, Ending};
 use crate::interrupt;
 use crate::oracle::{self, Reference};
 use crate::perplexity;
@@ -78,19 +77,19 @@ fn job(model: Option<&str>, settings: &Settings, positionals: Positionals) -> Re
     };
 
     let limit = context_limit(&snapshot, settings);
-    let mut ngen = settings.count("NGEN") as usize;
+    let mut ngen = settings.ngen;
     let prompt = if perplexity.is_some() {
-        Some(("a CTX window", settings.count("CTX") as usize))
+        Some(("a CTX window", settings.ctx))
     } else if let Some(job) = &text_job {
         Some(("the prompt", job.prompt_tokens()))
     } else {
-        settings.ids("IDS").map(|ids| ("IDS", ids.len()))
+        settings.ids.as_ref().map(|ids| ("IDS", ids.len()))
     };
     if let (Some(limit), Some((what, positions))) = (limit, prompt) {
         if positions > limit {
             bail!("{what} takes {positions} positions, beyond the model's max_position_embeddings ({limit}) in config.json: shorten it, or pass LONG_CONTEXT=1 to run positions it was not trained on");
         }
-        if ngen > limit - positions && perplexity.is_none() && !settings.flag("REPLAY") {
+        if ngen > limit - positions && perplexity.is_none() && !settings.replay {
             eprintln!(
                 "[context] NGEN={ngen}: generation stops at the model's {limit} positions ({} tokens after this prompt); LONG_CONTEXT=1 goes on",
                 limit - positions
@@ -102,7 +101,7 @@ fn job(model: Option<&str>, settings: &Settings, positionals: Positionals) -> Re
     interrupt::install();
     let run_started = Instant::now();
     // Only generation folds its routing into the history; an oracle run scores.
-    let kind = if perplexity.is_none() && (text.is_some() || settings.ids("IDS").is_some()) {
+    let kind = if perplexity.is_none() && (text.is_some() || settings.ids.is_some()) {
         RunKind::Generating
     } else {
         RunKind::Scoring
@@ -110,8 +109,8 @@ fn job(model: Option<&str>, settings: &Settings, positionals: Positionals) -> Re
     let mut session = Session::start(settings, snapshot.dir(), engine.as_mut(), budget, kind)?;
 
     let ref_path = settings
-        .text("REF")
-        .map(PathBuf::from)
+        .reference
+        .clone()
         .unwrap_or_else(|| snapshot.dir().join("ref.json"));
     if let Some(job) = perplexity {
         job.run(engine.as_mut(), &ref_path)?;
@@ -144,12 +143,12 @@ fn job(model: Option<&str>, settings: &Settings, positionals: Positionals) -> Re
         return Ok(session.finish(engine.as_mut(), RunKind::Generating));
     }
 
-    if let Some(ids) = settings.ids("IDS") {
+    if let Some(ids) = &settings.ids {
         let vocab = engine.vocab_size();
         if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
             bail!("IDS: token id {bad} is outside the vocabulary (vocab_size {vocab})");
         }
-        if settings.flag("REPLAY") {
+        if settings.replay {
             let line = replay(engine.as_mut(), ids, &mut session)?;
             println!("{line}");
             println!("{}", report_line(engine.as_ref(), 0.0));
@@ -158,11 +157,19 @@ fn job(model: Option<&str>, settings: &Settings, positionals: Positionals) -> Re
         }
         let mut on_tokens =
             |engine: &mut dyn Engine, emitted: u64| session.after_tokens(engine, emitted);
-        let generation = greedy_with(engine.as_mut(), ids, ngen, &mut on_tokens)?;
+        // A generation ends where the model says it ends, as in text mode.
+        let stops = engine.stop_tokens().to_vec();
+        let generation = greedy_with(engine.as_mut(), ids, ngen, &stops, &mut on_tokens)?;
         if generation.stopped_in_prefill() {
             eprintln!(
                 "[coli] stopped during the prefill of {} tokens: nothing generated",
                 ids.len()
+            );
+        }
+        if let Ending::Stop(id) = generation.ending {
+            eprintln!(
+                "[stop] stop id {id} chosen after {} tokens (of NGEN={ngen}); it is not printed",
+                generation.tokens.len()
             );
         }
         println!("{}", oracle::join(&generation.tokens));
@@ -176,12 +183,12 @@ fn job(model: Option<&str>, settings: &Settings, positionals: Positionals) -> Re
         println!("{}", profile_line(engine.as_ref(), &run_started));
         return Ok(session.finish(engine.as_mut(), RunKind::Generating));
     }
-    if settings.flag("REPLAY") {
+    if settings.replay {
         bail!("REPLAY=1 decodes the ids given with IDS=\"...\"; IDS is not set");
     }
 
     let reference = Reference::load(&ref_path, engine.vocab_size())?;
-    let outcome = if settings.flag("TF") {
+    let outcome = if settings.tf {
         oracle::compare_teacher_forced(engine.as_mut(), &reference)?
     } else {
         oracle::compare_greedy(engine.as_mut(), &reference)?
@@ -189,7 +196,7 @@ fn job(model: Option<&str>, settings: &Settings, positionals: Positionals) -> Re
     println!("{}", report_line(engine.as_ref(), outcome.rate));
     // An oracle run scores the reference's tokens: its routing is traced but not learned.
     let finished = session.finish(engine.as_mut(), RunKind::Scoring);
-    if settings.flag("ORACLE_STRICT") && !outcome.passed() {
+    if settings.oracle_strict && !outcome.passed() {
         eprintln!(
             "ORACLE_STRICT: {}/{} matching{}",
             outcome.matching,
@@ -208,10 +215,10 @@ fn job(model: Option<&str>, settings: &Settings, positionals: Positionals) -> Re
 /// The snapshot `SNAP` names and the engine that runs it, checked (with the files the run
 /// will write) before anything is loaded; the thread pool sized by `THREADS`.
 pub fn open(model: Option<&str>, settings: &Settings) -> Result<(Snapshot, &'static str)> {
-    let Some(snap) = settings.text("SNAP") else {
+    let Some(snap) = &settings.snap else {
         bail!("SNAP is not set: pass SNAP=<model directory>, e.g. `coli SNAP=fixtures/olmoe_tiny 64 16 16`");
     };
-    let mut threads = settings.count("THREADS") as usize;
+    let mut threads = settings.threads;
     let available = std::thread::available_parallelism().map_or(1, usize::from);
     if threads > available {
         eprintln!(
@@ -225,7 +232,7 @@ pub fn open(model: Option<&str>, settings: &Settings) -> Result<(Snapshot, &'sta
             .num_threads(threads)
             .build_global();
     }
-    let snapshot = Snapshot::open(&PathBuf::from(snap))?;
+    let snapshot = Snapshot::open(snap)?;
     let name = engines::resolve(model, &snapshot)?;
     Session::preflight(settings, snapshot.dir(), name)?;
     Ok((snapshot, name))
@@ -234,7 +241,7 @@ pub fn open(model: Option<&str>, settings: &Settings) -> Result<(Snapshot, &'sta
 /// config.json's `max_position_embeddings`: the positions a run may use, unless
 /// `LONG_CONTEXT=1` allows more (`None`: no limit).
 fn context_limit(snapshot: &Snapshot, settings: &Settings) -> Option<usize> {
-    if settings.flag("LONG_CONTEXT") {
+    if settings.long_context {
         return None;
     }
     let config = snapshot.config_json();
@@ -265,32 +272,27 @@ pub fn load(
 ) -> Result<Loaded> {
     let cap = match positionals.cap {
         Some(cap) if cap > 0 => cap as usize,
-        _ => settings.count("CAP") as usize,
+        _ => settings.cap,
     };
     let expert_width = Width::from_bits(positionals.expert_bits).context("EBITS")?;
     let dense_width = Width::from_bits(positionals.dense_bits).context("DBITS")?;
-    crate::quant::select_simd(crate::quant::Isa::from_setting(
-        settings.text_or_default("COLI_SIMD"),
-    )?);
+    crate::quant::select_simd(settings.simd);
     crate::quant::act8::select(int8_activations(settings, &positionals)?);
-    backend::start(
-        backend::Choice::from_setting(settings.text_or_default("BACKEND"))?,
-        settings.flag("GPU_DENSE"),
-    )?;
+    backend::start(settings.backend, settings.gpu_dense)?;
     let options = LoadOptions {
         store: StoreOptions {
             cap,
             width: expert_width,
-            budget: Budget::detect(settings.number("RAM_GB")),
-            io: ExpertIo::from_setting(settings.text_or_default("EXPERT_IO"))?,
-            direct: settings.flag_if_set("DIRECT"),
-            io_threads: settings.count("IO_THREADS").clamp(1, 64) as usize,
-            policy: Policy::from_setting(settings.text_or_default("COLI_POLICY"))?,
-            pilot: settings.count("PILOT") as usize,
+            budget: Budget::detect(settings.ram_gb),
+            io: settings.expert_io,
+            direct: settings.direct,
+            io_threads: settings.io_threads,
+            policy: settings.policy,
+            pilot: settings.pilot,
         },
         dense_width,
-        draft: settings.count_if_set("DRAFT").map(|depth| depth as usize),
-        dsa_force: settings.flag("DSA_FORCE"),
+        draft: settings.draft,
+        dsa_force: settings.dsa_force,
     };
 
     let started = Instant::now();
@@ -402,17 +404,15 @@ fn replay(engine: &mut dyn Engine, ids: &[u32], session: &mut Session) -> Result
     ))
 }
 
-/// `ACT_BITS`: whether int8 activations are asked for (8) or not (16 and more), refused
-/// where every matrix is float (the exact path: there is nothing to quantise against).
+/// `ACT_BITS=8`, refused where every matrix is float (the exact path: there is nothing to
+/// quantise against).
 fn int8_activations(settings: &Settings, positionals: &Positionals) -> Result<bool> {
-    match settings.count("ACT_BITS") {
-        16.. => Ok(false),
-        8 if positionals.expert_bits >= 16 && positionals.dense_bits >= 16 => bail!(
+    if settings.int8_activations && positionals.expert_bits >= 16 && positionals.dense_bits >= 16 {
+        bail!(
             "ACT_BITS=8 quantises activations for int8, int4 and MXFP4 weights; EBITS and DBITS >= 16 is the exact f32 path: lower EBITS or DBITS (e.g. `64 4 8`), or drop ACT_BITS"
-        ),
-        8 => Ok(true),
-        other => bail!("ACT_BITS={other}: use 8 (int8 activations) or 32 (f32)"),
+        );
     }
+    Ok(settings.int8_activations)
 }
 
 /// Tokens decoded before REPLAY's timed pass, to fault in the trunk and start the threads.

@@ -12,15 +12,14 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 
-use crate::backend::{self, tier::ExpertTier};
+use crate::backend;
 use crate::engines::Engine;
+use crate::experts::tier::ExpertTier;
 use crate::experts::Policy;
 use crate::route_trace::guard::{PlacementGuard, Verdict};
 use crate::route_trace::placement::rank;
 use crate::route_trace::repin::{plan_repin, RepinSchedule, REPIN_PASS_LIMIT};
-use crate::route_trace::{
-    Decay, PinGb, PinPlan, PinRank, PinRequest, PinSetting, PinSource, SaveOptions,
-};
+use crate::route_trace::{PinPlan, PinRequest, PinSetting, PinSource, SaveOptions};
 use crate::settings::Settings;
 
 /// Why a run generated tokens or only scored them: only generation folds its routing into
@@ -41,8 +40,8 @@ pub struct Session {
 /// The history's default path: `COLI_USAGE`, else `SNAP/.coli_usage`.
 fn history_path(settings: &Settings, snap: &Path) -> PathBuf {
     settings
-        .text("COLI_USAGE")
-        .map(PathBuf::from)
+        .usage
+        .clone()
         .unwrap_or_else(|| snap.join(".coli_usage"))
 }
 
@@ -87,21 +86,24 @@ impl Session {
     pub fn preflight(settings: &Settings, snap: &Path, engine: &str) -> Result<()> {
         let history = history_path(settings, snap);
         regular_or_missing(
-            if settings.text("COLI_USAGE").is_some() {
+            if settings.usage.is_some() {
                 "COLI_USAGE"
             } else {
                 "the history"
             },
             &history,
         )?;
-        if let PinSetting::Path(p) = PinSetting::from_setting(settings.text("PIN")) {
-            regular_or_missing("PIN", &p)?;
+        if let PinSetting::Path(p) = &settings.pin {
+            regular_or_missing("PIN", p)?;
         }
-        for key in ["ROUTE_TRACE", "STATS"] {
-            let Some(out) = settings.text(key).map(PathBuf::from) else {
+        for (key, out) in [
+            ("ROUTE_TRACE", &settings.route_trace),
+            ("STATS", &settings.stats),
+        ] {
+            let Some(out) = out else {
                 continue;
             };
-            let target = crate::files::resolve_link(&out).unwrap_or_else(|_| out.clone());
+            let target = crate::files::resolve_link(out).unwrap_or_else(|_| out.clone());
             if is_model_file(&target, snap) {
                 bail!(
                     "{key}={}: that is one of the snapshot's model files; coli never writes into them (choose another path)",
@@ -134,23 +136,21 @@ impl Session {
         ram_budget: u64,
         kind: RunKind,
     ) -> Result<Session> {
-        let decay = settings.number("COLI_USAGE_DECAY");
-        if !(decay > 0.0 && decay <= 1.0) {
-            bail!("setting COLI_USAGE_DECAY={decay}: expected a factor in (0, 1]");
-        }
-        let pin_gb = PinGb::from_setting(settings.text("PIN_GB"))?;
         let history = history_path(settings, snap);
 
         let telemetry = engine.telemetry();
-        if let Some(trace) = settings.text("ROUTE_TRACE") {
+        if let Some(trace) = &settings.route_trace {
             // A trace was asked for: one that cannot be created (or must not replace the
             // file there) stops the run before the first token.
-            if let Err(e) = telemetry.open_trace(Path::new(trace)) {
-                bail!("ROUTE_TRACE={trace}: {e}; choose a path coli can create");
+            if let Err(e) = telemetry.open_trace(trace) {
+                bail!(
+                    "ROUTE_TRACE={}: {e}; choose a path coli can create",
+                    trace.display()
+                );
             }
         }
         telemetry.load_history(&history);
-        let stats = settings.text("STATS").map(PathBuf::from);
+        let stats = settings.stats.clone();
         if let Some(why) = stats
             .as_ref()
             .and_then(|p| telemetry.stats_target_problem(p))
@@ -163,8 +163,8 @@ impl Session {
             );
         }
         let save = SaveOptions {
-            enabled: settings.flag("USAGE_SAVE"),
-            decay: Decay::new(decay),
+            enabled: settings.usage_save,
+            decay: settings.usage_decay,
         };
         if let Some(home) = telemetry.home() {
             let not_saving = match (save.enabled, kind) {
@@ -183,7 +183,6 @@ impl Session {
             }
         }
 
-        let pin = PinSetting::from_setting(settings.text("PIN"));
         let cap = engine.cache_capacity();
         // PIN=auto ranks from the file this engine's history lives in: the per-engine path
         // when the default one holds another's.
@@ -192,15 +191,15 @@ impl Session {
             .home()
             .map_or_else(|| history.clone(), |h| h.save_to.clone());
         let request = PinRequest {
-            pin: &pin,
-            pin_n: settings.count_if_set("PIN_N").map(|n| n as usize),
-            pin_gb,
+            pin: &settings.pin,
+            pin_n: settings.pin_n,
+            pin_gb: settings.pin_gb,
             ram_avail_bytes: ram_budget,
-            autopin: settings.flag("AUTOPIN"),
+            autopin: settings.autopin,
             cap,
             snap,
             history: Some(&in_use),
-            rank: PinRank::from_setting(settings.text("PIN_RANK")).map_err(anyhow::Error::msg)?,
+            rank: settings.pin_rank,
         };
         let sizes: Vec<u64> = {
             let store = engine.expert_store();
@@ -241,7 +240,7 @@ impl Session {
             plan.source,
             Some(PinSource::Auto(_) | PinSource::Autopin { .. })
         );
-        if from_history && settings.flag("PIN_ABSTAIN") && engine.expert_store().streams() {
+        if from_history && settings.pin_abstain && engine.expert_store().streams() {
             // Each layer's ranking: what it holds, then the plan's reserve.
             let mut ranked = engine.expert_store().pinned();
             let held: Vec<usize> = ranked.iter().map(Vec::len).collect();
@@ -256,7 +255,7 @@ impl Session {
                 .watch_pins(PlacementGuard::new(slots, &ranked, &held));
         }
 
-        let every = settings.count("REPIN");
+        let every = settings.repin;
         Ok(Session {
             history,
             save,
@@ -373,7 +372,7 @@ fn fill_expert_tier(
     engine: &mut dyn Engine,
     plan: &PinPlan,
 ) -> Result<ExpertTier> {
-    let gb = settings.number("GPU_EXPERT_GB");
+    let gb = settings.gpu_expert_gb;
     if gb == 0.0 {
         return Ok(ExpertTier::default());
     }

@@ -2,13 +2,24 @@
 //! type, default and a one-line description; a value comes from a `KEY=VALUE` argument,
 //! else from the environment variable of the same name, else the default.
 //!
-//! Values are parsed and checked when the settings are resolved, so a typo or a malformed
-//! number stops the run before anything is loaded; the accessors cannot fail.
+//! Values are parsed and checked once, into the typed [`Settings`], so a typo or a
+//! malformed number stops the run before anything is loaded. This module sits above the
+//! modules whose choices it parses (backend, experts, kernels, placement) and below the
+//! modes that read it; nothing it parses is read by string anywhere else.
 
 use std::collections::HashMap;
 use std::fmt;
+use std::path::PathBuf;
+use std::time::{SystemTime, UNIX_EPOCH};
 
+use anyhow::{bail, Result};
 use thiserror::Error;
+
+use crate::backend;
+use crate::experts::{ExpertIo, Policy};
+use crate::quant::Isa;
+use crate::route_trace::placement::{PinGb, PinRank, PinSetting};
+use crate::route_trace::save::Decay;
 
 /// What a setting holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -169,7 +180,7 @@ pub const KEYS: &[Key] = &[
         name: "NGEN",
         kind: Kind::Count,
         default: "32",
-        doc: "tokens to generate in IDS and PROMPT modes (PROMPT also stops at an EOS token)",
+        doc: "tokens to generate in IDS and PROMPT modes; both stop early at one of the model's stop ids (its eos_token_id)",
     },
     Key {
         name: "PROMPT",
@@ -361,40 +372,18 @@ pub enum SettingsError {
     },
 }
 
-/// The resolved settings of one run.
-#[derive(Clone)]
-pub struct Settings {
+/// Every setting's raw value after resolution: argument over environment over default,
+/// parsed by its `Kind`. [`Settings::build`] reads each key out of it exactly once.
+struct Resolved {
     values: HashMap<&'static str, Value>,
+    read: Vec<&'static str>,
 }
 
-impl Settings {
-    /// Resolve `arguments` (`KEY`, `VALUE` pairs) over the process's environment over
-    /// defaults; an environment value that is not UTF-8 is refused by name.
-    pub fn from_process(arguments: &[(String, String)]) -> Result<Settings, SettingsError> {
-        Settings::resolve_with(arguments, |key| match std::env::var_os(key.name) {
-            None => Ok(None),
-            Some(raw) => raw
-                .into_string()
-                .map(Some)
-                .map_err(|raw| SettingsError::NotUnicode {
-                    key: key.name,
-                    value: raw.to_string_lossy().into_owned(),
-                }),
-        })
-    }
-
-    /// Resolve `arguments` (`KEY`, `VALUE` pairs) over the environment `env` over defaults.
-    pub fn resolve(
-        arguments: &[(String, String)],
-        env: impl Fn(&str) -> Option<String>,
-    ) -> Result<Settings, SettingsError> {
-        Settings::resolve_with(arguments, |key| Ok(env(key.name)))
-    }
-
-    fn resolve_with(
+impl Resolved {
+    fn resolve(
         arguments: &[(String, String)],
         env: impl Fn(&'static Key) -> Result<Option<String>, SettingsError>,
-    ) -> Result<Settings, SettingsError> {
+    ) -> Result<Resolved, SettingsError> {
         let mut given: HashMap<&'static str, (String, Source)> = HashMap::new();
         for (name, value) in arguments {
             let key = find(name).ok_or_else(|| SettingsError::UnknownKey {
@@ -424,63 +413,254 @@ impl Settings {
             })?;
             values.insert(key.name, value);
         }
-        Ok(Settings { values })
+        Ok(Resolved {
+            values,
+            read: Vec::new(),
+        })
     }
 
-    pub fn flag(&self, name: &str) -> bool {
-        matches!(self.values.get(name), Some(Value::Bool(true)))
+    /// The value of `name`, which must be a declared key (the build reads each once).
+    fn take(&mut self, name: &'static str) -> Option<Value> {
+        debug_assert!(find(name).is_some(), "{name} is not declared in KEYS");
+        debug_assert!(!self.read.contains(&name), "{name} is read twice");
+        self.read.push(name);
+        self.values.remove(name)
     }
 
-    /// A boolean that may be unset (no default): `None` when neither argument nor
-    /// environment gives it.
-    pub fn flag_if_set(&self, name: &str) -> Option<bool> {
-        match self.values.get(name) {
-            Some(Value::Bool(b)) => Some(*b),
+    fn flag(&mut self, name: &'static str) -> bool {
+        self.flag_if_set(name) == Some(true)
+    }
+
+    fn flag_if_set(&mut self, name: &'static str) -> Option<bool> {
+        match self.take(name) {
+            Some(Value::Bool(b)) => Some(b),
             _ => None,
         }
     }
 
-    pub fn count(&self, name: &str) -> u64 {
-        match self.values.get(name) {
-            Some(Value::Count(n)) => *n,
-            _ => 0,
-        }
+    fn count(&mut self, name: &'static str) -> usize {
+        self.count_if_set(name).unwrap_or(0)
     }
 
-    /// A count that may be unset (no default): `None` when neither argument nor environment
-    /// gives it.
-    pub fn count_if_set(&self, name: &str) -> Option<u64> {
-        match self.values.get(name) {
-            Some(Value::Count(n)) => Some(*n),
+    fn count_if_set(&mut self, name: &'static str) -> Option<usize> {
+        match self.take(name) {
+            Some(Value::Count(n)) => Some(usize::try_from(n).unwrap_or(usize::MAX)),
             _ => None,
         }
     }
 
-    pub fn number(&self, name: &str) -> f64 {
-        match self.values.get(name) {
-            Some(Value::Number(x)) => *x,
+    fn number(&mut self, name: &'static str) -> f64 {
+        match self.take(name) {
+            Some(Value::Number(x)) => x,
             _ => 0.0,
         }
     }
 
-    /// A text setting with a default in the registry: its value, which resolution always
-    /// gives, so that no caller repeats the default.
-    pub fn text_or_default(&self, name: &str) -> &str {
-        self.text(name)
-            .unwrap_or_else(|| find(name).map_or("", |key| key.default))
-    }
-
-    pub fn text(&self, name: &str) -> Option<&str> {
-        match self.values.get(name) {
+    fn text(&mut self, name: &'static str) -> Option<String> {
+        match self.take(name) {
             Some(Value::Text(s)) => Some(s),
             _ => None,
         }
     }
 
-    pub fn ids(&self, name: &str) -> Option<&[u32]> {
-        match self.values.get(name) {
+    /// A text setting with a registry default: resolution always gives it a value.
+    fn text_or_default(&mut self, name: &'static str) -> String {
+        self.text(name)
+            .unwrap_or_else(|| find(name).map_or("", |key| key.default).to_string())
+    }
+
+    fn path(&mut self, name: &'static str) -> Option<PathBuf> {
+        self.text(name).map(PathBuf::from)
+    }
+
+    fn ids(&mut self, name: &'static str) -> Option<Vec<u32>> {
+        match self.take(name) {
             Some(Value::Ids(ids)) => Some(ids),
             _ => None,
+        }
+    }
+}
+
+/// The settings of one run, typed: every key of [`KEYS`] parsed and checked once, before
+/// anything is loaded, so that a typo in `BACKEND` or `PIN_RANK` stops the run at once.
+/// Only what depends on the model (`ACT_BITS` against the widths, a `PIN` file's contents)
+/// is checked where it is used. Fields are named after their keys.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    // What the run does.
+    pub snap: Option<PathBuf>,
+    /// `REF`: the oracle's reference JSON.
+    pub reference: Option<PathBuf>,
+    pub tf: bool,
+    pub oracle_strict: bool,
+    pub ids: Option<Vec<u32>>,
+    pub ngen: usize,
+    pub replay: bool,
+    pub prompt: Option<String>,
+    pub chat: bool,
+    pub ppl: bool,
+    pub ppl_file: Option<PathBuf>,
+    pub ctx: usize,
+    pub ppl_stride: usize,
+    pub kld_base: Option<PathBuf>,
+    pub long_context: bool,
+    // Sampling and serving.
+    /// `TEMP` as given: read by [`Settings::temperature`] only where a mode samples.
+    temp: String,
+    pub top_p: f64,
+    pub seed: Option<u64>,
+    /// `API_KEY`; an empty value is none.
+    pub api_key: Option<String>,
+    // The engine and where it computes.
+    pub cap: usize,
+    pub threads: usize,
+    pub draft: Option<usize>,
+    pub dsa_force: bool,
+    /// `COLI_SIMD`, resolved against this CPU.
+    pub simd: Isa,
+    /// `ACT_BITS=8`: int8 activations asked for (32 or any width from 16: f32).
+    pub int8_activations: bool,
+    pub backend: backend::Choice,
+    pub gpu_dense: bool,
+    pub gpu_expert_gb: f64,
+    // The expert store.
+    pub ram_gb: f64,
+    pub expert_io: ExpertIo,
+    pub direct: Option<bool>,
+    /// `IO_THREADS`, held to 1..=64.
+    pub io_threads: usize,
+    pub pilot: usize,
+    /// `COLI_POLICY`.
+    pub policy: Policy,
+    // The history, the trace and placement.
+    /// `COLI_USAGE`: the history's path when not the snapshot's own.
+    pub usage: Option<PathBuf>,
+    pub usage_save: bool,
+    /// `COLI_USAGE_DECAY`, in (0, 1].
+    pub usage_decay: Decay,
+    pub stats: Option<PathBuf>,
+    pub route_trace: Option<PathBuf>,
+    pub pin: PinSetting,
+    pub pin_n: Option<usize>,
+    pub pin_abstain: bool,
+    pub pin_rank: PinRank,
+    pub pin_gb: PinGb,
+    pub autopin: bool,
+    pub repin: u64,
+}
+
+impl Settings {
+    /// Resolve `arguments` (`KEY`, `VALUE` pairs) over the process's environment over
+    /// defaults; an environment value that is not UTF-8 is refused by name.
+    pub fn from_process(arguments: &[(String, String)]) -> Result<Settings> {
+        let resolved = Resolved::resolve(arguments, |key| match std::env::var_os(key.name) {
+            None => Ok(None),
+            Some(raw) => raw
+                .into_string()
+                .map(Some)
+                .map_err(|raw| SettingsError::NotUnicode {
+                    key: key.name,
+                    value: raw.to_string_lossy().into_owned(),
+                }),
+        })?;
+        Settings::build(resolved)
+    }
+
+    /// Resolve `arguments` (`KEY`, `VALUE` pairs) over the environment `env` over defaults.
+    pub fn resolve(
+        arguments: &[(String, String)],
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Settings> {
+        Settings::build(Resolved::resolve(arguments, |key| Ok(env(key.name)))?)
+    }
+
+    fn build(mut r: Resolved) -> Result<Settings> {
+        let int8_activations = match r.count("ACT_BITS") {
+            16.. => false,
+            8 => true,
+            other => bail!("ACT_BITS={other}: use 8 (int8 activations) or 32 (f32)"),
+        };
+        let usage_decay = r.number("COLI_USAGE_DECAY");
+        if !(usage_decay > 0.0 && usage_decay <= 1.0) {
+            bail!("setting COLI_USAGE_DECAY={usage_decay}: expected a factor in (0, 1]");
+        }
+        let settings = Settings {
+            snap: r.path("SNAP"),
+            reference: r.path("REF"),
+            tf: r.flag("TF"),
+            oracle_strict: r.flag("ORACLE_STRICT"),
+            ids: r.ids("IDS"),
+            ngen: r.count("NGEN"),
+            replay: r.flag("REPLAY"),
+            prompt: r.text("PROMPT"),
+            chat: r.flag("CHAT"),
+            ppl: r.flag("PPL"),
+            ppl_file: r.path("PPL_FILE"),
+            ctx: r.count("CTX"),
+            ppl_stride: r.count("PPL_STRIDE"),
+            kld_base: r.path("KLD_BASE"),
+            long_context: r.flag("LONG_CONTEXT"),
+            temp: r.text_or_default("TEMP"),
+            top_p: r.number("TOP_P"),
+            seed: r.count_if_set("SEED").map(|seed| seed as u64),
+            api_key: r.text("API_KEY").filter(|key| !key.is_empty()),
+            cap: r.count("CAP"),
+            threads: r.count("THREADS"),
+            draft: r.count_if_set("DRAFT"),
+            dsa_force: r.flag("DSA_FORCE"),
+            simd: Isa::from_setting(&r.text_or_default("COLI_SIMD"))?,
+            int8_activations,
+            backend: backend::Choice::from_setting(&r.text_or_default("BACKEND"))?,
+            gpu_dense: r.flag("GPU_DENSE"),
+            gpu_expert_gb: r.number("GPU_EXPERT_GB"),
+            ram_gb: r.number("RAM_GB"),
+            expert_io: ExpertIo::from_setting(&r.text_or_default("EXPERT_IO"))?,
+            direct: r.flag_if_set("DIRECT"),
+            io_threads: r.count("IO_THREADS").clamp(1, 64),
+            pilot: r.count("PILOT"),
+            policy: Policy::from_setting(&r.text_or_default("COLI_POLICY"))?,
+            usage: r.path("COLI_USAGE"),
+            usage_save: r.flag("USAGE_SAVE"),
+            usage_decay: Decay::new(usage_decay),
+            stats: r.path("STATS"),
+            route_trace: r.path("ROUTE_TRACE"),
+            pin: PinSetting::from_setting(r.text("PIN").as_deref()),
+            pin_n: r.count_if_set("PIN_N"),
+            pin_abstain: r.flag("PIN_ABSTAIN"),
+            pin_rank: PinRank::from_setting(r.text("PIN_RANK").as_deref())
+                .map_err(anyhow::Error::msg)?,
+            pin_gb: PinGb::from_setting(r.text("PIN_GB").as_deref())?,
+            autopin: r.flag("AUTOPIN"),
+            repin: r.count("REPIN") as u64,
+        };
+        debug_assert_eq!(r.read.len(), KEYS.len(), "every declared key is read");
+        Ok(settings)
+    }
+
+    /// `SEED`, else a seed from the clock (the `[sample]` line shows it, so that a run can
+    /// be repeated).
+    pub fn seed_or_clock(&self) -> u64 {
+        self.seed.unwrap_or_else(|| {
+            let nanos = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |elapsed| elapsed.as_nanos() as u64);
+            nanos ^ u64::from(std::process::id()).rotate_left(32)
+        })
+    }
+
+    /// `TEMP` as a temperature `>= 0` (0 = greedy). The setting is text so that a `TEMP`
+    /// environment variable naming a temporary directory troubles only the modes that
+    /// sample, where the message says how to override it.
+    pub fn temperature(&self) -> Result<f64> {
+        let raw = self.temp.trim();
+        match raw.parse::<f64>() {
+            Ok(value) if value.is_finite() && value >= 0.0 => Ok(value),
+            Ok(value) if value < 0.0 => {
+                bail!("TEMP={value}: expected a temperature >= 0 (0 = greedy)")
+            }
+            _ => bail!(
+                "TEMP={raw:?}: expected a temperature >= 0 (0 = greedy); if the environment's TEMP names a directory, pass TEMP=<number> as an argument, which wins"
+            ),
         }
     }
 }
@@ -597,23 +777,71 @@ pub fn table() -> String {
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_text_setting_left_unset_reads_as_its_registry_default() {
-        let settings = Settings::resolve(&[], |_| None).unwrap();
-        for key in KEYS
+    fn pairs(given: &[(&str, &str)]) -> Vec<(String, String)> {
+        given
             .iter()
-            .filter(|k| k.kind == Kind::Text && !k.default.is_empty())
-        {
-            assert_eq!(
-                settings.text_or_default(key.name),
-                key.default,
-                "{}",
-                key.name
-            );
+            .map(|(key, value)| (key.to_string(), value.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn the_typed_settings_read_every_declared_key_with_its_default() {
+        let resolved = Resolved::resolve(&[], |_| Ok(None)).unwrap();
+        let settings = Settings::build(resolved).unwrap();
+        assert_eq!(settings.ngen, 32);
+        assert_eq!(settings.ctx, 512);
+        assert_eq!(settings.io_threads, 4);
+        assert_eq!(settings.backend, backend::Choice::Cpu);
+        assert_eq!(settings.expert_io, ExpertIo::Auto);
+        assert_eq!(settings.policy, Policy::Lru);
+        assert_eq!(settings.pin, PinSetting::Unset);
+        assert_eq!(settings.pin_gb, PinGb::Gb(10.0));
+        assert_eq!(settings.temperature().unwrap(), 0.7);
+        assert!(settings.usage_save && settings.autopin && settings.pin_abstain);
+        assert!(!settings.int8_activations);
+        assert!(settings.snap.is_none() && settings.seed.is_none());
+    }
+
+    #[test]
+    fn a_bad_choice_is_refused_when_the_settings_are_resolved() {
+        for (key, value, says) in [
+            ("BACKEND", "vulcan", "expected cpu, vulkan, cuda or auto"),
+            ("EXPERT_IO", "nmap", "expected auto, mmap, pread or direct"),
+            ("COLI_POLICY", "lfu", "expected lru or lfru"),
+            ("COLI_SIMD", "sse", "expected auto, scalar"),
+            ("PIN_RANK", "hot", "expected lifetime, recent or blend"),
+            ("PIN_GB", "lots", "expected a number of gigabytes or `all`"),
+            ("ACT_BITS", "4", "use 8 (int8 activations) or 32"),
+            ("COLI_USAGE_DECAY", "2", "expected a factor in (0, 1]"),
+        ] {
+            let err = Settings::resolve(&pairs(&[(key, value)]), no_env)
+                .err()
+                .unwrap_or_else(|| panic!("{key}={value} was accepted"));
+            assert!(err.to_string().contains(says), "{key}: {err}");
         }
-        let given = [("BACKEND".to_string(), "vulkan".to_string())];
-        let settings = Settings::resolve(&given, |_| None).unwrap();
-        assert_eq!(settings.text_or_default("BACKEND"), "vulkan");
+        let chosen = Settings::resolve(
+            &pairs(&[("BACKEND", "Vulkan"), ("PIN", "auto"), ("ACT_BITS", "8")]),
+            no_env,
+        )
+        .unwrap();
+        assert_eq!(chosen.backend, backend::Choice::Vulkan);
+        assert_eq!(chosen.pin, PinSetting::Auto);
+        assert!(chosen.int8_activations);
+    }
+
+    #[test]
+    fn temp_is_read_only_where_a_mode_samples() {
+        // An environment TEMP naming a directory resolves; only sampling refuses it.
+        let env = |name: &str| (name == "TEMP").then(|| "/tmp".to_string());
+        let settings = Settings::resolve(&[], env).unwrap();
+        let err = settings.temperature().unwrap_err().to_string();
+        assert!(err.contains("pass TEMP=<number> as an argument"), "{err}");
+        let given = Settings::resolve(&pairs(&[("TEMP", "0")]), env).unwrap();
+        assert_eq!(given.temperature().unwrap(), 0.0);
+        for bad in ["-1", "inf", "nan"] {
+            let settings = Settings::resolve(&pairs(&[("TEMP", bad)]), no_env).unwrap();
+            assert!(settings.temperature().is_err(), "TEMP={bad}");
+        }
     }
 
     fn no_env(_: &str) -> Option<String> {
@@ -630,32 +858,33 @@ mod tests {
     #[test]
     fn argument_beats_environment_beats_default() {
         let env = |name: &str| (name == "NGEN" || name == "TF").then(|| "7".to_string());
-        let args = vec![("NGEN".to_string(), "3".to_string())];
-        let err = Settings::resolve(&args, env).err();
+        let args = pairs(&[("NGEN", "3")]);
+        let err = Settings::resolve(&args, env).err().unwrap();
         // TF=7 from the environment is not a boolean.
         assert!(matches!(
-            err,
+            err.downcast_ref::<SettingsError>(),
             Some(SettingsError::BadValue { key: "TF", .. })
         ));
         let env = |name: &str| (name == "NGEN" || name == "TF").then(|| "1".to_string());
         let settings = Settings::resolve(&args, env).unwrap();
-        assert_eq!(settings.count("NGEN"), 3);
-        assert!(settings.flag("TF"));
+        assert_eq!(settings.ngen, 3);
+        assert!(settings.tf);
         let defaults = Settings::resolve(&[], no_env).unwrap();
-        assert_eq!(defaults.count("NGEN"), 32);
-        assert!(defaults.text("SNAP").is_none());
+        assert_eq!(defaults.ngen, 32);
+        assert!(defaults.snap.is_none());
     }
 
     #[test]
     fn unknown_key_names_the_nearest() {
-        let args = vec![("NGNE".to_string(), "3".to_string())];
-        let err = Settings::resolve(&args, no_env).err().unwrap();
+        let err = Settings::resolve(&pairs(&[("NGNE", "3")]), no_env)
+            .err()
+            .unwrap();
         assert_eq!(
-            err,
-            SettingsError::UnknownKey {
+            err.downcast_ref::<SettingsError>(),
+            Some(&SettingsError::UnknownKey {
                 key: "NGNE".into(),
                 hint: "did you mean NGEN?".into()
-            }
+            })
         );
         assert_eq!(nearest("snap"), "SNAP");
         assert!(hint("EBITS").contains("positional"));

@@ -11,9 +11,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use anyhow::anyhow;
-use coli::backend::tier::ExpertTier;
 use coli::backend::{self, Device, DeviceError, DeviceMemory, ExpertGroup, RawMatrix, WeightId};
 use coli::engines::{self, LoadOptions};
+use coli::experts::tier::ExpertTier;
 use coli::generate::greedy;
 use coli::snapshot::Snapshot;
 

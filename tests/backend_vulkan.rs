@@ -59,7 +59,8 @@ fn greedy_matches_the_reference_on_every_fixture() {
     each_setting(false);
 }
 
-/// The generated ids line of a free run of `NGEN` tokens after `IDS`.
+/// The generated ids line of a free run of up to `NGEN` tokens after `IDS` (fewer when the
+/// model chooses a stop id).
 fn generate(name: &str, settings: &[&str]) -> String {
     let snap = format!("SNAP={}", fixture(name).display());
     let mut args = vec![snap.as_str(), "IDS=3 11 29 7", "NGEN=24", "USAGE_SAVE=0"];
@@ -70,7 +71,7 @@ fn generate(name: &str, settings: &[&str]) -> String {
         .lines()
         .find(|line| {
             let ids: Vec<&str> = line.split_whitespace().collect();
-            ids.len() == 24 && ids.iter().all(|id| id.parse::<u32>().is_ok())
+            (1..=24).contains(&ids.len()) && ids.iter().all(|id| id.parse::<u32>().is_ok())
         })
         .unwrap_or_else(|| panic!("{name}: no generated ids in {}", stdout(&out)))
         .to_string()

@@ -7,7 +7,7 @@
 //! - every dense [`Matrix::matmul`](crate::quant::Matrix::matmul) runs on it, its weights
 //!   uploaded on first use and kept there for the life of the matrix ([`Residency`]), and
 //!   so does [`rms_norm`] (unless `GPU_DENSE=0`);
-//! - the routed experts of the VRAM tier ([`tier`], sized by `GPU_EXPERT_GB`) run as one
+//! - the routed experts of the VRAM tier ([`tier`](crate::experts::tier), sized by `GPU_EXPERT_GB`) run as one
 //!   submission per MoE layer, while the CPU computes the other experts of the layer.
 //!
 //! A failure after startup (device lost, out of memory) switches the process to the CPU
@@ -16,7 +16,6 @@
 
 pub mod cuda;
 pub mod group;
-pub mod tier;
 pub mod vulkan;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -26,32 +25,8 @@ use anyhow::{bail, Context, Result};
 use thiserror::Error;
 
 use crate::activation::Activation;
-use crate::quant::Format;
-
-/// A weight matrix as a device receives it: the compute format's bytes, row-major, each
-/// row starting on a byte boundary (`rows x row_bytes`), and its scales.
-#[derive(Debug, Clone, Copy)]
-pub struct RawMatrix<'a> {
-    pub rows: usize,
-    pub cols: usize,
-    pub format: Format,
-    /// f32/bf16/f16 little-endian values; int8 values; int4 offset-binary nibbles or MXFP4
-    /// e2m1 nibbles, low nibble first, `ceil(cols / 2)` bytes per row; e4m3 bytes.
-    pub data: &'a [u8],
-    pub scales: RawScales<'a>,
-}
-
-/// The scales of a [`RawMatrix`], in the layout its [`Format`] documents.
-#[derive(Debug, Clone, Copy)]
-pub enum RawScales<'a> {
-    /// Float formats.
-    None,
-    /// f32 scales: one per row (int8-row, int4-row), one per row and group of columns
-    /// (int4-grouped, `ceil(cols / group)` per row), or one per 128x128 block (fp8).
-    F32(&'a [f32]),
-    /// E8M0 exponent bytes, one per row and 32 columns (MXFP4).
-    E8m0(&'a [u8]),
-}
+/// The weight view a device receives; defined in the leaf [`layout`](crate::layout).
+pub use crate::layout::{RawMatrix, RawScales};
 
 /// A weight a device holds, by the number it gave at upload.
 pub type WeightId = u64;
@@ -269,7 +244,7 @@ pub fn fell_back(error: DeviceError) {
 
 /// A weight's life on the device: a dense matrix is offered to the device on its first
 /// product and keeps the upload until it is dropped. Routed experts are `HostOnly`: they
-/// reach the device only through the VRAM [`tier`], which decides which of them deserve the
+/// reach the device only through the VRAM [`tier`](crate::experts::tier), which decides which of them deserve the
 /// memory.
 #[derive(Debug)]
 pub enum Residency {

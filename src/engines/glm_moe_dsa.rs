@@ -607,12 +607,8 @@ fn layer_experts(snapshot: &Snapshot, config: &Config, l: usize) -> Result<Vec<E
     let p = format!("model.layers.{l}.mlp.experts");
     (0..config.n_routed_experts)
         .map(|e| {
-            ExpertTensors {
-                gate: snapshot.tensor(&format!("{p}.{e}.gate_proj.weight"))?,
-                up: snapshot.tensor(&format!("{p}.{e}.up_proj.weight"))?,
-                down: snapshot.tensor(&format!("{p}.{e}.down_proj.weight"))?,
-            }
-            .checked(config.hidden_size, config.moe_intermediate_size)
+            ExpertTensors::published(snapshot, &p, e)?
+                .checked(config.hidden_size, config.moe_intermediate_size)
         })
         .collect()
 }

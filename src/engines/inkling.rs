@@ -399,12 +399,18 @@ pub struct Inkling {
     layers: Vec<Layer>,
     states: Vec<LayerState>,
     routed: RoutedExperts,
+    /// The ids that end a generation (`eos_token_id`).
+    stop: Vec<u32>,
 }
+
+/// transformers' `InklingConfig` default `eos_token_id`, for a `config.json` without one.
+const DEFAULT_EOS: &[u32] = &[2];
 
 impl Inkling {
     pub fn load(snapshot: &Snapshot, options: LoadOptions) -> Result<Inkling> {
         let config = Config::read(snapshot)?;
         config.validate()?;
+        let stop = snapshot.stop_ids(DEFAULT_EOS)?;
         let names = Names::find(|name| snapshot.contains(name))
             .map_err(|err| anyhow!("{}: {err}", snapshot.dir().display()))?;
         super::check_config(
@@ -568,6 +574,7 @@ impl Inkling {
         telemetry.drop_row(config.num_hidden_layers);
 
         let mut inkling = Inkling {
+            stop,
             embed: matrix(
                 &format!("{}embed_tokens.weight", names.prefix),
                 [config.vocab_size, d],
@@ -877,6 +884,10 @@ impl Engine for Inkling {
             state.attn_conv.clear();
             state.mlp_conv.clear();
         }
+    }
+
+    fn stop_tokens(&self) -> &[u32] {
+        &self.stop
     }
 
     fn routed(&self) -> &RoutedExperts {

@@ -103,10 +103,9 @@ pub trait Engine {
     /// Bytes of weights resident outside the expert cache.
     fn resident_bytes(&self) -> usize;
 
-    /// Token ids that end a generation (the model's `eos_token_id`s).
-    fn stop_tokens(&self) -> &[u32] {
-        &[]
-    }
+    /// Token ids that end a generation: the model's `eos_token_id`s
+    /// ([`Snapshot::stop_ids`]), or its transformers config class's default without one.
+    fn stop_tokens(&self) -> &[u32];
 
     /// How a text prompt becomes ids for this model (BOS, a fixed prefix, a built-in chat
     /// template) and which special tokens end its answers; used by text mode only.

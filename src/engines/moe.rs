@@ -10,8 +10,8 @@ use rayon::prelude::*;
 
 use super::layers::{add_in_place, glu_ffn, softmax, top_k};
 use crate::activation::Activation;
-use crate::backend::tier::ExpertTier;
 use crate::backend::{self, ExpertGroup, GroupExpert};
+use crate::experts::tier::ExpertTier;
 use crate::experts::{Expert, ExpertStore};
 use crate::profile::{self, Phase};
 use crate::quant::Matrix;

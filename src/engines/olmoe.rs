@@ -16,7 +16,7 @@ use crate::interrupt;
 use crate::profile::{self, Phase};
 use crate::quant::{load_vector, matmul_shared_input, Matrix, Width};
 use crate::route_trace::RouteTrace;
-use crate::snapshot::Snapshot;
+use crate::snapshot::{Dtype, Snapshot, TensorView};
 use crate::text::PromptConvention;
 
 pub const NAME: &str = "olmoe";
@@ -166,11 +166,17 @@ pub struct Olmoe {
     rope: Rope,
     shape: AttentionShape,
     routed: RoutedExperts,
+    /// The ids that end a generation (`eos_token_id`).
+    stop: Vec<u32>,
 }
+
+/// transformers' `OlmoeConfig` default `eos_token_id`, for a `config.json` without one.
+const DEFAULT_EOS: &[u32] = &[50279];
 
 impl Olmoe {
     pub fn load(snapshot: &Snapshot, options: LoadOptions) -> Result<Olmoe> {
         let config: Config = snapshot.config()?;
+        let stop = snapshot.stop_ids(DEFAULT_EOS)?;
         config.validate()?;
         super::check_config(
             snapshot,
@@ -246,6 +252,7 @@ impl Olmoe {
         let final_norm = vector("model.norm.weight", d)?;
 
         let mut olmoe = Olmoe {
+            stop,
             rope: Rope::new(hd, config.rope_theta()),
             shape: AttentionShape {
                 heads,
@@ -357,8 +364,9 @@ impl Olmoe {
     }
 }
 
-/// The expert tensors of layer `l`: per-expert matrices as published, or the fused
-/// `experts.gate_up_proj [E, 2I, D]` / `experts.down_proj [E, D, I]` of transformers 5.
+/// The expert tensors of layer `l`: per-expert matrices as published, the fused
+/// `experts.gate_up_proj [E, 2I, D]` / `experts.down_proj [E, D, I]` of transformers 5, or
+/// colibri's merged int8 container.
 fn layer_experts(snapshot: &Snapshot, config: &Config, l: usize) -> Result<Vec<ExpertTensors>> {
     let (d, inter, n) = (
         config.hidden_size,
@@ -367,31 +375,77 @@ fn layer_experts(snapshot: &Snapshot, config: &Config, l: usize) -> Result<Vec<E
     );
     let p = format!("model.layers.{l}.mlp.experts");
     let fused = format!("{p}.gate_up_proj");
-    if !snapshot.contains(&format!("{p}.0.gate_proj.weight")) && snapshot.contains(&fused) {
+    let published = snapshot.contains(&format!("{p}.0.gate_proj.weight"));
+    if !published && snapshot.contains(&fused) {
         let gate_up = snapshot.tensor_shaped(&fused, &[n, 2 * inter, d])?;
         let down = snapshot.tensor_shaped(&format!("{p}.down_proj"), &[n, d, inter])?;
         return (0..n)
-            .map(|e| {
-                let pair = gate_up.select(e)?;
-                ExpertTensors {
-                    gate: pair.part(0, 2)?,
-                    up: pair.part(1, 2)?,
-                    down: down.select(e)?,
-                }
-                .checked(d, inter)
-            })
+            .map(|e| ExpertTensors::from_fused(&gate_up, &down, e)?.checked(d, inter))
             .collect();
     }
     (0..n)
         .map(|e| {
-            ExpertTensors {
-                gate: snapshot.tensor(&format!("{p}.{e}.gate_proj.weight"))?,
-                up: snapshot.tensor(&format!("{p}.{e}.up_proj.weight"))?,
-                down: snapshot.tensor(&format!("{p}.{e}.down_proj.weight"))?,
-            }
-            .checked(d, inter)
+            let merged = format!("{p}.{e}.merged_weight");
+            let tensors = if snapshot.contains(&merged) {
+                merged_expert(snapshot, &format!("{p}.{e}"), d, inter)?
+            } else {
+                ExpertTensors::published(snapshot, &p, e)?
+            };
+            tensors.checked(d, inter)
         })
         .collect()
+}
+
+/// colibri's merged OLMoE container stores the expert at `prefix` as
+/// `{prefix}.merged_weight` (int8, the gate, up and down rows one after another, `3·I·D`
+/// bytes) with `{prefix}.qs` (`2I + D` f32 row scales). Its three matrices are windows into
+/// those two tensors, read as int8-row experts.
+fn merged_expert(
+    snapshot: &Snapshot,
+    prefix: &str,
+    d: usize,
+    inter: usize,
+) -> Result<ExpertTensors> {
+    let weights = snapshot.tensor(&format!("{prefix}.merged_weight"))?;
+    let file = weights.file.display().to_string();
+    for part in ["gate_proj", "up_proj", "down_proj"] {
+        let name = format!("{prefix}.{part}.weight");
+        if snapshot.contains(&name) {
+            bail!("{file}: {name} is stored both on its own and inside {prefix}.merged_weight");
+        }
+    }
+    let scales_name = format!("{prefix}.qs");
+    if !snapshot.contains(&scales_name) {
+        bail!(
+            "{file}: {prefix}.merged_weight has no {scales_name} row scales; untrusted container"
+        );
+    }
+    let scales = snapshot.tensor(&scales_name)?;
+    let (nb, ns) = (weights.bytes.len(), scales.bytes.len());
+    if weights.dtype != Dtype::I8
+        || scales.dtype != Dtype::F32
+        || nb != 3 * inter * d
+        || ns != (2 * inter + d) * 4
+    {
+        bail!(
+            "{file}: {prefix}.merged_weight has {nb} bytes ({:?}) and {scales_name} {ns} bytes ({:?}); an int8 expert with hidden_size {d} and intermediate_size {inter} needs {} (I8) and {} (F32); untrusted container",
+            weights.dtype,
+            scales.dtype,
+            3 * inter * d,
+            (2 * inter + d) * 4
+        );
+    }
+    // Each matrix: its shape, its first weight and its first row scale.
+    let part = |shape: [usize; 2], first: usize, first_scale: usize| -> Result<TensorView> {
+        let mut view = weights.span(first, &shape)?;
+        view.scales = Some(Box::new(scales.span(first_scale, &[shape[0]])?));
+        Ok(view)
+    };
+    Ok(ExpertTensors {
+        gate: part([inter, d], 0, 0)?,
+        up: part([inter, d], inter * d, inter)?,
+        down: part([d, inter], 2 * inter * d, 2 * inter)?,
+    })
 }
 
 impl Engine for Olmoe {
@@ -444,6 +498,10 @@ impl Engine for Olmoe {
 
     fn reset(&mut self) {
         self.kv_caches.iter_mut().for_each(WindowKvCache::clear);
+    }
+
+    fn stop_tokens(&self) -> &[u32] {
+        &self.stop
     }
 
     fn routed(&self) -> &RoutedExperts {

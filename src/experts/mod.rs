@@ -21,6 +21,7 @@
 
 pub mod budget;
 pub mod io;
+pub mod tier;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -29,7 +30,7 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 
 use crate::quant::{Matrix, Width};
-use crate::snapshot::{Dtype, TensorView};
+use crate::snapshot::{Dtype, Snapshot, TensorView};
 pub use budget::Budget;
 use io::{Files, Loaded, Loader, ReadPlan};
 
@@ -55,6 +56,17 @@ impl ExpertTensors {
             gate: pair.part(0, 2)?,
             up: pair.part(1, 2)?,
             down: down.select(expert)?,
+        })
+    }
+
+    /// Expert `expert` under `prefix` as Hugging Face publishes one matrix per expert:
+    /// `{prefix}.{expert}.gate_proj.weight`, `up_proj` and `down_proj`.
+    pub fn published(snapshot: &Snapshot, prefix: &str, expert: usize) -> Result<ExpertTensors> {
+        let tensor = |part: &str| snapshot.tensor(&format!("{prefix}.{expert}.{part}.weight"));
+        Ok(ExpertTensors {
+            gate: tensor("gate_proj")?,
+            up: tensor("up_proj")?,
+            down: tensor("down_proj")?,
         })
     }
 

@@ -42,7 +42,8 @@ pub use codec::{
 pub use format::{Format, DEFAULT_INT4_GROUP};
 pub use kernels::{select as select_simd, selected as selected_simd, Isa};
 
-use crate::backend::{self, RawMatrix, RawScales, Residency};
+use crate::backend::{self, Residency};
+use crate::layout::{RawMatrix, RawScales};
 use crate::snapshot::{Dtype, MappedBytes, TensorView};
 use kernels::{
     Bf16Codes, Codes, Decode, E2m1Codes, E4m3Codes, F16Codes, F32Codes, I8Codes, Int4Codes,

@@ -40,12 +40,6 @@ impl Decay {
         }
     }
 
-    /// The setting's text read as C `atof` reads it (the longest decimal prefix; no
-    /// number means 0), then validated as [`Decay::new`]. Unset means no decay.
-    pub fn from_setting(value: Option<&str>) -> Decay {
-        value.map_or(Decay::NONE, |v| Decay::new(c_atof(v)))
-    }
-
     /// The factor.
     pub fn value(self) -> f64 {
         self.0
@@ -56,84 +50,6 @@ impl Decay {
     pub fn apply(self, c: u32) -> u32 {
         (f64::from(c) * self.0 + 0.5) as u32
     }
-}
-
-/// Whether `USAGE_SAVE` allows saving: unset, or C `atoi(value) != 0`. So `0`, `off`, the
-/// empty string and any other non-numeric text make the run read-only.
-pub fn usage_save_enabled(value: Option<&str>) -> bool {
-    value.is_none_or(|v| c_atoi(v) != 0)
-}
-
-/// C `isspace` in the "C" locale.
-fn c_space(c: char) -> bool {
-    matches!(c, ' ' | '\t' | '\n' | '\u{b}' | '\u{c}' | '\r')
-}
-
-/// glibc `atoi`: `(int)strtol(s, NULL, 10)`; strtol saturates at the i64 range.
-fn c_atoi(s: &str) -> i32 {
-    let s = s.trim_start_matches(c_space);
-    let (neg, digits) = match s.as_bytes().first() {
-        Some(b'-') => (true, &s[1..]),
-        Some(b'+') => (false, &s[1..]),
-        _ => (false, s),
-    };
-    let mut v: i64 = 0;
-    for d in digits.bytes().take_while(u8::is_ascii_digit) {
-        let d = i64::from(d - b'0');
-        v = v
-            .checked_mul(10)
-            .and_then(|v| {
-                if neg {
-                    v.checked_sub(d)
-                } else {
-                    v.checked_add(d)
-                }
-            })
-            .unwrap_or(if neg { i64::MIN } else { i64::MAX });
-    }
-    v as i32
-}
-
-/// C `atof` for decimal text: the longest prefix of the form
-/// `[sign] digits [. digits] [e [sign] digits]` (digits on at least one side of the
-/// point). Hexadecimal, `inf` and `nan` spellings read as 0, which [`Decay::new`] then
-/// treats as "no decay" just as it treats the values atof would give them.
-fn c_atof(s: &str) -> f64 {
-    let s = s.trim_start_matches(c_space);
-    let b = s.as_bytes();
-    let digits_from = |mut i: usize| {
-        while b.get(i).is_some_and(u8::is_ascii_digit) {
-            i += 1;
-        }
-        i
-    };
-    let mut i = usize::from(matches!(b.first(), Some(b'+' | b'-')));
-    let int_end = digits_from(i);
-    let mut end = int_end;
-    let mut mantissa = int_end > i;
-    i = int_end;
-    if b.get(i) == Some(&b'.') {
-        let frac_end = digits_from(i + 1);
-        if mantissa || frac_end > i + 1 {
-            mantissa = true;
-            end = frac_end;
-        }
-        i = frac_end;
-    }
-    if !mantissa {
-        return 0.0;
-    }
-    if matches!(b.get(i), Some(b'e' | b'E')) {
-        let mut j = i + 1;
-        if matches!(b.get(j), Some(b'+' | b'-')) {
-            j += 1;
-        }
-        let exp_end = digits_from(j);
-        if exp_end > j {
-            end = exp_end;
-        }
-    }
-    s[..end].parse().unwrap_or(0.0)
 }
 
 /// How a history save behaves: the two settings that govern it.
@@ -475,36 +391,6 @@ mod tests {
         assert_eq!(Decay::new(0.5).apply(1), 1);
         assert_eq!(Decay::new(0.4).apply(1), 0);
         assert_eq!(Decay::new(0.5).apply(3), 2);
-    }
-
-    #[test]
-    fn decay_setting_like_atof() {
-        assert_eq!(Decay::from_setting(None), Decay::NONE);
-        assert_eq!(Decay::from_setting(Some("0.99")).value(), 0.99);
-        assert_eq!(Decay::from_setting(Some("  0.5x")).value(), 0.5);
-        assert_eq!(Decay::from_setting(Some(".25")).value(), 0.25);
-        assert_eq!(Decay::from_setting(Some("5e-1")).value(), 0.5);
-        assert_eq!(Decay::from_setting(Some("9e-1e")).value(), 0.9);
-        assert_eq!(Decay::from_setting(Some("0")), Decay::NONE);
-        assert_eq!(Decay::from_setting(Some("-0.5")), Decay::NONE);
-        assert_eq!(Decay::from_setting(Some("1.5")), Decay::NONE);
-        assert_eq!(Decay::from_setting(Some("abc")), Decay::NONE);
-        assert_eq!(Decay::from_setting(Some("nan")), Decay::NONE);
-        assert_eq!(Decay::new(f64::NAN), Decay::NONE);
-    }
-
-    #[test]
-    fn usage_save_like_atoi() {
-        assert!(usage_save_enabled(None));
-        assert!(usage_save_enabled(Some("1")));
-        assert!(usage_save_enabled(Some(" 2abc")));
-        assert!(usage_save_enabled(Some("-1")));
-        assert!(!usage_save_enabled(Some("0")));
-        assert!(!usage_save_enabled(Some("")));
-        assert!(!usage_save_enabled(Some("off")));
-        assert!(!usage_save_enabled(Some("yes")));
-        // strtol gives 2^32, and the int conversion keeps the low 32 bits.
-        assert!(!usage_save_enabled(Some("4294967296")));
     }
 
     #[test]

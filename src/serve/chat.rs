@@ -8,7 +8,7 @@
 use std::io::{BufRead, Write};
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use tokio::sync::mpsc;
@@ -23,17 +23,10 @@ use crate::settings::Settings;
 use crate::text::ChatMessage;
 
 pub fn run(model: Option<&str>, settings: Settings, positionals: Positionals) -> Result<ExitCode> {
-    let raw_temperature = settings.text_or_default("TEMP").trim().to_string();
-    let Ok(temperature) = raw_temperature.parse::<f64>() else {
-        bail!("TEMP={raw_temperature:?}: expected a temperature >= 0 (0 = greedy); pass TEMP=<number> as an argument, which wins over the environment");
-    };
-    let top_p = settings.number("TOP_P");
+    let temperature = settings.temperature()?;
+    let top_p = settings.top_p;
     Sampler::new(temperature, top_p, 0)?;
-    let seed = settings.count_if_set("SEED").unwrap_or_else(|| {
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64)
-    });
+    let seed = settings.seed_or_clock();
     let (jobs, queue) = mpsc::channel(1);
     let (engine_thread, info) = worker::spawn(
         model.map(str::to_string),

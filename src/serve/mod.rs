@@ -46,6 +46,8 @@ struct App {
     metrics: Arc<Metrics>,
     next_id: AtomicU64,
     settings: Settings,
+    /// `TEMP`, for requests that give no temperature (checked at start).
+    temperature: f64,
 }
 
 /// Serve the model the settings name on `host:port` until SIGINT or SIGTERM; then the
@@ -64,22 +66,15 @@ pub fn run(
             format!("--host {host:?}: expected an IP address such as 127.0.0.1 or 0.0.0.0")
         })?,
     };
-    let api_key = settings
-        .text("API_KEY")
-        .filter(|key| !key.is_empty())
-        .map(str::to_string);
+    let api_key = settings.api_key.clone();
     if !ip.is_loopback() && api_key.is_none() {
         bail!("--host {host}: listening beyond this machine needs API_KEY=<token> (clients then send `Authorization: Bearer <token>`); or keep the default --host 127.0.0.1");
     }
     // What requests without `temperature` take, checked before anything loads.
-    let default_temperature = settings.text_or_default("TEMP").trim();
-    if !default_temperature
-        .parse::<f64>()
-        .is_ok_and(|t| t.is_finite() && t >= 0.0)
-    {
-        bail!("TEMP={default_temperature:?}: requests that give no temperature take it, so it must be a number >= 0; pass TEMP=<number> (an environment TEMP naming a directory is overridden so)");
-    }
-    let top_p = settings.number("TOP_P");
+    let temperature = settings
+        .temperature()
+        .context("requests that give no temperature take TEMP")?;
+    let top_p = settings.top_p;
     if !(top_p > 0.0 && top_p <= 1.0) {
         bail!("TOP_P={top_p}: requests that give no top_p take it, so it must be in (0, 1]");
     }
@@ -108,6 +103,7 @@ pub fn run(
         metrics,
         next_id: AtomicU64::new(1),
         settings,
+        temperature,
     });
     let router = Router::new()
         .route("/health", get(health))
@@ -421,33 +417,15 @@ fn job(
     request: &Request,
     received: Instant,
 ) -> Result<(Job, mpsc::UnboundedReceiver<Event>), ApiError> {
-    let temperature = match request.temperature {
-        Some(t) => t,
-        None => app
-            .settings
-            .text_or_default("TEMP")
-            .trim()
-            .parse()
-            .map_err(|_| {
-                ApiError::invalid("the server's TEMP setting is not a number; give temperature")
-            })?,
-    };
+    let temperature = request.temperature.unwrap_or(app.temperature);
     let (events, receiver) = mpsc::unbounded_channel();
     Ok((
         Job {
             input: request.input.clone(),
             max_tokens: request.max_tokens,
             temperature,
-            top_p: request
-                .top_p
-                .unwrap_or_else(|| app.settings.number("TOP_P")),
-            seed: request.seed.unwrap_or_else(|| {
-                app.settings.count_if_set("SEED").unwrap_or_else(|| {
-                    SystemTime::now()
-                        .duration_since(UNIX_EPOCH)
-                        .map_or(0, |d| d.as_nanos() as u64)
-                })
-            }),
+            top_p: request.top_p.unwrap_or(app.settings.top_p),
+            seed: request.seed.unwrap_or_else(|| app.settings.seed_or_clock()),
             stop: request.stop.clone(),
             routed_experts: request.routed_experts,
             events,

@@ -119,7 +119,7 @@ pub fn run(
         snapshot: &snapshot,
         tokenizer: &tokenizer,
         info,
-        default_tokens: settings.count("NGEN") as usize,
+        default_tokens: settings.ngen,
         cached: Vec::new(),
     };
     while let Some(job) = jobs.blocking_recv() {

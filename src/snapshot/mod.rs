@@ -94,7 +94,6 @@ impl Snapshot {
             }
             shards.push(Arc::new(shard));
         }
-        add_merged_expert_views(&mut tensors, &config, &shard_paths)?;
         Ok(Snapshot {
             dir: dir.to_path_buf(),
             config,
@@ -198,78 +197,6 @@ impl Snapshot {
     pub fn tensor_shaped(&self, name: &str, shape: &[usize]) -> Result<TensorView> {
         crate::quant::format::shaped(self.tensor(name)?, shape)
     }
-}
-
-/// colibri's merged OLMoE container stores expert `E` of layer `L` as
-/// `model.layers.L.mlp.experts.E.merged_weight` (int8, gate ‖ up ‖ down rows, `3·I·D`
-/// bytes) with `model.layers.L.mlp.experts.E.qs` (`2I + D` f32 row scales). Index the
-/// three matrices and their scales under the usual per-expert names, as windows into
-/// those two tensors, so every engine reads the container as int8-row experts.
-fn add_merged_expert_views(
-    tensors: &mut HashMap<String, TensorEntry>,
-    config: &serde_json::Value,
-    shard_paths: &[PathBuf],
-) -> Result<()> {
-    let merged: Vec<String> = tensors
-        .keys()
-        .filter_map(|name| name.strip_suffix(".merged_weight").map(str::to_string))
-        .collect();
-    if merged.is_empty() {
-        return Ok(());
-    }
-    let dim = |key: &str| config.get(key).and_then(|v| v.as_u64()).map(|v| v as usize);
-    let (Some(d), Some(i)) = (dim("hidden_size"), dim("intermediate_size")) else {
-        bail!("a merged expert container needs hidden_size and intermediate_size in config.json");
-    };
-    for prefix in merged {
-        let weights = tensors[&format!("{prefix}.merged_weight")].clone();
-        let file = shard_paths[weights.shard].display();
-        let Some(scales) = tensors.get(&format!("{prefix}.qs")).cloned() else {
-            bail!(
-                "{file}: {prefix}.merged_weight has no {prefix}.qs row scales; untrusted container"
-            );
-        };
-        let (nb, ns) = (weights.end - weights.start, scales.end - scales.start);
-        if nb != 3 * i * d || ns != (2 * i + d) * 4 || scales.dtype != Dtype::F32 {
-            bail!(
-                "{file}: {prefix}.merged_weight has {nb} bytes and {prefix}.qs {ns} bytes ({:?}); an int8 expert with hidden_size {d} and intermediate_size {i} needs {} and {} (F32); untrusted container",
-                scales.dtype,
-                3 * i * d,
-                (2 * i + d) * 4
-            );
-        }
-        // (name, shape, byte offset into merged_weight, first scale)
-        for (part, shape, offset, first_scale) in [
-            ("gate_proj", [i, d], 0, 0),
-            ("up_proj", [i, d], i * d, i),
-            ("down_proj", [d, i], 2 * i * d, 2 * i),
-        ] {
-            let name = format!("{prefix}.{part}.weight");
-            let rows = shape[0];
-            let window =
-                |entry: &TensorEntry, start: usize, len: usize, shape: Vec<usize>| TensorEntry {
-                    shape,
-                    start: entry.start + start,
-                    end: entry.start + start + len,
-                    ..entry.clone()
-                };
-            for (alias, entry) in [
-                (
-                    name.clone(),
-                    window(&weights, offset, i * d, shape.to_vec()),
-                ),
-                (
-                    format!("{name}.qs"),
-                    window(&scales, first_scale * 4, rows * 4, vec![rows]),
-                ),
-            ] {
-                if tensors.insert(alias.clone(), entry).is_some() {
-                    bail!("{file}: {alias} is stored both on its own and inside {prefix}.merged_weight");
-                }
-            }
-        }
-    }
-    Ok(())
 }
 
 /// When `model.safetensors.index.json` exists, every shard it names must be present.

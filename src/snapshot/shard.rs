@@ -310,6 +310,37 @@ impl TensorView {
         })
     }
 
+    /// Elements `[first, first + product(shape))` of this tensor, read in storage order, as
+    /// a tensor of `shape`: a window into a container that packs several matrices into one
+    /// tensor. The scales are not carried over; the caller pairs the window with its own.
+    pub fn span(&self, first: usize, shape: &[usize]) -> Result<TensorView> {
+        let size = self.dtype.bitsize() / 8;
+        let count: usize = shape.iter().product();
+        let fits = size > 0
+            && first
+                .checked_add(count)
+                .is_some_and(|end| end <= self.bytes.len() / size);
+        if !fits {
+            bail!(
+                "{}: tensor {} ({} bytes of {:?}) has no elements {first}..{} for a {shape:?} part",
+                self.file.display(),
+                self.name,
+                self.bytes.len(),
+                self.dtype,
+                first.saturating_add(count)
+            );
+        }
+        Ok(TensorView {
+            name: format!("{}[{first}..{}]", self.name, first + count),
+            file: self.file.clone(),
+            dtype: self.dtype,
+            shape: shape.to_vec(),
+            bytes: self.bytes.slice(first * size, count * size),
+            scales: None,
+            stamp: self.stamp.clone(),
+        })
+    }
+
     /// `[a, b, c]` viewed as `[b, c]` after taking part `index` of `a`.
     pub fn select(&self, index: usize) -> Result<TensorView> {
         let count = self.shape.first().copied().unwrap_or(0);

@@ -11,7 +11,6 @@ pub mod tokenizer;
 use std::fmt::Write as _;
 use std::io::Write;
 use std::path::Path;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Result};
 use serde_json::Value;
@@ -220,21 +219,21 @@ impl TextMode {
     /// `None` without `PROMPT`; otherwise the checked sampling settings and the tokenizer of
     /// the model in `dir`.
     pub fn from_settings(settings: &Settings, dir: &Path) -> Result<Option<TextMode>> {
-        let Some(prompt) = settings.text("PROMPT") else {
+        let Some(prompt) = &settings.prompt else {
             return Ok(None);
         };
-        if settings.ids("IDS").is_some() {
+        if settings.ids.is_some() {
             bail!("PROMPT and IDS are two modes: give the prompt as text (PROMPT=) or as token ids (IDS=), not both");
         }
-        let temperature = temperature(settings.text_or_default("TEMP"))?;
-        let top_p = settings.number("TOP_P");
+        let temperature = settings.temperature()?;
+        let top_p = settings.top_p;
         // The sampler is built per run; this checks the values before anything loads.
         Sampler::new(temperature, top_p, 0)?;
-        let seed = settings.count_if_set("SEED").unwrap_or_else(clock_seed);
+        let seed = settings.seed_or_clock();
         Ok(Some(TextMode {
             tokenizer: TextTokenizer::load(dir)?,
-            prompt: prompt.to_string(),
-            chat: settings.flag("CHAT"),
+            prompt: prompt.clone(),
+            chat: settings.chat,
             temperature,
             top_p,
             seed,
@@ -278,26 +277,6 @@ impl TextMode {
             sampler,
         })
     }
-}
-
-/// `TEMP` as a number. The setting is text so that a `TEMP` environment variable naming a
-/// temporary directory troubles only this mode, where the message says how to override it.
-fn temperature(raw: &str) -> Result<f64> {
-    match raw.trim().parse::<f64>() {
-        Ok(value) => Ok(value),
-        Err(_) => bail!(
-            "TEMP={raw:?}: expected a temperature >= 0 (0 = greedy); if the environment's TEMP names a directory, pass TEMP=<number> as an argument, which wins"
-        ),
-    }
-}
-
-/// A seed from the clock, for runs that give no `SEED` (the `[sample]` line shows it, so a
-/// run can be repeated).
-fn clock_seed() -> u64 {
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |elapsed| elapsed.as_nanos() as u64);
-    nanos ^ u64::from(std::process::id()).rotate_left(32)
 }
 
 /// One prepared text generation.

@@ -1,5 +1,5 @@
 //! The oracle run's own behaviour on OLMoE: a wrong reference fails under `ORACLE_STRICT`
-//! (and only there), and `IDS=` mode continues the reference. Exactness at every cache size,
+//! (and only there), and `IDS=` mode continues the reference and ends at a stop id. Exactness at every cache size,
 //! the trace, chunked prefill and reset are in `conformance.rs`, for every engine.
 
 use crate::common;
@@ -68,5 +68,55 @@ fn ids_mode_continues_the_reference() {
         stdout(&out).lines().any(|line| line == expected),
         "{}",
         stdout(&out)
+    );
+}
+
+#[test]
+fn ids_mode_ends_at_a_stop_id_of_the_model() {
+    let dir = common::copy_fixture("olmoe_tiny");
+    let text = std::fs::read_to_string(dir.path().join("ref.json")).unwrap();
+    let reference: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let full: Vec<u64> = reference["full_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    let prompt_len = reference["prompt_ids"].as_array().unwrap().len();
+    // The model's third generated token becomes its end of sequence; it must not be one of
+    // the two before it, or the generation would stop sooner.
+    let stop = full[prompt_len + 2];
+    assert!(!full[prompt_len..prompt_len + 2].contains(&stop));
+    let path = dir.path().join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["eos_token_id"] = stop.into();
+    std::fs::write(&path, config.to_string()).unwrap();
+    let prompt: Vec<String> = full[..prompt_len].iter().map(u64::to_string).collect();
+    let out = coli(
+        &[
+            &format!("SNAP={}", dir.path().display()),
+            &format!("IDS={}", prompt.join(" ")),
+            "NGEN=8",
+            "USAGE_SAVE=0",
+            "64",
+            "16",
+            "16",
+        ],
+        &[],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let expected = format!("{} {}", full[prompt_len], full[prompt_len + 1]);
+    assert!(
+        stdout(&out).lines().any(|line| line == expected),
+        "{}",
+        stdout(&out)
+    );
+    assert!(
+        stderr(&out).contains(&format!(
+            "[stop] stop id {stop} chosen after 2 tokens (of NGEN=8)"
+        )),
+        "{}",
+        stderr(&out)
     );
 }

@@ -346,71 +346,116 @@ fn published_fp8_and_mxfp4_layouts_load() {
     }
 }
 
+/// The OLMoE fixture with every routed expert quantised to int8 rows as colibri stores
+/// them: per matrix (`{name}` I8 + `{name}.qs`), or `merged` into one
+/// `{expert}.merged_weight` + `{expert}.qs` pair per expert.
+fn int8_expert_fixture(merged: bool) -> tempfile::TempDir {
+    damaged_fixture(|tensors| {
+        let experts: Vec<Tensor> = tensors
+            .iter()
+            .filter(|t| t.0.contains(".mlp.experts."))
+            .cloned()
+            .collect();
+        tensors.retain(|t| !t.0.contains(".mlp.experts."));
+        let mut prefixes: Vec<String> = experts
+            .iter()
+            .filter_map(|t| t.0.strip_suffix(".gate_proj.weight").map(str::to_string))
+            .collect();
+        prefixes.sort();
+        for prefix in prefixes {
+            let (mut weights, mut scales) = (Vec::new(), Vec::new());
+            for part in ["gate_proj", "up_proj", "down_proj"] {
+                let name = format!("{prefix}.{part}.weight");
+                let (_, _, shape, bytes) = experts.iter().find(|t| t.0 == name).unwrap();
+                let values: Vec<f32> = bytes
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                    .collect();
+                let (q, s) = quant::quantize_int8_rows(&values, shape[1]);
+                let q: Vec<u8> = q.iter().map(|&v| v as u8).collect();
+                if merged {
+                    weights.extend(q);
+                    scales.extend(s);
+                } else {
+                    tensors.push(tensor(&name, Dtype::I8, &[q.len()], q));
+                    tensors.push(tensor(
+                        &format!("{name}.qs"),
+                        Dtype::F32,
+                        &[s.len()],
+                        f32_bytes(&s),
+                    ));
+                }
+            }
+            if merged {
+                let (w, s) = (weights.len(), scales.len());
+                tensors.push(tensor(
+                    &format!("{prefix}.merged_weight"),
+                    Dtype::I8,
+                    &[w],
+                    weights,
+                ));
+                tensors.push(tensor(
+                    &format!("{prefix}.qs"),
+                    Dtype::F32,
+                    &[s],
+                    f32_bytes(&scales),
+                ));
+            }
+        }
+    })
+}
+
 #[test]
-fn colibri_merged_olmoe_experts_read_as_int8_rows() {
-    let (d, i) = (16usize, 8usize);
-    let gate: Vec<f32> = (0..i * d).map(|k| (k % 13) as f32 - 6.0).collect();
-    let up: Vec<f32> = (0..i * d).map(|k| (k % 7) as f32 * 0.5 - 1.5).collect();
-    let down: Vec<f32> = (0..d * i).map(|k| (k % 5) as f32 - 2.0).collect();
-    let mut merged = Vec::new();
-    let mut scales = Vec::new();
-    for (values, cols) in [(&gate, d), (&up, d), (&down, i)] {
-        let (q, s) = quant::quantize_int8_rows(values, cols);
-        merged.extend(q.iter().map(|&v| v as u8));
-        scales.extend(s);
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let p = "model.layers.0.mlp.experts.3";
-    write_shard(
-        dir.path(),
-        "model.safetensors",
-        &[
-            tensor(
-                &format!("{p}.merged_weight"),
-                Dtype::I8,
-                &[3 * i * d],
-                merged,
-            ),
-            tensor(
-                &format!("{p}.qs"),
-                Dtype::F32,
-                &[2 * i + d],
-                f32_bytes(&scales),
-            ),
-        ],
-        None,
-    );
-    std::fs::write(
-        dir.path().join("config.json"),
-        format!(r#"{{"hidden_size": {d}, "intermediate_size": {i}}}"#),
-    )
-    .unwrap();
-    let snapshot = Snapshot::open(dir.path()).unwrap();
-    for (part, values, shape) in [
-        ("gate_proj", &gate, [i, d]),
-        ("up_proj", &up, [i, d]),
-        ("down_proj", &down, [d, i]),
-    ] {
-        let view = snapshot
-            .tensor_shaped(&format!("{p}.{part}.weight"), &shape)
-            .unwrap();
-        let stored = Matrix::load(&view, Width::F32).unwrap();
-        assert_eq!(stored.format(), Format::Int8Row, "{part}");
-        same_product(
-            &stored,
-            &Matrix::from_f32(shape[0], shape[1], values.clone(), Width::Int8Row),
+fn colibri_merged_olmoe_experts_run_as_int8_rows() {
+    let run = |dir: &Path| {
+        let out = coli(
+            &[
+                &format!("SNAP={}", dir.display()),
+                "PPL=1",
+                "CTX=32",
+                "64",
+                "16",
+                "16",
+            ],
+            &[],
         );
-    }
+        assert!(out.status.success(), "{}", stderr(&out));
+        // The perplexity and mean NLL of the reference's tokens, to six digits: any difference in the
+        // experts' products shows in it.
+        let line = stdout(&out)
+            .lines()
+            .find(|line| line.starts_with("PPL:"))
+            // Without the timing at its end.
+            .map(|line| line.split(" | ").take(2).collect::<Vec<_>>().join(" | "));
+        line.unwrap_or_else(|| panic!("no PPL line in {}", stdout(&out)))
+    };
+    let per_matrix = int8_expert_fixture(false);
+    let merged = int8_expert_fixture(true);
+    assert_eq!(run(merged.path()), run(per_matrix.path()));
+
     // A merged expert whose size does not fit the configuration is refused.
-    std::fs::write(
-        dir.path().join("config.json"),
-        r#"{"hidden_size": 16, "intermediate_size": 9}"#,
-    )
-    .unwrap();
-    let err = format!("{:#}", Snapshot::open(dir.path()).err().expect("refused"));
-    assert!(
-        err.contains("merged_weight") && err.contains("untrusted container"),
-        "{err}"
+    let short = damaged_fixture(|tensors| {
+        tensors.retain(|t| !t.0.starts_with("model.layers.1.mlp.experts.5."));
+        let bytes = 3 * 32 * 64 - 64;
+        tensors.push(tensor(
+            "model.layers.1.mlp.experts.5.merged_weight",
+            Dtype::I8,
+            &[bytes],
+            vec![1; bytes],
+        ));
+        tensors.push(tensor(
+            "model.layers.1.mlp.experts.5.qs",
+            Dtype::F32,
+            &[2 * 32 + 64],
+            f32_bytes(&[0.01; 2 * 32 + 64]),
+        ));
+    });
+    refused_with_exit_2(
+        short.path(),
+        &[
+            "model.layers.1.mlp.experts.5.merged_weight",
+            "untrusted container",
+        ],
     );
 }
 

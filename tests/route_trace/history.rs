@@ -8,7 +8,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use coli::route_trace::history::{self, Layout, Trust};
-use coli::route_trace::save::{self, usage_save_enabled};
+use coli::route_trace::save;
 use coli::route_trace::{
     Counters, Decay, EngineId, ReadOutcome, Refusal, RouteTrace, SaveOptions, SaveOutcome,
 };
@@ -298,7 +298,7 @@ fn usage_save_zero_is_read_only() {
     let before = fs::read(&p).expect("read");
     route(&mut rt, 3, &[4, 5]);
     let off = SaveOptions {
-        enabled: usage_save_enabled(Some("0")),
+        enabled: false,
         decay: Decay::new(0.5),
     };
     assert_eq!(
@@ -308,7 +308,7 @@ fn usage_save_zero_is_read_only() {
     assert_eq!(fs::read(&p).expect("read"), before);
     assert_eq!(rt.counts().get(3, 4), 2, "a skipped save does not decay");
     let on = SaveOptions {
-        enabled: usage_save_enabled(Some("1")),
+        enabled: true,
         decay: Decay::NONE,
     };
     saved(rt.save_history(&p, on).expect("save"));
@@ -324,7 +324,7 @@ fn decay_rounds_half_up_at_every_save() {
     rt.load_history(&p);
     let opts = SaveOptions {
         enabled: true,
-        decay: Decay::from_setting(Some("0.99")),
+        decay: Decay::new(0.99),
     };
     saved(rt.save_history(&p, opts).expect("save"));
     assert_eq!(

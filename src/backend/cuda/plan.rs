@@ -6,7 +6,7 @@
 
 use super::super::group::GroupRouting;
 use super::super::{Activation, DeviceError, ExpertGroup, RawMatrix, RawScales, WeightId};
-use crate::quant::Format;
+use crate::layout::Format;
 
 /// Output rows per matmul block (one warp each); `WARPS` in the kernel source.
 pub(super) const WARPS: usize = 8;

@@ -4,7 +4,7 @@
 //! computes and fills byte layouts; it knows nothing of Vulkan objects.
 
 use crate::backend::{DeviceError, RawMatrix, RawScales};
-use crate::quant::Format;
+use crate::layout::Format;
 
 /// Format codes of the matmul shader.
 const F32: u32 = 0;

@@ -10,8 +10,8 @@ use std::collections::HashMap;
 
 use anyhow::{bail, Result};
 
-use super::{Device, DeviceError, DeviceWeight, WeightId};
-use crate::experts::ExpertStore;
+use super::ExpertStore;
+use crate::backend::{Device, DeviceError, DeviceWeight, WeightId};
 use crate::quant::Matrix;
 
 /// One expert's three projections on the device.
