@@ -25,6 +25,7 @@
 
 use anyhow::Result;
 
+use super::layers::add_in_place;
 use crate::quant::load_vector;
 use crate::snapshot::Snapshot;
 
@@ -141,25 +142,19 @@ impl ResidualStream {
         if self.restarted {
             self.prefix.copy_from_slice(attention);
         } else {
-            add(&mut self.prefix, attention);
+            add_in_place(&mut self.prefix, attention);
         }
         self.mix(mix)
     }
 
     /// Add the MLP output: the prefix is the layer's output.
     pub fn after_mlp(&mut self, mlp: &[f32]) {
-        add(&mut self.prefix, mlp);
+        add_in_place(&mut self.prefix, mlp);
     }
 
     /// The hidden state after the last layer (before the final norm).
     pub fn output(&self, mix: &ResMix) -> Vec<f32> {
         self.mix(mix)
-    }
-}
-
-fn add(x: &mut [f32], y: &[f32]) {
-    for (a, &b) in x.iter_mut().zip(y) {
-        *a += b;
     }
 }
 

@@ -16,7 +16,7 @@ use anyhow::{anyhow, bail, Result};
 use serde::Deserialize;
 
 use super::dsa::{IndexKeys, Indexer, IndexerShape};
-use super::layers::{add_in_place, embed_tokens, lm_head, rms_norm, GatedMlp, Rope};
+use super::layers::{add_in_place, embed_tokens, final_norm, lm_head, rms_norm, GatedMlp, Rope};
 use super::mla::{
     attend_absorbed, attend_plain, Keys, LatentCache, MlaProjections, MlaShape, Projected,
 };
@@ -642,7 +642,8 @@ pub struct GlmMoeDsa {
     final_norm: Vec<f32>,
     lm_head: Matrix,
     layers: Vec<Layer>,
-    caches: Vec<LayerCache>,
+    /// Each layer's state across forwards: its latent (and index-key) cache.
+    states: Vec<LayerCache>,
     mtp: Option<MtpHead>,
     mtp_cache: LayerCache,
     routed: RoutedExperts,
@@ -777,7 +778,7 @@ impl GlmMoeDsa {
             latents: LatentCache::new(config.kv_lora_rank, config.qk_rope_head_dim),
             index_keys: indexed.then(|| IndexKeys::new(config.index_head_dim)),
         };
-        let caches = layers
+        let states = layers
             .iter()
             .map(|layer| cache(matches!(layer.selection, Selection::Full(_))))
             .collect();
@@ -793,7 +794,7 @@ impl GlmMoeDsa {
             final_norm: load_vector(&snapshot.tensor("model.norm.weight")?, d)?,
             lm_head,
             layers,
-            caches,
+            states,
             mtp_cache: cache(false),
             mtp,
             routed: RoutedExperts::new(
@@ -923,7 +924,7 @@ impl Engine for GlmMoeDsa {
             selected: None,
             routed: &mut self.routed,
         };
-        for (l, (layer, cache)) in self.layers.iter().zip(self.caches.iter_mut()).enumerate() {
+        for (l, (layer, cache)) in self.layers.iter().zip(self.states.iter_mut()).enumerate() {
             interrupt::checkpoint()?;
             layer.forward(l, cache, &mut pass, &mut x)?;
         }
@@ -931,15 +932,13 @@ impl Engine for GlmMoeDsa {
         self.last_start = start;
 
         let drafting = self.mtp.is_some() && self.draft > 0;
-        let first = if all_positions || drafting { 0 } else { n - 1 };
-        let rows = n - first;
-        let mut normed = vec![0f32; rows * d];
-        rms_norm(
-            &x[first * d..],
+        let normed = final_norm(
+            &x,
             &self.final_norm,
             self.config.rms_norm_eps,
-            &mut normed,
+            all_positions || drafting,
         );
+        let rows = normed.len() / d;
         if drafting {
             self.pending.extend_from_slice(&normed);
         }
@@ -952,7 +951,7 @@ impl Engine for GlmMoeDsa {
     }
 
     fn reset(&mut self) {
-        self.caches.iter_mut().for_each(|c| c.truncate(0));
+        self.states.iter_mut().for_each(|c| c.truncate(0));
         self.mtp_cache.truncate(0);
         self.tokens.clear();
         self.pending.clear();
@@ -1044,7 +1043,7 @@ impl Engine for GlmMoeDsa {
                 self.last_start
             );
         }
-        self.caches.iter_mut().for_each(|c| c.truncate(len));
+        self.states.iter_mut().for_each(|c| c.truncate(len));
         self.tokens.truncate(len);
         if self.mtp.is_some() && self.draft > 0 {
             self.pending

@@ -13,7 +13,10 @@ use std::sync::Arc;
 use anyhow::{anyhow, bail, Result};
 use serde::Deserialize;
 
-use super::layers::{embed_tokens, lm_head, rms_norm, rms_norm_in_place, AttentionShape, GatedMlp};
+use super::layers::{
+    add_in_place, embed_tokens, final_norm, lm_head, rms_norm, rms_norm_in_place, AttentionShape,
+    GatedMlp,
+};
 use super::moe::{biased_top_k, Predictor, Route, RoutedExperts};
 use super::short_conv::{ConvState, ShortConv};
 use super::window_attention::{windowed_attention, DistanceBias, WindowKvCache};
@@ -398,6 +401,8 @@ pub struct Inkling {
     lm_head: Matrix,
     layers: Vec<Layer>,
     states: Vec<LayerState>,
+    /// Positions the states hold.
+    position: usize,
     routed: RoutedExperts,
     /// The ids that end a generation (`eos_token_id`).
     stop: Vec<u32>,
@@ -585,6 +590,7 @@ impl Inkling {
             lm_head: matrix("lm_head.weight", [config.vocab_size, d], io_width)?,
             layers,
             states,
+            position: 0,
             routed: RoutedExperts::new(
                 ExpertStore::new(Vec::new(), 1, options.store.width),
                 telemetry,
@@ -612,19 +618,52 @@ impl Inkling {
         }
         Ok(inkling)
     }
+}
 
-    /// Self-attention of layer `l` over `n` normalised rows, before the output convolution.
-    fn attention(&mut self, l: usize, h: &[f32], n: usize) -> Vec<f32> {
-        let d = self.config.hidden_size;
-        let attn = &self.layers[l].attention;
-        let state = &mut self.states[l];
+/// What every layer of one forward shares: the configuration, the rows and the position of
+/// the first, and the routed experts.
+struct Pass<'a> {
+    config: &'a Config,
+    n: usize,
+    start: usize,
+    routed: &'a mut RoutedExperts,
+}
+
+impl Layer {
+    /// `x += conv(attention(norm(x))); x += conv(ffn(norm(x)))` for the `pass.n` rows of
+    /// `x`, each short convolution with its residual inside; `id` is the layer's index.
+    fn forward(
+        &self,
+        id: usize,
+        state: &mut LayerState,
+        pass: &mut Pass,
+        x: &mut [f32],
+    ) -> Result<()> {
+        let (eps, n) = (pass.config.rms_norm_eps, pass.n);
+        let mut h = vec![0f32; x.len()];
+        rms_norm(x, &self.input_norm, eps, &mut h);
+        let attention = profile::time(Phase::Attention, || self.attention(state, pass, &h));
+        let conv = self.attn_conv.forward(&attention, n, &mut state.attn_conv);
+        add_in_place(x, &with_residual(conv, &attention));
+        rms_norm(x, &self.post_attention_norm, eps, &mut h);
+        let ffn = self.ffn(id, pass, &h)?;
+        let conv = self.mlp_conv.forward(&ffn, n, &mut state.mlp_conv);
+        add_in_place(x, &with_residual(conv, &ffn));
+        Ok(())
+    }
+
+    /// Self-attention over the normalised rows `h`, before the output convolution.
+    fn attention(&self, state: &mut LayerState, pass: &Pass, h: &[f32]) -> Vec<f32> {
+        let (config, n, start) = (pass.config, pass.n, pass.start);
+        let d = config.hidden_size;
+        let attn = &self.attention;
         let AttentionShape {
             heads,
             kv_heads,
             head_dim: hd,
             ..
         } = attn.shape;
-        let d_rel = self.config.d_rel;
+        let d_rel = config.d_rel;
         let mut q = vec![0f32; n * heads * hd];
         let mut k = vec![0f32; n * kv_heads * hd];
         let mut v = vec![0f32; n * kv_heads * hd];
@@ -636,15 +675,12 @@ impl Inkling {
         let mut k = with_residual(attn.k_conv.forward(&k, n, &mut state.k_conv), &k);
         let v = with_residual(attn.v_conv.forward(&v, n, &mut state.v_conv), &v);
         // The norm weights are one head wide, so each head is normalised on its own.
-        rms_norm_in_place(&mut q, &attn.q_norm, self.config.rms_norm_eps);
-        rms_norm_in_place(&mut k, &attn.k_norm, self.config.rms_norm_eps);
+        rms_norm_in_place(&mut q, &attn.q_norm, config.rms_norm_eps);
+        rms_norm_in_place(&mut k, &attn.k_norm, config.rms_norm_eps);
 
-        let start = state.kv.positions();
         let tau: Vec<f32> = (0..n)
-            .map(|t| match (attn.window, self.config.log_floor()) {
-                (None, Some(floor)) => {
-                    log_length_scale(start + t, floor, self.config.log_scaling_alpha)
-                }
+            .map(|t| match (attn.window, config.log_floor()) {
+                (None, Some(floor)) => log_length_scale(start + t, floor, config.log_scaling_alpha),
                 _ => 1.0,
             })
             .collect();
@@ -677,11 +713,12 @@ impl Inkling {
         out
     }
 
-    /// The MLP of layer `l` (dense or sparse) over `n` normalised rows, before the output
-    /// convolution.
-    fn mlp(&mut self, l: usize, h: &[f32], n: usize) -> Result<Vec<f32>> {
-        let d = self.config.hidden_size;
-        let moe = match &self.layers[l].mlp {
+    /// The MLP of layer `id` (dense or sparse) over the normalised rows `h`, before the
+    /// output convolution.
+    fn ffn(&self, id: usize, pass: &mut Pass, h: &[f32]) -> Result<Vec<f32>> {
+        let (config, n) = (pass.config, pass.n);
+        let d = config.hidden_size;
+        let moe = match &self.mlp {
             Mlp::Dense { mlp, global_scale } => {
                 let mut out = mlp.forward(h, n);
                 out.iter_mut().for_each(|x| *x *= global_scale);
@@ -689,21 +726,18 @@ impl Inkling {
             }
             Mlp::Sparse(moe) => moe,
         };
-        let (n_experts, k) = (
-            self.config.n_routed_experts,
-            self.config.num_experts_per_tok,
-        );
+        let (n_experts, k) = (config.n_routed_experts, config.num_experts_per_tok);
         let total = moe.router.rows();
         let mut logits = vec![0f32; n * total];
         moe.router.matmul(h, n, &mut logits);
-        let scale = (self.config.route_scale as f32) * moe.global_scale;
+        let scale = (config.route_scale as f32) * moe.global_scale;
         let (routes, gammas): (Vec<Route>, Vec<Vec<f32>>) = logits
             .chunks_exact(total)
             .map(|row| sink_route(row, n_experts, &moe.bias, k, scale))
             .unzip();
         let mut out = vec![0f32; n * d];
-        self.routed.look_ahead(l, h, n);
-        self.routed.run(l, h, &routes, d, &mut out)?;
+        pass.routed.look_ahead(id, h, n);
+        pass.routed.run(id, h, &routes, d, &mut out)?;
         let mut shared_sum = vec![0f32; n * d];
         for (j, expert) in moe.shared.iter().enumerate() {
             let y = expert.forward(h, n);
@@ -717,7 +751,7 @@ impl Inkling {
                 }
             }
         }
-        add(&mut out, &shared_sum);
+        add_in_place(&mut out, &shared_sum);
         Ok(out)
     }
 }
@@ -801,14 +835,8 @@ fn scalar(snapshot: &Snapshot, name: &str) -> Result<f32> {
 
 /// The short convolutions keep the residual inside: `conv(x) + x`.
 fn with_residual(mut conv: Vec<f32>, input: &[f32]) -> Vec<f32> {
-    add(&mut conv, input);
+    add_in_place(&mut conv, input);
     conv
-}
-
-fn add(x: &mut [f32], y: &[f32]) {
-    for (a, b) in x.iter_mut().zip(y) {
-        *a += b;
-    }
 }
 
 impl Engine for Inkling {
@@ -825,43 +853,26 @@ impl Engine for Inkling {
     }
 
     fn position(&self) -> usize {
-        self.states.first().map_or(0, |s| s.kv.positions())
+        self.position
     }
 
     fn forward(&mut self, tokens: &[u32], all_positions: bool) -> Result<Vec<f32>> {
-        let (n, d, rows) = (
-            tokens.len(),
-            self.config.hidden_size,
-            self.config.vocab_size,
-        );
+        let (n, rows) = (tokens.len(), self.config.vocab_size);
         let eps = self.config.rms_norm_eps;
         let mut x = embed_tokens(&self.embed, tokens, rows)?;
         rms_norm_in_place(&mut x, &self.embed_norm, eps);
-        let mut h = vec![0f32; n * d];
-        for l in 0..self.layers.len() {
-            interrupt::checkpoint()?;
-            rms_norm(&x, &self.layers[l].input_norm, eps, &mut h);
-            let attention = profile::time(Phase::Attention, || self.attention(l, &h, n));
-            let layer = &self.layers[l];
-            let conv = layer
-                .attn_conv
-                .forward(&attention, n, &mut self.states[l].attn_conv);
-            add(&mut x, &with_residual(conv, &attention));
-            rms_norm(&x, &self.layers[l].post_attention_norm, eps, &mut h);
-            let mlp = self.mlp(l, &h, n)?;
-            let conv = self.layers[l]
-                .mlp_conv
-                .forward(&mlp, n, &mut self.states[l].mlp_conv);
-            add(&mut x, &with_residual(conv, &mlp));
-        }
-        let last = if all_positions {
-            &x[..]
-        } else {
-            &x[(n - 1) * d..]
+        let mut pass = Pass {
+            config: &self.config,
+            n,
+            start: self.position,
+            routed: &mut self.routed,
         };
-        let m = last.len() / d;
-        let mut normed = vec![0f32; m * d];
-        rms_norm(last, &self.final_norm, eps, &mut normed);
+        for (l, (layer, state)) in self.layers.iter().zip(self.states.iter_mut()).enumerate() {
+            interrupt::checkpoint()?;
+            layer.forward(l, state, &mut pass, &mut x)?;
+        }
+        self.position += n;
+        let mut normed = final_norm(&x, &self.final_norm, eps, all_positions);
         let multiplier = self.config.logits_mup_width_multiplier as f32;
         normed.iter_mut().for_each(|v| *v /= multiplier);
         let logits = lm_head(&self.lm_head, &normed);
@@ -884,6 +895,7 @@ impl Engine for Inkling {
             state.attn_conv.clear();
             state.mlp_conv.clear();
         }
+        self.position = 0;
     }
 
     fn stop_tokens(&self) -> &[u32] {

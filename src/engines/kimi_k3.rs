@@ -26,7 +26,7 @@ use serde::Deserialize;
 
 use super::attn_res::{ResMix, ResidualStream};
 use super::kda::{Kda, KdaShape, KdaState};
-use super::layers::{embed_tokens, lm_head, rms_norm, rms_norm_in_place, GatedMlp};
+use super::layers::{embed_tokens, final_norm, lm_head, rms_norm, rms_norm_in_place, GatedMlp};
 use super::mla::{attend_absorbed, attend_plain, Keys, LatentCache, MlaProjections, MlaShape};
 use super::moe::{Predictor, Route, RoutedExperts, SigmoidRouter};
 use super::{Engine, LoadOptions};
@@ -594,6 +594,27 @@ impl Layer {
             + self.mlp_mix.size_bytes()
     }
 
+    /// One layer over the block residual stream: attention over its mix of the blocks so
+    /// far, then the FFN over its own; `id` is the layer's index.
+    fn forward(
+        &self,
+        id: usize,
+        state: &mut MixerState,
+        pass: &mut Pass,
+        stream: &mut ResidualStream,
+    ) -> Result<()> {
+        let eps = pass.config.rms_norm_eps;
+        let input = stream.attention_input(id, &self.attention_mix);
+        let mut h = vec![0f32; input.len()];
+        rms_norm(&input, &self.input_norm, eps, &mut h);
+        let attention = profile::time(Phase::Attention, || self.attention(state, pass, &h))?;
+        let input = stream.after_attention(&attention, &self.mlp_mix);
+        rms_norm(&input, &self.post_attention_norm, eps, &mut h);
+        let ffn = self.ffn(id, pass, &h)?;
+        stream.after_mlp(&ffn);
+        Ok(())
+    }
+
     fn attention(&self, state: &mut MixerState, pass: &Pass, h: &[f32]) -> Result<Vec<f32>> {
         let n = pass.n;
         match (&self.mixer, state) {
@@ -805,26 +826,12 @@ impl KimiK3 {
             n,
             routed: &mut self.routed,
         };
-        let mut h = vec![0f32; n * d];
         for (l, (layer, state)) in self.layers.iter().zip(self.states.iter_mut()).enumerate() {
             interrupt::checkpoint()?;
-            let input = stream.attention_input(l, &layer.attention_mix);
-            rms_norm(&input, &layer.input_norm, eps, &mut h);
-            let attention = profile::time(Phase::Attention, || layer.attention(state, &pass, &h))?;
-            let input = stream.after_attention(&attention, &layer.mlp_mix);
-            rms_norm(&input, &layer.post_attention_norm, eps, &mut h);
-            let mlp = layer.ffn(l, &mut pass, &h)?;
-            stream.after_mlp(&mlp);
+            layer.forward(l, state, &mut pass, &mut stream)?;
         }
         let out = stream.output(&self.output_mix);
-        let rows = if all_rows {
-            &out[..]
-        } else {
-            &out[(n - 1) * d..]
-        };
-        let mut normed = vec![0f32; rows.len()];
-        rms_norm(rows, &self.final_norm, eps, &mut normed);
-        Ok(normed)
+        Ok(final_norm(&out, &self.final_norm, eps, all_rows))
     }
 }
 

@@ -30,6 +30,16 @@ pub fn embed_tokens(embed: &Matrix, tokens: &[u32], vocab: usize) -> Result<Vec<
     Ok(x)
 }
 
+/// The final norm of the hidden rows `x` (each `weight.len()` wide) that the LM head reads:
+/// every row with `all_rows`, else the last.
+pub fn final_norm(x: &[f32], weight: &[f32], eps: f64, all_rows: bool) -> Vec<f32> {
+    let d = weight.len();
+    let rows = if all_rows { x } else { &x[x.len() - d..] };
+    let mut normed = vec![0f32; rows.len()];
+    rms_norm(rows, weight, eps, &mut normed);
+    normed
+}
+
 /// The LM head over the final-normalised `rows` (each `head.cols()` wide): one row of
 /// `head.rows()` logits each, timed as the `PROFILE:` line's `lm_head`.
 pub fn lm_head(head: &Matrix, rows: &[f32]) -> Vec<f32> {

@@ -7,7 +7,10 @@ use std::sync::Arc;
 use anyhow::{bail, Result};
 use serde::Deserialize;
 
-use super::layers::{embed_tokens, lm_head, rms_norm, rms_norm_in_place, AttentionShape, Rope};
+use super::layers::{
+    add_in_place, embed_tokens, final_norm, lm_head, rms_norm, rms_norm_in_place, AttentionShape,
+    Rope,
+};
 use super::moe::{softmax_top_k, Predictor, Route, RoutedExperts};
 use super::window_attention::{windowed_attention, WindowKvCache};
 use super::{Engine, LoadOptions};
@@ -162,7 +165,10 @@ pub struct Olmoe {
     final_norm: Vec<f32>,
     lm_head: Matrix,
     layers: Vec<Layer>,
-    kv_caches: Vec<WindowKvCache>,
+    /// Each layer's state across forwards: its KV cache.
+    states: Vec<WindowKvCache>,
+    /// Positions the states hold.
+    position: usize,
     rope: Rope,
     shape: AttentionShape,
     routed: RoutedExperts,
@@ -260,7 +266,8 @@ impl Olmoe {
                 head_dim: hd,
                 scale: (hd as f32).powf(-0.5),
             },
-            kv_caches: (0..config.num_hidden_layers)
+            position: 0,
+            states: (0..config.num_hidden_layers)
                 .map(|_| WindowKvCache::new(kv_heads * hd, None))
                 .collect(),
             // Every layer routes; the row after the last layer (an MTP head in other
@@ -292,15 +299,46 @@ impl Olmoe {
         }
         Ok(olmoe)
     }
+}
 
-    fn attention(&mut self, l: usize, x: &[f32], n: usize, start: usize) -> Vec<f32> {
-        let (d, hd) = (self.config.hidden_size, self.shape.head_dim);
-        let layer = &self.layers[l];
-        let attn = &layer.attention;
-        let q_width = self.shape.heads * hd;
-        let kv_width = self.shape.kv_heads * hd;
-        let mut h = vec![0f32; n * d];
-        rms_norm(x, &layer.input_norm, self.config.rms_norm_eps, &mut h);
+/// What every layer of one forward shares: the configuration, the attention shape and
+/// rotary table, the rows and the position of the first, and the routed experts.
+struct Pass<'a> {
+    config: &'a Config,
+    shape: AttentionShape,
+    rope: &'a Rope,
+    n: usize,
+    start: usize,
+    routed: &'a mut RoutedExperts,
+}
+
+impl Layer {
+    /// `x += attention(norm(x)); x += ffn(norm(x))` for the `pass.n` rows of `x`; `id` is
+    /// the layer's index.
+    fn forward(
+        &self,
+        id: usize,
+        cache: &mut WindowKvCache,
+        pass: &mut Pass,
+        x: &mut [f32],
+    ) -> Result<()> {
+        let eps = pass.config.rms_norm_eps;
+        let mut h = vec![0f32; x.len()];
+        rms_norm(x, &self.input_norm, eps, &mut h);
+        let attention = profile::time(Phase::Attention, || self.attention(cache, pass, &h));
+        add_in_place(x, &attention);
+        rms_norm(x, &self.post_attention_norm, eps, &mut h);
+        let ffn = self.ffn(id, pass, &h)?;
+        add_in_place(x, &ffn);
+        Ok(())
+    }
+
+    fn attention(&self, cache: &mut WindowKvCache, pass: &Pass, h: &[f32]) -> Vec<f32> {
+        let (config, shape, n, start) = (pass.config, pass.shape, pass.n, pass.start);
+        let (d, hd) = (config.hidden_size, shape.head_dim);
+        let attn = &self.attention;
+        let q_width = shape.heads * hd;
+        let kv_width = shape.kv_heads * hd;
         let mut q = vec![0f32; n * q_width];
         let mut k = vec![0f32; n * kv_width];
         let mut v = vec![0f32; n * kv_width];
@@ -310,56 +348,43 @@ impl Olmoe {
                 (&attn.k_proj, &mut k),
                 (&attn.v_proj, &mut v),
             ],
-            &h,
+            h,
             n,
         );
-        rms_norm_in_place(&mut q, &attn.q_norm, self.config.rms_norm_eps);
-        rms_norm_in_place(&mut k, &attn.k_norm, self.config.rms_norm_eps);
-        if let Some(clip) = self.config.clip_qkv {
+        rms_norm_in_place(&mut q, &attn.q_norm, config.rms_norm_eps);
+        rms_norm_in_place(&mut k, &attn.k_norm, config.rms_norm_eps);
+        if let Some(clip) = config.clip_qkv {
             for value in q.iter_mut().chain(k.iter_mut()).chain(v.iter_mut()) {
                 *value = value.clamp(-clip, clip);
             }
         }
         for t in 0..n {
-            self.rope
+            pass.rope
                 .apply(&mut q[t * q_width..][..q_width], hd, start + t);
-            self.rope
+            pass.rope
                 .apply(&mut k[t * kv_width..][..kv_width], hd, start + t);
         }
-        let cache = &mut self.kv_caches[l];
         cache.push(&k, &v);
         let mut context = vec![0f32; n * q_width];
-        windowed_attention(self.shape, None, &q, n, cache, None, &mut context);
+        windowed_attention(shape, None, &q, n, cache, None, &mut context);
         let mut out = vec![0f32; n * d];
         attn.o_proj.matmul(&context, n, &mut out);
         out
     }
 
-    fn moe(&mut self, l: usize, x: &[f32], n: usize) -> Result<Vec<f32>> {
-        let d = self.config.hidden_size;
-        let layer = &self.layers[l];
-        let mut h = vec![0f32; n * d];
-        rms_norm(
-            x,
-            &layer.post_attention_norm,
-            self.config.rms_norm_eps,
-            &mut h,
-        );
-        let mut logits = vec![0f32; n * self.config.num_experts];
-        layer.router.matmul(&h, n, &mut logits);
+    /// The routed experts of layer `id` for the normed rows `h`.
+    fn ffn(&self, id: usize, pass: &mut Pass, h: &[f32]) -> Result<Vec<f32>> {
+        let (config, n) = (pass.config, pass.n);
+        let d = config.hidden_size;
+        let mut logits = vec![0f32; n * config.num_experts];
+        self.router.matmul(h, n, &mut logits);
         let routes: Vec<Route> = logits
-            .chunks_exact(self.config.num_experts)
-            .map(|row| {
-                softmax_top_k(
-                    row,
-                    self.config.num_experts_per_tok,
-                    self.config.norm_topk_prob,
-                )
-            })
+            .chunks_exact(config.num_experts)
+            .map(|row| softmax_top_k(row, config.num_experts_per_tok, config.norm_topk_prob))
             .collect();
         let mut out = vec![0f32; n * d];
-        self.routed.look_ahead(l, &h, n);
-        self.routed.run(l, &h, &routes, d, &mut out)?;
+        pass.routed.look_ahead(id, h, n);
+        pass.routed.run(id, h, &routes, d, &mut out)?;
         Ok(out)
     }
 }
@@ -462,42 +487,37 @@ impl Engine for Olmoe {
     }
 
     fn position(&self) -> usize {
-        self.kv_caches.first().map_or(0, WindowKvCache::positions)
+        self.position
     }
 
     fn forward(&mut self, tokens: &[u32], all_positions: bool) -> Result<Vec<f32>> {
-        let (n, d, vocab) = (
-            tokens.len(),
-            self.config.hidden_size,
-            self.config.vocab_size,
-        );
-        let start = self.position();
+        let (n, vocab) = (tokens.len(), self.config.vocab_size);
         let mut x = embed_tokens(&self.embed, tokens, vocab)?;
-        for l in 0..self.layers.len() {
-            interrupt::checkpoint()?;
-            let attention = profile::time(Phase::Attention, || self.attention(l, &x, n, start));
-            add(&mut x, &attention);
-            let moe = self.moe(l, &x, n)?;
-            add(&mut x, &moe);
-        }
-        let rows = if all_positions {
-            &x[..]
-        } else {
-            &x[(n - 1) * d..]
+        let mut pass = Pass {
+            config: &self.config,
+            shape: self.shape,
+            rope: &self.rope,
+            n,
+            start: self.position,
+            routed: &mut self.routed,
         };
-        let m = rows.len() / d;
-        let mut normed = vec![0f32; m * d];
-        rms_norm(
-            rows,
+        for (l, (layer, cache)) in self.layers.iter().zip(self.states.iter_mut()).enumerate() {
+            interrupt::checkpoint()?;
+            layer.forward(l, cache, &mut pass, &mut x)?;
+        }
+        self.position += n;
+        let normed = final_norm(
+            &x,
             &self.final_norm,
             self.config.rms_norm_eps,
-            &mut normed,
+            all_positions,
         );
         Ok(lm_head(&self.lm_head, &normed))
     }
 
     fn reset(&mut self) {
-        self.kv_caches.iter_mut().for_each(WindowKvCache::clear);
+        self.states.iter_mut().for_each(WindowKvCache::clear);
+        self.position = 0;
     }
 
     fn stop_tokens(&self) -> &[u32] {
@@ -540,11 +560,5 @@ impl Engine for Olmoe {
             + self.embed.size_bytes()
             + self.lm_head.size_bytes()
             + 4 * self.final_norm.len()
-    }
-}
-
-fn add(x: &mut [f32], y: &[f32]) {
-    for (a, b) in x.iter_mut().zip(y) {
-        *a += b;
     }
 }
