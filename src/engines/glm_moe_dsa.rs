@@ -16,7 +16,10 @@ use anyhow::{anyhow, bail, Result};
 use serde::Deserialize;
 
 use super::dsa::{IndexKeys, Indexer, IndexerShape};
-use super::layers::{add_in_place, embed_tokens, final_norm, lm_head, rms_norm, GatedMlp, Rope};
+use super::layers::{
+    add_in_place, embed_tokens, final_norm, lm_head, pre_norm_residual, rms_norm, GatedMlp, Rope,
+    Sublayer,
+};
 use super::mla::{
     attend_absorbed, attend_plain, Keys, LatentCache, MlaProjections, MlaShape, Projected,
 };
@@ -26,7 +29,6 @@ use crate::activation::Activation;
 use crate::experts::{ExpertStore, ExpertTensors};
 use crate::generate::argmax;
 use crate::interrupt;
-use crate::profile::{self, Phase};
 use crate::quant::{load_vector, Matrix, Width};
 use crate::route_trace::RouteTrace;
 use crate::snapshot::Snapshot;
@@ -511,15 +513,11 @@ impl Layer {
         pass: &mut Pass,
         x: &mut [f32],
     ) -> Result<()> {
-        let eps = pass.config.rms_norm_eps;
-        let mut h = vec![0f32; x.len()];
-        rms_norm(x, &self.input_norm, eps, &mut h);
-        let attention = profile::time(Phase::Attention, || self.attention(cache, pass, &h));
-        add_in_place(x, &attention);
-        rms_norm(x, &self.post_attention_norm, eps, &mut h);
-        let ffn = self.ffn(id, pass, &h)?;
-        add_in_place(x, &ffn);
-        Ok(())
+        let norms = [&self.input_norm[..], &self.post_attention_norm];
+        pre_norm_residual(x, norms, pass.config.rms_norm_eps, |step, h| match step {
+            Sublayer::Attention => Ok(self.attention(cache, pass, h)),
+            Sublayer::Ffn => self.ffn(id, pass, h),
+        })
     }
 
     fn attention(&self, cache: &mut LayerCache, pass: &mut Pass, h: &[f32]) -> Vec<f32> {

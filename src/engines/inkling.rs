@@ -14,8 +14,8 @@ use anyhow::{anyhow, bail, Result};
 use serde::Deserialize;
 
 use super::layers::{
-    add_in_place, embed_tokens, final_norm, lm_head, rms_norm, rms_norm_in_place, AttentionShape,
-    GatedMlp,
+    add_in_place, embed_tokens, final_norm, lm_head, pre_norm_residual, rms_norm_in_place,
+    AttentionShape, GatedMlp, Sublayer,
 };
 use super::moe::{biased_top_k, Predictor, Route, RoutedExperts};
 use super::short_conv::{ConvState, ShortConv};
@@ -24,7 +24,6 @@ use super::{Engine, LoadOptions};
 use crate::activation::Activation;
 use crate::experts::{ExpertStore, ExpertTensors};
 use crate::interrupt;
-use crate::profile::{self, Phase};
 use crate::quant::{load_vector, Matrix, Width};
 use crate::route_trace::RouteTrace;
 use crate::snapshot::Snapshot;
@@ -639,17 +638,22 @@ impl Layer {
         pass: &mut Pass,
         x: &mut [f32],
     ) -> Result<()> {
-        let (eps, n) = (pass.config.rms_norm_eps, pass.n);
-        let mut h = vec![0f32; x.len()];
-        rms_norm(x, &self.input_norm, eps, &mut h);
-        let attention = profile::time(Phase::Attention, || self.attention(state, pass, &h));
-        let conv = self.attn_conv.forward(&attention, n, &mut state.attn_conv);
-        add_in_place(x, &with_residual(conv, &attention));
-        rms_norm(x, &self.post_attention_norm, eps, &mut h);
-        let ffn = self.ffn(id, pass, &h)?;
-        let conv = self.mlp_conv.forward(&ffn, n, &mut state.mlp_conv);
-        add_in_place(x, &with_residual(conv, &ffn));
-        Ok(())
+        let norms = [&self.input_norm[..], &self.post_attention_norm];
+        pre_norm_residual(x, norms, pass.config.rms_norm_eps, |step, h| {
+            let n = pass.n;
+            Ok(match step {
+                Sublayer::Attention => {
+                    let attention = self.attention(state, pass, h);
+                    let conv = self.attn_conv.forward(&attention, n, &mut state.attn_conv);
+                    with_residual(conv, &attention)
+                }
+                Sublayer::Ffn => {
+                    let ffn = self.ffn(id, pass, h)?;
+                    let conv = self.mlp_conv.forward(&ffn, n, &mut state.mlp_conv);
+                    with_residual(conv, &ffn)
+                }
+            })
+        })
     }
 
     /// Self-attention over the normalised rows `h`, before the output convolution.

@@ -30,6 +30,33 @@ pub fn embed_tokens(embed: &Matrix, tokens: &[u32], vocab: usize) -> Result<Vec<
     Ok(x)
 }
 
+/// The two sublayers of a transformer layer, for [`pre_norm_residual`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sublayer {
+    Attention,
+    Ffn,
+}
+
+/// The pre-norm residual layer every engine but Kimi K3 (block attention residuals) runs:
+/// `x += attention(norm(x)); x += ffn(norm(x))`, the norms' weights `norms` (input, then
+/// post-attention). `sublayer` computes either step from the normed rows; the attention
+/// step is timed as the `PROFILE:` line's `attention`.
+pub fn pre_norm_residual(
+    x: &mut [f32],
+    norms: [&[f32]; 2],
+    eps: f64,
+    mut sublayer: impl FnMut(Sublayer, &[f32]) -> Result<Vec<f32>>,
+) -> Result<()> {
+    let mut h = vec![0f32; x.len()];
+    rms_norm(x, norms[0], eps, &mut h);
+    let attention = profile::time(Phase::Attention, || sublayer(Sublayer::Attention, &h))?;
+    add_in_place(x, &attention);
+    rms_norm(x, norms[1], eps, &mut h);
+    let ffn = sublayer(Sublayer::Ffn, &h)?;
+    add_in_place(x, &ffn);
+    Ok(())
+}
+
 /// The final norm of the hidden rows `x` (each `weight.len()` wide) that the LM head reads:
 /// every row with `all_rows`, else the last.
 pub fn final_norm(x: &[f32], weight: &[f32], eps: f64, all_rows: bool) -> Vec<f32> {

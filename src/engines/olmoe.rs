@@ -8,15 +8,14 @@ use anyhow::{bail, Result};
 use serde::Deserialize;
 
 use super::layers::{
-    add_in_place, embed_tokens, final_norm, lm_head, rms_norm, rms_norm_in_place, AttentionShape,
-    Rope,
+    embed_tokens, final_norm, lm_head, pre_norm_residual, rms_norm_in_place, AttentionShape, Rope,
+    Sublayer,
 };
 use super::moe::{softmax_top_k, Predictor, Route, RoutedExperts};
 use super::window_attention::{windowed_attention, WindowKvCache};
 use super::{Engine, LoadOptions};
 use crate::experts::{ExpertStore, ExpertTensors};
 use crate::interrupt;
-use crate::profile::{self, Phase};
 use crate::quant::{load_vector, matmul_shared_input, Matrix, Width};
 use crate::route_trace::RouteTrace;
 use crate::snapshot::{Dtype, Snapshot, TensorView};
@@ -322,15 +321,11 @@ impl Layer {
         pass: &mut Pass,
         x: &mut [f32],
     ) -> Result<()> {
-        let eps = pass.config.rms_norm_eps;
-        let mut h = vec![0f32; x.len()];
-        rms_norm(x, &self.input_norm, eps, &mut h);
-        let attention = profile::time(Phase::Attention, || self.attention(cache, pass, &h));
-        add_in_place(x, &attention);
-        rms_norm(x, &self.post_attention_norm, eps, &mut h);
-        let ffn = self.ffn(id, pass, &h)?;
-        add_in_place(x, &ffn);
-        Ok(())
+        let norms = [&self.input_norm[..], &self.post_attention_norm];
+        pre_norm_residual(x, norms, pass.config.rms_norm_eps, |step, h| match step {
+            Sublayer::Attention => Ok(self.attention(cache, pass, h)),
+            Sublayer::Ffn => self.ffn(id, pass, h),
+        })
     }
 
     fn attention(&self, cache: &mut WindowKvCache, pass: &Pass, h: &[f32]) -> Vec<f32> {
