@@ -26,7 +26,7 @@ use super::mla::{
 use super::moe::{Predictor, Route, RoutedExperts, SigmoidRouter};
 use super::{Engine, LoadOptions};
 use crate::activation::Activation;
-use crate::experts::{ExpertStore, ExpertTensors};
+use crate::experts::ExpertTensors;
 use crate::generate::argmax;
 use crate::interrupt;
 use crate::quant::{load_vector, Matrix, Width};
@@ -795,10 +795,7 @@ impl GlmMoeDsa {
             states,
             mtp_cache: cache(false),
             mtp,
-            routed: RoutedExperts::new(
-                ExpertStore::new(Vec::new(), 1, options.store.width),
-                telemetry,
-            ),
+            routed: RoutedExperts::unprovisioned(options.store.width, telemetry),
             dsa_force: options.dsa_force,
             draft,
             tokens: Vec::new(),
@@ -807,8 +804,10 @@ impl GlmMoeDsa {
             pending: Vec::new(),
             config,
         };
-        let resident = engine.resident_bytes() as u64;
-        engine.routed.store = ExpertStore::provision(expert_tensors, &options.store, resident)?;
+        let trunk = engine.resident_bytes();
+        engine
+            .routed
+            .provision(expert_tensors, &options.store, trunk)?;
         for (l, layer) in engine.layers.iter().enumerate() {
             if let Ffn::Moe { router, gate, .. } = &layer.ffn {
                 engine

@@ -22,7 +22,7 @@ use super::short_conv::{ConvState, ShortConv};
 use super::window_attention::{windowed_attention, DistanceBias, WindowKvCache};
 use super::{Engine, LoadOptions};
 use crate::activation::Activation;
-use crate::experts::{ExpertStore, ExpertTensors};
+use crate::experts::ExpertTensors;
 use crate::interrupt;
 use crate::quant::{load_vector, Matrix, Width};
 use crate::route_trace::RouteTrace;
@@ -590,14 +590,13 @@ impl Inkling {
             layers,
             states,
             position: 0,
-            routed: RoutedExperts::new(
-                ExpertStore::new(Vec::new(), 1, options.store.width),
-                telemetry,
-            ),
+            routed: RoutedExperts::unprovisioned(options.store.width, telemetry),
             config,
         };
-        let resident = inkling.resident_bytes() as u64;
-        inkling.routed.store = ExpertStore::provision(expert_tensors, &options.store, resident)?;
+        let trunk = inkling.resident_bytes();
+        inkling
+            .routed
+            .provision(expert_tensors, &options.store, trunk)?;
         let (n_experts, k) = (
             inkling.config.n_routed_experts,
             inkling.config.num_experts_per_tok,

@@ -31,7 +31,7 @@ use super::mla::{attend_absorbed, attend_plain, Keys, LatentCache, MlaProjection
 use super::moe::{Predictor, Route, RoutedExperts, SigmoidRouter};
 use super::{Engine, LoadOptions};
 use crate::activation::{Activation, Situ};
-use crate::experts::{ExpertStore, ExpertTensors};
+use crate::experts::ExpertTensors;
 use crate::interrupt;
 use crate::profile::{self, Phase};
 use crate::quant::{load_vector, Matrix, Width};
@@ -789,16 +789,15 @@ impl KimiK3 {
             )?,
             layers,
             states,
-            routed: RoutedExperts::new(
-                ExpertStore::new(Vec::new(), 1, options.store.width),
-                telemetry,
-            ),
+            routed: RoutedExperts::unprovisioned(options.store.width, telemetry),
             stop,
             position: 0,
             config,
         };
-        let resident = engine.resident_bytes() as u64;
-        engine.routed.store = ExpertStore::provision(expert_tensors, &options.store, resident)?;
+        let trunk = engine.resident_bytes();
+        engine
+            .routed
+            .provision(expert_tensors, &options.store, trunk)?;
         for (l, layer) in engine.layers.iter().enumerate() {
             if let Ffn::Moe(moe) = &layer.ffn {
                 engine

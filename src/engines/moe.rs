@@ -12,9 +12,9 @@ use super::layers::{add_in_place, glu_ffn, softmax, top_k};
 use crate::activation::Activation;
 use crate::backend::{self, ExpertGroup, GroupExpert};
 use crate::experts::tier::ExpertTier;
-use crate::experts::{Expert, ExpertStore};
+use crate::experts::{Expert, ExpertStore, ExpertTensors, StoreOptions};
 use crate::profile::{self, Phase};
-use crate::quant::Matrix;
+use crate::quant::{Matrix, Width};
 use crate::route_trace::RouteTrace;
 
 /// The experts one row of the batch routes to, with the gates the layer applies.
@@ -138,6 +138,24 @@ pub struct RoutedExperts {
 }
 
 impl RoutedExperts {
+    /// The routed experts of an engine still loading its trunk: `telemetry`, and a store
+    /// with no experts until [`RoutedExperts::provision`] sizes it against the trunk.
+    pub fn unprovisioned(width: Width, telemetry: RouteTrace) -> RoutedExperts {
+        RoutedExperts::new(ExpertStore::new(Vec::new(), 1, width), telemetry)
+    }
+
+    /// The store for `experts` that `options` ask for, beside `trunk_bytes` of resident
+    /// weights (what [`ExpertStore::provision`] sizes the budget against).
+    pub fn provision(
+        &mut self,
+        experts: Vec<Vec<ExpertTensors>>,
+        options: &StoreOptions,
+        trunk_bytes: usize,
+    ) -> Result<()> {
+        self.store = ExpertStore::provision(experts, options, trunk_bytes as u64)?;
+        Ok(())
+    }
+
     pub fn new(store: ExpertStore, telemetry: RouteTrace) -> RoutedExperts {
         RoutedExperts {
             store,

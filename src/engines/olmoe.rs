@@ -14,7 +14,7 @@ use super::layers::{
 use super::moe::{softmax_top_k, Predictor, Route, RoutedExperts};
 use super::window_attention::{windowed_attention, WindowKvCache};
 use super::{Engine, LoadOptions};
-use crate::experts::{ExpertStore, ExpertTensors};
+use crate::experts::ExpertTensors;
 use crate::interrupt;
 use crate::quant::{load_vector, matmul_shared_input, Matrix, Width};
 use crate::route_trace::RouteTrace;
@@ -271,7 +271,7 @@ impl Olmoe {
                 .collect(),
             // Every layer routes; the row after the last layer (an MTP head in other
             // models) does not exist here.
-            routed: RoutedExperts::new(ExpertStore::new(Vec::new(), 1, options.store.width), {
+            routed: RoutedExperts::unprovisioned(options.store.width, {
                 let mut telemetry =
                     RouteTrace::new(NAME, config.num_hidden_layers, config.num_experts)?;
                 telemetry.drop_row(config.num_hidden_layers);
@@ -283,8 +283,10 @@ impl Olmoe {
             layers,
             config,
         };
-        let resident = olmoe.resident_bytes() as u64;
-        olmoe.routed.store = ExpertStore::provision(expert_tensors, &options.store, resident)?;
+        let trunk = olmoe.resident_bytes();
+        olmoe
+            .routed
+            .provision(expert_tensors, &options.store, trunk)?;
         let k = olmoe.config.num_experts_per_tok;
         for (l, layer) in olmoe.layers.iter().enumerate() {
             olmoe.routed.predict_with(

@@ -103,7 +103,7 @@ impl Packing {
                 self.rows * self.row_bytes
             ));
         }
-        let expected = self.scale_rows(0, self.rows) * self.scales_per_row();
+        let expected = matrix.format.scale_count(self.rows, self.cols);
         match (self.code, matrix.scales) {
             (F32 | BF16 | F16, RawScales::None) => Ok(()),
             (INT8 | INT4 | FP8, RawScales::F32(scales)) if scales.len() == expected => Ok(()),
@@ -116,7 +116,7 @@ impl Packing {
     fn scales_per_row(&self) -> usize {
         match self.code {
             F32 | BF16 | F16 => 0,
-            MXFP4 => self.cols.div_ceil(MXFP4_GROUP),
+            MXFP4 => Format::Mxfp4.scales_per_row(self.cols),
             _ => self.scale_stride,
         }
     }
