@@ -167,6 +167,7 @@ pub fn run(argv: impl IntoIterator<Item = OsString>) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     if let Some(Command::Serve(args)) = &cli.command {
+        refuse_mpirun("coli serve")?;
         let (pairs, numbers) = split_args(&args.args)?;
         let settings = Settings::from_process(&pairs)?;
         return crate::serve::run(
@@ -178,6 +179,7 @@ pub fn run(argv: impl IntoIterator<Item = OsString>) -> Result<ExitCode> {
         );
     }
     if let Some(Command::Chat(args)) = &cli.command {
+        refuse_mpirun("coli chat")?;
         let (pairs, numbers) = split_args(&args.args)?;
         let settings = Settings::from_process(&pairs)?;
         return crate::serve::chat::run(
@@ -193,7 +195,26 @@ pub fn run(argv: impl IntoIterator<Item = OsString>) -> Result<ExitCode> {
     let (pairs, numbers) = split_args(&cli.args)?;
     let settings = Settings::from_process(&pairs)?;
     let positionals = Positionals::from_numbers(&numbers);
+    #[cfg(feature = "mpi")]
+    let job = crate::cluster::start()?;
+    #[cfg(feature = "mpi")]
+    if let Some(job) = job.as_ref().filter(|job| job.rank > 0) {
+        return crate::cluster::serve(cli.model.as_deref(), &settings, positionals, job);
+    }
+    #[cfg(not(feature = "mpi"))]
+    if run::launched_by_mpirun() {
+        bail!("this coli was built without MPI, so each of mpirun's ranks would run the whole model and write the same history: build it with `cargo build --release --features mpi`, or run it without mpirun");
+    }
     run::main_job(cli.model.as_deref(), &settings, positionals)
+}
+
+/// `what` runs as one process: under `mpirun` every rank would serve the same port and
+/// history.
+fn refuse_mpirun(what: &str) -> Result<()> {
+    if run::launched_by_mpirun() {
+        bail!("{what} runs as one process, not under mpirun; an MPI job runs the main job (`mpirun -np N coli SNAP=...`)");
+    }
+    Ok(())
 }
 
 /// `KEY=VALUE` pairs, in order.

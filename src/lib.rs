@@ -17,6 +17,8 @@
 pub mod activation;
 pub mod backend;
 pub mod cli;
+#[cfg(feature = "mpi")]
+pub mod cluster;
 pub mod convert;
 pub mod engines;
 pub mod experts;

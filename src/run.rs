@@ -42,6 +42,13 @@ impl Positionals {
     }
 }
 
+/// Whether the process manager of an MPI launch (Open MPI, MPICH, PMIx) started this process.
+pub fn launched_by_mpirun() -> bool {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
+        .iter()
+        .any(|key| std::env::var_os(key).is_some())
+}
+
 /// The main job; a run that a signal stopped exits `128 + signal` once it has saved.
 pub fn main_job(
     model: Option<&str>,
@@ -107,6 +114,11 @@ fn job(model: Option<&str>, settings: &Settings, positionals: Positionals) -> Re
         RunKind::Scoring
     };
     let mut session = Session::start(settings, snapshot.dir(), engine.as_mut(), budget, kind)?;
+    #[cfg(feature = "mpi")]
+    if crate::cluster::world_size() > 1 {
+        // Placed after the history loaded, so that its heat balances the ranks.
+        crate::cluster::Trunk::attach(engine.as_mut(), settings, crate::cluster::world_size())?;
+    }
 
     let ref_path = settings
         .reference
@@ -427,10 +439,11 @@ fn profile_line(engine: &dyn Engine, started: &Instant) -> String {
     let matmul = total(Phase::ExpertMatmul).as_secs_f64();
     let attention = total(Phase::Attention).as_secs_f64();
     let head = total(Phase::LmHead).as_secs_f64();
-    let other = (wall - wait - matmul - attention - head).max(0.0);
+    let exchange = total(Phase::Exchange).as_secs_f64();
+    let other = (wall - wait - matmul - attention - head - exchange).max(0.0);
     let wasted = stats.ahead_wasted + engine.routed().store.ahead_unused();
     format!(
-        "PROFILE: expert-disk {:.2} s service / {wait:.2} s wait | expert-matmul {matmul:.2} s | attention {attention:.2} s | lm_head {head:.2} s | other {other:.2} s | prefetch {} useful / {wasted} wasted{}",
+        "PROFILE: expert-disk {:.2} s service / {wait:.2} s wait | expert-matmul {matmul:.2} s | attention {attention:.2} s | lm_head {head:.2} s | other {other:.2} s | prefetch {} useful / {wasted} wasted{}{}",
         stats.read_nanos as f64 / 1e9,
         stats.ahead_useful,
         if stats.predicted > 0 {
@@ -443,8 +456,24 @@ fn profile_line(engine: &dyn Engine, started: &Instant) -> String {
             )
         } else {
             String::new()
-        }
+        },
+        exchange_part(exchange)
     )
+}
+
+/// The `PROFILE:` line's part for an MPI job's trunk: the time its MoE calls spent sending
+/// to the expert ranks and waiting for them, in all and per call.
+fn exchange_part(seconds: f64) -> String {
+    #[cfg(feature = "mpi")]
+    if seconds > 0.0 {
+        let calls = crate::cluster::exchanges().max(1);
+        return format!(
+            " | mpi {seconds:.2} s ({:.3} ms a MoE call, {calls} calls)",
+            1e3 * seconds / calls as f64
+        );
+    }
+    let _ = seconds;
+    String::new()
 }
 
 /// Bytes this process has caused to be read from storage (`/proc/self/io`).

@@ -16,7 +16,7 @@ use anyhow::{bail, Result};
 use thiserror::Error;
 
 use crate::backend;
-use crate::experts::{ExpertIo, Policy};
+use crate::experts::{ExpertIo, Policy, Sharding};
 use crate::quant::Isa;
 use crate::route_trace::placement::{PinGb, PinRank, PinSetting};
 use crate::route_trace::save::Decay;
@@ -309,6 +309,18 @@ pub const KEYS: &[Key] = &[
         doc: "every N generated tokens swap cold pins for hot experts; 0 = never",
     },
     Key {
+        name: "EXPERT_SHARDING",
+        kind: Kind::Text,
+        default: "expert",
+        doc: "under mpirun (a build with --features mpi): how the routed experts are spread over ranks 1..N-1: expert (each layer's experts balanced by the history's heat) or layer (whole layers)",
+    },
+    Key {
+        name: "MPI_TIMEOUT",
+        kind: Kind::Count,
+        default: "120",
+        doc: "under mpirun: seconds rank 0 waits for an expert rank's answer before it ends the run naming that rank",
+    },
+    Key {
         name: "ACT_BITS",
         kind: Kind::Count,
         default: "32",
@@ -530,6 +542,9 @@ pub struct Settings {
     /// `IO_THREADS`, held to 1..=64.
     pub io_threads: usize,
     pub pilot: usize,
+    pub expert_sharding: Sharding,
+    /// `MPI_TIMEOUT`, in seconds (at least 1).
+    pub mpi_timeout: u64,
     /// `COLI_POLICY`.
     pub policy: Policy,
     // The history, the trace and placement.
@@ -618,6 +633,8 @@ impl Settings {
             direct: r.flag_if_set("DIRECT"),
             io_threads: r.count("IO_THREADS").clamp(1, 64),
             pilot: r.count("PILOT"),
+            expert_sharding: Sharding::from_setting(&r.text_or_default("EXPERT_SHARDING"))?,
+            mpi_timeout: r.count("MPI_TIMEOUT").max(1) as u64,
             policy: Policy::from_setting(&r.text_or_default("COLI_POLICY"))?,
             usage: r.path("COLI_USAGE"),
             usage_save: r.flag("USAGE_SAVE"),

@@ -135,6 +135,31 @@ pub struct RoutedExperts {
     pub tier_hits: u64,
     /// By MoE layer: its router, for the layers before it to predict with.
     predictors: Vec<Option<Predictor>>,
+    /// The experts other processes compute (the expert ranks of an MPI job).
+    pub remote: Option<Box<dyn RemoteExperts>>,
+}
+
+/// An expert and the `(row, gate)` pairs routed to it in one MoE call.
+pub type Assignment = (usize, Vec<(usize, f32)>);
+
+/// Routed experts that other processes hold and compute: the expert ranks of an MPI job.
+/// Each MoE call sends one request per process ([`RemoteExperts::send`]) before the local
+/// experts run, and collects the answers after ([`RemoteExperts::receive`]); the outputs
+/// are ungated, so the caller adds every expert's share in one order wherever it ran.
+pub trait RemoteExperts: Send {
+    /// Whether expert `expert` of MoE layer `layer` runs elsewhere.
+    fn is_remote(&self, layer: usize, expert: usize) -> bool;
+    /// Ask for `assignments` (all remote) over `input` (`width` columns a row).
+    fn send(
+        &mut self,
+        layer: usize,
+        input: &[f32],
+        width: usize,
+        activation: Activation,
+        assignments: &[&Assignment],
+    ) -> Result<()>;
+    /// Each assignment's output (its rows times `width`, ungated), in the order sent.
+    fn receive(&mut self) -> Result<Vec<Vec<f32>>>;
 }
 
 impl RoutedExperts {
@@ -163,6 +188,7 @@ impl RoutedExperts {
             telemetry,
             tier_hits: 0,
             predictors: Vec::new(),
+            remote: None,
         }
     }
 
@@ -251,16 +277,34 @@ impl RoutedExperts {
         let mut experts: Vec<usize> = routes.iter().flatten().map(|&(e, _)| e).collect();
         experts.sort_unstable();
         experts.dedup();
-        let assignments: Vec<(usize, Vec<(usize, f32)>)> = experts
+        let assignments: Vec<Assignment> = experts
             .into_iter()
             .map(|expert| (expert, rows_of(routes, expert)))
             .collect();
+        out.fill(0.0);
+        if let Some(remote) = self.remote.as_mut() {
+            // An MPI job's trunk: the tier is this process's, the rest is split by owner.
+            let (elsewhere, here): (Vec<_>, Vec<_>) = assignments
+                .iter()
+                .partition(|(expert, _)| remote.is_remote(layer, *expert));
+            if !elsewhere.is_empty() {
+                return run_spread(
+                    &mut self.store,
+                    remote.as_mut(),
+                    layer,
+                    input,
+                    (&here, &elsewhere),
+                    width,
+                    activation,
+                    out,
+                );
+            }
+        }
         let device = backend::active().filter(|_| !self.tier.is_empty());
         let (resident, host): (Vec<_>, Vec<_>) = assignments
             .iter()
             .partition(|(expert, _)| device.is_some() && self.tier.contains(layer, *expert));
 
-        out.fill(0.0);
         let store = &mut self.store;
         let Some(device) = device.filter(|_| !resident.is_empty()) else {
             return run_on_host(store, layer, input, &host, width, activation, out);
@@ -329,19 +373,76 @@ fn rows_of(routes: &[Route], expert: usize) -> Vec<(usize, f32)> {
         .collect()
 }
 
-/// Add each expert's gated output over its rows to `out`, in the order given, with the
-/// experts taken from (and cached by) the CPU store. When the layer's slots hold them all
-/// at once the experts run side by side on the thread pool (one wait for the layer rather
-/// than one per product); each output is the same either way, and the sum keeps its order.
-fn run_on_host(
+/// The experts of an MPI job's trunk: the remote ones asked for first, then the local ones
+/// computed from the store while the other ranks compute theirs, then every expert's gated
+/// output added in ascending id order, as one process adds them. (The VRAM tier is not
+/// used for these calls.)
+#[allow(clippy::too_many_arguments)]
+fn run_spread(
     store: &mut ExpertStore,
+    remote: &mut dyn RemoteExperts,
     layer: usize,
     input: &[f32],
-    assignments: &[&(usize, Vec<(usize, f32)>)],
+    (here, elsewhere): (&[&Assignment], &[&Assignment]),
     width: usize,
     activation: Activation,
     out: &mut [f32],
 ) -> Result<()> {
+    remote.send(layer, input, width, activation, elsewhere)?;
+    let local = host_outputs(store, layer, input, here, width, activation)?;
+    let answers = remote.receive()?;
+    let mut all: Vec<(&Assignment, Vec<f32>)> = here
+        .iter()
+        .copied()
+        .zip(local)
+        .chain(elsewhere.iter().copied().zip(answers))
+        .collect();
+    all.sort_by_key(|(assignment, _)| assignment.0);
+    for (assignment, result) in &all {
+        accumulate(out, width, &assignment.1, result);
+    }
+    Ok(())
+}
+
+/// Add `result` (one output row of `width` per routed row) times each row's gate to `out`.
+fn accumulate(out: &mut [f32], width: usize, rows: &[(usize, f32)], result: &[f32]) {
+    for (&(row, weight), y) in rows.iter().zip(result.chunks_exact(width)) {
+        for (o, &v) in out[row * width..][..width].iter_mut().zip(y) {
+            *o += v * weight;
+        }
+    }
+}
+
+/// Add each expert's gated output over its rows to `out`, in the order given, with the
+/// experts taken from (and cached by) the CPU store.
+fn run_on_host(
+    store: &mut ExpertStore,
+    layer: usize,
+    input: &[f32],
+    assignments: &[&Assignment],
+    width: usize,
+    activation: Activation,
+    out: &mut [f32],
+) -> Result<()> {
+    let results = host_outputs(store, layer, input, assignments, width, activation)?;
+    for ((_, rows), result) in assignments.iter().map(|a| (a.0, &a.1)).zip(results) {
+        accumulate(out, width, rows, &result);
+    }
+    Ok(())
+}
+
+/// Each expert's output over its rows (ungated), in the order given, with the experts
+/// taken from (and cached by) the CPU store. When the layer's slots hold them all at once
+/// the experts run side by side on the thread pool (one wait for the layer rather than one
+/// per product); each output is the same either way.
+pub fn host_outputs(
+    store: &mut ExpertStore,
+    layer: usize,
+    input: &[f32],
+    assignments: &[&Assignment],
+    width: usize,
+    activation: Activation,
+) -> Result<Vec<Vec<f32>>> {
     let batches: Vec<Vec<f32>> = assignments
         .iter()
         .map(|(_, rows)| {
@@ -371,8 +472,8 @@ fn run_on_host(
                 .collect::<Vec<_>>()
         })
     })?;
-    let results = match together {
-        Some(results) => results,
+    match together {
+        Some(results) => Ok(results),
         None => assignments
             .iter()
             .zip(&batches)
@@ -382,16 +483,8 @@ fn run_on_host(
                 })
             })
             .collect::<Result<_>>()
-            .and_then(|results| store.finish_layer(layer).map(|()| results))?,
-    };
-    for ((_, rows), result) in assignments.iter().map(|a| (a.0, &a.1)).zip(results) {
-        for (&(row, weight), y) in rows.iter().zip(result.chunks_exact(width)) {
-            for (o, &v) in out[row * width..][..width].iter_mut().zip(y) {
-                *o += v * weight;
-            }
-        }
+            .and_then(|results| store.finish_layer(layer).map(|()| results)),
     }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -185,6 +185,26 @@ impl ExpertIo {
     }
 }
 
+/// How the routed experts are spread over the expert ranks of an MPI job
+/// (`EXPERT_SHARDING`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sharding {
+    /// Each MoE layer's experts over every rank, balanced by the history's heat.
+    Expert,
+    /// Whole MoE layers, round robin.
+    Layer,
+}
+
+impl Sharding {
+    pub fn from_setting(value: &str) -> Result<Sharding> {
+        match value {
+            "expert" => Ok(Sharding::Expert),
+            "layer" => Ok(Sharding::Layer),
+            other => bail!("setting EXPERT_SHARDING={other}: expected expert or layer"),
+        }
+    }
+}
+
 /// How the store is sized and fed.
 #[derive(Debug, Clone)]
 pub struct StoreOptions {

@@ -1,0 +1,414 @@
+//! Routed experts spread over the processes of an MPI job (`--features mpi`):
+//! `mpirun -np N coli SNAP=... [settings]`.
+//!
+//! Rank 0 is the trunk: it runs the whole run as one process would (attention, dense
+//! layers, norms, head, KV cache, the routers), and it alone reports to `route_trace`, so
+//! the history and the trace are written exactly as a single process writes them. The
+//! routed experts belong to ranks 1..N-1 ([`plan`], `EXPERT_SHARDING`): per MoE call the
+//! trunk sends each rank that owns a chosen expert one request (the union of the rows
+//! routed to its experts, and each expert's rows), computes nothing of theirs, and adds
+//! every expert's gated output in ascending expert order, as one process adds them, so the
+//! tokens are the same. Each expert rank keeps its experts in its own store (budget,
+//! streaming, pins of its own) and only answers requests ([`serve`]).
+//!
+//! A rank that does not answer within `MPI_TIMEOUT` seconds ends the run with an error that
+//! names it, before that step is saved; a rank that dies ends the job through `mpirun`.
+//! This module owns the protocol and the placement; it does not compute experts.
+
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use mpi::topology::{Process, Rank, SimpleCommunicator};
+use mpi::traits::*;
+use mpi::Threading;
+
+use crate::activation::{Activation, Situ};
+use crate::engines::moe::{host_outputs, Assignment, RemoteExperts};
+use crate::engines::Engine;
+use crate::experts::Sharding;
+use crate::profile::{self, Phase};
+use crate::run::{self, Positionals};
+use crate::settings::Settings;
+
+const TAG_REQUEST: i32 = 1;
+const TAG_INPUT: i32 = 2;
+const TAG_OUTPUT: i32 = 3;
+const OP_STOP: u64 = 0;
+const OP_RUN: u64 = 1;
+
+/// The MPI job this process is part of, when `mpirun` started it with more than one rank.
+pub struct Job {
+    // Finalises MPI when dropped, after every message of the run.
+    _universe: mpi::environment::Universe,
+    pub rank: Rank,
+    pub size: Rank,
+}
+
+static SIZE: OnceLock<Rank> = OnceLock::new();
+static EXCHANGES: AtomicU64 = AtomicU64::new(0);
+
+/// The MoE calls whose experts went to other ranks so far.
+pub fn exchanges() -> u64 {
+    EXCHANGES.load(Ordering::Relaxed)
+}
+
+/// Join the MPI job when `mpirun` started this process; `None` for a plain run or a job of
+/// one rank.
+pub fn start() -> Result<Option<Job>> {
+    if !run::launched_by_mpirun() {
+        return Ok(None);
+    }
+    let Some((universe, threading)) = mpi::initialize_with_threading(Threading::Serialized) else {
+        bail!("MPI was already started in this process");
+    };
+    if threading < Threading::Serialized {
+        bail!("this MPI library offers thread level {threading:?}; coli needs Serialized (its expert calls come from the thread pool)");
+    }
+    let world = universe.world();
+    let (rank, size) = (world.rank(), world.size());
+    if size < 2 {
+        return Ok(None);
+    }
+    let _ = SIZE.set(size);
+    Ok(Some(Job {
+        _universe: universe,
+        rank,
+        size,
+    }))
+}
+
+/// The ranks of this process's MPI job (1 outside one).
+pub fn world_size() -> Rank {
+    SIZE.get().copied().unwrap_or(1)
+}
+
+/// Which rank computes each expert: `owners[layer][expert]`, ranks 1..size-1. `heat` is
+/// each expert's selections in the history (`heat(layer, expert)`). With `Layer` whole
+/// layers go round robin; with `Expert` each layer's experts go, hottest first, to the
+/// rank holding the least heat of that layer so far (each expert counting one more than its
+/// heat, so that without a history the experts are dealt out evenly).
+pub fn plan(
+    sharding: Sharding,
+    size: Rank,
+    experts_per_layer: &[usize],
+    heat: impl Fn(usize, usize) -> u64,
+) -> Vec<Vec<Rank>> {
+    let workers = (size - 1).max(1) as usize;
+    experts_per_layer
+        .iter()
+        .enumerate()
+        .map(|(layer, &count)| match sharding {
+            Sharding::Layer => vec![1 + (layer % workers) as Rank; count],
+            Sharding::Expert => {
+                let mut order: Vec<usize> = (0..count).collect();
+                order.sort_by_key(|&e| (std::cmp::Reverse(heat(layer, e)), e));
+                let mut load = vec![0u64; workers];
+                let mut owners = vec![1; count];
+                for e in order {
+                    let rank = (0..workers).min_by_key(|&r| (load[r], r)).unwrap_or(0);
+                    load[rank] += heat(layer, e) + 1;
+                    owners[e] = 1 + rank as Rank;
+                }
+                owners
+            }
+        })
+        .collect()
+}
+
+/// The trunk's side: requests out, answers in, with the time they took.
+pub struct Trunk {
+    owners: Vec<Vec<Rank>>,
+    size: Rank,
+    timeout: Duration,
+    /// Per rank asked in the current call: the positions of its assignments in the order
+    /// sent, and the floats each answer holds.
+    pending: Vec<(Rank, Vec<(usize, usize)>)>,
+    sent: usize,
+    layer: usize,
+}
+
+impl Trunk {
+    /// The trunk of an MPI job of `size` ranks for `engine`, placed as `settings` ask from
+    /// the history the engine has loaded; the placement is said on stderr.
+    pub fn attach(engine: &mut dyn Engine, settings: &Settings, size: Rank) -> Result<()> {
+        let store = engine.expert_store();
+        let per_layer: Vec<usize> = (0..store.layers()).map(|l| store.experts_in(l)).collect();
+        let counts = engine.telemetry().counts().clone();
+        let owners = plan(settings.expert_sharding, size, &per_layer, |l, e| {
+            u64::from(counts.get(l, e))
+        });
+        let held: Vec<usize> = (1..size)
+            .map(|rank| owners.iter().flatten().filter(|&&r| r == rank).count())
+            .collect();
+        eprintln!(
+            "[mpi] {size} ranks: rank 0 the trunk, experts by {} over ranks 1..{} ({} experts each)",
+            match settings.expert_sharding {
+                Sharding::Expert => "expert, balanced by the history's heat",
+                Sharding::Layer => "layer",
+            },
+            size - 1,
+            held.iter()
+                .map(usize::to_string)
+                .collect::<Vec<_>>()
+                .join("/")
+        );
+        engine.routed_mut().remote = Some(Box::new(Trunk {
+            owners,
+            size,
+            timeout: Duration::from_secs(settings.mpi_timeout),
+            pending: Vec::new(),
+            sent: 0,
+            layer: 0,
+        }));
+        Ok(())
+    }
+}
+
+fn rank_process(world: &SimpleCommunicator, rank: Rank) -> Process<'_> {
+    world.process_at_rank(rank)
+}
+
+impl RemoteExperts for Trunk {
+    fn is_remote(&self, layer: usize, expert: usize) -> bool {
+        self.owners
+            .get(layer)
+            .and_then(|owners| owners.get(expert))
+            .is_some_and(|&rank| rank != 0)
+    }
+
+    fn send(
+        &mut self,
+        layer: usize,
+        input: &[f32],
+        width: usize,
+        activation: Activation,
+        assignments: &[&Assignment],
+    ) -> Result<()> {
+        profile::time(Phase::Exchange, || {
+            EXCHANGES.fetch_add(1, Ordering::Relaxed);
+            let world = SimpleCommunicator::world();
+            self.pending.clear();
+            self.sent = assignments.len();
+            self.layer = layer;
+            for rank in 1..self.size {
+                let mine: Vec<usize> = (0..assignments.len())
+                    .filter(|&i| self.owners[layer][assignments[i].0] == rank)
+                    .collect();
+                if mine.is_empty() {
+                    continue;
+                }
+                // The union of the rows, in row order; each expert's rows index into it.
+                let mut rows: Vec<usize> = mine
+                    .iter()
+                    .flat_map(|&i| assignments[i].1.iter().map(|&(row, _)| row))
+                    .collect();
+                rows.sort_unstable();
+                rows.dedup();
+                let mut request = vec![OP_RUN, layer as u64, width as u64];
+                request.extend(encode(activation));
+                request.extend([rows.len() as u64, mine.len() as u64]);
+                for &i in &mine {
+                    let (expert, routed) = assignments[i];
+                    request.extend([*expert as u64, routed.len() as u64]);
+                    request.extend(
+                        routed
+                            .iter()
+                            .map(|(row, _)| rows.binary_search(row).unwrap_or(0) as u64),
+                    );
+                }
+                let batch: Vec<f32> = rows
+                    .iter()
+                    .flat_map(|&row| &input[row * width..][..width])
+                    .copied()
+                    .collect();
+                let process = rank_process(&world, rank);
+                process.send_with_tag(&request[..], TAG_REQUEST);
+                process.send_with_tag(&batch[..], TAG_INPUT);
+                let expected = mine
+                    .iter()
+                    .map(|&i| (i, assignments[i].1.len() * width))
+                    .collect();
+                self.pending.push((rank, expected));
+            }
+        });
+        Ok(())
+    }
+
+    fn receive(&mut self) -> Result<Vec<Vec<f32>>> {
+        profile::time(Phase::Exchange, || {
+            let world = SimpleCommunicator::world();
+            let mut outputs = vec![Vec::new(); self.sent];
+            for (rank, expected) in std::mem::take(&mut self.pending) {
+                let process = rank_process(&world, rank);
+                let started = Instant::now();
+                let mut waited = 0u32;
+                while process.immediate_probe_with_tag(TAG_OUTPUT).is_none() {
+                    if started.elapsed() > self.timeout {
+                        bail!(
+                            "expert rank {rank} did not answer for MoE layer {} within MPI_TIMEOUT={}s; the run ends here and this step is not saved (is rank {rank} alive, or does it need more time?)",
+                            self.layer,
+                            self.timeout.as_secs()
+                        );
+                    }
+                    waited += 1;
+                    if waited < 1000 {
+                        std::thread::yield_now();
+                    } else {
+                        std::thread::sleep(Duration::from_micros(200));
+                    }
+                }
+                let (answer, _) = process.receive_vec_with_tag::<f32>(TAG_OUTPUT);
+                let total: usize = expected.iter().map(|&(_, len)| len).sum();
+                if answer.len() != total {
+                    bail!(
+                        "expert rank {rank} answered MoE layer {} with {} values where {total} were asked for; are all ranks running the same coli and model?",
+                        self.layer,
+                        answer.len()
+                    );
+                }
+                let mut at = 0;
+                for (position, len) in expected {
+                    outputs[position] = answer[at..at + len].to_vec();
+                    at += len;
+                }
+            }
+            Ok(outputs)
+        })
+    }
+}
+
+impl Drop for Trunk {
+    /// The expert ranks stop when the trunk's engine goes, whether the run ended or failed.
+    fn drop(&mut self) {
+        let world = SimpleCommunicator::world();
+        for rank in 1..self.size {
+            rank_process(&world, rank).send_with_tag(&[OP_STOP][..], TAG_REQUEST);
+        }
+    }
+}
+
+/// An activation as request words: a code, then SiTU's two parameters as f32 bits.
+fn encode(activation: Activation) -> [u64; 4] {
+    match activation {
+        Activation::SwiGlu => [0, 0, 0, 0],
+        Activation::Situ(Situ { beta, linear_beta }) => [
+            1,
+            u64::from(beta.to_bits()),
+            u64::from(linear_beta.is_some()),
+            u64::from(linear_beta.unwrap_or(0.0).to_bits()),
+        ],
+    }
+}
+
+fn decode(words: &[u64]) -> Result<Activation> {
+    let bits = |w: u64| f32::from_bits(w as u32);
+    Ok(match words {
+        [0, ..] => Activation::SwiGlu,
+        [1, beta, has_linear, linear] => Activation::Situ(Situ {
+            beta: bits(*beta),
+            linear_beta: (*has_linear == 1).then(|| bits(*linear)),
+        }),
+        _ => bail!("a request from rank 0 names an unknown activation {words:?}"),
+    })
+}
+
+/// An expert rank: load the model as rank 0 does, then compute the experts rank 0 asks for
+/// until it says stop. It keeps no history, trace or report of its own.
+pub fn serve(
+    model: Option<&str>,
+    settings: &Settings,
+    positionals: Positionals,
+    job: &Job,
+) -> Result<ExitCode> {
+    let (snapshot, name) = run::open(model, settings)?;
+    let mut engine = run::load(settings, positionals, &snapshot, name)?.engine;
+    let world = SimpleCommunicator::world();
+    let root = world.process_at_rank(0);
+    loop {
+        let (request, _) = root.receive_vec_with_tag::<u64>(TAG_REQUEST);
+        match request.first() {
+            Some(&OP_STOP) => return Ok(ExitCode::SUCCESS),
+            Some(&OP_RUN) => {}
+            _ => bail!("rank {}: a request it cannot read: {request:?}", job.rank),
+        }
+        let (input, _) = root.receive_vec_with_tag::<f32>(TAG_INPUT);
+        let (layer, width, activation, assignments) =
+            parse(&request).with_context(|| format!("rank {}: request {request:?}", job.rank))?;
+        let rows = input.len() / width.max(1);
+        if assignments
+            .iter()
+            .flat_map(|(_, routed)| routed)
+            .any(|&(row, _)| row >= rows)
+        {
+            bail!("rank {}: a request names a row beyond its {rows}", job.rank);
+        }
+        let refs: Vec<&Assignment> = assignments.iter().collect();
+        let store = &mut engine.routed_mut().store;
+        let outputs = host_outputs(store, layer, &input, &refs, width, activation)?;
+        root.send_with_tag(&outputs.concat()[..], TAG_OUTPUT);
+    }
+}
+
+type Request = (usize, usize, Activation, Vec<Assignment>);
+
+/// `[OP_RUN, layer, width, activation x4, union rows, experts, (expert, n, rows...)...]`.
+fn parse(request: &[u64]) -> Result<Request> {
+    let word = |i: usize| -> Result<usize> {
+        request
+            .get(i)
+            .map(|&w| w as usize)
+            .context("the request ends early")
+    };
+    let (layer, width) = (word(1)?, word(2)?);
+    let activation = decode(request.get(3..7).context("the request ends early")?)?;
+    let experts = word(8)?;
+    let mut at = 9;
+    let mut assignments = Vec::with_capacity(experts.min(4096));
+    for _ in 0..experts {
+        let (expert, count) = (word(at)?, word(at + 1)?);
+        at += 2;
+        let rows = (0..count)
+            .map(|k| word(at + k).map(|row| (row, 0.0)))
+            .collect::<Result<Vec<_>>>()?;
+        at += count;
+        assignments.push((expert, rows));
+    }
+    Ok((layer, width, activation, assignments))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn placement_balances_heat_and_deals_evenly_without_it() {
+        let even = plan(Sharding::Expert, 3, &[4], |_, _| 0);
+        assert_eq!(even, vec![vec![1, 2, 1, 2]]);
+        // Expert 0 is as hot as the other three together.
+        let hot = plan(Sharding::Expert, 3, &[4], |_, e| [30, 10, 10, 10][e]);
+        assert_eq!(hot, vec![vec![1, 2, 2, 2]]);
+        let layers = plan(Sharding::Layer, 3, &[2, 2, 2], |_, _| 0);
+        assert_eq!(layers, vec![vec![1, 1], vec![2, 2], vec![1, 1]]);
+    }
+
+    #[test]
+    fn requests_round_trip() {
+        let situ = Activation::Situ(Situ {
+            beta: 1.5,
+            linear_beta: Some(0.25),
+        });
+        for activation in [Activation::SwiGlu, situ] {
+            let mut request = vec![OP_RUN, 3, 64];
+            request.extend(encode(activation));
+            request.extend([2, 1, 7, 2, 0, 1]);
+            let (layer, width, decoded, assignments) = parse(&request).unwrap();
+            assert_eq!((layer, width), (3, 64));
+            assert_eq!(format!("{decoded:?}"), format!("{activation:?}"));
+            assert_eq!(assignments, vec![(7, vec![(0, 0.0), (1, 0.0)])]);
+        }
+        assert!(parse(&[OP_RUN, 3]).is_err());
+    }
+}

@@ -1,0 +1,195 @@
+//! Experts over MPI (`cargo test --features mpi --test mpi`, with Open MPI's `mpirun`):
+//! every fixture under `mpirun -np 2` and `-np 3` gives the single process's results, bit
+//! for bit (the perplexity to six digits, the teacher-forced and greedy oracle, the generated
+//! ids), and writes the same `.coli_usage` bytes; only rank 0 writes.
+
+#![cfg(feature = "mpi")]
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use common::{coli, copy_fixture, fixture, stderr, stdout};
+
+const FIXTURES: &[&str] = &[
+    "olmoe_tiny",
+    "olmoe_tiny_b",
+    "olmoe_trained",
+    "inkling_tiny",
+    "inkling_tiny_b",
+    "kimi_k3_tiny",
+    "kimi_k3_tiny_b",
+    "glm_moe_dsa_tiny",
+    "glm_moe_dsa_tiny_b",
+    "glm_moe_dsa_tiny_mtp",
+];
+
+/// `coli args` under `mpirun -np ranks` on this machine, with none of the settings'
+/// variables inherited from the caller.
+fn mpirun(ranks: usize, args: &[&str]) -> Output {
+    let mut command = Command::new("mpirun");
+    command
+        .args(["--oversubscribe", "-np", &ranks.to_string()])
+        .arg(env!("CARGO_BIN_EXE_coli"))
+        .args(args)
+        // The suite runs as root in CI; Open MPI refuses that unless told twice.
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        // Containers often forbid the cross-memory attach of Open MPI's shared-memory
+        // transport; plain copies work everywhere.
+        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none");
+    for key in coli::settings::KEYS {
+        command.env_remove(key.name);
+    }
+    command.output().expect("mpirun runs (install openmpi-bin)")
+}
+
+/// stdout without what depends on time.
+fn untimed(out: &Output) -> Vec<String> {
+    stdout(out)
+        .lines()
+        .filter(|line| {
+            !(line.starts_with("loaded in")
+                || line.starts_with("Expert cache hit rate")
+                || line.starts_with("PROFILE:"))
+        })
+        .map(|line| match line.find(" | ") {
+            // The oracle's and the perplexity's lines end in a rate.
+            Some(at) if line.starts_with("PREFILL") || line.starts_with("Matching") => {
+                line[..at].to_string()
+            }
+            _ if line.starts_with("PPL:") => {
+                line.split(" | ").take(2).collect::<Vec<_>>().join(" | ")
+            }
+            _ => line.to_string(),
+        })
+        .collect()
+}
+
+fn succeeded(out: &Output, what: &str) {
+    assert!(
+        out.status.success(),
+        "{what}: {}{}",
+        stdout(out),
+        stderr(out)
+    );
+}
+
+#[test]
+fn every_fixture_gives_the_single_process_results() {
+    for name in FIXTURES {
+        let snap = format!("SNAP={}", fixture(name).display());
+        for mode in [
+            &["PPL=1", "CTX=64"][..],
+            &["TF=1", "ORACLE_STRICT=1"],
+            &["ORACLE_STRICT=1"],
+        ] {
+            let mut args = vec![snap.as_str()];
+            args.extend(mode);
+            args.extend(["2", "16", "16"]);
+            let single = coli(&args, &[]);
+            succeeded(&single, &format!("{name} {mode:?}"));
+            for ranks in [2, 3] {
+                let spread = mpirun(ranks, &args);
+                succeeded(&spread, &format!("{name} {mode:?} -np {ranks}"));
+                assert_eq!(
+                    untimed(&spread),
+                    untimed(&single),
+                    "{name} {mode:?} -np {ranks}"
+                );
+                assert!(
+                    stderr(&spread).contains(&format!("[mpi] {ranks} ranks")),
+                    "{}",
+                    stderr(&spread)
+                );
+            }
+        }
+    }
+}
+
+/// The ids an `IDS=` run generated (the all-number line of its stdout).
+fn generated(out: &Output) -> String {
+    stdout(out)
+        .lines()
+        .find(|line| {
+            !line.is_empty() && line.split_whitespace().all(|id| id.parse::<u32>().is_ok())
+        })
+        .unwrap_or_default()
+        .to_string()
+}
+
+fn history(dir: &Path) -> Vec<u8> {
+    std::fs::read(dir.join(".coli_usage")).expect("a history was saved")
+}
+
+#[test]
+fn generation_writes_the_same_history_from_rank_0_alone() {
+    for name in FIXTURES {
+        let ids = "IDS=3 11 29 7";
+        for sharding in ["EXPERT_SHARDING=expert", "EXPERT_SHARDING=layer"] {
+            let one = copy_fixture(name);
+            let three = copy_fixture(name);
+            let args = |dir: &Path| {
+                vec![
+                    format!("SNAP={}", dir.display()),
+                    ids.to_string(),
+                    "NGEN=12".to_string(),
+                    sharding.to_string(),
+                    "2".to_string(),
+                    "16".to_string(),
+                    "16".to_string(),
+                ]
+            };
+            // Twice, so that the second run places its experts from the first's history.
+            for round in 0..2 {
+                let single_args = args(one.path());
+                let single = coli(
+                    &single_args.iter().map(String::as_str).collect::<Vec<_>>(),
+                    &[],
+                );
+                succeeded(&single, name);
+                let spread_args = args(three.path());
+                let spread = mpirun(
+                    3,
+                    &spread_args.iter().map(String::as_str).collect::<Vec<_>>(),
+                );
+                succeeded(&spread, &format!("{name} {sharding} round {round}"));
+                assert_eq!(generated(&spread), generated(&single), "{name} {sharding}");
+                assert_eq!(
+                    history(three.path()),
+                    history(one.path()),
+                    "{name} {sharding} round {round}"
+                );
+                assert!(
+                    stdout(&spread).contains("| mpi "),
+                    "the PROFILE line gives the exchanges: {}",
+                    stdout(&spread)
+                );
+            }
+            // Only rank 0 wrote: the same history files as one process leaves.
+            let names = |dir: &Path| {
+                let mut names: Vec<String> = std::fs::read_dir(dir)
+                    .unwrap()
+                    .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                    .filter(|n| n.starts_with(".coli_usage"))
+                    .collect();
+                names.sort();
+                names
+            };
+            assert_eq!(names(three.path()), names(one.path()), "{name}");
+        }
+    }
+}
+
+#[test]
+fn serving_under_mpirun_is_refused() {
+    let snap = format!("SNAP={}", fixture("olmoe_tiny").display());
+    let out = mpirun(2, &["chat", &snap]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("coli chat runs as one process"),
+        "{}",
+        stderr(&out)
+    );
+}
