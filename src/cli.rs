@@ -199,13 +199,25 @@ pub fn run(argv: impl IntoIterator<Item = OsString>) -> Result<ExitCode> {
     let job = crate::cluster::start()?;
     #[cfg(feature = "mpi")]
     if let Some(job) = job.as_ref().filter(|job| job.rank > 0) {
-        return crate::cluster::serve(cli.model.as_deref(), &settings, positionals, job);
+        let served = crate::cluster::serve(cli.model.as_deref(), &settings, positionals, job);
+        if let Err(err) = &served {
+            eprintln!("error: rank {}: {err:#}", job.rank);
+            job.abort(2);
+        }
+        return served;
     }
     #[cfg(not(feature = "mpi"))]
     if run::launched_by_mpirun() {
         bail!("this coli was built without MPI, so each of mpirun's ranks would run the whole model and write the same history: build it with `cargo build --release --features mpi`, or run it without mpirun");
     }
-    run::main_job(cli.model.as_deref(), &settings, positionals)
+    let result = run::main_job(cli.model.as_deref(), &settings, positionals);
+    #[cfg(feature = "mpi")]
+    if let (Err(err), Some(job)) = (&result, &job) {
+        // A rank that stopped answering would hold up MPI's orderly end: end them all.
+        eprintln!("error: {err:#}");
+        job.abort(2);
+    }
+    result
 }
 
 /// `what` runs as one process: under `mpirun` every rank would serve the same port and

@@ -42,7 +42,7 @@ const OP_RUN: u64 = 1;
 /// The MPI job this process is part of, when `mpirun` started it with more than one rank.
 pub struct Job {
     // Finalises MPI when dropped, after every message of the run.
-    _universe: mpi::environment::Universe,
+    universe: mpi::environment::Universe,
     pub rank: Rank,
     pub size: Rank,
 }
@@ -74,10 +74,18 @@ pub fn start() -> Result<Option<Job>> {
     }
     let _ = SIZE.set(size);
     Ok(Some(Job {
-        _universe: universe,
+        universe,
         rank,
         size,
     }))
+}
+
+impl Job {
+    /// End every rank of the job now with `code` (after an error on the trunk, whose
+    /// expert ranks may not be answering).
+    pub fn abort(&self, code: i32) -> ! {
+        self.universe.world().abort(code)
+    }
 }
 
 /// The ranks of this process's MPI job (1 outside one).
@@ -323,6 +331,9 @@ pub fn serve(
     positionals: Positionals,
     job: &Job,
 ) -> Result<ExitCode> {
+    // A Ctrl-C or SIGTERM reaches every rank; only the trunk acts on it (it ends the run
+    // between tokens and saves), and this rank answers until the trunk says stop.
+    crate::interrupt::install();
     let (snapshot, name) = run::open(model, settings)?;
     let mut engine = run::load(settings, positionals, &snapshot, name)?.engine;
     let world = SimpleCommunicator::world();

@@ -28,6 +28,12 @@ const FIXTURES: &[&str] = &[
 /// `coli args` under `mpirun -np ranks` on this machine, with none of the settings'
 /// variables inherited from the caller.
 fn mpirun(ranks: usize, args: &[&str]) -> Output {
+    mpirun_command(ranks, args)
+        .output()
+        .expect("mpirun runs (install openmpi-bin)")
+}
+
+fn mpirun_command(ranks: usize, args: &[&str]) -> Command {
     let mut command = Command::new("mpirun");
     command
         .args(["--oversubscribe", "-np", &ranks.to_string()])
@@ -42,7 +48,7 @@ fn mpirun(ranks: usize, args: &[&str]) -> Output {
     for key in coli::settings::KEYS {
         command.env_remove(key.name);
     }
-    command.output().expect("mpirun runs (install openmpi-bin)")
+    command
 }
 
 /// stdout without what depends on time.
@@ -191,5 +197,78 @@ fn serving_under_mpirun_is_refused() {
         stderr(&out).contains("coli chat runs as one process"),
         "{}",
         stderr(&out)
+    );
+}
+
+/// The pid of the rank-`rank` coli process of the mpirun whose environment holds `mark`.
+fn rank_pid(mark: &str, rank: usize) -> Option<u32> {
+    let wanted = [
+        format!("COLI_TEST_MARK={mark}"),
+        format!("OMPI_COMM_WORLD_RANK={rank}"),
+    ];
+    std::fs::read_dir("/proc").ok()?.find_map(|entry| {
+        let entry = entry.ok()?;
+        let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
+        let exe = std::fs::read_link(entry.path().join("exe")).ok()?;
+        if exe.file_name()? != "coli" {
+            return None;
+        }
+        let environ = std::fs::read(entry.path().join("environ")).ok()?;
+        let vars: Vec<&[u8]> = environ.split(|&b| b == 0).collect();
+        wanted
+            .iter()
+            .all(|w| vars.contains(&w.as_bytes()))
+            .then_some(pid)
+    })
+}
+
+#[test]
+fn a_rank_that_stops_answering_ends_the_run_naming_it_and_nothing_is_saved() {
+    let dir = copy_fixture("olmoe_tiny");
+    let mark = format!("{}-{:?}", std::process::id(), std::time::Instant::now());
+    let snap = format!("SNAP={}", dir.path().display());
+    // A generation far longer than the test waits, so that it is running when rank 1 stops.
+    let args = [
+        snap.as_str(),
+        "IDS=3 11 29 7",
+        "NGEN=10000000",
+        "LONG_CONTEXT=1",
+        "MPI_TIMEOUT=2",
+        "2",
+        "16",
+        "16",
+    ];
+    let mut command = mpirun_command(3, &args);
+    command.env("COLI_TEST_MARK", &mark);
+    let child = command
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("mpirun starts");
+    let started = std::time::Instant::now();
+    let pid = loop {
+        if let Some(pid) = rank_pid(&mark, 1) {
+            break pid;
+        }
+        assert!(started.elapsed().as_secs() < 60, "rank 1 never started");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    // Let it generate, then freeze rank 1 as a hung machine would be.
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    let stopped = Command::new("kill")
+        .args(["-STOP", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(stopped.success());
+    let out = child.wait_with_output().expect("mpirun ends");
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("expert rank 1 did not answer") && err.contains("MPI_TIMEOUT=2s"),
+        "{err}"
+    );
+    assert!(
+        !dir.path().join(".coli_usage").exists(),
+        "a run that did not finish saved a history"
     );
 }
