@@ -5,7 +5,9 @@
 //! Values are parsed and checked once, into the typed [`Settings`], so a typo or a
 //! malformed number stops the run before anything is loaded. This module sits above the
 //! modules whose choices it parses (backend, experts, kernels, placement) and below the
-//! modes that read it; nothing it parses is read by string anywhere else.
+//! modes that read it; nothing it parses is read by string anywhere else, except that the
+//! kernels fall back to `COLI_SIMD` from the environment for library callers (the
+//! benchmarks) that never resolve settings.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -174,7 +176,7 @@ pub const KEYS: &[Key] = &[
         name: "IDS",
         kind: Kind::Ids,
         default: "",
-        doc: "generate NGEN tokens greedily from these token ids and print the ids",
+        doc: "generate up to NGEN tokens greedily after these token ids (ending at a stop id) and print them",
     },
     Key {
         name: "NGEN",
@@ -461,6 +463,13 @@ impl Resolved {
         }
     }
 
+    fn count_u64(&mut self, name: &'static str) -> Option<u64> {
+        match self.take(name) {
+            Some(Value::Count(n)) => Some(n),
+            _ => None,
+        }
+    }
+
     fn number(&mut self, name: &'static str) -> f64 {
         match self.take(name) {
             Some(Value::Number(x)) => x,
@@ -497,7 +506,7 @@ impl Resolved {
 /// anything is loaded, so that a typo in `BACKEND` or `PIN_RANK` stops the run at once.
 /// Only what depends on the model (`ACT_BITS` against the widths, a `PIN` file's contents)
 /// is checked where it is used. Fields are named after their keys.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct Settings {
     // What the run does.
     pub snap: Option<PathBuf>,
@@ -617,7 +626,7 @@ impl Settings {
             long_context: r.flag("LONG_CONTEXT"),
             temp: r.text_or_default("TEMP"),
             top_p: r.number("TOP_P"),
-            seed: r.count_if_set("SEED").map(|seed| seed as u64),
+            seed: r.count_u64("SEED"),
             api_key: r.text("API_KEY").filter(|key| !key.is_empty()),
             cap: r.count("CAP"),
             threads: r.count("THREADS"),
@@ -648,7 +657,7 @@ impl Settings {
                 .map_err(anyhow::Error::msg)?,
             pin_gb: PinGb::from_setting(r.text("PIN_GB").as_deref())?,
             autopin: r.flag("AUTOPIN"),
-            repin: r.count("REPIN") as u64,
+            repin: r.count_u64("REPIN").unwrap_or(0),
         };
         debug_assert_eq!(r.read.len(), KEYS.len(), "every declared key is read");
         Ok(settings)
@@ -672,8 +681,8 @@ impl Settings {
         let raw = self.temp.trim();
         match raw.parse::<f64>() {
             Ok(value) if value.is_finite() && value >= 0.0 => Ok(value),
-            Ok(value) if value < 0.0 => {
-                bail!("TEMP={value}: expected a temperature >= 0 (0 = greedy)")
+            Ok(value) if value < 0.0 || !value.is_finite() => {
+                bail!("TEMP={raw}: expected a finite temperature >= 0 (0 = greedy)")
             }
             _ => bail!(
                 "TEMP={raw:?}: expected a temperature >= 0 (0 = greedy); if the environment's TEMP names a directory, pass TEMP=<number> as an argument, which wins"

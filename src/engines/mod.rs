@@ -67,7 +67,8 @@ pub trait Engine {
 
     /// Run `tokens` at the positions following those already cached and return the logits
     /// of the last position, or of every position (`tokens.len() x vocab`) when
-    /// `all_positions`.
+    /// `all_positions`. A forward that fails (a signal between layers, an expert that
+    /// cannot be read) leaves the cache partly filled: the caller resets before the next.
     fn forward(&mut self, tokens: &[u32], all_positions: bool) -> Result<Vec<f32>>;
 
     /// Forget every cached position (the expert cache stays warm).

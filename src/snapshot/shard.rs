@@ -312,10 +312,14 @@ impl TensorView {
 
     /// Elements `[first, first + product(shape))` of this tensor, read in storage order, as
     /// a tensor of `shape`: a window into a container that packs several matrices into one
-    /// tensor. The scales are not carried over; the caller pairs the window with its own.
+    /// tensor. The scales and the stamp are not carried over; the caller pairs the window
+    /// with its own scales.
     pub fn span(&self, first: usize, shape: &[usize]) -> Result<TensorView> {
         let size = self.dtype.bitsize() / 8;
-        let count: usize = shape.iter().product();
+        let count = shape
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .unwrap_or(usize::MAX);
         let fits = size > 0
             && first
                 .checked_add(count)
@@ -337,7 +341,8 @@ impl TensorView {
             shape: shape.to_vec(),
             bytes: self.bytes.slice(first * size, count * size),
             scales: None,
-            stamp: self.stamp.clone(),
+            // A stamp speaks of the whole tensor, not of a window's format.
+            stamp: None,
         })
     }
 

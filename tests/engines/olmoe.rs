@@ -120,3 +120,35 @@ fn ids_mode_ends_at_a_stop_id_of_the_model() {
         stderr(&out)
     );
 }
+
+#[test]
+fn a_config_without_eos_takes_the_transformers_default_and_null_means_none() {
+    let dir = common::copy_fixture("olmoe_tiny");
+    let path = dir.path().join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let snap = format!("SNAP={}", dir.path().display());
+    let args = [
+        snap.as_str(),
+        "IDS=3 11",
+        "NGEN=1",
+        "USAGE_SAVE=0",
+        "64",
+        "16",
+        "16",
+    ];
+    // The committed fixture says `"eos_token_id": null`: no stop ids.
+    let out = coli(&args, &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(!stderr(&out).contains("[stop]"), "{}", stderr(&out));
+    // Without the key, OlmoeConfig's default.
+    config.as_object_mut().unwrap().remove("eos_token_id");
+    std::fs::write(&path, config.to_string()).unwrap();
+    let out = coli(&args, &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("[stop] 1 stop tokens: 50279"),
+        "{}",
+        stderr(&out)
+    );
+}
