@@ -276,3 +276,52 @@ fn a_rank_that_stops_answering_ends_the_run_naming_it_and_nothing_is_saved() {
         "a run that did not finish saved a history"
     );
 }
+
+#[test]
+fn a_signal_to_rank_0_ends_the_job_as_one_process_ends_and_saves() {
+    let dir = copy_fixture("olmoe_tiny");
+    let mark = format!(
+        "{}-{:?}-term",
+        std::process::id(),
+        std::time::Instant::now()
+    );
+    let snap = format!("SNAP={}", dir.path().display());
+    let args = [
+        snap.as_str(),
+        "IDS=3 11 29 7",
+        "NGEN=10000000",
+        "LONG_CONTEXT=1",
+        "2",
+        "16",
+        "16",
+    ];
+    let mut command = mpirun_command(3, &args);
+    command.env("COLI_TEST_MARK", &mark);
+    let child = command
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("mpirun starts");
+    let started = std::time::Instant::now();
+    let pid = loop {
+        if let Some(pid) = rank_pid(&mark, 0) {
+            break pid;
+        }
+        assert!(started.elapsed().as_secs() < 60, "rank 0 never started");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    let signalled = Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(signalled.success());
+    let out = child.wait_with_output().expect("mpirun ends");
+    let err = stderr(&out);
+    // Rank 0 exits 128 + SIGTERM after saving, and the expert ranks stop when told.
+    assert_eq!(out.status.code(), Some(143), "{err}");
+    assert!(err.contains("[coli] SIGTERM"), "{err}");
+    let saved = std::fs::read_to_string(dir.path().join(".coli_usage")).expect("saved");
+    assert!(saved.lines().count() > 1, "{saved}");
+    assert!(!generated(&out).is_empty(), "{}", stdout(&out));
+}
