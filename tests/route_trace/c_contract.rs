@@ -240,7 +240,10 @@ fn rust_and_c_agree_on_text() {
                         expected.admit(l.into(), e.into(), c);
                     }
                 }
-                prop_assert_eq!(&ours, &expected);
+                // The selections; `-5` recent-heat records, which the C loop skips, only
+                // fill `ours`' recent table.
+                let cells = |t: &Counters| t.nonzero().collect::<Vec<_>>();
+                prop_assert_eq!(cells(&ours), cells(&expected));
                 prop_assert_eq!(report.total, expected.total());
                 if report.malformed == 0 {
                     prop_assert_eq!(report.total, old.total);
