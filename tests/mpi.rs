@@ -226,22 +226,26 @@ fn rank_pid(mark: &str, rank: usize) -> Option<u32> {
     })
 }
 
-#[test]
-fn a_rank_that_stops_answering_ends_the_run_naming_it_and_nothing_is_saved() {
+/// A long generation on a copy of olmoe_tiny under `mpirun -np 3` (with `extra` settings):
+/// once it has run for three seconds, `kill -SIGNAL` goes to rank `rank`; then the job's
+/// output, and the copy, once mpirun has ended.
+fn signal_rank_mid_run(rank: usize, signal: &str, extra: &[&str]) -> (Output, tempfile::TempDir) {
     let dir = copy_fixture("olmoe_tiny");
-    let mark = format!("{}-{:?}", std::process::id(), std::time::Instant::now());
+    let mark = format!(
+        "{}-{:?}-{signal}",
+        std::process::id(),
+        std::time::Instant::now()
+    );
     let snap = format!("SNAP={}", dir.path().display());
-    // A generation far longer than the test waits, so that it is running when rank 1 stops.
-    let args = [
+    // A generation far longer than the test waits, so that it is running at the signal.
+    let mut args = vec![
         snap.as_str(),
         "IDS=3 11 29 7",
         "NGEN=10000000",
         "LONG_CONTEXT=1",
-        "MPI_TIMEOUT=2",
-        "2",
-        "16",
-        "16",
     ];
+    args.extend(extra);
+    args.extend(["2", "16", "16"]);
     let mut command = mpirun_command(3, &args);
     command.env("COLI_TEST_MARK", &mark);
     let child = command
@@ -251,20 +255,28 @@ fn a_rank_that_stops_answering_ends_the_run_naming_it_and_nothing_is_saved() {
         .expect("mpirun starts");
     let started = std::time::Instant::now();
     let pid = loop {
-        if let Some(pid) = rank_pid(&mark, 1) {
+        if let Some(pid) = rank_pid(&mark, rank) {
             break pid;
         }
-        assert!(started.elapsed().as_secs() < 60, "rank 1 never started");
+        assert!(
+            started.elapsed().as_secs() < 60,
+            "rank {rank} never started"
+        );
         std::thread::sleep(std::time::Duration::from_millis(100));
     };
-    // Let it generate, then freeze rank 1 as a hung machine would be.
     std::thread::sleep(std::time::Duration::from_secs(3));
-    let stopped = Command::new("kill")
-        .args(["-STOP", &pid.to_string()])
+    let sent = Command::new("kill")
+        .args([format!("-{signal}"), pid.to_string()])
         .status()
         .unwrap();
-    assert!(stopped.success());
-    let out = child.wait_with_output().expect("mpirun ends");
+    assert!(sent.success());
+    (child.wait_with_output().expect("mpirun ends"), dir)
+}
+
+#[test]
+fn a_rank_that_stops_answering_ends_the_run_naming_it_and_nothing_is_saved() {
+    // Rank 1 frozen, as a hung machine would be.
+    let (out, dir) = signal_rank_mid_run(1, "STOP", &["MPI_TIMEOUT=2"]);
     let err = stderr(&out);
     assert!(!out.status.success(), "{err}");
     assert!(
@@ -279,44 +291,7 @@ fn a_rank_that_stops_answering_ends_the_run_naming_it_and_nothing_is_saved() {
 
 #[test]
 fn a_signal_to_rank_0_ends_the_job_as_one_process_ends_and_saves() {
-    let dir = copy_fixture("olmoe_tiny");
-    let mark = format!(
-        "{}-{:?}-term",
-        std::process::id(),
-        std::time::Instant::now()
-    );
-    let snap = format!("SNAP={}", dir.path().display());
-    let args = [
-        snap.as_str(),
-        "IDS=3 11 29 7",
-        "NGEN=10000000",
-        "LONG_CONTEXT=1",
-        "2",
-        "16",
-        "16",
-    ];
-    let mut command = mpirun_command(3, &args);
-    command.env("COLI_TEST_MARK", &mark);
-    let child = command
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("mpirun starts");
-    let started = std::time::Instant::now();
-    let pid = loop {
-        if let Some(pid) = rank_pid(&mark, 0) {
-            break pid;
-        }
-        assert!(started.elapsed().as_secs() < 60, "rank 0 never started");
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    };
-    std::thread::sleep(std::time::Duration::from_secs(3));
-    let signalled = Command::new("kill")
-        .args(["-TERM", &pid.to_string()])
-        .status()
-        .unwrap();
-    assert!(signalled.success());
-    let out = child.wait_with_output().expect("mpirun ends");
+    let (out, dir) = signal_rank_mid_run(0, "TERM", &[]);
     let err = stderr(&out);
     // Rank 0 exits 128 + SIGTERM after saving, and the expert ranks stop when told.
     assert_eq!(out.status.code(), Some(143), "{err}");
