@@ -1,7 +1,8 @@
 //! End-to-end decode on a real-shape OLMoE: hidden 2048, 16 heads, 64 experts (top 8) of
 //! width 1024, vocabulary 50304, `--layers` layers (4 by default, about 3.6 GB in bf16).
 //! The benchmark writes that model with random bf16 weights, converts it with
-//! `coli convert` to int8, to int4 in groups of 64 (embedding and head int8), to FP8 and to
+//! `coli convert` to int8, to int4 in groups of 64 (embedding and head int8, and once with
+//! them int4 too: `int4-g64-all`, the bytes of llama.cpp's `--pure` Q4_0), to FP8 and to
 //! MXFP4 (embedding and head int8), and for the bf16 source and each container runs a 32-token prompt and 64 greedy decode steps
 //! with every expert resident (64 slots per layer, every page of the shards touched, one
 //! untimed warm-up generation first, then the best of `--repeat` runs, 3 by default). It

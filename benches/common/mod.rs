@@ -22,7 +22,7 @@ pub const VOCAB: usize = 50304;
 /// The containers written from the bf16 source: label, bits of the experts and dense
 /// matrices, bits of the embedding and LM head. int8 per row first, then int4 in groups
 /// of 64.
-pub const CONTAINERS: [Container; 4] = [
+pub const CONTAINERS: [Container; 5] = [
     Container {
         label: "int8-row",
         bits: Precision::Bits(8),
@@ -32,6 +32,12 @@ pub const CONTAINERS: [Container; 4] = [
         label: "int4-g64",
         bits: Precision::Bits(4),
         io_bits: Precision::Bits(8),
+    },
+    // The embedding and head in int4 too: the bytes of llama.cpp's `--pure` Q4_0.
+    Container {
+        label: "int4-g64-all",
+        bits: Precision::Bits(4),
+        io_bits: Precision::Bits(4),
     },
     Container {
         label: "fp8",

@@ -3,23 +3,25 @@
 //! the run refuses `ACT_BITS=8`).
 //!
 //! Each input row is quantised symmetrically, `s = max|x| / 127`, `q = round(x / s)`, and
-//! a weight row's dot product with it is an exact integer sum per scale group: int8 x int8
-//! for int8-row, int4 x int8 for int4-row and int4 in groups, doubled e2m1 (the integers
-//! -12..=12) x int8 for MXFP4, whose power-of-two group scales keep every group's product
-//! exact. The float part is fixed: a
-//! group's integer sum times its scale is added to the row's running sum group by group,
-//! and the row's sum is multiplied by the activation scale (int8-row: the sum times the row
-//! scale times the activation scale). Integer sums do not depend on the order they are
-//! taken in, so the SIMD paths (AVX2 `maddubs`, any CPU that has AVX2) compute the same
-//! bits as the scalar reference, a batch the same as its rows one by one, and the thread
-//! count changes nothing.
+//! a weight row's dot product with it is built from exact integer sums: int8 x int8 for
+//! int8-row, int4 x int8 for int4-row and int4 in groups, doubled e2m1 (the integers
+//! -12..=12) x int8 for MXFP4. The float part is fixed. int8-row: the row's integer sum
+//! times the row scale times the activation scale. The group formats keep eight f32
+//! lanes, lane `l` owning columns `8l..8l + 8` of every block of 64 (the columns one
+//! 32-bit lane of `vpdpbusd` adds up): per scale group, each lane's integer sum times the
+//! group's scale is fused into the lane, the lanes are summed in the kernels' order
+//! (`((l0+l4)+(l2+l6))+((l1+l5)+(l3+l7))`) and the sum is multiplied by the activation
+//! scale. So no group needs a horizontal sum of its own. Integer sums do not depend on
+//! the order they are taken in, so the SIMD paths (AVX2 `maddubs`, any CPU that has
+//! AVX2) compute the same bits as the scalar reference, a batch the same as its rows one
+//! by one, and the thread count changes nothing.
 //!
 //! What it costs in quality is measured, not assumed (`PPL=1 KLD_BASE=`; docs/benchmarks.md).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::codec::{self, E2M1_DOUBLED};
-use super::kernels::Isa;
+use super::kernels::{Isa, Lanes, Scalar};
 
 static ENABLED: AtomicBool = AtomicBool::new(false);
 
@@ -57,9 +59,11 @@ const MX_GROUP: usize = 32;
 struct Quantised {
     q: Vec<i8>,
     scale: f32,
-    /// Int4 layout: the sum of `q` over each block of 64 columns (the nibbles' `+ 8`
-    /// offset is taken back as `8 * sum`).
-    block_sums: Vec<i32>,
+    /// Int4 and MXFP4 layout: per whole block of 64 columns, the sum of `q` over each
+    /// lane's eight columns (lane `l`: columns `8l..8l + 8` of the block). The weights'
+    /// unsigned offset (int4's `+ 8`, MXFP4's `+ 12`) is taken back lane by lane as
+    /// `offset * sum`.
+    lane_sums: Vec<i32>,
 }
 
 /// Columns per int4 block: 32 packed bytes, whose low nibbles are the even columns and
@@ -93,7 +97,7 @@ impl Quantised {
         Quantised {
             q,
             scale,
-            block_sums: Vec::new(),
+            lane_sums: Vec::new(),
         }
     }
 
@@ -112,14 +116,14 @@ impl Quantised {
                 block[BLOCK / 2 + i] = src[2 * i + 1];
             }
         }
-        let block_sums = q
-            .chunks(BLOCK)
-            .map(|b| b.iter().map(|&v| i32::from(v)).sum())
+        let lane_sums = natural[..whole]
+            .chunks_exact(LANE_COLS)
+            .map(|lane| lane.iter().map(|&v| i32::from(v)).sum())
             .collect();
         Quantised {
             q,
             scale,
-            block_sums,
+            lane_sums,
         }
     }
 }
@@ -132,19 +136,52 @@ fn dot_i8_scalar(w: &[i8], x: &[i8]) -> i32 {
         .sum()
 }
 
-/// `sum nibble[i] * x[i]` over one block: `packed` is 32 bytes, `x` the block's 32 even
-/// then 32 odd columns.
-fn dot_nibbles_scalar(packed: &[u8], x: &[i8]) -> i32 {
-    let (even, odd) = x.split_at(BLOCK / 2);
-    packed
-        .iter()
-        .zip(even.iter().zip(odd))
-        .map(|(&b, (&e, &o))| i32::from(b & 15) * i32::from(e) + i32::from(b >> 4) * i32::from(o))
-        .sum()
+/// Columns a lane covers inside a block of 64: lane `l` holds columns `8l..8l + 8`, the
+/// columns whose products one 32-bit lane of the integer instructions adds up.
+const LANE_COLS: usize = 8;
+
+/// The lane of column `c`.
+fn lane_of(c: usize) -> usize {
+    c % BLOCK / LANE_COLS
 }
 
-/// One weight row (`row`) against one quantised input: the scalar reference.
+/// The eight lanes summed in the order every kernel sums them.
+fn lane_sum(lanes: [f32; 8]) -> f32 {
+    // SAFETY: the scalar lanes need no CPU feature, and the array holds their eight values.
+    unsafe { Scalar::load(lanes.as_ptr()).sum() }
+}
+
+/// Nibble `c` of a packed row (low nibble first).
+fn nibble(w: &[u8], c: usize) -> u8 {
+    if c.is_multiple_of(2) {
+        w[c / 2] & 15
+    } else {
+        w[c / 2] >> 4
+    }
+}
+
+/// One weight row (`row`) against one quantised input: the scalar reference. The group
+/// formats keep eight f32 lanes; each scale group adds each lane's exact integer sum
+/// times the group's scale to that lane (one fused step), and the lanes are summed once.
 fn row_dot(weights: Weights, row: usize, cols: usize, x: &Quantised) -> f32 {
+    let whole = x.q.len() / BLOCK * BLOCK;
+    // Adds `code(c) * x[c]` over each group of columns into its lanes, times the group's
+    // scale.
+    let grouped = |group: usize, code: &dyn Fn(usize) -> i32, scale: &dyn Fn(usize) -> f32| {
+        let mut lanes = [0f32; 8];
+        for g in 0..cols.div_ceil(group) {
+            let mut isums = [0i32; 8];
+            let mut touched = [false; 8];
+            for c in g * group..((g + 1) * group).min(cols) {
+                isums[lane_of(c)] += code(c) * i32::from(x.q[deinterleaved_index(c, whole)]);
+                touched[lane_of(c)] = true;
+            }
+            for l in (0..8).filter(|&l| touched[l]) {
+                lanes[l] = (isums[l] as f32).mul_add(scale(g), lanes[l]);
+            }
+        }
+        lane_sum(lanes) * x.scale
+    };
     match weights {
         Weights::Int8Row { values, scales } => {
             let w = &values[row * cols..(row + 1) * cols];
@@ -159,35 +196,19 @@ fn row_dot(weights: Weights, row: usize, cols: usize, x: &Quantised) -> f32 {
             let w = &packed[row * stride..(row + 1) * stride];
             let group = group.min(cols).max(1);
             let per_row = cols.div_ceil(group);
-            let mut sum = 0f32;
-            for g in 0..per_row {
-                let (start, end) = (g * group, ((g + 1) * group).min(cols));
-                let isum = nibble_sum(w, x, start, end);
-                sum += isum as f32 * scales[row * per_row + g];
-            }
-            sum * x.scale
+            grouped(group, &|c| i32::from(nibble(w, c)) - 8, &|g| {
+                scales[row * per_row + g]
+            })
         }
         Weights::Mxfp4 { packed, scales } => {
             let stride = cols.div_ceil(2);
             let w = &packed[row * stride..(row + 1) * stride];
             let per_row = cols.div_ceil(MX_GROUP);
-            let whole = x.q.len() / BLOCK * BLOCK;
-            let mut sum = 0f32;
-            for g in 0..per_row {
-                let isum: i32 = (g * MX_GROUP..((g + 1) * MX_GROUP).min(cols))
-                    .map(|c| {
-                        let code = if c.is_multiple_of(2) {
-                            w[c / 2] & 15
-                        } else {
-                            w[c / 2] >> 4
-                        };
-                        i32::from(E2M1_DOUBLED[code as usize])
-                            * i32::from(x.q[deinterleaved_index(c, whole)])
-                    })
-                    .sum();
-                sum += isum as f32 * codec::mxfp4_group_scale(scales[row * per_row + g]);
-            }
-            sum * x.scale
+            grouped(
+                MX_GROUP,
+                &|c| i32::from(E2M1_DOUBLED[nibble(w, c) as usize]),
+                &|g| codec::mxfp4_group_scale(scales[row * per_row + g]),
+            )
         }
     }
 }
@@ -202,34 +223,19 @@ fn deinterleaved_index(c: usize, whole: usize) -> usize {
     block + offset / 2 + (offset % 2) * (BLOCK / 2)
 }
 
-/// `sum (nibble - 8) * x` over columns `start..end` of one int4 row.
-fn nibble_sum(w: &[u8], x: &Quantised, start: usize, end: usize) -> i32 {
-    let whole = x.q.len() / BLOCK * BLOCK;
-    let mut isum = 0i32;
-    let mut c = start;
-    while c < end {
-        if c.is_multiple_of(BLOCK) && c + BLOCK <= end && c + BLOCK <= whole {
-            let packed = &w[c / 2..c / 2 + BLOCK / 2];
-            isum += dot_nibbles_scalar(packed, &x.q[c..c + BLOCK]) - 8 * x.block_sums[c / BLOCK];
-            c += BLOCK;
-        } else {
-            let nibble = if c.is_multiple_of(2) {
-                w[c / 2] & 15
-            } else {
-                w[c / 2] >> 4
-            };
-            isum += (i32::from(nibble) - 8) * i32::from(x.q[deinterleaved_index(c, whole)]);
-            c += 1;
-        }
-    }
-    isum
-}
-
 /// Whether the AVX2 path may use AVX-VNNI (the same integers, in one instruction).
 #[cfg(target_arch = "x86_64")]
 fn vnni() -> bool {
     static VNNI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *VNNI.get_or_init(|| is_x86_feature_detected!("avxvnni"))
+}
+
+/// Whether int4 rows may go two to a 512-bit register (`vpdpbusd` on 64 bytes), beside
+/// AVX-VNNI for the rest.
+#[cfg(target_arch = "x86_64")]
+fn wide_vnni() -> bool {
+    static WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *WIDE.get_or_init(|| vnni() && is_x86_feature_detected!("avx512vnni"))
 }
 
 /// Rows `first..first + count` against every input, `out[(row - first) * n + t]`.
@@ -243,12 +249,15 @@ fn block(
     out: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
-    // The integer products are 256 bits wide; an AVX-512 CPU runs them too.
+    // The integer products are 256 bits wide; an AVX-512 CPU runs them too, and int4 rows
+    // two to a register where it has VNNI.
     if matches!(isa, Isa::Avx2 | Isa::Avx512) && isa.supported() && avx2::covers(weights, cols) {
-        // SAFETY: AVX2 (and for the second, AVX-VNNI) was detected; the shapes are the
-        // matrix's.
+        // SAFETY: AVX2 (and for the others, AVX-VNNI, AVX-512 with its VNNI) was
+        // detected; the shapes are the matrix's.
         return unsafe {
-            if vnni() {
+            if isa == Isa::Avx512 && wide_vnni() {
+                avx2::block_wide(weights, first, count, cols, xs, out)
+            } else if vnni() {
                 avx2::block_vnni(weights, first, count, cols, xs, out)
             } else {
                 avx2::block(weights, first, count, cols, xs, out)
@@ -297,6 +306,19 @@ mod avx2 {
 
     use super::{Quantised, Weights, BLOCK, MX_GROUP};
     use crate::quant::codec::E2M1_DOUBLED;
+    use crate::quant::kernels::Lanes;
+    use crate::quant::x86::Avx2;
+
+    /// The doubled e2m1 values plus 12: 0..=24, unsigned bytes for `vpdpbusd`.
+    const E2M1_DOUBLED_PLUS_12: [i8; 16] = {
+        let mut table = [0i8; 16];
+        let mut i = 0;
+        while i < 16 {
+            table[i] = E2M1_DOUBLED[i] + 12;
+            i += 1;
+        }
+        table
+    };
 
     /// Whether these weights take the AVX2 path: int8 always; int4 when its scale groups
     /// are whole blocks of 64 columns that tile the row (the published int4 layouts);
@@ -392,9 +414,22 @@ mod avx2 {
         std::array::from_fn(|r| hsum(acc[r]) + super::dot_i8_scalar(&w[r][c..cols], &x[c..cols]))
     }
 
-    /// Four int4 rows against one input, before the activation scale: per scale group the
-    /// exact integer sum (less `8 * sum x` for the nibbles' offset) times the group's
-    /// scale, added group by group, as the reference adds them.
+    /// The eight lanes' sums of `x` over blocks `blocks`, times `offset`: what a block's
+    /// unsigned codes (`code + offset`) add beyond their signed products.
+    #[inline(always)]
+    unsafe fn lane_offset(x: &Quantised, blocks: std::ops::Range<usize>, offset: i32) -> __m256i {
+        let mut sums = _mm256_setzero_si256();
+        for b in blocks {
+            let lane = x.lane_sums.as_ptr().add(b * 8) as *const __m256i;
+            sums = _mm256_add_epi32(sums, _mm256_loadu_si256(lane));
+        }
+        _mm256_mullo_epi32(sums, _mm256_set1_epi32(offset))
+    }
+
+    /// Four int4 rows against one input, before the activation scale: per scale group
+    /// each lane's exact integer sum (less `8 * sum x` over the lane's columns for the
+    /// nibbles' offset) times the group's scale, added to the lane, as the reference adds
+    /// them.
     #[inline(always)]
     unsafe fn int4_rows<const VNNI: bool>(
         w: [&[u8]; 4],
@@ -403,34 +438,98 @@ mod avx2 {
         cols: usize,
         group: usize,
     ) -> [f32; 4] {
-        let mut sum = [0f32; 4];
+        let mut lanes = [_mm256_setzero_ps(); 4];
         let ahead = 4 * cols / 2;
         let blocks_per_group = group / BLOCK;
         for (g, first_block) in (0..cols / BLOCK).step_by(blocks_per_group).enumerate() {
             let mut acc = [_mm256_setzero_si256(); 4];
-            let mut offset = 0;
-            for b in first_block..first_block + blocks_per_group {
+            let blocks = first_block..first_block + blocks_per_group;
+            for b in blocks.clone() {
                 let xp = x.q.as_ptr().add(b * BLOCK);
                 for r in 0..4 {
                     let p = w[r].as_ptr().add(b * BLOCK / 2);
                     prefetch(p, ahead);
                     acc[r] = mul_nibbles::<VNNI>(acc[r], p, xp);
                 }
-                offset += x.block_sums[b];
             }
+            let offset = lane_offset(x, blocks, 8);
             for r in 0..4 {
-                let isum = hsum(acc[r]) - 8 * offset;
-                sum[r] += isum as f32 * scales[r][g];
+                let isums = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[r], offset));
+                lanes[r] = _mm256_fmadd_ps(isums, _mm256_set1_ps(scales[r][g]), lanes[r]);
             }
         }
-        sum
+        // A loop, not a closure, so that the lane sums inherit the caller's AVX2.
+        let mut sums = [0f32; 4];
+        for r in 0..4 {
+            sums[r] = Avx2(lanes[r]).sum();
+        }
+        sums
+    }
+
+    /// [`int4_rows`] two rows to a 512-bit register: rows `2p` and `2p + 1` in its low and
+    /// high halves against the input in both, so each half is one row's eight lanes, summed
+    /// as [`int4_rows`] sums them (the same bits, half the instructions).
+    #[inline(always)]
+    unsafe fn int4_rows_wide(
+        w: [&[u8]; 4],
+        scales: [&[f32]; 4],
+        x: &Quantised,
+        cols: usize,
+        group: usize,
+    ) -> [f32; 4] {
+        let nibbles = _mm512_set1_epi8(15);
+        let mut lanes = [_mm512_setzero_ps(); 2];
+        let ahead = 4 * cols / 2;
+        let blocks_per_group = group / BLOCK;
+        for (g, first_block) in (0..cols / BLOCK).step_by(blocks_per_group).enumerate() {
+            let mut acc = [_mm512_setzero_si512(); 2];
+            let blocks = first_block..first_block + blocks_per_group;
+            for b in blocks.clone() {
+                let xp = x.q.as_ptr().add(b * BLOCK);
+                let even = _mm512_broadcast_i64x4(_mm256_loadu_si256(xp as *const __m256i));
+                let odd =
+                    _mm512_broadcast_i64x4(_mm256_loadu_si256(xp.add(BLOCK / 2) as *const __m256i));
+                for p in 0..2 {
+                    let (first, second) = (
+                        w[2 * p].as_ptr().add(b * BLOCK / 2),
+                        w[2 * p + 1].as_ptr().add(b * BLOCK / 2),
+                    );
+                    prefetch(first, ahead);
+                    prefetch(second, ahead);
+                    let bytes = _mm512_inserti64x4::<1>(
+                        _mm512_castsi256_si512(_mm256_loadu_si256(first as *const __m256i)),
+                        _mm256_loadu_si256(second as *const __m256i),
+                    );
+                    let low = _mm512_and_si512(bytes, nibbles);
+                    let high = _mm512_and_si512(_mm512_srli_epi16::<4>(bytes), nibbles);
+                    acc[p] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[p], low, even), high, odd);
+                }
+            }
+            let offset = _mm512_broadcast_i64x4(lane_offset(x, blocks, 8));
+            for p in 0..2 {
+                let isums = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[p], offset));
+                let scale = _mm512_insertf32x8::<1>(
+                    _mm512_set1_ps(scales[2 * p][g]),
+                    _mm256_set1_ps(scales[2 * p + 1][g]),
+                );
+                lanes[p] = _mm512_fmadd_ps(isums, scale, lanes[p]);
+            }
+        }
+        // A loop, not a closure, so that the lane sums inherit the caller's features.
+        let mut sums = [0f32; 4];
+        for p in 0..2 {
+            sums[2 * p] = Avx2(_mm512_castps512_ps256(lanes[p])).sum();
+            sums[2 * p + 1] = Avx2(_mm512_extractf32x8_ps::<1>(lanes[p])).sum();
+        }
+        sums
     }
 
     /// Four MXFP4 rows against one input, before the activation scale. A block of 64
     /// columns is two scale groups: its first 16 bytes hold columns 0..32, its last 16
     /// columns 32..64, so the products' low four lanes are the first group and the high
-    /// four the second. Each group's exact integer sum times its scale is added to the
-    /// row's sum group by group, as the reference adds them.
+    /// four the second. Each code is looked up as its doubled value plus 12 (unsigned, so
+    /// `vpdpbusd` takes it as it is) and the 12 taken back lane by lane; each lane's exact
+    /// integer sum times its group's scale is added to the lane, as the reference adds it.
     #[inline(always)]
     unsafe fn mxfp4_rows<const VNNI: bool>(
         w: [&[u8]; 4],
@@ -438,60 +537,65 @@ mod avx2 {
         x: &Quantised,
         cols: usize,
     ) -> [f32; 4] {
-        let table =
-            _mm256_broadcastsi128_si256(_mm_loadu_si128(E2M1_DOUBLED.as_ptr() as *const __m128i));
+        let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(
+            E2M1_DOUBLED_PLUS_12.as_ptr() as *const __m128i
+        ));
         let ahead = 4 * cols / 2;
-        let mut sum = _mm_setzero_ps();
+        let mut lanes = [_mm256_setzero_ps(); 4];
         for b in 0..cols / BLOCK {
             let xp = x.q.as_ptr().add(b * BLOCK);
             let even = _mm256_loadu_si256(xp as *const __m256i);
             let odd = _mm256_loadu_si256(xp.add(BLOCK / 2) as *const __m256i);
-            // A loop, not a closure, so that the intrinsics inherit the caller's AVX2.
-            let mut acc = [_mm256_setzero_si256(); 4];
+            let offset = lane_offset(x, b..b + 1, 12);
+            let g = b * BLOCK / MX_GROUP;
             for r in 0..4 {
                 let p = w[r].as_ptr().add(b * BLOCK / 2);
                 prefetch(p, ahead);
                 let bytes = _mm256_loadu_si256(p as *const __m256i);
                 let low = _mm256_and_si256(bytes, _mm256_set1_epi8(15));
                 let high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi8(15));
-                acc[r] = mul_i8::<VNNI>(acc[r], _mm256_shuffle_epi8(table, low), even);
-                acc[r] = mul_i8::<VNNI>(acc[r], _mm256_shuffle_epi8(table, high), odd);
+                let acc = dot_bytes::<VNNI>(
+                    dot_bytes::<VNNI>(
+                        offset_negated(offset),
+                        _mm256_shuffle_epi8(table, low),
+                        even,
+                    ),
+                    _mm256_shuffle_epi8(table, high),
+                    odd,
+                );
+                // The two exponents, four lanes each, as `2^(s - 127) / 2`
+                // (`codec::mxfp4_group_scale`).
+                let pair = u32::from(scales[r][g]) | u32::from(scales[r][g + 1]) << 8;
+                let bits = _mm256_srlv_epi32(
+                    _mm256_set1_epi32(pair as i32),
+                    _mm256_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8),
+                );
+                let bits = _mm256_and_si256(bits, _mm256_set1_epi32(255));
+                let scale = _mm256_mul_ps(
+                    _mm256_castsi256_ps(_mm256_slli_epi32(bits, 23)),
+                    _mm256_set1_ps(0.5),
+                );
+                lanes[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), scale, lanes[r]);
             }
-            // [rows 0..4 of the first group | rows 0..4 of the second].
-            let sums = _mm256_hadd_epi32(
-                _mm256_hadd_epi32(acc[0], acc[1]),
-                _mm256_hadd_epi32(acc[2], acc[3]),
-            );
-            let g = b * BLOCK / MX_GROUP;
-            let exponent = |r: usize, k: usize| i32::from(scales[r][g + k]);
-            let bits = _mm256_setr_epi32(
-                exponent(0, 0),
-                exponent(1, 0),
-                exponent(2, 0),
-                exponent(3, 0),
-                exponent(0, 1),
-                exponent(1, 1),
-                exponent(2, 1),
-                exponent(3, 1),
-            );
-            // 2^(s - 127) / 2, as `codec::mxfp4_group_scale`.
-            let scale = _mm256_mul_ps(
-                _mm256_castsi256_ps(_mm256_slli_epi32(bits, 23)),
-                _mm256_set1_ps(0.5),
-            );
-            let products = _mm256_mul_ps(_mm256_cvtepi32_ps(sums), scale);
-            sum = _mm_add_ps(sum, _mm256_castps256_ps128(products));
-            sum = _mm_add_ps(sum, _mm256_extractf128_ps(products, 1));
         }
-        let mut out = [0f32; 4];
-        _mm_storeu_ps(out.as_mut_ptr(), sum);
-        out
+        // A loop, not a closure, so that the lane sums inherit the caller's AVX2.
+        let mut sums = [0f32; 4];
+        for r in 0..4 {
+            sums[r] = Avx2(lanes[r]).sum();
+        }
+        sums
+    }
+
+    /// `-offset`, the start of a block's integer sums.
+    #[inline(always)]
+    unsafe fn offset_negated(offset: __m256i) -> __m256i {
+        _mm256_sub_epi32(_mm256_setzero_si256(), offset)
     }
 
     /// Rows `first..first + count` against every input, `out[(row - first) * n + t]`;
     /// rows in fours, the last ones one at a time.
     #[inline(always)]
-    unsafe fn rows_block<const VNNI: bool>(
+    unsafe fn rows_block<const VNNI: bool, const WIDE: bool>(
         weights: Weights,
         first: usize,
         count: usize,
@@ -520,7 +624,12 @@ mod avx2 {
                         let (stride, per_row) = (cols / 2, cols / group);
                         let w = rows.map(|r| &packed[r * stride..(r + 1) * stride]);
                         let s = rows.map(|r| &scales[r * per_row..(r + 1) * per_row]);
-                        int4_rows::<VNNI>(w, s, x, cols, group).map(|v| v * x.scale)
+                        let sums = if WIDE {
+                            int4_rows_wide(w, s, x, cols, group)
+                        } else {
+                            int4_rows::<VNNI>(w, s, x, cols, group)
+                        };
+                        sums.map(|v| v * x.scale)
                     }
                     Weights::Mxfp4 { packed, scales } => {
                         let (stride, per_row) = (cols / 2, cols / MX_GROUP);
@@ -538,7 +647,7 @@ mod avx2 {
     }
 
     /// [`rows_block`] with AVX2 alone.
-    #[target_feature(enable = "avx2")]
+    #[target_feature(enable = "avx2,fma")]
     pub unsafe fn block(
         weights: Weights,
         first: usize,
@@ -547,11 +656,11 @@ mod avx2 {
         xs: &[Quantised],
         out: &mut [f32],
     ) {
-        rows_block::<false>(weights, first, count, cols, xs, out)
+        rows_block::<false, false>(weights, first, count, cols, xs, out)
     }
 
     /// [`rows_block`] with AVX-VNNI's `vpdpbusd`.
-    #[target_feature(enable = "avx2,avxvnni")]
+    #[target_feature(enable = "avx2,fma,avxvnni")]
     pub unsafe fn block_vnni(
         weights: Weights,
         first: usize,
@@ -560,7 +669,20 @@ mod avx2 {
         xs: &[Quantised],
         out: &mut [f32],
     ) {
-        rows_block::<true>(weights, first, count, cols, xs, out)
+        rows_block::<true, false>(weights, first, count, cols, xs, out)
+    }
+
+    /// [`rows_block`] with AVX-VNNI, int4 rows on 512-bit AVX-512 VNNI.
+    #[target_feature(enable = "avx2,fma,avxvnni,avx512f,avx512bw,avx512dq,avx512vnni")]
+    pub unsafe fn block_wide(
+        weights: Weights,
+        first: usize,
+        count: usize,
+        cols: usize,
+        xs: &[Quantised],
+        out: &mut [f32],
+    ) {
+        rows_block::<true, true>(weights, first, count, cols, xs, out)
     }
 }
 
@@ -633,7 +755,8 @@ mod tests {
         }
     }
 
-    /// Both AVX2 paths, with and without VNNI where the CPU has it, against the reference.
+    /// Every x86 path, with and without VNNI and with 512-bit int4 where the CPU has them,
+    /// against the reference.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn the_vnni_and_maddubs_paths_compute_the_same_integers() {
@@ -680,10 +803,41 @@ mod tests {
                 unsafe { avx2::block_vnni(weights, 0, rows, cols, xs, &mut vnni) };
                 assert_eq!(vnni, reference);
             }
+            if wide_vnni() {
+                let mut wide = vec![0f32; rows * 2];
+                // SAFETY: AVX-VNNI and AVX-512 VNNI were detected.
+                unsafe { avx2::block_wide(weights, 0, rows, cols, xs, &mut wide) };
+                assert_eq!(wide, reference);
+            }
         }
     }
 
-    /// The integer product written out plainly: natural-order activations, every group.
+    /// A grouped product written out plainly, from natural-order activations: per group
+    /// each lane's integer sum (lane: the column's eighth of its block of 64) times the
+    /// group's scale, fused into the lane; the lanes summed in the kernels' order.
+    fn plain_grouped(
+        cols: usize,
+        group: usize,
+        x: &[f32],
+        code: impl Fn(usize) -> i32,
+        scale: impl Fn(usize) -> f32,
+    ) -> f32 {
+        let (q, x_scale) = quantise(x);
+        let mut lanes = [0f32; 8];
+        for g in 0..cols.div_ceil(group) {
+            let columns = g * group..((g + 1) * group).min(cols);
+            for l in 0..8 {
+                let mine: Vec<usize> = columns.clone().filter(|c| c % 64 / 8 == l).collect();
+                if !mine.is_empty() {
+                    let isum: i32 = mine.iter().map(|&c| code(c) * i32::from(q[c])).sum();
+                    lanes[l] = (isum as f32).mul_add(scale(g), lanes[l]);
+                }
+            }
+        }
+        let a = lanes;
+        (((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))) * x_scale
+    }
+
     fn plain_int4(
         packed: &[u8],
         scales: &[f32],
@@ -692,26 +846,19 @@ mod tests {
         row: usize,
         x: &[f32],
     ) -> f32 {
-        let (q, scale) = quantise(x);
         let stride = cols.div_ceil(2);
         let group = group.min(cols);
         let per_row = cols.div_ceil(group);
-        let mut sum = 0f32;
-        for g in 0..per_row {
-            let isum: i32 = (g * group..((g + 1) * group).min(cols))
-                .map(|c| {
-                    let byte = packed[row * stride + c / 2];
-                    let nibble = if c % 2 == 0 { byte & 15 } else { byte >> 4 };
-                    (i32::from(nibble) - 8) * i32::from(q[c])
-                })
-                .sum();
-            sum += isum as f32 * scales[row * per_row + g];
-        }
-        sum * scale
+        let code = |c: usize| {
+            let byte = packed[row * stride + c / 2];
+            let nibble = if c % 2 == 0 { byte & 15 } else { byte >> 4 };
+            i32::from(nibble) - 8
+        };
+        plain_grouped(cols, group, x, code, |g| scales[row * per_row + g])
     }
 
     #[test]
-    fn every_int4_group_size_computes_the_plain_integer_product() {
+    fn every_int4_group_size_computes_the_plain_lane_product() {
         for (rows, cols, group) in [
             (5, 128, 32),
             (6, 192, 48),
@@ -741,7 +888,7 @@ mod tests {
     }
 
     #[test]
-    fn mxfp4_computes_the_plain_integer_product_and_stays_close_to_the_float_one() {
+    fn mxfp4_computes_the_plain_lane_product_and_stays_close_to_the_float_one() {
         for (rows, cols) in [(5, 64), (6, 2048), (3, 96), (4, 130)] {
             let w = values(rows * cols, 13);
             let (packed, exponents) = quantize_mxfp4(&w, cols);
@@ -752,23 +899,20 @@ mod tests {
             let x = values(cols, 6);
             let mut got = vec![0f32; rows];
             matmul(Isa::detect(), weights, rows, cols, &x, 1, &mut got);
-            // Natural-order activations, group by group.
-            let (q, scale) = quantise(&x);
             let stride = cols.div_ceil(2);
             let per_row = cols.div_ceil(MX_GROUP);
             for (r, &y) in got.iter().enumerate() {
-                let mut sum = 0f32;
-                for g in 0..per_row {
-                    let isum: i32 = (g * MX_GROUP..((g + 1) * MX_GROUP).min(cols))
-                        .map(|c| {
-                            let byte = packed[r * stride + c / 2];
-                            let code = if c % 2 == 0 { byte & 15 } else { byte >> 4 };
-                            i32::from(E2M1_DOUBLED[code as usize]) * i32::from(q[c])
-                        })
-                        .sum();
-                    sum += isum as f32 * codec::mxfp4_group_scale(exponents[r * per_row + g]);
-                }
-                assert_eq!(y, sum * scale, "{rows}x{cols} row {r}");
+                let code = |c: usize| {
+                    let byte = packed[r * stride + c / 2];
+                    let code = if c % 2 == 0 { byte & 15 } else { byte >> 4 };
+                    i32::from(E2M1_DOUBLED[code as usize])
+                };
+                let scale = |g: usize| codec::mxfp4_group_scale(exponents[r * per_row + g]);
+                assert_eq!(
+                    y,
+                    plain_grouped(cols, MX_GROUP, &x, code, scale),
+                    "{rows}x{cols} row {r}"
+                );
             }
             let dequantised = Matrix::from_f32_as(rows, cols, &w, Format::Mxfp4)
                 .unwrap()
