@@ -826,11 +826,11 @@ mod tests {
         let mut lanes = [0f32; 8];
         for g in 0..cols.div_ceil(group) {
             let columns = g * group..((g + 1) * group).min(cols);
-            for l in 0..8 {
+            for (l, lane) in lanes.iter_mut().enumerate() {
                 let mine: Vec<usize> = columns.clone().filter(|c| c % 64 / 8 == l).collect();
                 if !mine.is_empty() {
                     let isum: i32 = mine.iter().map(|&c| code(c) * i32::from(q[c])).sum();
-                    lanes[l] = (isum as f32).mul_add(scale(g), lanes[l]);
+                    *lane = (isum as f32).mul_add(scale(g), *lane);
                 }
             }
         }
@@ -851,7 +851,11 @@ mod tests {
         let per_row = cols.div_ceil(group);
         let code = |c: usize| {
             let byte = packed[row * stride + c / 2];
-            let nibble = if c % 2 == 0 { byte & 15 } else { byte >> 4 };
+            let nibble = if c.is_multiple_of(2) {
+                byte & 15
+            } else {
+                byte >> 4
+            };
             i32::from(nibble) - 8
         };
         plain_grouped(cols, group, x, code, |g| scales[row * per_row + g])
@@ -904,7 +908,11 @@ mod tests {
             for (r, &y) in got.iter().enumerate() {
                 let code = |c: usize| {
                     let byte = packed[r * stride + c / 2];
-                    let code = if c % 2 == 0 { byte & 15 } else { byte >> 4 };
+                    let code = if c.is_multiple_of(2) {
+                        byte & 15
+                    } else {
+                        byte >> 4
+                    };
                     i32::from(E2M1_DOUBLED[code as usize])
                 };
                 let scale = |g: usize| codec::mxfp4_group_scale(exponents[r * per_row + g]);
