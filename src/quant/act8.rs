@@ -466,29 +466,26 @@ mod avx2 {
         sums
     }
 
-    /// [`int4_rows`] two rows to a 512-bit register: rows `2p` and `2p + 1` in its low and
-    /// high halves against the input in both, so each half is one row's eight lanes, summed
-    /// as [`int4_rows`] sums them (the same bits, half the instructions).
+    /// [`int4_rows`] two rows to a 512-bit register, against `T` inputs at once: rows `2p`
+    /// and `2p + 1` in its low and high halves against an input in both, so each half is
+    /// one row's eight lanes, summed as [`int4_rows`] sums them (the same bits, half the
+    /// instructions); each block's nibbles are unpacked once for the `T` inputs.
     #[inline(always)]
-    unsafe fn int4_rows_wide(
+    unsafe fn int4_tile_wide<const T: usize>(
         w: [&[u8]; 4],
         scales: [&[f32]; 4],
-        x: &Quantised,
+        xs: [&Quantised; T],
         cols: usize,
         group: usize,
-    ) -> [f32; 4] {
+    ) -> [[f32; 4]; T] {
         let nibbles = _mm512_set1_epi8(15);
-        let mut lanes = [_mm512_setzero_ps(); 2];
+        let mut lanes = [[_mm512_setzero_ps(); 2]; T];
         let ahead = 4 * cols / 2;
         let blocks_per_group = group / BLOCK;
         for (g, first_block) in (0..cols / BLOCK).step_by(blocks_per_group).enumerate() {
-            let mut acc = [_mm512_setzero_si512(); 2];
+            let mut acc = [[_mm512_setzero_si512(); 2]; T];
             let blocks = first_block..first_block + blocks_per_group;
             for b in blocks.clone() {
-                let xp = x.q.as_ptr().add(b * BLOCK);
-                let even = _mm512_broadcast_i64x4(_mm256_loadu_si256(xp as *const __m256i));
-                let odd =
-                    _mm512_broadcast_i64x4(_mm256_loadu_si256(xp.add(BLOCK / 2) as *const __m256i));
                 for p in 0..2 {
                     let (first, second) = (
                         w[2 * p].as_ptr().add(b * BLOCK / 2),
@@ -502,26 +499,77 @@ mod avx2 {
                     );
                     let low = _mm512_and_si512(bytes, nibbles);
                     let high = _mm512_and_si512(_mm512_srli_epi16::<4>(bytes), nibbles);
-                    acc[p] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[p], low, even), high, odd);
+                    for t in 0..T {
+                        let xp = xs[t].q.as_ptr().add(b * BLOCK);
+                        let even = _mm512_broadcast_i64x4(_mm256_loadu_si256(xp as *const __m256i));
+                        let odd = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                            xp.add(BLOCK / 2) as *const __m256i
+                        ));
+                        acc[t][p] = _mm512_dpbusd_epi32(
+                            _mm512_dpbusd_epi32(acc[t][p], low, even),
+                            high,
+                            odd,
+                        );
+                    }
                 }
             }
-            let offset = _mm512_broadcast_i64x4(lane_offset(x, blocks, 8));
-            for p in 0..2 {
-                let isums = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[p], offset));
-                let scale = _mm512_insertf32x8::<1>(
-                    _mm512_set1_ps(scales[2 * p][g]),
-                    _mm256_set1_ps(scales[2 * p + 1][g]),
-                );
-                lanes[p] = _mm512_fmadd_ps(isums, scale, lanes[p]);
+            let scale: [__m512; 2] = [
+                _mm512_insertf32x8::<1>(_mm512_set1_ps(scales[0][g]), _mm256_set1_ps(scales[1][g])),
+                _mm512_insertf32x8::<1>(_mm512_set1_ps(scales[2][g]), _mm256_set1_ps(scales[3][g])),
+            ];
+            for t in 0..T {
+                let offset = _mm512_broadcast_i64x4(lane_offset(xs[t], blocks.clone(), 8));
+                for p in 0..2 {
+                    let isums = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[t][p], offset));
+                    lanes[t][p] = _mm512_fmadd_ps(isums, scale[p], lanes[t][p]);
+                }
             }
         }
         // A loop, not a closure, so that the lane sums inherit the caller's features.
-        let mut sums = [0f32; 4];
-        for p in 0..2 {
-            sums[2 * p] = Avx2(_mm512_castps512_ps256(lanes[p])).sum();
-            sums[2 * p + 1] = Avx2(_mm512_extractf32x8_ps::<1>(lanes[p])).sum();
+        let mut sums = [[0f32; 4]; T];
+        for t in 0..T {
+            for p in 0..2 {
+                sums[t][2 * p] = Avx2(_mm512_castps512_ps256(lanes[t][p])).sum();
+                sums[t][2 * p + 1] = Avx2(_mm512_extractf32x8_ps::<1>(lanes[t][p])).sum();
+            }
         }
         sums
+    }
+
+    /// Int4 rows `rows` against every input on the 512-bit path, three inputs at a time,
+    /// into `out[(i + k) * n + t]`, times each input's scale.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn int4_rows_wide_into(
+        w: [&[u8]; 4],
+        scales: [&[f32]; 4],
+        xs: &[Quantised],
+        cols: usize,
+        group: usize,
+        i: usize,
+        take: usize,
+        out: &mut [f32],
+    ) {
+        let n = xs.len();
+        let mut t = 0;
+        while t < n {
+            if n - t >= 3 {
+                let tile = [&xs[t], &xs[t + 1], &xs[t + 2]];
+                let sums = int4_tile_wide::<3>(w, scales, tile, cols, group);
+                for j in 0..3 {
+                    for k in 0..take {
+                        out[(i + k) * n + t + j] = sums[j][k] * tile[j].scale;
+                    }
+                }
+                t += 3;
+            } else {
+                let sums = int4_tile_wide::<1>(w, scales, [&xs[t]], cols, group);
+                for k in 0..take {
+                    out[(i + k) * n + t] = sums[0][k] * xs[t].scale;
+                }
+                t += 1;
+            }
+        }
     }
 
     /// Four MXFP4 rows against one input, before the activation scale. A block of 64
@@ -608,6 +656,23 @@ mod avx2 {
         while i < count {
             let take = if count - i >= 4 { 4 } else { 1 };
             let rows: [usize; 4] = std::array::from_fn(|k| first + i + k.min(take - 1));
+            if let (
+                true,
+                Weights::Int4 {
+                    packed,
+                    scales,
+                    group,
+                },
+            ) = (WIDE, weights)
+            {
+                let group = group.min(cols);
+                let (stride, per_row) = (cols / 2, cols / group);
+                let w = rows.map(|r| &packed[r * stride..(r + 1) * stride]);
+                let s = rows.map(|r| &scales[r * per_row..(r + 1) * per_row]);
+                int4_rows_wide_into(w, s, xs, cols, group, i, take, out);
+                i += take;
+                continue;
+            }
             for (t, x) in xs.iter().enumerate() {
                 let sums: [f32; 4] = match weights {
                     Weights::Int8Row { values, scales } => {
@@ -624,12 +689,7 @@ mod avx2 {
                         let (stride, per_row) = (cols / 2, cols / group);
                         let w = rows.map(|r| &packed[r * stride..(r + 1) * stride]);
                         let s = rows.map(|r| &scales[r * per_row..(r + 1) * per_row]);
-                        let sums = if WIDE {
-                            int4_rows_wide(w, s, x, cols, group)
-                        } else {
-                            int4_rows::<VNNI>(w, s, x, cols, group)
-                        };
-                        sums.map(|v| v * x.scale)
+                        int4_rows::<VNNI>(w, s, x, cols, group).map(|v| v * x.scale)
                     }
                     Weights::Mxfp4 { packed, scales } => {
                         let (stride, per_row) = (cols / 2, cols / MX_GROUP);
