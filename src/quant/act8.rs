@@ -257,7 +257,7 @@ fn block(
 ) {
     #[cfg(target_arch = "x86_64")]
     // The integer products are 256 bits wide; an AVX-512 CPU runs them too, and int4 rows
-    // two to a register where it has VNNI.
+    // and int8 batches at 512 bits where it has VNNI.
     if matches!(isa, Isa::Avx2 | Isa::Avx512) && isa.supported() && avx2::covers(weights, cols) {
         // SAFETY: AVX2 (and for the others, AVX-VNNI, AVX-512 with its VNNI) was
         // detected; the shapes are the matrix's.
@@ -751,44 +751,39 @@ mod avx2 {
         }
     }
 
-    /// [`rows_block`] with AVX2 alone.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn block(
-        weights: Weights,
-        first: usize,
-        count: usize,
-        cols: usize,
-        xs: &[Quantised],
-        out: &mut [f32],
-    ) {
-        rows_block::<false, false>(weights, first, count, cols, xs, out)
+    /// An entry point: [`rows_block`] compiled for the instruction sets `features`.
+    macro_rules! entry {
+        ($(#[$doc:meta])* $name:ident, $features:literal, $vnni:literal, $wide:literal) => {
+            $(#[$doc])*
+            #[target_feature(enable = $features)]
+            pub unsafe fn $name(
+                weights: Weights,
+                first: usize,
+                count: usize,
+                cols: usize,
+                xs: &[Quantised],
+                out: &mut [f32],
+            ) {
+                rows_block::<$vnni, $wide>(weights, first, count, cols, xs, out)
+            }
+        };
     }
 
-    /// [`rows_block`] with AVX-VNNI's `vpdpbusd`.
-    #[target_feature(enable = "avx2,fma,avxvnni")]
-    pub unsafe fn block_vnni(
-        weights: Weights,
-        first: usize,
-        count: usize,
-        cols: usize,
-        xs: &[Quantised],
-        out: &mut [f32],
-    ) {
-        rows_block::<true, false>(weights, first, count, cols, xs, out)
-    }
-
-    /// [`rows_block`] with AVX-VNNI, int8 and int4 rows on 512-bit AVX-512 VNNI.
-    #[target_feature(enable = "avx2,fma,avxvnni,avx512f,avx512bw,avx512dq,avx512vnni")]
-    pub unsafe fn block_wide(
-        weights: Weights,
-        first: usize,
-        count: usize,
-        cols: usize,
-        xs: &[Quantised],
-        out: &mut [f32],
-    ) {
-        rows_block::<true, true>(weights, first, count, cols, xs, out)
-    }
+    entry!(
+        /// [`rows_block`] with AVX2 alone.
+        block, "avx2,fma", false, false
+    );
+    entry!(
+        /// [`rows_block`] with AVX-VNNI's `vpdpbusd`.
+        block_vnni, "avx2,fma,avxvnni", true, false
+    );
+    entry!(
+        /// [`rows_block`] with AVX-VNNI, int8 and int4 rows on 512-bit AVX-512 VNNI.
+        block_wide,
+        "avx2,fma,avxvnni,avx512f,avx512bw,avx512dq,avx512vnni",
+        true,
+        true
+    );
 }
 
 #[cfg(test)]
