@@ -198,7 +198,7 @@ fn main() {
         load_average()
     );
     println!(
-        "{:<14} {:>10} {:>11} {:>10} {:>12} {:>9} {:>10}",
+        "{:<18} {:>10} {:>11} {:>10} {:>12} {:>9} {:>10}",
         "weights", "pp32/s", "pp512/s", "decode/s", "MB/token", "GB/s", "of bw"
     );
     for (label, dir, act8) in rows.into_iter().chain(integer) {
@@ -206,7 +206,7 @@ fn main() {
         let f = run(&dir, args.layers, args.repeat);
         let achieved = f.bytes as f64 * f.decode;
         println!(
-            "{label:<14} {:>10.1} {:>11.1} {:>10.2} {:>12.1} {:>9.2} {:>9.0}%",
+            "{label:<18} {:>10.1} {:>11.1} {:>10.2} {:>12.1} {:>9.2} {:>9.0}%",
             f.prefill,
             f.long_prefill,
             f.decode,

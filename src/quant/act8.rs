@@ -12,8 +12,9 @@
 //! group's scale is fused into the lane, the lanes are summed in the kernels' order
 //! (`((l0+l4)+(l2+l6))+((l1+l5)+(l3+l7))`) and the sum is multiplied by the activation
 //! scale. So no group needs a horizontal sum of its own. Integer sums do not depend on
-//! the order they are taken in, so the SIMD paths (AVX2 `maddubs`, any CPU that has
-//! AVX2) compute the same bits as the scalar reference, a batch the same as its rows one
+//! the order they are taken in, so the SIMD paths (AVX2 `maddubs` on any CPU that has
+//! AVX2, AVX-VNNI `vpdpbusd`, and 512-bit `vpdpbusd` for int4 and int8 batches with
+//! AVX-512 VNNI) compute the same bits as the scalar reference, a batch the same as its rows one
 //! by one, and the thread count changes nothing.
 //!
 //! What it costs in quality is measured, not assumed (`PPL=1 KLD_BASE=`; docs/benchmarks.md).
@@ -69,8 +70,8 @@ struct Quantised {
     block_sum: i32,
 }
 
-/// Columns per int4 block: 32 packed bytes, whose low nibbles are the even columns and
-/// high nibbles the odd ones.
+/// Columns per block: for int4 and MXFP4, 32 packed bytes whose low nibbles are the even
+/// columns and high nibbles the odd ones; for int8, one 512-bit load.
 const BLOCK: usize = 64;
 
 /// `s = max|x| / 127` and `q = round(x / s)` (ties to even), 0 for an all-zero row.
@@ -107,7 +108,7 @@ impl Quantised {
         }
     }
 
-    /// For int4 weights: each whole block of 64 columns as its 32 even columns then its 32
+    /// For int4 and MXFP4 weights: each whole block of 64 columns as its 32 even columns then its 32
     /// odd ones (the order a block's low and high nibbles come in), the rest as they are.
     fn deinterleaved(x: &[f32]) -> Quantised {
         let (natural, scale) = quantise(x);
@@ -237,8 +238,9 @@ fn vnni() -> bool {
     *VNNI.get_or_init(|| is_x86_feature_detected!("avxvnni"))
 }
 
-/// Whether int8 and int4 rows may take 512-bit `vpdpbusd` (64 bytes at a time), beside
-/// AVX-VNNI for the rest.
+/// Whether int4 rows and int8 batches may take 512-bit `vpdpbusd` (64 bytes at a time),
+/// beside AVX-VNNI for the rest. (A CPU with AVX-512 VNNI but not AVX-VNNI takes the
+/// AVX2 `maddubs` path: the same bits, slower.)
 #[cfg(target_arch = "x86_64")]
 fn wide_vnni() -> bool {
     static WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -418,7 +420,12 @@ mod avx2 {
             }
             c += 32;
         }
-        std::array::from_fn(|r| hsum(acc[r]) + super::dot_i8_scalar(&w[r][c..cols], &x[c..cols]))
+        // A loop, not a closure, so that the sums inherit the caller's AVX2.
+        let mut sums = [0i32; 4];
+        for r in 0..4 {
+            sums[r] = hsum(acc[r]) + super::dot_i8_scalar(&w[r][c..cols], &x[c..cols]);
+        }
+        sums
     }
 
     /// The eight lanes' sums of `x` over blocks `blocks`, times `offset`: what a block's
@@ -778,7 +785,7 @@ mod avx2 {
         block_vnni, "avx2,fma,avxvnni", true, false
     );
     entry!(
-        /// [`rows_block`] with AVX-VNNI, int8 and int4 rows on 512-bit AVX-512 VNNI.
+        /// [`rows_block`] with AVX-VNNI, int4 rows and int8 batches on 512-bit AVX-512 VNNI.
         block_wide,
         "avx2,fma,avxvnni,avx512f,avx512bw,avx512dq,avx512vnni",
         true,
@@ -867,11 +874,12 @@ mod tests {
         let w = values(rows * cols, 5);
         let (q8, s8) = quantize_int8_rows(&w, cols);
         let (packed, scales) = quantize_int4_groups(&w, cols, 64);
-        let xs: Vec<Quantised> = (0..2)
+        // Four inputs: a tile of three and one left over.
+        let xs: Vec<Quantised> = (0..4)
             .map(|t| values(cols, 20 + t))
             .map(|x| Quantised::natural(&x))
             .collect();
-        let x4: Vec<Quantised> = (0..2)
+        let x4: Vec<Quantised> = (0..4)
             .map(|t| values(cols, 20 + t))
             .map(|x| Quantised::deinterleaved(&x))
             .collect();
@@ -893,19 +901,19 @@ mod tests {
             let reference: Vec<f32> = (0..rows)
                 .flat_map(|r| xs.iter().map(move |x| row_dot(weights, r, cols, x)))
                 .collect();
-            let mut plain = vec![0f32; rows * 2];
+            let mut plain = vec![0f32; rows * 4];
             // SAFETY: AVX2 was detected.
             unsafe { avx2::block(weights, 0, rows, cols, xs, &mut plain) };
             assert_eq!(plain, reference);
             if is_x86_feature_detected!("avxvnni") {
-                let mut vnni = vec![0f32; rows * 2];
+                let mut vnni = vec![0f32; rows * 4];
                 // SAFETY: AVX-VNNI was detected.
                 unsafe { avx2::block_vnni(weights, 0, rows, cols, xs, &mut vnni) };
                 assert_eq!(vnni, reference);
             }
-            if wide_vnni() {
-                let mut wide = vec![0f32; rows * 2];
-                // SAFETY: AVX-VNNI and AVX-512 VNNI were detected.
+            if Isa::Avx512.supported() && wide_vnni() {
+                let mut wide = vec![0f32; rows * 4];
+                // SAFETY: AVX-512 F/BW/DQ, AVX-VNNI and AVX-512 VNNI were detected.
                 unsafe { avx2::block_wide(weights, 0, rows, cols, xs, &mut wide) };
                 assert_eq!(wide, reference);
             }
