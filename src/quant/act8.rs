@@ -238,13 +238,12 @@ fn vnni() -> bool {
     *VNNI.get_or_init(|| is_x86_feature_detected!("avxvnni"))
 }
 
-/// Whether int4 rows and int8 batches may take 512-bit `vpdpbusd` (64 bytes at a time),
-/// beside AVX-VNNI for the rest. (A CPU with AVX-512 VNNI but not AVX-VNNI takes the
-/// AVX2 `maddubs` path: the same bits, slower.)
+/// Whether an AVX-512 CPU has its VNNI: int4 rows and int8 batches take 512-bit
+/// `vpdpbusd` (64 bytes at a time), the rest its 256-bit form.
 #[cfg(target_arch = "x86_64")]
 fn wide_vnni() -> bool {
     static WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *WIDE.get_or_init(|| vnni() && is_x86_feature_detected!("avx512vnni"))
+    *WIDE.get_or_init(|| is_x86_feature_detected!("avx512vnni"))
 }
 
 /// Rows `first..first + count` against every input, `out[(row - first) * n + t]`.
@@ -261,8 +260,8 @@ fn block(
     // The integer products are 256 bits wide; an AVX-512 CPU runs them too, and int4 rows
     // and int8 batches at 512 bits where it has VNNI.
     if matches!(isa, Isa::Avx2 | Isa::Avx512) && isa.supported() && avx2::covers(weights, cols) {
-        // SAFETY: AVX2 (and for the others, AVX-VNNI, AVX-512 with its VNNI) was
-        // detected; the shapes are the matrix's.
+        // SAFETY: AVX2 (and for the others, AVX-512 F/BW/DQ/VL with its VNNI, or AVX-VNNI)
+        // was detected; the shapes are the matrix's.
         return unsafe {
             if isa == Isa::Avx512 && wide_vnni() {
                 avx2::block_wide(weights, first, count, cols, xs, out)
@@ -352,21 +351,29 @@ mod avx2 {
         _mm_cvtsi128_si32(s)
     }
 
+    /// How [`dot_bytes`] multiplies: `maddubs` then `madd`, AVX-VNNI's `vpdpbusd`, or
+    /// AVX-512 VNNI's (its 256-bit EVEX form, on CPUs such as Zen 4 that lack AVX-VNNI).
+    const MADDUBS: u8 = 0;
+    const AVX_VNNI: u8 = 1;
+    const AVX512_VNNI: u8 = 2;
+
     /// `unsigned * signed` bytes, four products a lane, added to `acc`: one `vpdpbusd`
-    /// with AVX-VNNI, else `maddubs` then `madd` with ones. The callers keep every pair
-    /// of products under `2^15` (where `maddubs` would saturate), so both give the same
+    /// with VNNI, else `maddubs` then `madd` with ones. The callers keep every pair of
+    /// products under `2^15` (where `maddubs` would saturate), so all give the same
     /// integers.
     #[inline(always)]
-    unsafe fn dot_bytes<const VNNI: bool>(
+    unsafe fn dot_bytes<const VNNI: u8>(
         acc: __m256i,
         unsigned: __m256i,
         signed: __m256i,
     ) -> __m256i {
-        if VNNI {
-            _mm256_dpbusd_avx_epi32(acc, unsigned, signed)
-        } else {
-            let pairs = _mm256_maddubs_epi16(unsigned, signed);
-            _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+        match VNNI {
+            AVX_VNNI => _mm256_dpbusd_avx_epi32(acc, unsigned, signed),
+            AVX512_VNNI => _mm256_dpbusd_epi32(acc, unsigned, signed),
+            _ => {
+                let pairs = _mm256_maddubs_epi16(unsigned, signed);
+                _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+            }
         }
     }
 
@@ -374,7 +381,7 @@ mod avx2 {
     /// 128) times `x * sign(w)` (activations stay within -127..=127, so negating one never
     /// overflows); no pair exceeds `2 * 128 * 127`.
     #[inline(always)]
-    unsafe fn mul_i8<const VNNI: bool>(acc: __m256i, w: __m256i, x: __m256i) -> __m256i {
+    unsafe fn mul_i8<const VNNI: u8>(acc: __m256i, w: __m256i, x: __m256i) -> __m256i {
         dot_bytes::<VNNI>(acc, _mm256_abs_epi8(w), _mm256_sign_epi8(x, w))
     }
 
@@ -382,7 +389,7 @@ mod avx2 {
     /// columns, the 32 high ones against the odd (unsigned nibbles, signed inputs: at most
     /// `2 * 15 * 127` a pair).
     #[inline(always)]
-    unsafe fn mul_nibbles<const VNNI: bool>(
+    unsafe fn mul_nibbles<const VNNI: u8>(
         acc: __m256i,
         packed: *const u8,
         x: *const i8,
@@ -404,7 +411,7 @@ mod avx2 {
     /// Four int8 rows against one input: one load of the input serves the four, and the
     /// line the next four rows need at the same offset is asked for.
     #[inline(always)]
-    unsafe fn int8_rows<const VNNI: bool>(w: [&[i8]; 4], x: &[i8], cols: usize) -> [i32; 4] {
+    unsafe fn int8_rows<const VNNI: u8>(w: [&[i8]; 4], x: &[i8], cols: usize) -> [i32; 4] {
         let mut acc = [_mm256_setzero_si256(); 4];
         let ahead = 4 * cols;
         let mut c = 0;
@@ -477,7 +484,7 @@ mod avx2 {
     /// nibbles' offset) times the group's scale, added to the lane, as the reference adds
     /// them.
     #[inline(always)]
-    unsafe fn int4_rows<const VNNI: bool>(
+    unsafe fn int4_rows<const VNNI: u8>(
         w: [&[u8]; 4],
         scales: [&[f32]; 4],
         x: &Quantised,
@@ -625,7 +632,7 @@ mod avx2 {
     /// `vpdpbusd` takes it as it is) and the 12 taken back lane by lane; each lane's exact
     /// integer sum times its group's scale is added to the lane, as the reference adds it.
     #[inline(always)]
-    unsafe fn mxfp4_rows<const VNNI: bool>(
+    unsafe fn mxfp4_rows<const VNNI: u8>(
         w: [&[u8]; 4],
         scales: [&[u8]; 4],
         x: &Quantised,
@@ -689,7 +696,7 @@ mod avx2 {
     /// Rows `first..first + count` against every input, `out[(row - first) * n + t]`;
     /// rows in fours, the last ones one at a time.
     #[inline(always)]
-    unsafe fn rows_block<const VNNI: bool, const WIDE: bool>(
+    unsafe fn rows_block<const VNNI: u8, const WIDE: bool>(
         weights: Weights,
         first: usize,
         count: usize,
@@ -760,7 +767,7 @@ mod avx2 {
 
     /// An entry point: [`rows_block`] compiled for the instruction sets `features`.
     macro_rules! entry {
-        ($(#[$doc:meta])* $name:ident, $features:literal, $vnni:literal, $wide:literal) => {
+        ($(#[$doc:meta])* $name:ident, $features:literal, $vnni:ident, $wide:literal) => {
             $(#[$doc])*
             #[target_feature(enable = $features)]
             pub unsafe fn $name(
@@ -778,17 +785,18 @@ mod avx2 {
 
     entry!(
         /// [`rows_block`] with AVX2 alone.
-        block, "avx2,fma", false, false
+        block, "avx2,fma", MADDUBS, false
     );
     entry!(
         /// [`rows_block`] with AVX-VNNI's `vpdpbusd`.
-        block_vnni, "avx2,fma,avxvnni", true, false
+        block_vnni, "avx2,fma,avxvnni", AVX_VNNI, false
     );
     entry!(
-        /// [`rows_block`] with AVX-VNNI, int4 rows and int8 batches on 512-bit AVX-512 VNNI.
+        /// [`rows_block`] with AVX-512 VNNI: int4 rows and int8 batches at 512 bits, the rest
+        /// with its 256-bit `vpdpbusd`.
         block_wide,
-        "avx2,fma,avxvnni,avx512f,avx512bw,avx512dq,avx512vnni",
-        true,
+        "avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni",
+        AVX512_VNNI,
         true
     );
 }
@@ -913,7 +921,7 @@ mod tests {
             }
             if Isa::Avx512.supported() && wide_vnni() {
                 let mut wide = vec![0f32; rows * 4];
-                // SAFETY: AVX-512 F/BW/DQ, AVX-VNNI and AVX-512 VNNI were detected.
+                // SAFETY: AVX-512 F/BW/DQ/VL and its VNNI were detected.
                 unsafe { avx2::block_wide(weights, 0, rows, cols, xs, &mut wide) };
                 assert_eq!(wide, reference);
             }
