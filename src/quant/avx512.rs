@@ -13,6 +13,7 @@
 //! the same bits.
 
 use std::arch::x86_64::*;
+use std::sync::OnceLock;
 
 use super::codec::E2M1_DOUBLED;
 use super::kernels::{
@@ -355,15 +356,28 @@ unsafe fn rows<D: Pair>(view: &View<'_, D::Elem>, first: usize, x: &[f32], out: 
     }
 }
 
-/// `n` inputs laid out as pairs: pair `p`, chunk `c` is 16 floats, input `2p`'s chunk `c`
-/// then input `2p + 1`'s (zeros past the last column and for a missing last input).
+/// Floats between consecutive rows of the batched kernels' buffers: a row's floats and one
+/// cache line more, so that rows a power of two apart do not all fall in the same sets of
+/// the first-level cache (eight decoded rows and three input pairs are read side by side).
+fn padded(floats: usize) -> usize {
+    floats + 16
+}
+
+fn pair_stride(chunks: usize) -> usize {
+    padded(chunks * 16)
+}
+
+/// `n` inputs laid out as pairs: pair `p` starts at `p * pair_stride(chunks)`, its chunk
+/// `c` is 16 floats, input `2p`'s chunk `c` then input `2p + 1`'s (zeros past the last
+/// column and for a missing last input).
 fn interleave_pairs(input: &[f32], n: usize, cols: usize) -> Vec<f32> {
     let chunks = cols.div_ceil(8);
-    let mut pairs = vec![0f32; n.div_ceil(2) * chunks * 16];
+    let stride = pair_stride(chunks);
+    let mut pairs = vec![0f32; n.div_ceil(2) * stride];
     for (t, x) in input.chunks_exact(cols).enumerate().take(n) {
         let (p, half) = (t / 2, t % 2);
         for (c, values) in x.chunks(8).enumerate() {
-            let at = (p * chunks + c) * 16 + half * 8;
+            let at = p * stride + c * 16 + half * 8;
             pairs[at..at + values.len()].copy_from_slice(values);
         }
     }
@@ -448,60 +462,146 @@ unsafe fn pair_tile<const R: usize, const T: usize>(
     out
 }
 
-/// Rows `first..first + count` against every one of the `n` inputs, written as
-/// `out[(row - first) * n + t]`: each block of four rows decoded to f32 once (two rows per
-/// register, exact), then run against the inputs two per register.
+/// Rows `first..first + count` of `view` decoded into `scratch` (`width` floats each,
+/// zero-padded past the last column, `padded(width)` apart): two rows per register, a last
+/// odd one alone.
+#[inline(always)]
+unsafe fn decode_rows<D: Pair>(
+    view: &View<'_, D::Elem>,
+    first: usize,
+    count: usize,
+    width: usize,
+    scratch: &mut [f32],
+) {
+    let (data, cols) = (view.data, view.cols);
+    let full = cols / 8;
+    let mut k = 0;
+    while k < count {
+        let paired = k + 1 < count;
+        let low = row_of::<D>(data, cols, first + k);
+        let high = row_of::<D>(data, cols, first + k + usize::from(paired));
+        let (top, bottom) = scratch[k * padded(width)..].split_at_mut(padded(width));
+        for c in 0..full {
+            if paired {
+                let two = D::pair(low, high, c).0;
+                _mm256_storeu_ps(top.as_mut_ptr().add(c * 8), _mm512_castps512_ps256(two));
+                _mm256_storeu_ps(
+                    bottom.as_mut_ptr().add(c * 8),
+                    _mm512_extractf32x8_ps::<1>(two),
+                );
+            } else {
+                D::chunk(low, c).store(top.as_mut_ptr().add(c * 8));
+            }
+        }
+        for (row, decoded) in [(low, &mut top[..width]), (high, &mut bottom[..width])]
+            .into_iter()
+            .take(1 + usize::from(paired))
+        {
+            for (j, value) in decoded.iter_mut().enumerate().skip(full * 8) {
+                *value = if j < cols { D::value(row, j) } else { 0.0 };
+            }
+        }
+        k += 2;
+    }
+}
+
+/// Chunks per column block of [`eight_rows`]: eight decoded rows of 512 columns (16 KiB)
+/// stay in the first-level cache while every input pair's share streams past them.
+const COLUMN_BLOCK: usize = 64;
+
+/// Chunks `from..to` of eight decoded rows against input pairs `p..p + T`, continuing the
+/// accumulators `acc[(p + t) * 8 + r]`.
+#[inline(always)]
+unsafe fn eight_rows_step<const T: usize>(
+    decoded: [&[f32]; 8],
+    pairs: &[f32],
+    chunks: usize,
+    p: usize,
+    (from, to): (usize, usize),
+    acc: &mut [Two],
+) {
+    let mut tile = [[Two::zero(); T]; 8];
+    let mut xs = [&pairs[..0]; T];
+    for t in 0..T {
+        xs[t] = &pairs[(p + t) * pair_stride(chunks)..][..chunks * 16];
+        for r in 0..8 {
+            tile[r][t] = acc[(p + t) * 8 + r];
+        }
+    }
+    for c in from..to {
+        pair_step(decoded, xs, c, &mut tile);
+    }
+    for t in 0..T {
+        for r in 0..8 {
+            acc[(p + t) * 8 + r] = tile[r][t];
+        }
+    }
+}
+
+/// Eight decoded rows against every input pair, for formats without group scales: tiles
+/// of eight rows by three pairs (24 accumulators), the columns in blocks of
+/// [`COLUMN_BLOCK`] chunks with each accumulator carried from block to block, so every
+/// lane is fed its chunks in order and the bits are [`pair_tile`]'s. Leaves row `r`
+/// against pair `p` in `acc[p * 8 + r]` (`pair_count * 8` accumulators).
+#[inline(always)]
+unsafe fn eight_rows(
+    decoded: [&[f32]; 8],
+    pairs: &[f32],
+    pair_count: usize,
+    chunks: usize,
+    acc: &mut [Two],
+) {
+    acc.fill(Two::zero());
+    let mut from = 0;
+    while from < chunks {
+        let span = (from, (from + COLUMN_BLOCK).min(chunks));
+        let mut p = 0;
+        while p < pair_count {
+            let take = (pair_count - p).min(3);
+            match take {
+                3 => eight_rows_step::<3>(decoded, pairs, chunks, p, span, acc),
+                2 => eight_rows_step::<2>(decoded, pairs, chunks, p, span, acc),
+                _ => eight_rows_step::<1>(decoded, pairs, chunks, p, span, acc),
+            }
+            p += take;
+        }
+        from = span.1;
+    }
+}
+
+/// Rows `first..first + count` against every one of the `n` inputs (`pairs`, as
+/// [`interleave_pairs`] lays them out), written as `out[(row - first) * n + t]`: each block
+/// of rows decoded to f32 once (two rows per register, exact), then run against the inputs
+/// two per register. Formats without group scales take eight rows at a time
+/// ([`eight_rows`]); group scales need a partial sum beside each accumulator, so they take
+/// four.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
 unsafe fn batched<D: Pair>(
     view: &View<'_, D::Elem>,
     first: usize,
     count: usize,
-    input: &[f32],
+    pairs: &[f32],
     n: usize,
     out: &mut [f32],
 ) {
-    let (data, cols, scaling) = (view.data, view.cols, view.scaling);
+    let (cols, scaling) = (view.cols, view.scaling);
     let chunks = cols.div_ceil(8);
     let width = chunks * 8;
-    let pairs = interleave_pairs(input, n, cols);
-    let pair = |p: usize| &pairs[p * chunks * 16..(p + 1) * chunks * 16];
+    let pair = |p: usize| &pairs[p * pair_stride(chunks)..][..chunks * 16];
     let pair_count = n.div_ceil(2);
-    let mut scratch = vec![0f32; 4 * width];
-    let full = cols / 8;
+    // Eight rows need three input pairs to beat four rows by three pairs.
+    let eights = scaling.group_size().is_none() && pair_count >= 3;
+    let mut scratch = vec![0f32; 8 * padded(width)];
+    let mut acc = vec![Two::zero(); if eights { pair_count * 8 } else { 0 }];
     let mut i = 0;
     while i < count {
-        let block = (count - i).min(4);
-        // Rows in pairs, a last odd one alone; the chunk past the last whole one padded
-        // with zeros.
-        let mut k = 0;
-        while k < block {
-            let paired = k + 1 < block;
-            let low = row_of::<D>(data, cols, first + i + k);
-            let high = row_of::<D>(data, cols, first + i + k + usize::from(paired));
-            let (top, bottom) = scratch[k * width..].split_at_mut(width);
-            for c in 0..full {
-                if paired {
-                    let two = D::pair(low, high, c).0;
-                    _mm256_storeu_ps(top.as_mut_ptr().add(c * 8), _mm512_castps512_ps256(two));
-                    _mm256_storeu_ps(
-                        bottom.as_mut_ptr().add(c * 8),
-                        _mm512_extractf32x8_ps::<1>(two),
-                    );
-                } else {
-                    D::chunk(low, c).store(top.as_mut_ptr().add(c * 8));
-                }
-            }
-            for (row, decoded) in [(low, top), (high, &mut bottom[..width])]
-                .into_iter()
-                .take(1 + usize::from(paired))
-            {
-                for (j, value) in decoded.iter_mut().enumerate().skip(full * 8) {
-                    *value = if j < cols { D::value(row, j) } else { 0.0 };
-                }
-            }
-            k += 2;
-        }
-        let decoded = |k: usize| &scratch[k * width..(k + 1) * width];
+        let block = if eights && count - i >= 8 {
+            8
+        } else {
+            (count - i).min(4)
+        };
+        decode_rows::<D>(view, first + i, block, width, &mut scratch);
+        let decoded = |k: usize| &scratch[k * padded(width)..][..width];
         let r = first + i;
         let mut put = |k: usize, p: usize, sums: [f32; 2]| {
             for (h, s) in sums.into_iter().enumerate() {
@@ -510,6 +610,21 @@ unsafe fn batched<D: Pair>(
                 }
             }
         };
+        if block == 8 {
+            let rows = [0, 1, 2, 3, 4, 5, 6, 7].map(decoded);
+            eight_rows(rows, pairs, pair_count, chunks, &mut acc);
+            for p in 0..pair_count {
+                for k in 0..8 {
+                    let mut sums = acc[p * 8 + k].sums();
+                    if let Scaling::Row(scales) = scaling {
+                        sums = sums.map(|s| s * scales[r + k]);
+                    }
+                    put(k, p, sums);
+                }
+            }
+            i += block;
+            continue;
+        }
         let mut p = 0;
         while p < pair_count {
             let take = (pair_count - p).min(3);
@@ -552,16 +667,33 @@ unsafe fn batched<D: Pair>(
     }
 }
 
-pub(super) struct Avx512Block<'a, D: Pair>(pub View<'a, D::Elem>);
+/// One product's blocks on AVX-512. A batch's inputs are interleaved in pairs once, by the
+/// first block that needs them, and shared by the rest.
+pub(super) struct Avx512Block<'a, D: Pair> {
+    view: View<'a, D::Elem>,
+    pairs: OnceLock<Vec<f32>>,
+}
+
+impl<'a, D: Pair> Avx512Block<'a, D> {
+    pub(super) fn new(view: View<'a, D::Elem>) -> Self {
+        Avx512Block {
+            view,
+            pairs: OnceLock::new(),
+        }
+    }
+}
 
 impl<D: Pair> Block for Avx512Block<'_, D> {
     fn rows(&self, first: usize, x: &[f32], out: &mut [f32]) {
         // SAFETY: an Avx512Block is built only when `Isa::detect` found AVX-512 F/BW/DQ/VL,
         // AVX2, FMA and F16C.
-        unsafe { rows::<D>(&self.0, first, x, out) }
+        unsafe { rows::<D>(&self.view, first, x, out) }
     }
     fn batched(&self, first: usize, count: usize, input: &[f32], n: usize, out: &mut [f32]) {
+        let pairs = self
+            .pairs
+            .get_or_init(|| interleave_pairs(input, n, self.view.cols));
         // SAFETY: as above.
-        unsafe { batched::<D>(&self.0, first, count, input, n, out) }
+        unsafe { batched::<D>(&self.view, first, count, pairs, n, out) }
     }
 }

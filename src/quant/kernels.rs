@@ -788,7 +788,13 @@ where
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => drive(&super::x86::Avx2Block::<D>(view), view, input, n, out),
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => drive(&super::avx512::Avx512Block::<D>(view), view, input, n, out),
+        Isa::Avx512 => drive(
+            &super::avx512::Avx512Block::<D>::new(view),
+            view,
+            input,
+            n,
+            out,
+        ),
         #[cfg(target_arch = "aarch64")]
         Isa::Neon => drive(&super::neon::NeonBlock::<D>(view), view, input, n, out),
         _ => drive(&ScalarBlock::<D>(view), view, input, n, out),
@@ -808,7 +814,7 @@ where
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => super::x86::Avx2Block::<D>(view).rows(row, x, &mut out),
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => super::avx512::Avx512Block::<D>(view).rows(row, x, &mut out),
+        Isa::Avx512 => super::avx512::Avx512Block::<D>::new(view).rows(row, x, &mut out),
         #[cfg(target_arch = "aarch64")]
         Isa::Neon => super::neon::NeonBlock::<D>(view).rows(row, x, &mut out),
         _ => ScalarBlock::<D>(view).rows(row, x, &mut out),

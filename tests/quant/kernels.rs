@@ -22,7 +22,9 @@ const FORMATS: [Format; 11] = [
 /// `[rows, cols]` covering single elements, partial 8-lane chunks, partial groups, odd
 /// nibble rows, 4-row blocks with remainders, several FP8 128-row blocks, and rows long
 /// enough that a batch walks them in several column steps.
-const SHAPES: [(usize, usize); 11] = [
+/// Every tail: rows past a block of eight or four, a lone last chunk column, and with
+/// (21, 1100) eight-row blocks over three column blocks (64, 64 and 10 chunks).
+const SHAPES: [(usize, usize); 12] = [
     (1, 1),
     (3, 7),
     (5, 8),
@@ -34,6 +36,7 @@ const SHAPES: [(usize, usize); 11] = [
     (130, 257),
     (260, 96),
     (6, 600),
+    (21, 1100),
 ];
 
 /// A deterministic spread of magnitudes (with some exact zeros and a few large values) so
@@ -124,7 +127,7 @@ fn every_simd_path_matches_the_scalar_reference_bit_for_bit() {
         for (rows, cols) in SHAPES {
             let matrix =
                 Matrix::from_f32_as(rows, cols, &values(rows * cols, cols as u64), format).unwrap();
-            for n in [1, 2, 5] {
+            for n in [1, 2, 5, 10] {
                 let x = values(n * cols, 7 + n as u64);
                 let mut reference = vec![0f32; n * rows];
                 matrix.matmul_with(Isa::Scalar, &x, n, &mut reference);
@@ -150,8 +153,9 @@ fn a_batch_computes_what_single_rows_compute() {
     for format in FORMATS {
         for (rows, cols) in SHAPES {
             let matrix = Matrix::from_f32_as(rows, cols, &values(rows * cols, 3), format).unwrap();
-            // Every tiling of the inputs: 3 + 3 + 1 and 2 + 2 (2 + 2 + 2 + 1 with groups).
-            for n in [7, 4] {
+            // Every tiling of the inputs: 3 + 3 + 1, 2 + 2 (2 + 2 + 2 + 1 with groups) and
+            // pairs 3 + 2.
+            for n in [7, 4, 10] {
                 let x = values(n * cols, 11);
                 let mut batch = vec![0f32; n * rows];
                 matrix.matmul(&x, n, &mut batch);
