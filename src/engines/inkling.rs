@@ -559,7 +559,7 @@ impl Inkling {
             .map(|layer| {
                 let a = &layer.attention;
                 LayerState {
-                    kv: WindowKvCache::new(a.shape.kv_heads * a.shape.head_dim, a.window),
+                    kv: WindowKvCache::new(a.shape.kv_heads, a.shape.head_dim, a.window),
                     k_conv: a.k_conv.state(),
                     v_conv: a.v_conv.state(),
                     attn_conv: layer.attn_conv.state(),

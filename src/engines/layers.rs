@@ -206,6 +206,7 @@ pub fn add_in_place(x: &mut [f32], y: &[f32]) {
 }
 
 /// Numerically stable softmax in place.
+#[inline]
 pub fn softmax(x: &mut [f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0f32;

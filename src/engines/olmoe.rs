@@ -267,7 +267,7 @@ impl Olmoe {
             },
             position: 0,
             states: (0..config.num_hidden_layers)
-                .map(|_| WindowKvCache::new(kv_heads * hd, None))
+                .map(|_| WindowKvCache::new(kv_heads, hd, None))
                 .collect(),
             // Every layer routes; the row after the last layer (an MTP head in other
             // models) does not exist here.

@@ -246,7 +246,7 @@ fn wide_vnni() -> bool {
     *WIDE.get_or_init(|| is_x86_feature_detected!("avx512vnni"))
 }
 
-/// Rows `first..first + count` against every input, `out[(row - first) * n + t]`.
+/// Rows `first..first + count` against every input, `out[t * count + row - first]`.
 fn block(
     isa: Isa,
     weights: Weights,
@@ -273,9 +273,8 @@ fn block(
         };
     }
     let _ = isa;
-    let n = xs.len();
-    for (i, sums) in out.chunks_exact_mut(n).enumerate().take(count) {
-        for (y, x) in sums.iter_mut().zip(xs) {
+    for (sums, x) in out.chunks_exact_mut(count).zip(xs) {
+        for (i, y) in sums.iter_mut().enumerate() {
             *y = row_dot(weights, first + i, cols, x);
         }
     }
@@ -590,7 +589,7 @@ mod avx2 {
     }
 
     /// Int4 rows `rows` against every input on the 512-bit path, three inputs at a time,
-    /// into `out[(i + k) * n + t]`, times each input's scale.
+    /// into `out[t * count + i + k]` (`count = out.len() / n`), times each input's scale.
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     unsafe fn int4_rows_wide_into(
@@ -604,6 +603,7 @@ mod avx2 {
         out: &mut [f32],
     ) {
         let n = xs.len();
+        let count = out.len() / n;
         let mut t = 0;
         while t < n {
             if n - t >= 3 {
@@ -611,14 +611,14 @@ mod avx2 {
                 let sums = int4_tile_wide::<3>(w, scales, tile, cols, group);
                 for j in 0..3 {
                     for k in 0..take {
-                        out[(i + k) * n + t + j] = sums[j][k] * tile[j].scale;
+                        out[(t + j) * count + i + k] = sums[j][k] * tile[j].scale;
                     }
                 }
                 t += 3;
             } else {
                 let sums = int4_tile_wide::<1>(w, scales, [&xs[t]], cols, group);
                 for k in 0..take {
-                    out[(i + k) * n + t] = sums[0][k] * xs[t].scale;
+                    out[t * count + i + k] = sums[0][k] * xs[t].scale;
                 }
                 t += 1;
             }
@@ -693,7 +693,7 @@ mod avx2 {
         _mm256_sub_epi32(_mm256_setzero_si256(), offset)
     }
 
-    /// Rows `first..first + count` against every input, `out[(row - first) * n + t]`;
+    /// Rows `first..first + count` against every input, `out[t * count + row - first]`;
     /// rows in fours, the last ones one at a time.
     #[inline(always)]
     unsafe fn rows_block<const VNNI: u8, const WIDE: bool>(
@@ -758,7 +758,7 @@ mod avx2 {
                     }
                 };
                 for k in 0..take {
-                    out[(i + k) * n + t] = sums[k];
+                    out[t * count + i + k] = sums[k];
                 }
             }
             i += take;
@@ -906,8 +906,10 @@ mod tests {
             scales: &mx_scales,
         };
         for (weights, xs) in [(int8, &xs), (int4, &x4), (mxfp4, &x4)] {
-            let reference: Vec<f32> = (0..rows)
-                .flat_map(|r| xs.iter().map(move |x| row_dot(weights, r, cols, x)))
+            // Input by input, as `block` writes them.
+            let reference: Vec<f32> = xs
+                .iter()
+                .flat_map(|x| (0..rows).map(move |r| row_dot(weights, r, cols, x)))
                 .collect();
             let mut plain = vec![0f32; rows * 4];
             // SAFETY: AVX2 was detected.

@@ -501,7 +501,7 @@ pub(super) unsafe fn rows_into<V: Lanes, D: Decode<V>>(
 }
 
 /// Rows `first..first + count` against every one of the `n` inputs, written as
-/// `out[(row - first) * n + t]`: each block of four rows is decoded to f32 once and then
+/// `out[t * count + row - first]`: each block of four rows is decoded to f32 once and then
 /// reused for every input row.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
@@ -547,7 +547,9 @@ pub(super) unsafe fn rows_batched<V: Lanes, D: Decode<V>>(
             if block == 4 {
                 let rows = [decoded(0), decoded(1), decoded(2), decoded(3)];
                 let mut put = |k: usize, s: &[f32]| {
-                    out[(i + k) * n + t..(i + k) * n + t + s.len()].copy_from_slice(s)
+                    for (j, &sum) in s.iter().enumerate() {
+                        out[(t + j) * count + i + k] = sum;
+                    }
                 };
                 match take {
                     3 => {
@@ -568,7 +570,7 @@ pub(super) unsafe fn rows_batched<V: Lanes, D: Decode<V>>(
                 for k in 0..block {
                     for u in t..t + take {
                         let s = dot_tile::<V, 1, 1>([decoded(k)], r + k, [x(u)], cols, scaling);
-                        out[(i + k) * n + u] = s[0][0];
+                        out[u * count + i + k] = s[0][0];
                     }
                 }
             }
@@ -759,7 +761,7 @@ pub struct View<'a, T> {
 pub(super) trait Block: Sync {
     /// `out[i] = row(first + i) · x`.
     fn rows(&self, first: usize, x: &[f32], out: &mut [f32]);
-    /// Rows `first..first + count` against `n` inputs, `out[(row - first) * n + t]`.
+    /// Rows `first..first + count` against `n` inputs, `out[t * count + row - first]`.
     fn batched(&self, first: usize, count: usize, input: &[f32], n: usize, out: &mut [f32]);
 }
 
@@ -873,9 +875,9 @@ fn row_blocks(rows: usize, cols: usize, n: usize) -> (usize, bool) {
 }
 
 /// A product of `n` inputs computed by blocks of weight rows: `block(first, count, sums)`
-/// writes rows `first..first + count` against every input as `sums[(row - first) * n + t]`
-/// (each weight row read once for all inputs); the result is then transposed into `out`
-/// (`n x rows`).
+/// writes rows `first..first + count` against every input as `sums[t * count + row -
+/// first]` (each weight row read once for all inputs); each input's run of every block is
+/// then copied into its row of `out` (`n x rows`), the inputs split over the threads.
 pub(super) fn by_weight_rows(
     rows: usize,
     cols: usize,
@@ -884,19 +886,23 @@ pub(super) fn by_weight_rows(
     block: impl Fn(usize, usize, &mut [f32]) + Sync,
 ) {
     let (chunk, parallel) = row_blocks(rows, cols, n);
-    let mut by_row = vec![0f32; rows * n];
+    let mut by_block = vec![0f32; rows * n];
     let run = |(b, sums): (usize, &mut [f32])| block(b * chunk, sums.len() / n, sums);
     if parallel {
-        by_row.par_chunks_mut(chunk * n).enumerate().for_each(run);
+        by_block.par_chunks_mut(chunk * n).enumerate().for_each(run);
     } else {
-        by_row.chunks_mut(chunk * n).enumerate().for_each(run);
+        by_block.chunks_mut(chunk * n).enumerate().for_each(run);
     }
-    // Input row by input row, so the writes are sequential (row by row they would land
-    // `rows` floats apart, a cache line and often a page each).
-    for (t, out) in out.chunks_exact_mut(rows).enumerate() {
-        for (r, y) in out.iter_mut().enumerate() {
-            *y = by_row[r * n + t];
+    let gather = |(t, out): (usize, &mut [f32])| {
+        for (b, sums) in by_block.chunks(chunk * n).enumerate() {
+            let count = sums.len() / n;
+            out[b * chunk..][..count].copy_from_slice(&sums[t * count..][..count]);
         }
+    };
+    if parallel {
+        out.par_chunks_mut(rows).enumerate().for_each(gather);
+    } else {
+        out.chunks_mut(rows).enumerate().for_each(gather);
     }
 }
 

@@ -181,6 +181,37 @@ fn a_batch_computes_what_single_rows_compute() {
 }
 
 #[test]
+fn a_long_batch_in_groups_of_inputs_computes_what_single_rows_compute() {
+    // 4000 columns make an input pair 32 KB, so the AVX-512 kernels run 12 pairs at a
+    // time: 31 inputs are groups of 12 and 4 pairs, 27 inputs 12 and 2 (the last group
+    // too small for eight-row blocks).
+    let (rows, cols) = (20, 4000);
+    for format in [
+        Format::F32,
+        Format::Int8Row,
+        Format::Int4Grouped { group: 64 },
+    ] {
+        let matrix = Matrix::from_f32_as(rows, cols, &values(rows * cols, 5), format).unwrap();
+        for n in [31, 27] {
+            let x = values(n * cols, 13);
+            let mut batch = vec![0f32; n * rows];
+            matrix.matmul(&x, n, &mut batch);
+            for t in 0..n {
+                let mut single = vec![0f32; rows];
+                matrix.matmul(&x[t * cols..(t + 1) * cols], 1, &mut single);
+                let bits = |v: &[f32]| v.iter().map(|y| y.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&single),
+                    bits(&batch[t * rows..(t + 1) * rows]),
+                    "{} n {n} row {t}",
+                    label(format)
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn kernels_compute_the_dequantised_matrix_product() {
     for format in FORMATS {
         for (rows, cols) in SHAPES {
