@@ -182,8 +182,8 @@ fn a_batch_computes_what_single_rows_compute() {
 
 #[test]
 fn a_long_batch_in_groups_of_inputs_computes_what_single_rows_compute() {
-    // 4000 columns make an input pair 32 KB, so the AVX-512 kernels run 12 pairs at a
-    // time: 31 inputs are groups of 12 and 4 pairs, 27 inputs 12 and 2 (the last group
+    // 4000 columns make an input pair 32 KB, so the AVX-512 kernels run 18 pairs at a
+    // time: 45 inputs are groups of 18 and 5 pairs, 39 inputs 18 and 2 (the last group
     // too small for eight-row blocks).
     let (rows, cols) = (20, 4000);
     for format in [
@@ -192,7 +192,7 @@ fn a_long_batch_in_groups_of_inputs_computes_what_single_rows_compute() {
         Format::Int4Grouped { group: 64 },
     ] {
         let matrix = Matrix::from_f32_as(rows, cols, &values(rows * cols, 5), format).unwrap();
-        for n in [31, 27] {
+        for n in [45, 39] {
             let x = values(n * cols, 13);
             let mut batch = vec![0f32; n * rows];
             matrix.matmul(&x, n, &mut batch);
