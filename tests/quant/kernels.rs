@@ -148,6 +148,22 @@ fn every_simd_path_matches_the_scalar_reference_bit_for_bit() {
     }
 }
 
+/// The product of `n` inputs `x` as one batch, and each input's product alone.
+fn batch_and_rows(matrix: &Matrix, x: &[f32], n: usize) -> (Vec<f32>, Vec<Vec<f32>>) {
+    let (rows, cols) = (matrix.rows(), matrix.cols());
+    let mut batch = vec![0f32; n * rows];
+    matrix.matmul(x, n, &mut batch);
+    let singles = x
+        .chunks_exact(cols)
+        .map(|input| {
+            let mut single = vec![0f32; rows];
+            matrix.matmul(input, 1, &mut single);
+            single
+        })
+        .collect();
+    (batch, singles)
+}
+
 #[test]
 fn a_batch_computes_what_single_rows_compute() {
     for format in FORMATS {
@@ -157,13 +173,10 @@ fn a_batch_computes_what_single_rows_compute() {
             // pairs 3 + 2.
             for n in [7, 4, 10] {
                 let x = values(n * cols, 11);
-                let mut batch = vec![0f32; n * rows];
-                matrix.matmul(&x, n, &mut batch);
-                for t in 0..n {
-                    let mut single = vec![0f32; rows];
-                    matrix.matmul(&x[t * cols..(t + 1) * cols], 1, &mut single);
+                let (batch, singles) = batch_and_rows(&matrix, &x, n);
+                for (t, single) in singles.iter().enumerate() {
                     assert_eq!(
-                        single,
+                        single[..],
                         batch[t * rows..(t + 1) * rows],
                         "{} {rows}x{cols} row {t}",
                         label(format)
@@ -193,15 +206,11 @@ fn a_long_batch_in_groups_of_inputs_computes_what_single_rows_compute() {
     ] {
         let matrix = Matrix::from_f32_as(rows, cols, &values(rows * cols, 5), format).unwrap();
         for n in [45, 39] {
-            let x = values(n * cols, 13);
-            let mut batch = vec![0f32; n * rows];
-            matrix.matmul(&x, n, &mut batch);
-            for t in 0..n {
-                let mut single = vec![0f32; rows];
-                matrix.matmul(&x[t * cols..(t + 1) * cols], 1, &mut single);
+            let (batch, singles) = batch_and_rows(&matrix, &values(n * cols, 13), n);
+            for (t, single) in singles.iter().enumerate() {
                 let bits = |v: &[f32]| v.iter().map(|y| y.to_bits()).collect::<Vec<_>>();
                 assert_eq!(
-                    bits(&single),
+                    bits(single),
                     bits(&batch[t * rows..(t + 1) * rows]),
                     "{} n {n} row {t}",
                     label(format)
