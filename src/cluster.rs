@@ -28,7 +28,7 @@ use mpi::Threading;
 use crate::activation::{Activation, Situ};
 use crate::engines::moe::{host_outputs, Assignment, RemoteExperts};
 use crate::engines::Engine;
-use crate::experts::Sharding;
+use crate::experts::{CacheStats, Sharding};
 use crate::profile::{self, Phase};
 use crate::run::{self, Positionals};
 use crate::settings::Settings;
@@ -36,8 +36,18 @@ use crate::settings::Settings;
 const TAG_REQUEST: i32 = 1;
 const TAG_INPUT: i32 = 2;
 const TAG_OUTPUT: i32 = 3;
+const TAG_PLACED: i32 = 4;
+const TAG_STATE: i32 = 5;
 const OP_STOP: u64 = 0;
 const OP_RUN: u64 = 1;
+/// `[OP_PLACE, n, (layer, expert, pin)...]`: pin (1) or unpin (0) each in turn, answering
+/// after each whether it is pinned (`TAG_PLACED`).
+const OP_PLACE: u64 = 2;
+/// `[OP_SEED, n, (layer, expert, selections)...]`: LFRU's starting frequencies; no answer.
+const OP_SEED: u64 = 3;
+/// `[OP_STATE]`: answered with the store's slots a layer, whether it streams, and its
+/// counters (`TAG_STATE`).
+const OP_STATE: u64 = 4;
 
 /// The MPI job this process is part of, when `mpirun` started it with more than one rank.
 pub struct Job {
@@ -136,6 +146,11 @@ pub struct Trunk {
     pending: Vec<(Rank, Vec<(usize, usize)>)>,
     sent: usize,
     layer: usize,
+    /// The expert ranks' stores: the fewest slots a layer, and whether any streams.
+    slots: (usize, bool),
+    /// The experts pinned on the expert ranks, by layer, as their answers said.
+    pinned: Vec<Vec<usize>>,
+    pins_skipped: usize,
 }
 
 impl Trunk {
@@ -163,15 +178,78 @@ impl Trunk {
                 .collect::<Vec<_>>()
                 .join("/")
         );
-        engine.routed_mut().remote = Some(Box::new(Trunk {
+        let mut trunk = Trunk {
+            pinned: vec![Vec::new(); owners.len()],
             owners,
             size,
             timeout: Duration::from_secs(settings.mpi_timeout),
             pending: Vec::new(),
             sent: 0,
             layer: 0,
-        }));
+            slots: (0, false),
+            pins_skipped: 0,
+        };
+        let states = trunk.states()?;
+        trunk.slots = (
+            states.iter().map(|s| s.0).min().unwrap_or(0),
+            states.iter().any(|s| s.1),
+        );
+        engine.routed_mut().remote = Some(Box::new(trunk));
         Ok(())
+    }
+
+    /// Wait for `rank`'s next message under `tag`, at most `MPI_TIMEOUT`; `what` says what
+    /// the answer was for when none comes.
+    fn wait_for(&self, rank: Rank, tag: i32, what: impl Fn() -> String) -> Result<()> {
+        let world = SimpleCommunicator::world();
+        let process = rank_process(&world, rank);
+        let started = Instant::now();
+        let mut waited = 0u32;
+        while process.immediate_probe_with_tag(tag).is_none() {
+            if started.elapsed() > self.timeout {
+                bail!(
+                    "expert rank {rank} did not answer {} within MPI_TIMEOUT={}s; the run ends here and this step is not saved (is rank {rank} alive, or does it need more time?)",
+                    what(),
+                    self.timeout.as_secs()
+                );
+            }
+            waited += 1;
+            if waited < 1000 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        }
+        Ok(())
+    }
+
+    /// Each expert rank's store: slots a layer, whether it streams, and its counters.
+    fn states(&self) -> Result<Vec<(usize, bool, CacheStats)>> {
+        let world = SimpleCommunicator::world();
+        for rank in 1..self.size {
+            rank_process(&world, rank).send_with_tag(&[OP_STATE][..], TAG_REQUEST);
+        }
+        (1..self.size)
+            .map(|rank| {
+                self.wait_for(rank, TAG_STATE, || "a question about its expert store".into())?;
+                let (words, _) = rank_process(&world, rank).receive_vec_with_tag::<u64>(TAG_STATE);
+                let Some((&[slots, streams], counters)) = words.split_first_chunk::<2>() else {
+                    bail!("expert rank {rank} described its store in {} words; are all ranks running the same coli?", words.len());
+                };
+                let counters: [u64; 15] = counters.try_into().with_context(|| {
+                    format!("expert rank {rank} sent {} counters where the trunk reads 15; are all ranks running the same coli?", counters.len())
+                })?;
+                Ok((slots as usize, streams == 1, CacheStats::from_words(counters)))
+            })
+            .collect()
+    }
+
+    fn owner(&self, layer: usize, expert: usize) -> Rank {
+        self.owners
+            .get(layer)
+            .and_then(|owners| owners.get(expert))
+            .copied()
+            .unwrap_or(0)
     }
 }
 
@@ -181,10 +259,7 @@ fn rank_process(world: &SimpleCommunicator, rank: Rank) -> Process<'_> {
 
 impl RemoteExperts for Trunk {
     fn is_remote(&self, layer: usize, expert: usize) -> bool {
-        self.owners
-            .get(layer)
-            .and_then(|owners| owners.get(expert))
-            .is_some_and(|&rank| rank != 0)
+        self.owner(layer, expert) != 0
     }
 
     fn send(
@@ -250,24 +325,9 @@ impl RemoteExperts for Trunk {
             let world = SimpleCommunicator::world();
             let mut outputs = vec![Vec::new(); self.sent];
             for (rank, expected) in std::mem::take(&mut self.pending) {
+                let layer = self.layer;
+                self.wait_for(rank, TAG_OUTPUT, || format!("for MoE layer {layer}"))?;
                 let process = rank_process(&world, rank);
-                let started = Instant::now();
-                let mut waited = 0u32;
-                while process.immediate_probe_with_tag(TAG_OUTPUT).is_none() {
-                    if started.elapsed() > self.timeout {
-                        bail!(
-                            "expert rank {rank} did not answer for MoE layer {} within MPI_TIMEOUT={}s; the run ends here and this step is not saved (is rank {rank} alive, or does it need more time?)",
-                            self.layer,
-                            self.timeout.as_secs()
-                        );
-                    }
-                    waited += 1;
-                    if waited < 1000 {
-                        std::thread::yield_now();
-                    } else {
-                        std::thread::sleep(Duration::from_micros(200));
-                    }
-                }
                 let (answer, _) = process.receive_vec_with_tag::<f32>(TAG_OUTPUT);
                 let total: usize = expected.iter().map(|&(_, len)| len).sum();
                 if answer.len() != total {
@@ -285,6 +345,86 @@ impl RemoteExperts for Trunk {
             }
             Ok(outputs)
         })
+    }
+
+    fn place(&mut self, changes: &[(usize, usize, bool)]) -> Result<Vec<bool>> {
+        let world = SimpleCommunicator::world();
+        let mut asked: Vec<(Rank, Vec<usize>)> = Vec::new();
+        for rank in 1..self.size {
+            let mine: Vec<usize> = (0..changes.len())
+                .filter(|&i| self.owner(changes[i].0, changes[i].1) == rank)
+                .collect();
+            if mine.is_empty() {
+                continue;
+            }
+            let mut request = vec![OP_PLACE, mine.len() as u64];
+            for &i in &mine {
+                let (layer, expert, pin) = changes[i];
+                request.extend([layer as u64, expert as u64, u64::from(pin)]);
+            }
+            rank_process(&world, rank).send_with_tag(&request[..], TAG_REQUEST);
+            asked.push((rank, mine));
+        }
+        // Every rank loads its share at once; each answer comes as its expert is placed,
+        // so MPI_TIMEOUT bounds one expert's read, not the whole placement's.
+        let mut placed = vec![false; changes.len()];
+        for (rank, mine) in asked {
+            for i in mine {
+                let (layer, expert, pin) = changes[i];
+                self.wait_for(rank, TAG_PLACED, || {
+                    format!("for the pin of expert {expert} of layer {layer}")
+                })?;
+                let (answer, _) =
+                    rank_process(&world, rank).receive_vec_with_tag::<u64>(TAG_PLACED);
+                let now = answer.first() == Some(&1);
+                placed[i] = now;
+                let held = &mut self.pinned[layer];
+                held.retain(|&e| e != expert);
+                if now {
+                    held.push(expert);
+                } else if pin {
+                    self.pins_skipped += 1;
+                }
+            }
+        }
+        Ok(placed)
+    }
+
+    fn seed_heat(&mut self, seeds: &[(usize, usize, u64)]) -> Result<()> {
+        let world = SimpleCommunicator::world();
+        for rank in 1..self.size {
+            let mine: Vec<u64> = seeds
+                .iter()
+                .filter(|&&(layer, expert, _)| self.owner(layer, expert) == rank)
+                .flat_map(|&(layer, expert, count)| [layer as u64, expert as u64, count])
+                .collect();
+            if !mine.is_empty() {
+                let mut request = vec![OP_SEED, (mine.len() / 3) as u64];
+                request.extend(mine);
+                rank_process(&world, rank).send_with_tag(&request[..], TAG_REQUEST);
+            }
+        }
+        Ok(())
+    }
+
+    fn pinned(&self) -> Vec<Vec<usize>> {
+        self.pinned.clone()
+    }
+
+    fn pins_skipped(&self) -> usize {
+        self.pins_skipped
+    }
+
+    fn slots(&self) -> (usize, bool) {
+        self.slots
+    }
+
+    fn stats(&self) -> Result<CacheStats> {
+        let mut total = CacheStats::default();
+        for (_, _, stats) in self.states()? {
+            total.add(&stats);
+        }
+        Ok(total)
     }
 }
 
@@ -340,9 +480,35 @@ pub fn serve(
     let root = world.process_at_rank(0);
     loop {
         let (request, _) = root.receive_vec_with_tag::<u64>(TAG_REQUEST);
+        let store = &mut engine.routed_mut().store;
         match request.first() {
             Some(&OP_STOP) => return Ok(ExitCode::SUCCESS),
             Some(&OP_RUN) => {}
+            Some(&OP_PLACE) => {
+                for [layer, expert, pin] in triples(&request, job.rank)? {
+                    let (layer, expert) = (layer as usize, expert as usize);
+                    if pin == 1 {
+                        store.pin(layer, expert)?;
+                    } else {
+                        store.unpin(layer, expert);
+                    }
+                    let now = u64::from(store.is_pinned(layer, expert));
+                    root.send_with_tag(&[now][..], TAG_PLACED);
+                }
+                continue;
+            }
+            Some(&OP_SEED) => {
+                for [layer, expert, count] in triples(&request, job.rank)? {
+                    store.seed_heat(layer as usize, expert as usize, count);
+                }
+                continue;
+            }
+            Some(&OP_STATE) => {
+                let mut answer = vec![store.capacity() as u64, u64::from(store.streams())];
+                answer.extend(store.stats().to_words());
+                root.send_with_tag(&answer[..], TAG_STATE);
+                continue;
+            }
             _ => bail!("rank {}: a request it cannot read: {request:?}", job.rank),
         }
         let (input, _) = root.receive_vec_with_tag::<f32>(TAG_INPUT);
@@ -361,6 +527,19 @@ pub fn serve(
         let outputs = host_outputs(store, layer, &input, &refs, width, activation)?;
         root.send_with_tag(&outputs.concat()[..], TAG_OUTPUT);
     }
+}
+
+/// The `n` triples of `[op, n, triples...]`.
+fn triples(request: &[u64], rank: Rank) -> Result<Vec<[u64; 3]>> {
+    let n = request.get(1).copied().unwrap_or(0) as usize;
+    let body = request.get(2..).unwrap_or(&[]);
+    if body.len() != 3 * n {
+        bail!(
+            "rank {rank}: a request of {n} changes holds {} words: {request:?}",
+            body.len()
+        );
+    }
+    Ok(body.chunks_exact(3).map(|w| [w[0], w[1], w[2]]).collect())
 }
 
 type Request = (usize, usize, Activation, Vec<Assignment>);

@@ -113,12 +113,14 @@ fn job(model: Option<&str>, settings: &Settings, positionals: Positionals) -> Re
     } else {
         RunKind::Scoring
     };
-    let mut session = Session::start(settings, snapshot.dir(), engine.as_mut(), budget, kind)?;
+    let mut session = Session::start(settings, snapshot.dir(), engine.as_mut(), kind)?;
     #[cfg(feature = "mpi")]
     if crate::cluster::world_size() > 1 {
-        // Placed after the history loaded, so that its heat balances the ranks.
+        // Placed after the history loaded, so that its heat balances the ranks, and before
+        // the pins, which go to the ranks that own them.
         crate::cluster::Trunk::attach(engine.as_mut(), settings, crate::cluster::world_size())?;
     }
+    session.place(settings, snapshot.dir(), engine.as_mut(), budget)?;
 
     let ref_path = settings
         .reference

@@ -1,5 +1,6 @@
 //! The routing telemetry of one run, around the engine: before the first token it opens
-//! `ROUTE_TRACE`, loads the usage history and pins the experts the placement plan names;
+//! `ROUTE_TRACE`, loads the usage history and pins the experts the placement plan names
+//! (in the store of whichever process computes each);
 //! between tokens it runs `REPIN`; at the end it saves the history (generating runs only),
 //! writes `STATS` and flushes the trace.
 //!
@@ -128,12 +129,13 @@ impl Session {
         Ok(())
     }
 
-    /// Everything that happens before the first token.
+    /// What happens before placement: the trace opened, the history loaded, the `STATS`
+    /// target checked. [`Session::place`] follows, once it is known which process computes
+    /// each expert (an MPI job's placement balances the history this loads).
     pub fn start(
         settings: &Settings,
         snap: &Path,
         engine: &mut dyn Engine,
-        ram_budget: u64,
         kind: RunKind,
     ) -> Result<Session> {
         let history = history_path(settings, snap);
@@ -174,13 +176,35 @@ impl Session {
             };
             eprintln!("{}", home.line(not_saving));
         }
+        let every = settings.repin;
+        Ok(Session {
+            history,
+            save,
+            stats,
+            repin: (every > 0).then(|| RepinSchedule::new(every)),
+        })
+    }
+
+    /// The last of what happens before the first token: LFRU's frequencies seeded and the
+    /// experts the placement plan names pinned, each in the store of the process that
+    /// computes it, and the abstain rule armed.
+    pub fn place(
+        &self,
+        settings: &Settings,
+        snap: &Path,
+        engine: &mut dyn Engine,
+        ram_budget: u64,
+    ) -> Result<()> {
+        let history = &self.history;
         if engine.expert_store().policy() == Policy::Lfru {
             // LFRU's frequencies start from the history's selections.
-            let seeds: Vec<(usize, usize, u32)> = engine.telemetry().counts().nonzero().collect();
-            let store = engine.expert_store();
-            for (layer, expert, count) in seeds {
-                store.seed_heat(layer, expert, u64::from(count));
-            }
+            let seeds: Vec<(usize, usize, u64)> = engine
+                .telemetry()
+                .counts()
+                .nonzero()
+                .map(|(layer, expert, count)| (layer, expert, u64::from(count)))
+                .collect();
+            engine.routed_mut().seed_heat(&seeds)?;
         }
 
         let cap = engine.cache_capacity();
@@ -212,18 +236,23 @@ impl Session {
             .plan_pins(&request, &|layer| sizes.get(layer).copied().unwrap_or(0));
         let started = Instant::now();
         let tier = fill_expert_tier(settings, engine, &plan)?;
-        let store = engine.expert_store();
-        let mut vram = 0;
-        for pin in &plan.pins {
-            if tier.contains(pin.layer, pin.expert) {
-                vram += 1;
-            } else if layer_has_experts(&sizes, pin.layer) {
-                // The MTP row of a model whose draft head is absent has no experts to pin.
-                store.pin(pin.layer, pin.expert)?;
-            }
-        }
-        engine.routed_mut().tier = tier;
-        let skipped = engine.expert_store().pins_skipped();
+        let vram = plan
+            .pins
+            .iter()
+            .filter(|pin| tier.contains(pin.layer, pin.expert))
+            .count();
+        // The MTP row of a model whose draft head is absent has no experts to pin.
+        let in_ram: Vec<(usize, usize)> = plan
+            .pins
+            .iter()
+            .filter(|pin| !tier.contains(pin.layer, pin.expert))
+            .filter(|pin| layer_has_experts(&sizes, pin.layer))
+            .map(|pin| (pin.layer, pin.expert))
+            .collect();
+        let routed = engine.routed_mut();
+        routed.pin(&in_ram)?;
+        routed.tier = tier;
+        let skipped = routed.pins_skipped();
         if skipped > 0 {
             eprintln!(
                 "[PIN] {skipped} pins skipped: with streamed experts a pin takes one of its layer's {} slots, and each layer keeps one for the rest (raise the budget or lower PIN_N/PIN_GB)",
@@ -240,9 +269,9 @@ impl Session {
             plan.source,
             Some(PinSource::Auto(_) | PinSource::Autopin { .. })
         );
-        if from_history && settings.pin_abstain && engine.expert_store().streams() {
+        if from_history && settings.pin_abstain && engine.routed().slots().1 {
             // Each layer's ranking: what it holds, then the plan's reserve.
-            let mut ranked = engine.expert_store().pinned();
+            let mut ranked = engine.routed().pinned();
             let held: Vec<usize> = ranked.iter().map(Vec::len).collect();
             for pin in &plan.reserve {
                 if let Some(layer) = ranked.get_mut(pin.layer) {
@@ -254,38 +283,28 @@ impl Session {
                 .telemetry()
                 .watch_pins(PlacementGuard::new(slots, &ranked, &held));
         }
-
-        let every = settings.repin;
-        Ok(Session {
-            history,
-            save,
-            stats,
-            repin: (every > 0).then(|| RepinSchedule::new(every)),
-        })
+        Ok(())
     }
 
     /// After each generated token: the abstain rule's changes of pins, and a `REPIN` pass
     /// when one is due.
     pub fn after_tokens(&mut self, engine: &mut dyn Engine, emitted: u64) -> Result<()> {
         for verdict in engine.telemetry().pin_verdicts() {
-            let store = engine.expert_store();
-            for &expert in &verdict.unpin {
-                store.unpin(verdict.layer, expert);
-            }
+            let layer = verdict.layer;
+            let routed = engine.routed_mut();
+            let unpin: Vec<_> = verdict.unpin.iter().map(|&e| (layer, e)).collect();
+            routed.unpin(&unpin)?;
             let mut pinned = Vec::new();
             for &expert in &verdict.pin {
-                store.pin(verdict.layer, expert)?;
-                if !store.is_pinned(verdict.layer, expert) {
+                if !routed.pin(&[(layer, expert)])?.iter().all(|&now| now) {
                     break;
                 }
-                pinned.push(expert);
+                pinned.push((layer, expert));
             }
             if pinned.len() < verdict.pin.len() {
                 // The store had no slot for a pin (read-ahead holds part of them): the
                 // layer keeps the pins it had, and the rule judges on from there.
-                for &expert in &pinned {
-                    store.unpin(verdict.layer, expert);
-                }
+                routed.unpin(&pinned)?;
                 engine.telemetry().undo_pin_verdict(&verdict);
                 continue;
             }
@@ -298,12 +317,12 @@ impl Session {
             return Ok(());
         }
         let started = Instant::now();
-        let pinned = engine.expert_store().pinned();
+        let pinned = engine.routed().pinned();
         let swaps = plan_repin(engine.telemetry().session_heat(), &pinned, REPIN_PASS_LIMIT);
-        let store = engine.expert_store();
+        let routed = engine.routed_mut();
         for swap in &swaps {
-            store.unpin(swap.layer, swap.evict);
-            store.pin(swap.layer, swap.admit)?;
+            routed.unpin(&[(swap.layer, swap.evict)])?;
+            routed.pin(&[(swap.layer, swap.admit)])?;
         }
         engine.telemetry().cool_session_heat();
         let millis = started.elapsed().as_secs_f64() * 1e3;

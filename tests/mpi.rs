@@ -192,6 +192,76 @@ fn generation_writes_the_same_history_from_rank_0_alone() {
     }
 }
 
+/// The report line's `(pin hits, lookups)`: `... (P pin + L lru / M miss) ...`.
+fn pin_hits_and_lookups(out: &Output) -> (u64, u64) {
+    let text = stdout(out);
+    let line = text
+        .lines()
+        .find(|line| line.starts_with("Expert cache hit rate"))
+        .unwrap_or_else(|| panic!("no report line: {text}"));
+    let counts = line.split(['(', ')']).nth(1).unwrap_or_default();
+    let numbers: Vec<u64> = counts
+        .split_whitespace()
+        .filter_map(|word| word.parse().ok())
+        .collect();
+    let [pin, lru, miss] = numbers[..] else {
+        panic!("unexpected report line: {line}");
+    };
+    (pin, pin + lru + miss)
+}
+
+#[test]
+fn pins_are_held_by_the_ranks_that_compute_the_experts() {
+    for name in ["olmoe_trained", "glm_moe_dsa_tiny"] {
+        for io in ["EXPERT_IO=mmap", "EXPERT_IO=pread", "COLI_POLICY=lfru"] {
+            let one = copy_fixture(name);
+            let three = copy_fixture(name);
+            let args = |dir: &Path, round: usize| {
+                let mut args = vec![
+                    format!("SNAP={}", dir.display()),
+                    "IDS=3 11 29 7".to_string(),
+                    "NGEN=24".to_string(),
+                    io.to_string(),
+                ];
+                if round > 0 {
+                    // Placed from the first round's history, and moved between tokens.
+                    args.extend(["PIN=auto", "PIN_N=2", "REPIN=4"].map(String::from));
+                }
+                args.extend(["4", "16", "16"].map(String::from));
+                args
+            };
+            for round in 0..2 {
+                let single_args = args(one.path(), round);
+                let single = coli(
+                    &single_args.iter().map(String::as_str).collect::<Vec<_>>(),
+                    &[],
+                );
+                succeeded(&single, name);
+                let spread_args = args(three.path(), round);
+                let spread = mpirun(
+                    3,
+                    &spread_args.iter().map(String::as_str).collect::<Vec<_>>(),
+                );
+                let what = format!("{name} {io} round {round}");
+                succeeded(&spread, &what);
+                assert_eq!(generated(&spread), generated(&single), "{what}");
+                assert_eq!(history(three.path()), history(one.path()), "{what}");
+                // Every lookup is counted where it happened, and the pins the trunk
+                // planned answer on the expert ranks exactly as in the one process.
+                let (pins, lookups) = pin_hits_and_lookups(&single);
+                assert_eq!(
+                    pin_hits_and_lookups(&spread),
+                    (pins, lookups),
+                    "{what}: {}",
+                    stdout(&spread)
+                );
+                assert!(lookups > 0, "{what}");
+                assert_eq!(pins > 0, round > 0, "{what}: {}", stdout(&single));
+            }
+        }
+    }
+}
+
 #[test]
 fn serving_under_mpirun_is_refused() {
     let snap = format!("SNAP={}", fixture("olmoe_tiny").display());

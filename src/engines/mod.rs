@@ -80,10 +80,7 @@ pub trait Engine {
     fn routed_mut(&mut self) -> &mut RoutedExperts;
 
     fn cache_stats(&self) -> CacheStats {
-        CacheStats {
-            vram_hits: self.routed().tier_hits,
-            ..self.routed().store.stats()
-        }
+        self.routed().stats()
     }
 
     /// The run's routing telemetry, which the engine's router loops feed.
@@ -96,9 +93,10 @@ pub trait Engine {
         &mut self.routed_mut().store
     }
 
-    /// Expert-cache slots per MoE layer actually in use.
+    /// Expert-cache slots per MoE layer actually in use (the fewest of the expert ranks'
+    /// in an MPI job).
     fn cache_capacity(&self) -> usize {
-        self.routed().store.capacity()
+        self.routed().slots().0
     }
 
     /// Bytes of weights resident outside the expert cache.

@@ -12,7 +12,7 @@ use super::layers::{add_in_place, glu_ffn, softmax, top_k};
 use crate::activation::Activation;
 use crate::backend::{self, ExpertGroup, GroupExpert};
 use crate::experts::tier::ExpertTier;
-use crate::experts::{Expert, ExpertStore, ExpertTensors, StoreOptions};
+use crate::experts::{CacheStats, Expert, ExpertStore, ExpertTensors, StoreOptions};
 use crate::profile::{self, Phase};
 use crate::quant::{Matrix, Width};
 use crate::route_trace::RouteTrace;
@@ -160,6 +160,21 @@ pub trait RemoteExperts: Send {
     ) -> Result<()>;
     /// Each assignment's output (its rows times `width`, ungated), in the order sent.
     fn receive(&mut self) -> Result<Vec<Vec<f32>>>;
+    /// Pin (`true`) or unpin (`false`) each `(layer, expert, pin)` in the store of the
+    /// process that computes it, every process working on its share at once; whether each
+    /// expert is pinned afterwards, in the order given.
+    fn place(&mut self, changes: &[(usize, usize, bool)]) -> Result<Vec<bool>>;
+    /// Start LFRU's frequencies of each `(layer, expert, selections)` where it runs.
+    fn seed_heat(&mut self, seeds: &[(usize, usize, u64)]) -> Result<()>;
+    /// The experts pinned on other processes, by layer.
+    fn pinned(&self) -> Vec<Vec<usize>>;
+    /// Pins the other processes had no slot for (see [`ExpertStore::pins_skipped`]).
+    fn pins_skipped(&self) -> usize;
+    /// The fewest cache slots per layer of the processes holding experts, and whether any
+    /// of them streams its experts (so that a pin takes a slot).
+    fn slots(&self) -> (usize, bool);
+    /// The other processes' store counters, added up.
+    fn stats(&self) -> Result<CacheStats>;
 }
 
 impl RoutedExperts {
@@ -190,6 +205,108 @@ impl RoutedExperts {
             predictors: Vec::new(),
             remote: None,
         }
+    }
+
+    /// Pin each `(layer, expert)` in the store that computes it (this process's, or an
+    /// expert rank's); whether each is pinned afterwards (a streaming store may have no
+    /// slot for it).
+    pub fn pin(&mut self, experts: &[(usize, usize)]) -> Result<Vec<bool>> {
+        self.place(experts, true)
+    }
+
+    /// Take each `(layer, expert)` out of the pinned tier of the store that computes it.
+    pub fn unpin(&mut self, experts: &[(usize, usize)]) -> Result<()> {
+        self.place(experts, false).map(drop)
+    }
+
+    fn place(&mut self, experts: &[(usize, usize)], pin: bool) -> Result<Vec<bool>> {
+        let remote = self.remote.as_mut();
+        let (elsewhere, here): (Vec<usize>, Vec<usize>) = (0..experts.len()).partition(|&i| {
+            remote
+                .as_ref()
+                .is_some_and(|r| r.is_remote(experts[i].0, experts[i].1))
+        });
+        let mut placed = vec![false; experts.len()];
+        if let Some(remote) = remote.filter(|_| !elsewhere.is_empty()) {
+            let changes: Vec<_> = elsewhere
+                .iter()
+                .map(|&i| (experts[i].0, experts[i].1, pin))
+                .collect();
+            for (i, now) in elsewhere.iter().zip(remote.place(&changes)?) {
+                placed[*i] = now;
+            }
+        }
+        for i in here {
+            let (layer, expert) = experts[i];
+            if pin {
+                self.store.pin(layer, expert)?;
+            } else {
+                self.store.unpin(layer, expert);
+            }
+            placed[i] = self.store.is_pinned(layer, expert);
+        }
+        Ok(placed)
+    }
+
+    /// The experts pinned in each layer, wherever they are computed.
+    pub fn pinned(&self) -> Vec<Vec<usize>> {
+        let mut pinned = self.store.pinned();
+        if let Some(remote) = &self.remote {
+            for (layer, experts) in remote.pinned().into_iter().enumerate() {
+                if let Some(mine) = pinned.get_mut(layer) {
+                    mine.extend(experts);
+                }
+            }
+        }
+        pinned
+    }
+
+    /// Pins a store had no slot for.
+    pub fn pins_skipped(&self) -> usize {
+        self.store.pins_skipped() + self.remote.as_ref().map_or(0, |r| r.pins_skipped())
+    }
+
+    /// Cache slots per MoE layer, and whether experts stream (so a pin takes a slot): of
+    /// the expert ranks when other processes compute the experts.
+    pub fn slots(&self) -> (usize, bool) {
+        match &self.remote {
+            Some(remote) => remote.slots(),
+            None => (self.store.capacity(), self.store.streams()),
+        }
+    }
+
+    /// Start LFRU's frequencies from `seeds` (`(layer, expert, selections)`), in the store
+    /// that computes each expert.
+    pub fn seed_heat(&mut self, seeds: &[(usize, usize, u64)]) -> Result<()> {
+        let (elsewhere, here): (Vec<_>, Vec<_>) = seeds.iter().partition(|&&(layer, expert, _)| {
+            self.remote
+                .as_ref()
+                .is_some_and(|r| r.is_remote(layer, expert))
+        });
+        for (layer, expert, count) in here {
+            self.store.seed_heat(layer, expert, count);
+        }
+        match self.remote.as_mut() {
+            Some(remote) if !elsewhere.is_empty() => remote.seed_heat(&elsewhere),
+            _ => Ok(()),
+        }
+    }
+
+    /// The store's counters with the VRAM tier's hits and the expert ranks' counters.
+    pub fn stats(&self) -> CacheStats {
+        let mut stats = CacheStats {
+            vram_hits: self.tier_hits,
+            ..self.store.stats()
+        };
+        if let Some(remote) = &self.remote {
+            match remote.stats() {
+                Ok(theirs) => stats.add(&theirs),
+                Err(err) => {
+                    eprintln!("[mpi] the expert ranks' cache counters are not counted: {err:#}")
+                }
+            }
+        }
+        stats
     }
 
     /// Register MoE layer `layer`'s router for the lookahead, and give the store room to

@@ -302,6 +302,57 @@ impl CacheStats {
             foreseen: self.foreseen - earlier.foreseen,
         }
     }
+
+    /// Every counter, in declaration order (what an expert rank sends the trunk).
+    pub fn to_words(&self) -> [u64; 15] {
+        [
+            self.vram_hits,
+            self.pin_hits,
+            self.lru_hits,
+            self.misses,
+            self.bytes_loaded,
+            self.bytes_read,
+            self.ahead_reads,
+            self.ahead_useful,
+            self.ahead_wasted,
+            self.read_nanos,
+            self.wait_nanos,
+            self.predicted,
+            self.predicted_right,
+            self.foreseeable,
+            self.foreseen,
+        ]
+    }
+
+    /// The counters [`CacheStats::to_words`] gave.
+    pub fn from_words(w: [u64; 15]) -> CacheStats {
+        CacheStats {
+            vram_hits: w[0],
+            pin_hits: w[1],
+            lru_hits: w[2],
+            misses: w[3],
+            bytes_loaded: w[4],
+            bytes_read: w[5],
+            ahead_reads: w[6],
+            ahead_useful: w[7],
+            ahead_wasted: w[8],
+            read_nanos: w[9],
+            wait_nanos: w[10],
+            predicted: w[11],
+            predicted_right: w[12],
+            foreseeable: w[13],
+            foreseen: w[14],
+        }
+    }
+
+    /// Add `other`'s counters to these (the stores of several processes).
+    pub fn add(&mut self, other: &CacheStats) {
+        let mut sum = self.to_words();
+        for (s, o) in sum.iter_mut().zip(other.to_words()) {
+            *s += o;
+        }
+        *self = CacheStats::from_words(sum);
+    }
 }
 
 enum State {

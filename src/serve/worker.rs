@@ -91,9 +91,9 @@ pub fn run(
             &settings,
             snapshot.dir(),
             engine.as_mut(),
-            budget,
             RunKind::Generating,
         )?;
+        session.place(&settings, snapshot.dir(), engine.as_mut(), budget)?;
         Ok((snapshot, name, tokenizer, engine, session))
     })();
     let (snapshot, name, tokenizer, mut engine, mut session) = match loaded {
@@ -144,7 +144,7 @@ pub fn run(
             if engine.telemetry().unsaved_selections() > 0 {
                 session.save_turn(engine.as_mut());
             }
-            let pinned = engine.expert_store().pinned().iter().map(Vec::len).sum();
+            let pinned = engine.routed().pinned().iter().map(Vec::len).sum();
             metrics.turn(&turn, engine.cache_stats(), pinned);
         }
         metrics.queue(0, -1);
