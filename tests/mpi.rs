@@ -139,7 +139,7 @@ fn generation_writes_the_same_history_from_rank_0_alone() {
         let ids = "IDS=3 11 29 7";
         for sharding in ["EXPERT_SHARDING=expert", "EXPERT_SHARDING=layer"] {
             let one = copy_fixture(name);
-            let three = copy_fixture(name);
+            let spread_dirs = [(2, copy_fixture(name)), (3, copy_fixture(name))];
             let args = |dir: &Path| {
                 vec![
                     format!("SNAP={}", dir.display()),
@@ -159,23 +159,22 @@ fn generation_writes_the_same_history_from_rank_0_alone() {
                     &[],
                 );
                 succeeded(&single, name);
-                let spread_args = args(three.path());
-                let spread = mpirun(
-                    3,
-                    &spread_args.iter().map(String::as_str).collect::<Vec<_>>(),
-                );
-                succeeded(&spread, &format!("{name} {sharding} round {round}"));
-                assert_eq!(generated(&spread), generated(&single), "{name} {sharding}");
-                assert_eq!(
-                    history(three.path()),
-                    history(one.path()),
-                    "{name} {sharding} round {round}"
-                );
-                assert!(
-                    stdout(&spread).contains("| mpi "),
-                    "the PROFILE line gives the exchanges: {}",
-                    stdout(&spread)
-                );
+                for (ranks, dir) in &spread_dirs {
+                    let spread_args = args(dir.path());
+                    let spread = mpirun(
+                        *ranks,
+                        &spread_args.iter().map(String::as_str).collect::<Vec<_>>(),
+                    );
+                    let what = format!("{name} {sharding} -np {ranks} round {round}");
+                    succeeded(&spread, &what);
+                    assert_eq!(generated(&spread), generated(&single), "{what}");
+                    assert_eq!(history(dir.path()), history(one.path()), "{what}");
+                    assert!(
+                        stdout(&spread).contains("| mpi "),
+                        "the PROFILE line gives the exchanges: {}",
+                        stdout(&spread)
+                    );
+                }
             }
             // Only rank 0 wrote: the same history files as one process leaves.
             let names = |dir: &Path| {
@@ -187,7 +186,9 @@ fn generation_writes_the_same_history_from_rank_0_alone() {
                 names.sort();
                 names
             };
-            assert_eq!(names(three.path()), names(one.path()), "{name}");
+            for (ranks, dir) in &spread_dirs {
+                assert_eq!(names(dir.path()), names(one.path()), "{name} -np {ranks}");
+            }
         }
     }
 }
