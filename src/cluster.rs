@@ -28,8 +28,9 @@ use mpi::Threading;
 use crate::activation::{Activation, Situ};
 use crate::engines::moe::{host_outputs, Assignment, RemoteExperts};
 use crate::engines::Engine;
-use crate::experts::{CacheStats, Sharding};
+use crate::experts::{CacheStats, ExpertStore, Sharding};
 use crate::profile::{self, Phase};
+use crate::quant::Width;
 use crate::run::{self, Positionals};
 use crate::settings::Settings;
 
@@ -463,8 +464,9 @@ fn decode(words: &[u64]) -> Result<Activation> {
     })
 }
 
-/// An expert rank: load the model as rank 0 does, then compute the experts rank 0 asks for
-/// until it says stop. It keeps no history, trace or report of its own.
+/// An expert rank: load the model as rank 0 does and keep only its expert store, then
+/// compute, pin and describe the experts rank 0 asks for until it says stop. It keeps no
+/// history, trace or report of its own.
 pub fn serve(
     model: Option<&str>,
     settings: &Settings,
@@ -475,12 +477,16 @@ pub fn serve(
     // between tokens and saves), and this rank answers until the trunk says stop.
     crate::interrupt::install();
     let (snapshot, name) = run::open(model, settings)?;
-    let mut engine = run::load(settings, positionals, &snapshot, name)?.engine;
+    let mut engine = run::load_for(settings, positionals, &snapshot, name, false)?.engine;
+    // Only the store answers requests: the trunk's weights go before any expert is read,
+    // and the store's budget was sized without them.
+    let placeholder = ExpertStore::new(Vec::new(), 1, Width::F32);
+    let mut store = std::mem::replace(&mut engine.routed_mut().store, placeholder);
+    drop(engine);
     let world = SimpleCommunicator::world();
     let root = world.process_at_rank(0);
     loop {
         let (request, _) = root.receive_vec_with_tag::<u64>(TAG_REQUEST);
-        let store = &mut engine.routed_mut().store;
         match request.first() {
             Some(&OP_STOP) => return Ok(ExitCode::SUCCESS),
             Some(&OP_RUN) => {}
@@ -523,8 +529,7 @@ pub fn serve(
             bail!("rank {}: a request names a row beyond its {rows}", job.rank);
         }
         let refs: Vec<&Assignment> = assignments.iter().collect();
-        let store = &mut engine.routed_mut().store;
-        let outputs = host_outputs(store, layer, &input, &refs, width, activation)?;
+        let outputs = host_outputs(&mut store, layer, &input, &refs, width, activation)?;
         root.send_with_tag(&outputs.concat()[..], TAG_OUTPUT);
     }
 }

@@ -284,6 +284,19 @@ pub fn load(
     snapshot: &Snapshot,
     name: &'static str,
 ) -> Result<Loaded> {
+    load_for(settings, positionals, snapshot, name, true)
+}
+
+/// [`load`], for a caller that keeps the trunk's weights (`keeps_trunk`) or drops them once
+/// loaded and keeps only the expert store (an MPI expert rank), whose budget then holds
+/// experts alone.
+pub fn load_for(
+    settings: &Settings,
+    positionals: Positionals,
+    snapshot: &Snapshot,
+    name: &'static str,
+    keeps_trunk: bool,
+) -> Result<Loaded> {
     let cap = match positionals.cap {
         Some(cap) if cap > 0 => cap as usize,
         _ => settings.cap,
@@ -303,6 +316,7 @@ pub fn load(
             io_threads: settings.io_threads,
             policy: settings.policy,
             pilot: settings.pilot,
+            keeps_trunk,
         },
         dense_width,
         draft: settings.draft,

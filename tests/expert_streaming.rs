@@ -157,6 +157,13 @@ fn a_budget_below_the_trunk_and_one_expert_per_layer_is_refused() {
     let message = format!("{err:#}");
     assert!(message.contains("memory budget is too small"), "{message}");
     assert!(message.contains("trunk 0.04 GB"), "{message}");
+    // An MPI expert rank frees its trunk once loaded: the same budget then holds experts.
+    let freed = StoreOptions {
+        keeps_trunk: false,
+        ..options
+    };
+    let store = ExpertStore::provision(vec![olmoe_experts(&snapshot)], &freed, 40 << 20).unwrap();
+    assert!(store.summary().contains("no trunk"), "{}", store.summary());
 
     let snap = format!("SNAP={}", fixture("olmoe_tiny").display());
     let out = coli(

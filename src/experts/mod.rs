@@ -220,6 +220,9 @@ pub struct StoreOptions {
     pub policy: Policy,
     /// `PILOT`: MoE layers the router lookahead reads ahead.
     pub pilot: usize,
+    /// Whether the trunk's weights stay resident beside the store, so that the budget must
+    /// hold them: not on an MPI expert rank, which drops them once loaded.
+    pub keeps_trunk: bool,
 }
 
 impl StoreOptions {
@@ -234,6 +237,7 @@ impl StoreOptions {
             io_threads: 1,
             policy: Policy::Lru,
             pilot: 0,
+            keeps_trunk: true,
         }
     }
 }
@@ -1326,6 +1330,7 @@ impl ExpertStore {
             0
         };
         let reserve = budget::reserve(budget.bytes) + buffers;
+        let trunk = if options.keeps_trunk { trunk } else { 0 };
         let free = budget.bytes.saturating_sub(trunk + reserve);
         let per_slot = (self.layers.iter().filter(|c| !c.tensors.is_empty()).count() as u64
             * slot_bytes)
@@ -1335,10 +1340,14 @@ impl ExpertStore {
             free,
             fits: ((free / per_slot) as usize).min(self.most_experts().max(1)),
             text: format!(
-                "budget {:.2} GB ({}) - trunk {:.2} GB - reserve {:.2} GB = {:.2} GB for experts",
+                "budget {:.2} GB ({}) - {} - reserve {:.2} GB = {:.2} GB for experts",
                 gb(budget.bytes),
                 budget.source,
-                gb(trunk),
+                if options.keeps_trunk {
+                    format!("trunk {:.2} GB", gb(trunk))
+                } else {
+                    "no trunk (an expert rank frees it)".to_string()
+                },
                 gb(reserve),
                 gb(free)
             ),
