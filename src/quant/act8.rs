@@ -95,9 +95,21 @@ fn quantise(x: &[f32]) -> (Vec<i8>, f32) {
     (q, scale)
 }
 
+/// [`quantise`] in the instruction set `isa` where it has a vector form (the same
+/// divisions and roundings, so the same bits).
+fn quantise_on(isa: Isa, x: &[f32]) -> (Vec<i8>, f32) {
+    #[cfg(target_arch = "x86_64")]
+    if matches!(isa, Isa::Avx2 | Isa::Avx512) && isa.supported() {
+        // SAFETY: AVX2 was detected.
+        return unsafe { avx2::quantise(x) };
+    }
+    let _ = isa;
+    quantise(x)
+}
+
 impl Quantised {
-    fn natural(x: &[f32]) -> Quantised {
-        let (q, scale) = quantise(x);
+    fn natural(isa: Isa, x: &[f32]) -> Quantised {
+        let (q, scale) = quantise_on(isa, x);
         let whole = x.len() / BLOCK * BLOCK;
         let block_sum = q[..whole].iter().map(|&v| i32::from(v)).sum();
         Quantised {
@@ -110,8 +122,8 @@ impl Quantised {
 
     /// For int4 and MXFP4 weights: each whole block of 64 columns as its 32 even columns then its 32
     /// odd ones (the order a block's low and high nibbles come in), the rest as they are.
-    fn deinterleaved(x: &[f32]) -> Quantised {
-        let (natural, scale) = quantise(x);
+    fn deinterleaved(isa: Isa, x: &[f32]) -> Quantised {
+        let (natural, scale) = quantise_on(isa, x);
         let mut q = natural.clone();
         let whole = x.len() / BLOCK * BLOCK;
         for (block, src) in q[..whole]
@@ -298,8 +310,8 @@ pub(super) fn matmul(
     let quantised: Vec<Quantised> = input
         .chunks_exact(cols.max(1))
         .map(|x| match weights {
-            Weights::Int8Row { .. } => Quantised::natural(x),
-            Weights::Int4 { .. } | Weights::Mxfp4 { .. } => Quantised::deinterleaved(x),
+            Weights::Int8Row { .. } => Quantised::natural(isa, x),
+            Weights::Int4 { .. } | Weights::Mxfp4 { .. } => Quantised::deinterleaved(isa, x),
         })
         .collect();
     super::kernels::by_weight_rows(rows, cols, n, out, |first, count, sums| {
@@ -339,6 +351,52 @@ mod avx2 {
             }
             Weights::Mxfp4 { .. } => cols.is_multiple_of(BLOCK),
         }
+    }
+
+    /// [`super::quantise`] eight columns at a time: the same maximum, and each column's
+    /// division by the scale and rounding to even, so the same bytes. A scale below the
+    /// normal range (where a division may overflow) takes the scalar code.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn quantise(x: &[f32]) -> (Vec<i8>, f32) {
+        let whole = x.len() / 8 * 8;
+        let sign = _mm256_set1_ps(-0.0);
+        let (mut max, mut nan) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        for c in (0..whole).step_by(8) {
+            let v = _mm256_loadu_ps(x.as_ptr().add(c));
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+            max = _mm256_max_ps(max, _mm256_andnot_ps(sign, v));
+        }
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), max);
+        let tail = &x[whole..];
+        if _mm256_movemask_ps(nan) != 0 || tail.iter().any(|v| v.is_nan()) {
+            return super::quantise(x);
+        }
+        let max = lanes.iter().chain(tail).fold(0f32, |m, v| m.max(v.abs()));
+        let scale = max / 127.0;
+        if !scale.is_normal() {
+            return super::quantise(x);
+        }
+        let mut q = vec![0i8; x.len()];
+        let (divisor, low, high) = (
+            _mm256_set1_ps(scale),
+            _mm256_set1_ps(-127.0),
+            _mm256_set1_ps(127.0),
+        );
+        let mut ints = [0i32; 8];
+        for c in (0..whole).step_by(8) {
+            let v = _mm256_div_ps(_mm256_loadu_ps(x.as_ptr().add(c)), divisor);
+            let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v);
+            let r = _mm256_min_ps(_mm256_max_ps(r, low), high);
+            _mm256_storeu_si256(ints.as_mut_ptr().cast(), _mm256_cvtps_epi32(r));
+            for (q, &i) in q[c..c + 8].iter_mut().zip(&ints) {
+                *q = i as i8;
+            }
+        }
+        for (q, v) in q[whole..].iter_mut().zip(tail) {
+            *q = (v / scale).round_ties_even().clamp(-127.0, 127.0) as i8;
+        }
+        (q, scale)
     }
 
     /// Sum of the eight i32 lanes.
@@ -885,11 +943,11 @@ mod tests {
         // Four inputs: a tile of three and one left over.
         let xs: Vec<Quantised> = (0..4)
             .map(|t| values(cols, 20 + t))
-            .map(|x| Quantised::natural(&x))
+            .map(|x| Quantised::natural(Isa::Scalar, &x))
             .collect();
         let x4: Vec<Quantised> = (0..4)
             .map(|t| values(cols, 20 + t))
-            .map(|x| Quantised::deinterleaved(&x))
+            .map(|x| Quantised::deinterleaved(Isa::Scalar, &x))
             .collect();
         let int8 = Weights::Int8Row {
             values: &q8,
@@ -1053,6 +1111,36 @@ mod tests {
                     "row {r}: {g} vs {f} (bound {bound})"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn the_vector_quantisation_gives_the_scalar_bytes() {
+        // Ties to even (a maximum of 127 makes the scale 1), a negative zero, a tail past
+        // the last eight, a maximum whose scale is subnormal, NaN, infinity and zeros.
+        let mut ties: Vec<f32> = (0..37).map(|i| i as f32 * 0.5 - 9.0).collect();
+        ties[3] = 127.0;
+        ties[4] = -0.0;
+        let tiny: Vec<f32> = (0..19).map(|i| i as f32 * 1e-39).collect();
+        let mut nan = values(24, 3);
+        nan[17] = f32::NAN;
+        let mut inf = values(24, 4);
+        inf[2] = f32::NEG_INFINITY;
+        let cases = [
+            ties,
+            tiny,
+            nan,
+            inf,
+            vec![0.0; 16],
+            values(2048, 9),
+            values(13, 10),
+            vec![],
+        ];
+        for x in &cases {
+            let (want, want_scale) = quantise(x);
+            let (got, got_scale) = quantise_on(Isa::detect(), x);
+            assert_eq!(got, want, "{x:?}");
+            assert_eq!(got_scale.to_bits(), want_scale.to_bits(), "{x:?}");
         }
     }
 
