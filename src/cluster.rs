@@ -371,21 +371,29 @@ impl RemoteExperts for Trunk {
         let mut placed = vec![false; changes.len()];
         for (rank, mine) in asked {
             for i in mine {
-                let (layer, expert, pin) = changes[i];
+                let (layer, expert, _) = changes[i];
                 self.wait_for(rank, TAG_PLACED, || {
                     format!("for the pin of expert {expert} of layer {layer}")
                 })?;
                 let (answer, _) =
                     rank_process(&world, rank).receive_vec_with_tag::<u64>(TAG_PLACED);
-                let now = answer.first() == Some(&1);
-                placed[i] = now;
-                let held = &mut self.pinned[layer];
-                held.retain(|&e| e != expert);
-                if now {
-                    held.push(expert);
-                } else if pin {
-                    self.pins_skipped += 1;
+                placed[i] = answer.first() == Some(&1);
+            }
+        }
+        // Each layer's pins listed as one store lists them (pins appended in the order
+        // asked, an unpin swapping the last into its place), so that the abstain rule and
+        // REPIN see the order a single process gives them.
+        for (&(layer, expert, pin), &now) in changes.iter().zip(&placed) {
+            let held = &mut self.pinned[layer];
+            match (held.iter().position(|&e| e == expert), now) {
+                (Some(at), false) => {
+                    held.swap_remove(at);
                 }
+                (None, true) => held.push(expert),
+                _ => {}
+            }
+            if pin && !now {
+                self.pins_skipped += 1;
             }
         }
         Ok(placed)

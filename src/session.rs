@@ -399,6 +399,11 @@ fn fill_expert_tier(
         eprintln!("[GPU] GPU_EXPERT_GB={gb} ignored: no GPU backend is computing (see BACKEND)");
         return Ok(ExpertTier::default());
     };
+    if engine.routed().remote.is_some() {
+        // The ranks compute every routed expert; a tier here would hold pins they lack.
+        eprintln!("[GPU] GPU_EXPERT_GB={gb} ignored: in an MPI job the expert ranks compute the routed experts");
+        return Ok(ExpertTier::default());
+    }
     let ranked = rank(engine.telemetry().counts());
     let store = engine.expert_store();
     let every =

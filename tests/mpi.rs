@@ -218,15 +218,16 @@ fn pins_are_held_by_the_ranks_that_compute_the_experts() {
             let one = copy_fixture(name);
             let three = copy_fixture(name);
             let args = |dir: &Path, round: usize| {
-                let mut args = vec![
-                    format!("SNAP={}", dir.display()),
-                    "IDS=3 11 29 7".to_string(),
-                    "NGEN=24".to_string(),
-                    io.to_string(),
-                ];
-                if round > 0 {
-                    // Placed from the first round's history, and moved between tokens.
-                    args.extend(["PIN=auto", "PIN_N=2", "REPIN=4"].map(String::from));
+                let mut args = vec![format!("SNAP={}", dir.display()), io.to_string()];
+                if round == 0 {
+                    args.extend(["IDS=3 11 29 7", "NGEN=24"].map(String::from));
+                } else {
+                    // Placed from the first round's history, and moved between tokens by
+                    // REPIN as another prompt's routing departs from it.
+                    args.extend(
+                        ["IDS=5 17 40 2", "NGEN=48", "PIN=auto", "PIN_N=3", "REPIN=4"]
+                            .map(String::from),
+                    );
                 }
                 args.extend(["4", "16", "16"].map(String::from));
                 args
@@ -258,6 +259,18 @@ fn pins_are_held_by_the_ranks_that_compute_the_experts() {
                 );
                 assert!(lookups > 0, "{what}");
                 assert_eq!(pins > 0, round > 0, "{what}: {}", stdout(&single));
+                // The same swaps, decided on rank 0 and made on the ranks.
+                let swaps = |out: &Output| -> Vec<String> {
+                    stderr(out)
+                        .lines()
+                        .filter(|line| line.starts_with("[REPIN]"))
+                        .map(|line| line.split(" in ").next().unwrap_or(line).to_string())
+                        .collect()
+                };
+                assert_eq!(swaps(&spread), swaps(&single), "{what}");
+                if round > 0 && name.starts_with("olmoe") {
+                    assert!(!swaps(&single).is_empty(), "{what}: {}", stderr(&single));
+                }
             }
         }
     }

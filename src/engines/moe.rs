@@ -346,8 +346,12 @@ impl RoutedExperts {
                 .collect();
             ids.sort_unstable();
             ids.dedup();
-            // Experts on the GPU are never read from disk.
-            ids.retain(|&e| !self.tier.contains(target, e));
+            // Experts on the GPU are never read from disk, nor are those other processes
+            // compute.
+            let remote = self.remote.as_ref();
+            ids.retain(|&e| {
+                !self.tier.contains(target, e) && !remote.is_some_and(|r| r.is_remote(target, e))
+            });
             self.store.want_ahead(target, ids);
         }
     }
