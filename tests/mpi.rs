@@ -33,6 +33,15 @@ fn mpirun(ranks: usize, args: &[&str]) -> Output {
         .expect("mpirun runs (install openmpi-bin)")
 }
 
+/// [`coli`] and [`mpirun`] over an owned argument list.
+fn coli_with(args: &[String]) -> Output {
+    coli(&args.iter().map(String::as_str).collect::<Vec<_>>(), &[])
+}
+
+fn mpirun_with(ranks: usize, args: &[String]) -> Output {
+    mpirun(ranks, &args.iter().map(String::as_str).collect::<Vec<_>>())
+}
+
 fn mpirun_command(ranks: usize, args: &[&str]) -> Command {
     let mut command = Command::new("mpirun");
     command
@@ -153,18 +162,10 @@ fn generation_writes_the_same_history_from_rank_0_alone() {
             };
             // Twice, so that the second run places its experts from the first's history.
             for round in 0..2 {
-                let single_args = args(one.path());
-                let single = coli(
-                    &single_args.iter().map(String::as_str).collect::<Vec<_>>(),
-                    &[],
-                );
+                let single = coli_with(&args(one.path()));
                 succeeded(&single, name);
                 for (ranks, dir) in &spread_dirs {
-                    let spread_args = args(dir.path());
-                    let spread = mpirun(
-                        *ranks,
-                        &spread_args.iter().map(String::as_str).collect::<Vec<_>>(),
-                    );
+                    let spread = mpirun_with(*ranks, &args(dir.path()));
                     let what = format!("{name} {sharding} -np {ranks} round {round}");
                     succeeded(&spread, &what);
                     assert_eq!(generated(&spread), generated(&single), "{what}");
@@ -233,17 +234,9 @@ fn pins_are_held_by_the_ranks_that_compute_the_experts() {
                 args
             };
             for round in 0..2 {
-                let single_args = args(one.path(), round);
-                let single = coli(
-                    &single_args.iter().map(String::as_str).collect::<Vec<_>>(),
-                    &[],
-                );
+                let single = coli_with(&args(one.path(), round));
                 succeeded(&single, name);
-                let spread_args = args(three.path(), round);
-                let spread = mpirun(
-                    3,
-                    &spread_args.iter().map(String::as_str).collect::<Vec<_>>(),
-                );
+                let spread = mpirun_with(3, &args(three.path(), round));
                 let what = format!("{name} {io} round {round}");
                 succeeded(&spread, &what);
                 assert_eq!(generated(&spread), generated(&single), "{what}");
