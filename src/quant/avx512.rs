@@ -14,7 +14,6 @@
 
 use std::arch::x86_64::*;
 use std::ops::Range;
-use std::sync::OnceLock;
 
 use super::codec::E2M1_DOUBLED;
 use super::kernels::{
@@ -22,6 +21,7 @@ use super::kernels::{
     Int4Codes, Lanes, RowScales, Scaling, View,
 };
 use super::x86::Avx2;
+use rayon::prelude::*;
 
 /// Two 8-lane vectors: lanes 0-7 are the first, 8-15 the second.
 #[derive(Clone, Copy)]
@@ -370,17 +370,24 @@ fn pair_stride(chunks: usize) -> usize {
 
 /// `n` inputs laid out as pairs: pair `p` starts at `p * pair_stride(chunks)`, its chunk
 /// `c` is 16 floats, input `2p`'s chunk `c` then input `2p + 1`'s (zeros past the last
-/// column and for a missing last input).
+/// column and for a missing last input). The pairs are laid out on the thread pool: the
+/// product's blocks all wait for them.
 fn interleave_pairs(input: &[f32], n: usize, cols: usize) -> Vec<f32> {
     let chunks = cols.div_ceil(8);
     let stride = pair_stride(chunks);
     let mut pairs = vec![0f32; n.div_ceil(2) * stride];
-    for (t, x) in input.chunks_exact(cols).enumerate().take(n) {
-        let (p, half) = (t / 2, t % 2);
-        for (c, values) in x.chunks(8).enumerate() {
-            let at = p * stride + c * 16 + half * 8;
-            pairs[at..at + values.len()].copy_from_slice(values);
+    let lay_out = |(p, pair): (usize, &mut [f32])| {
+        let inputs = input.chunks_exact(cols.max(1)).take(n);
+        for (half, x) in inputs.skip(2 * p).take(2).enumerate() {
+            for (c, values) in x.chunks(8).enumerate() {
+                pair[c * 16 + half * 8..][..values.len()].copy_from_slice(values);
+            }
         }
+    };
+    if pairs.len() >= 1 << 16 {
+        pairs.par_chunks_mut(stride).enumerate().for_each(lay_out);
+    } else {
+        pairs.chunks_mut(stride).enumerate().for_each(lay_out);
     }
     pairs
 }
@@ -511,7 +518,7 @@ unsafe fn decode_rows<D: Pair>(
 const COLUMN_BLOCK: usize = 64;
 
 /// Chunks `from..to` of eight decoded rows against input pairs `p..p + T`, continuing the
-/// accumulators `acc[(p + t) * 8 + r]`.
+/// accumulators `acc[(p + t) * 8 + r]` (from zero in the first block, `from == 0`).
 #[inline(always)]
 unsafe fn eight_rows_step<const T: usize>(
     decoded: [&[f32]; 8],
@@ -525,8 +532,10 @@ unsafe fn eight_rows_step<const T: usize>(
     let mut xs = [&pairs[..0]; T];
     for t in 0..T {
         xs[t] = &pairs[(p + t) * pair_stride(chunks)..][..chunks * 16];
-        for r in 0..8 {
-            tile[r][t] = acc[(p + t) * 8 + r];
+        if from > 0 {
+            for r in 0..8 {
+                tile[r][t] = acc[(p + t) * 8 + r];
+            }
         }
     }
     for c in from..to {
@@ -552,7 +561,10 @@ unsafe fn eight_rows(
     chunks: usize,
     acc: &mut [Two],
 ) {
-    acc.fill(Two::zero());
+    if chunks == 0 {
+        // No column block starts them from zero.
+        acc.fill(Two::zero());
+    }
     let mut from = 0;
     while from < chunks {
         let span = (from, (from + COLUMN_BLOCK).min(chunks));
@@ -701,19 +713,30 @@ unsafe fn pair_group<D: Pair>(
     }
 }
 
-/// One product's blocks on AVX-512. A batch's inputs are interleaved in pairs once, by the
-/// first block that needs them, and shared by the rest.
+/// One product's blocks on AVX-512: for a batch, its inputs interleaved in pairs once,
+/// before the blocks, and shared by them all.
 pub(super) struct Avx512Block<'a, D: Pair> {
     view: View<'a, D::Elem>,
-    pairs: OnceLock<Vec<f32>>,
+    pairs: Vec<f32>,
 }
 
 impl<'a, D: Pair> Avx512Block<'a, D> {
+    /// The blocks of one input row at a time.
     pub(super) fn new(view: View<'a, D::Elem>) -> Self {
         Avx512Block {
             view,
-            pairs: OnceLock::new(),
+            pairs: Vec::new(),
         }
+    }
+
+    /// The blocks of a product of `n` inputs (`n x cols`).
+    pub(super) fn batch(view: View<'a, D::Elem>, input: &[f32], n: usize) -> Self {
+        let pairs = if n > 1 {
+            interleave_pairs(input, n, view.cols)
+        } else {
+            Vec::new()
+        };
+        Avx512Block { view, pairs }
     }
 }
 
@@ -724,10 +747,14 @@ impl<D: Pair> Block for Avx512Block<'_, D> {
         unsafe { rows::<D>(&self.view, first, x, out) }
     }
     fn batched(&self, first: usize, count: usize, input: &[f32], n: usize, out: &mut [f32]) {
-        let pairs = self
-            .pairs
-            .get_or_init(|| interleave_pairs(input, n, self.view.cols));
+        let chunks = self.view.cols.div_ceil(8);
+        assert_eq!(input.len(), n * self.view.cols, "matmul input shape");
+        assert_eq!(
+            self.pairs.len(),
+            n.div_ceil(2) * pair_stride(chunks),
+            "the pairs Avx512Block::batch laid out for these inputs"
+        );
         // SAFETY: as above.
-        unsafe { batched::<D>(&self.view, first, count, pairs, n, out) }
+        unsafe { batched::<D>(&self.view, first, count, &self.pairs, n, out) }
     }
 }

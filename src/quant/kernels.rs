@@ -791,7 +791,7 @@ where
         Isa::Avx2 => drive(&super::x86::Avx2Block::<D>(view), view, input, n, out),
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => drive(
-            &super::avx512::Avx512Block::<D>::new(view),
+            &super::avx512::Avx512Block::<D>::batch(view, input, n),
             view,
             input,
             n,
@@ -876,8 +876,11 @@ fn row_blocks(rows: usize, cols: usize, n: usize) -> (usize, bool) {
 
 /// A product of `n` inputs computed by blocks of weight rows: `block(first, count, sums)`
 /// writes rows `first..first + count` against every input as `sums[t * count + row -
-/// first]` (each weight row read once for all inputs); each input's run of every block is
-/// then copied into its row of `out` (`n x rows`), the inputs split over the threads.
+/// first]` (each weight row read once for all inputs), and the task that ran it copies each
+/// input's run into its row of `out` (`n x rows`) while the sums are still in its cache.
+/// `sums` is the thread's own scratch, reused from product to product; a `block` must
+/// write every element of it and must not wait on the thread pool (a job stolen meanwhile
+/// could ask for the same scratch).
 pub(super) fn by_weight_rows(
     rows: usize,
     cols: usize,
@@ -885,24 +888,73 @@ pub(super) fn by_weight_rows(
     out: &mut [f32],
     block: impl Fn(usize, usize, &mut [f32]) + Sync,
 ) {
+    assert_eq!(out.len(), rows * n, "matmul output shape");
     let (chunk, parallel) = row_blocks(rows, cols, n);
-    let mut by_block = vec![0f32; rows * n];
-    let run = |(b, sums): (usize, &mut [f32])| block(b * chunk, sums.len() / n, sums);
-    if parallel {
-        by_block.par_chunks_mut(chunk * n).enumerate().for_each(run);
-    } else {
-        by_block.chunks_mut(chunk * n).enumerate().for_each(run);
-    }
-    let gather = |(t, out): (usize, &mut [f32])| {
-        for (b, sums) in by_block.chunks(chunk * n).enumerate() {
-            let count = sums.len() / n;
-            out[b * chunk..][..count].copy_from_slice(&sums[t * count..][..count]);
-        }
+    let out = OutputRows::new(out, rows);
+    let run = |b: usize| {
+        let first = b * chunk;
+        let count = chunk.min(rows - first);
+        BLOCK_SUMS.with_borrow_mut(|scratch| {
+            if scratch.len() < count * n {
+                scratch.resize(count * n, 0.0);
+            }
+            let sums = &mut scratch[..count * n];
+            block(first, count, sums);
+            for (t, run) in sums.chunks_exact(count).enumerate() {
+                out.write(t, first, run);
+            }
+        })
     };
+    let blocks = rows.div_ceil(chunk);
     if parallel {
-        out.par_chunks_mut(rows).enumerate().for_each(gather);
+        (0..blocks).into_par_iter().for_each(run);
     } else {
-        out.chunks_mut(rows).enumerate().for_each(gather);
+        (0..blocks).for_each(run);
+    }
+}
+
+thread_local! {
+    /// [`by_weight_rows`]'s per-thread block results: a prompt's products would otherwise
+    /// each allocate (and fault in) an `n x rows` buffer only to copy it once.
+    static BLOCK_SUMS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The `n x rows` output of [`by_weight_rows`], written by several tasks at once, each in
+/// its own columns.
+struct OutputRows<'a> {
+    ptr: *mut f32,
+    rows: usize,
+    n: usize,
+    _out: std::marker::PhantomData<&'a mut [f32]>,
+}
+
+// SAFETY: the tasks of one `by_weight_rows` write disjoint columns (their blocks of weight
+// rows) through `write`, and `out` stays borrowed for the object's life.
+unsafe impl Sync for OutputRows<'_> {}
+
+impl<'a> OutputRows<'a> {
+    fn new(out: &'a mut [f32], rows: usize) -> Self {
+        OutputRows {
+            ptr: out.as_mut_ptr(),
+            rows,
+            n: out.len() / rows.max(1),
+            _out: std::marker::PhantomData,
+        }
+    }
+
+    /// `out[t][first..first + run.len()] = run`. Callers write each column once, from one
+    /// task: [`by_weight_rows`] gives every task its own block of columns.
+    fn write(&self, t: usize, first: usize, run: &[f32]) {
+        assert!(t < self.n && first + run.len() <= self.rows, "block outside the output");
+        // SAFETY: in bounds (asserted); no other task writes these columns, and nothing
+        // reads `out` until every task has finished.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                run.as_ptr(),
+                self.ptr.add(t * self.rows + first),
+                run.len(),
+            )
+        }
     }
 }
 
