@@ -459,10 +459,12 @@ mod avx2 {
         dot_bytes::<VNNI>(dot_bytes::<VNNI>(acc, low, even), high, odd)
     }
 
-    /// Ask for the cache line `ahead` bytes past `ptr` (never faults).
+    /// Ask for the cache line `ahead` bytes past `ptr` (never faults), into the
+    /// second-level cache as [`Lanes::prefetch`](crate::quant::kernels::Lanes::prefetch)
+    /// does, for the same reason.
     #[inline(always)]
     unsafe fn prefetch(ptr: *const u8, ahead: usize) {
-        _mm_prefetch::<_MM_HINT_T0>(ptr.wrapping_add(ahead) as *const i8);
+        _mm_prefetch::<_MM_HINT_T1>(ptr.wrapping_add(ahead) as *const i8);
     }
 
     /// Four int8 rows against one input: one load of the input serves the four, and the

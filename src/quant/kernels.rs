@@ -46,7 +46,11 @@ pub trait Lanes: Copy {
     /// # Safety
     /// As [`Lanes::zero`].
     unsafe fn sum(self) -> f32;
-    /// Ask for the cache line at `ptr` ahead of use (any address; never faults).
+    /// Ask for the cache line at `ptr` ahead of use (any address; never faults). The x86
+    /// kernels ask for it in the second-level cache: a request into the first level holds
+    /// one of that cache's few miss buffers for a whole trip to memory, and with a request
+    /// a line for every row being read they ran out, so decode read memory at 55-60% of
+    /// its bandwidth on Zen 4 (98-100% asking into the second level; docs/benchmarks.md).
     /// # Safety
     /// As [`Lanes::zero`].
     #[inline(always)]
@@ -945,7 +949,10 @@ impl<'a> OutputRows<'a> {
     /// `out[t][first..first + run.len()] = run`. Callers write each column once, from one
     /// task: [`by_weight_rows`] gives every task its own block of columns.
     fn write(&self, t: usize, first: usize, run: &[f32]) {
-        assert!(t < self.n && first + run.len() <= self.rows, "block outside the output");
+        assert!(
+            t < self.n && first + run.len() <= self.rows,
+            "block outside the output"
+        );
         // SAFETY: in bounds (asserted); no other task writes these columns, and nothing
         // reads `out` until every task has finished.
         unsafe {

@@ -46,7 +46,7 @@ impl Lanes for Avx2 {
     }
     #[inline(always)]
     unsafe fn prefetch(ptr: *const u8) {
-        _mm_prefetch::<_MM_HINT_T0>(ptr as *const i8)
+        _mm_prefetch::<_MM_HINT_T1>(ptr as *const i8)
     }
 }
 
