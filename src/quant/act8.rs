@@ -460,8 +460,7 @@ mod avx2 {
     }
 
     /// Ask for the cache line `ahead` bytes past `ptr` (never faults), into the
-    /// second-level cache as [`Lanes::prefetch`](crate::quant::kernels::Lanes::prefetch)
-    /// does, for the same reason.
+    /// second-level cache as [`Lanes::prefetch`] does, for the same reason.
     #[inline(always)]
     unsafe fn prefetch(ptr: *const u8, ahead: usize) {
         _mm_prefetch::<_MM_HINT_T1>(ptr.wrapping_add(ahead) as *const i8);

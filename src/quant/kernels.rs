@@ -47,10 +47,10 @@ pub trait Lanes: Copy {
     /// As [`Lanes::zero`].
     unsafe fn sum(self) -> f32;
     /// Ask for the cache line at `ptr` ahead of use (any address; never faults). The x86
-    /// kernels ask for it in the second-level cache: a request into the first level holds
-    /// one of that cache's few miss buffers for a whole trip to memory, and with a request
-    /// a line for every row being read they ran out, so decode read memory at 55-60% of
-    /// its bandwidth on Zen 4 (98-100% asking into the second level; docs/benchmarks.md).
+    /// kernels ask for it in the second-level cache: asked into the first, decode read
+    /// memory at 55-60% of its bandwidth on Zen 4, and at 98-100% this way (likely because
+    /// a request into the first level holds one of its few miss buffers for a whole trip
+    /// to memory, and one a line for every row being read ran them out; docs/benchmarks.md).
     /// # Safety
     /// As [`Lanes::zero`].
     #[inline(always)]
