@@ -112,6 +112,44 @@ unsafe fn nibble_words(low: &[u8], high: &[u8], c: usize) -> (i32, i32) {
     )
 }
 
+/// What each 4-bit code of the signed int4 format decodes to: `code - 8`.
+const INT4_VALUES: [f32; 16] = {
+    let mut values = [0f32; 16];
+    let mut code = 0;
+    while code < 16 {
+        values[code] = code as f32 - 8.0;
+        code += 1;
+    }
+    values
+};
+
+/// What each E2M1 code decodes to, doubled as the other kernels decode it (the block scale
+/// halves it): [`E2M1_DOUBLED`] as floats, `+0.0` for both zeros as their conversion gives.
+const E2M1_VALUES: [f32; 16] = {
+    let mut values = [0f32; 16];
+    let mut code = 0;
+    while code < 16 {
+        values[code] = E2M1_DOUBLED[code] as f32;
+        code += 1;
+    }
+    values
+};
+
+/// Chunk `c` of two rows of nibbles, each looked up in `values`: every lane shifts its copy
+/// of the row's word by 4 * lane, and `vpermps`, which reads only an index's low four bits,
+/// turns the nibble into its float in one instruction (no mask, offset or conversion).
+#[inline(always)]
+unsafe fn nibble_lookup(low: &[u8], high: &[u8], c: usize, values: &[f32; 16]) -> Two {
+    let (a, b) = nibble_words(low, high, c);
+    let words = _mm512_mask_set1_epi32(_mm512_set1_epi32(a), 0xFF00, b);
+    let shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+    let table = _mm512_loadu_ps(values.as_ptr());
+    Two(_mm512_permutexvar_ps(
+        _mm512_srlv_epi32(words, shifts),
+        table,
+    ))
+}
+
 impl Pair for Bf16Codes {
     const ROWS_IN_PAIRS: bool = false;
     #[inline(always)]
@@ -145,15 +183,7 @@ impl Pair for Int4Codes {
     const ROWS_IN_PAIRS: bool = true;
     #[inline(always)]
     unsafe fn pair(low: &[u8], high: &[u8], c: usize) -> Two {
-        // As the AVX2 decoder: each lane shifts its copy of the word by 4 * lane.
-        let (a, b) = nibble_words(low, high, c);
-        let words = _mm512_mask_set1_epi32(_mm512_set1_epi32(a), 0xFF00, b);
-        let shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
-        let nibbles = _mm512_and_si512(_mm512_srlv_epi32(words, shifts), _mm512_set1_epi32(0x0F));
-        Two(_mm512_cvtepi32_ps(_mm512_sub_epi32(
-            nibbles,
-            _mm512_set1_epi32(8),
-        )))
+        nibble_lookup(low, high, c, &INT4_VALUES)
     }
 }
 
@@ -184,16 +214,7 @@ impl Pair for E2m1Codes {
     const ROWS_IN_PAIRS: bool = true;
     #[inline(always)]
     unsafe fn pair(low: &[u8], high: &[u8], c: usize) -> Two {
-        let (a, b) = nibble_words(low, high, c);
-        let bytes = _mm_setr_epi32(a, b, 0, 0);
-        let low_nibbles = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
-        let high_nibbles = _mm_and_si128(_mm_srli_epi16::<4>(bytes), _mm_set1_epi8(0x0F));
-        // Bytes 0-3 interleaved are the first row's eight codes, bytes 4-7 the second's.
-        let codes = _mm_unpacklo_epi8(low_nibbles, high_nibbles);
-        let table = _mm_loadu_si128(E2M1_DOUBLED.as_ptr() as *const __m128i);
-        Two(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(
-            table, codes,
-        ))))
+        nibble_lookup(low, high, c, &E2M1_VALUES)
     }
 }
 
