@@ -5,6 +5,9 @@
 //! Each case cycles through enough copies of the matrix to fill 256 MiB (eight times the last-level cache), so the weights
 //! come from memory and not from cache, as they do in decode.
 //!
+//! The same kernels on a matrix that stays in cache show what each computes when memory is
+//! not the limit (weights per second).
+//!
 //! Batched products (a prompt) are compute-bound instead: they are measured in
 //! multiply-adds per second, next to the machine's register-only FMA peak.
 //!
@@ -183,6 +186,31 @@ fn matvec(c: &mut Criterion) {
     }
 }
 
+/// One input row against one small matrix (512 rows by 1024 columns) read again and again
+/// from the cache by one thread: what each decode kernel computes per core when memory is
+/// not the limit, in weights per second. A format whose two-thread rate of weights in memory
+/// (bytes per second above over bytes per weight) comes near twice this rate is
+/// compute-bound in decode.
+fn matvec_in_cache(c: &mut Criterion) {
+    let (rows, cols) = (512, 1024);
+    let x: Vec<f32> = (0..cols).map(|i| (i % 7) as f32 * 0.1 - 0.3).collect();
+    let mut y = vec![0f32; rows];
+    let one_thread = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .expect("a one-thread pool builds");
+    let mut group = c.benchmark_group(format!("matvec {rows}x{cols} in cache, one thread"));
+    group.throughput(Throughput::Elements((rows * cols) as u64));
+    for format in FORMATS {
+        let matrix = Matrix::from_f32_as(rows, cols, &weights(rows, cols, 0), format)
+            .expect("every listed format encodes");
+        group.bench_function(label(format), |b| {
+            one_thread.install(|| b.iter(|| matrix.matmul(black_box(&x), 1, &mut y)))
+        });
+    }
+    group.finish();
+}
+
 /// A batch of rows against one matrix, the weights read once for all rows: 32 (a prompt
 /// through a dense projection) and 4 (the rows one expert of 64 at top-8 gets from it),
 /// and 64 rows through an expert's 2048-column gate (its share of a 512-token prompt),
@@ -225,6 +253,6 @@ fn config() -> Criterion {
 criterion_group! {
     name = benches;
     config = config();
-    targets = memory_bandwidth, fma_peak, matvec, batched
+    targets = memory_bandwidth, fma_peak, matvec, matvec_in_cache, batched
 }
 criterion_main!(benches);
