@@ -191,21 +191,27 @@ impl Pair for E4m3Codes {
     const ROWS_IN_PAIRS: bool = true;
     #[inline(always)]
     unsafe fn pair(low: &[u8], high: &[u8], c: usize) -> Two {
-        // The AVX2 decoder's steps on sixteen lanes.
-        let bytes = _mm512_cvtepu8_epi32(sixteen_bytes(low, high, c));
-        let magnitude = _mm512_and_si512(bytes, _mm512_set1_epi32(0x7F));
-        let value = _mm512_mul_ps(
-            _mm512_castsi512_ps(_mm512_slli_epi32::<20>(magnitude)),
-            _mm512_set1_ps(f32::from_bits(0x7B80_0000)),
+        // E4M3 is a half-precision float with a 4-bit exponent and 3 mantissa bits: the
+        // byte, sign-extended to 16 bits and shifted up 7, has its sign at bit 15 (and a
+        // copy at bit 14, cleared), exponent and mantissa where a half's high ones go.
+        // That half is the value times 2^-8 (exponent bias 15 against 7), subnormals
+        // included; the conversion and the power-of-two product are exact.
+        let bytes = sixteen_bytes(low, high, c);
+        let halves = _mm256_and_si256(
+            _mm256_slli_epi16::<7>(_mm256_cvtepi8_epi16(bytes)),
+            _mm256_set1_epi16(0xBFFF_u16 as i16),
         );
-        let sign = _mm512_slli_epi32::<24>(_mm512_and_si512(bytes, _mm512_set1_epi32(0x80)));
-        let nan = _mm512_maskz_mov_epi32(
-            _mm512_cmpeq_epi32_mask(magnitude, _mm512_set1_epi32(0x7F)),
-            _mm512_set1_epi32(0x7FC0_0000),
+        let value = _mm512_mul_ps(_mm512_cvtph_ps(halves), _mm512_set1_ps(256.0));
+        // Magnitude 0x7F is NaN; as the other decoders: 480's bits or the quiet NaN's.
+        let nan = _mm_cmpeq_epi8_mask(
+            _mm_and_si128(bytes, _mm_set1_epi8(0x7F)),
+            _mm_set1_epi8(0x7F),
         );
-        Two(_mm512_or_ps(
+        Two(_mm512_mask_or_ps(
             value,
-            _mm512_castsi512_ps(_mm512_or_si512(sign, nan)),
+            nan,
+            value,
+            _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC0_0000)),
         ))
     }
 }
@@ -777,5 +783,54 @@ impl<D: Pair> Block for Avx512Block<'_, D> {
         );
         // SAFETY: as above.
         unsafe { batched::<D>(&self.view, first, count, &self.pairs, n, out) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::kernels::Isa;
+
+    /// Every byte 0-255 as two rows of 128 codes: `low` the first half, `high` the second.
+    fn every_byte() -> (Vec<u8>, Vec<u8>) {
+        let bytes: Vec<u8> = (0..=255).collect();
+        (bytes[..128].to_vec(), bytes[128..].to_vec())
+    }
+
+    /// Each chunk of `D::pair` over every byte, against `D::value` bit for bit (NaN for NaN).
+    fn decodes_as_the_scalar_code<D: Pair<Elem = u8>>(elements_per_byte: usize) {
+        if !Isa::Avx512.supported() {
+            eprintln!("skipped: this CPU has no AVX-512");
+            return;
+        }
+        let (low, high) = every_byte();
+        for c in 0..128 * elements_per_byte / 8 {
+            let mut lanes = [0f32; 16];
+            unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), D::pair(&low, &high, c).0) };
+            for (lane, got) in lanes.into_iter().enumerate() {
+                let row = if lane < 8 { &low } else { &high };
+                let want = D::value(row, 8 * c + lane % 8);
+                assert!(
+                    got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                    "chunk {c} lane {lane}: {got} ({:#x}) against {want}",
+                    got.to_bits()
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn every_int4_code_decodes_as_the_scalar_code() {
+        decodes_as_the_scalar_code::<Int4Codes>(2);
+    }
+
+    #[test]
+    fn every_e2m1_code_decodes_as_the_scalar_code() {
+        decodes_as_the_scalar_code::<E2m1Codes>(2);
+    }
+
+    #[test]
+    fn every_e4m3_code_decodes_as_the_scalar_code() {
+        decodes_as_the_scalar_code::<E4m3Codes>(1);
     }
 }
