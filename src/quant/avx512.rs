@@ -49,14 +49,6 @@ impl Two {
             _mm256_loadu_ps(high),
         ))
     }
-    #[inline(always)]
-    unsafe fn splats(low: f32, high: f32) -> Two {
-        Two(_mm512_mask_blend_ps(
-            0xFF00,
-            _mm512_set1_ps(low),
-            _mm512_set1_ps(high),
-        ))
-    }
     /// Each half summed in the 8-lane order.
     #[inline(always)]
     unsafe fn sums(self) -> [f32; 2] {
@@ -278,6 +270,28 @@ unsafe fn tails_step<const P: usize>(
     }
 }
 
+/// The scales of groups `from..from + 16` of one row (zeros past its last group), the
+/// values [`RowScales::at`] gives, loaded sixteen at a time.
+#[inline(always)]
+unsafe fn sixteen_scales(scales: RowScales, from: usize) -> __m512 {
+    match scales {
+        RowScales::One => _mm512_set1_ps(1.0),
+        RowScales::F32(scales) => {
+            let present = scales.len().saturating_sub(from).min(16);
+            let mask = ((1u32 << present) - 1) as __mmask16;
+            _mm512_maskz_loadu_ps(mask, scales.as_ptr().wrapping_add(from))
+        }
+        RowScales::E8m0(scales) => {
+            let present = scales.len().saturating_sub(from).min(16);
+            let mask = ((1u32 << present) - 1) as __mmask16;
+            let bytes = _mm_maskz_loadu_epi8(mask, scales.as_ptr().wrapping_add(from) as *const i8);
+            // `mxfp4_group_scale`: the byte as an f32's exponent, halved.
+            let powers = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_cvtepu8_epi32(bytes)));
+            _mm512_mul_ps(powers, _mm512_set1_ps(0.5))
+        }
+    }
+}
+
 /// The dot products of `P` pairs of rows (rows `first + 2p` and `first + 2p + 1`) with
 /// `x`: each half fed what the 8-lane `dot_rows` feeds one row, in the same order.
 #[inline(always)]
@@ -333,7 +347,8 @@ unsafe fn dot_pairs<D: Pair, const P: usize>(
                     scaling.row_scales(first + 2 * p + 1),
                 ]
             });
-            let mut group = 0;
+            let mut sixteen = [[_mm512_setzero_ps(); 2]; P];
+            let mut group = 0usize;
             let mut c = 0;
             while c < chunks {
                 let end = (c + per_group).min(chunks);
@@ -346,9 +361,22 @@ unsafe fn dot_pairs<D: Pair, const P: usize>(
                     tails_step(&tails, &x_tail, &mut partial);
                     c += 1;
                 }
+                if group.is_multiple_of(16) {
+                    for p in 0..P {
+                        sixteen[p] = [
+                            sixteen_scales(row_scales[p][0], group),
+                            sixteen_scales(row_scales[p][1], group),
+                        ];
+                    }
+                }
+                // Lanes 0-7 pick group `group % 16` of the first row, 8-15 of the second.
+                let pick = _mm512_add_epi32(
+                    _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16),
+                    _mm512_set1_epi32((group % 16) as i32),
+                );
                 for p in 0..P {
-                    let scale = Two::splats(row_scales[p][0].at(group), row_scales[p][1].at(group));
-                    acc[p] = Two::fma(partial[p], scale, acc[p]);
+                    let scale = _mm512_permutex2var_ps(sixteen[p][0], pick, sixteen[p][1]);
+                    acc[p] = Two::fma(partial[p], Two(scale), acc[p]);
                 }
                 group += 1;
             }
