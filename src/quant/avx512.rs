@@ -274,17 +274,17 @@ unsafe fn tails_step<const P: usize>(
 /// values [`RowScales::at`] gives, loaded sixteen at a time.
 #[inline(always)]
 unsafe fn sixteen_scales(scales: RowScales, from: usize) -> __m512 {
+    let present = |count: usize| ((1u32 << count.saturating_sub(from).min(16)) - 1) as __mmask16;
     match scales {
         RowScales::One => _mm512_set1_ps(1.0),
         RowScales::F32(scales) => {
-            let present = scales.len().saturating_sub(from).min(16);
-            let mask = ((1u32 << present) - 1) as __mmask16;
-            _mm512_maskz_loadu_ps(mask, scales.as_ptr().wrapping_add(from))
+            _mm512_maskz_loadu_ps(present(scales.len()), scales.as_ptr().wrapping_add(from))
         }
         RowScales::E8m0(scales) => {
-            let present = scales.len().saturating_sub(from).min(16);
-            let mask = ((1u32 << present) - 1) as __mmask16;
-            let bytes = _mm_maskz_loadu_epi8(mask, scales.as_ptr().wrapping_add(from) as *const i8);
+            let bytes = _mm_maskz_loadu_epi8(
+                present(scales.len()),
+                scales.as_ptr().wrapping_add(from) as *const i8,
+            );
             // `mxfp4_group_scale`: the byte as an f32's exponent, halved.
             let powers = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_cvtepu8_epi32(bytes)));
             _mm512_mul_ps(powers, _mm512_set1_ps(0.5))
