@@ -61,7 +61,8 @@ impl Two {
     }
 }
 
-/// Chunk `c` of two rows decoded into the two halves.
+/// How a format decodes with AVX-512: chunk `c` of two rows into the two halves, and of one
+/// row for the row kernel ([`Pair::row_chunk`]).
 pub(super) trait Pair: Decode<Avx2> {
     /// Whether one input row runs two weight rows per register. Only formats whose
     /// decoding costs more than their multiply-add gain from it; a format that streams at
