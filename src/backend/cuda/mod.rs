@@ -305,13 +305,13 @@ impl CudaDevice {
                 device_address(&source, &self.stream),
                 device_address(&target, &self.stream),
             );
-            let seconds = self.timed(repeat, || {
+            let seconds_per_copy = self.timed(repeat, || {
                 // SAFETY: both buffers hold `bytes`.
                 unsafe { driver::memcpy_dtod_async(to, from, bytes, self.stream.cu_stream()) }
                     .map_err(failed("device copy"))
             })?;
             // A copy reads and writes every byte.
-            Ok(2.0 * bytes as f64 / seconds)
+            Ok(2.0 * bytes as f64 / seconds_per_copy)
         })
     }
 
@@ -372,15 +372,15 @@ impl CudaDevice {
                 })
                 .collect();
             let mut k = 0;
-            let seconds = self.timed(repeat, || {
+            self.timed(repeat, || {
                 k += 1;
                 self.issue(std::slice::from_ref(&launches[k % launches.len()]))
-            })?;
-            Ok(seconds / repeat as f64)
+            })
         })
     }
 
-    /// Run `step` `repeat` times between two timing events; seconds for all of them.
+    /// Run `step` `repeat` times (after one untimed warm-up) between two timing events;
+    /// the mean seconds of one step.
     fn timed(
         &self,
         repeat: usize,
@@ -400,7 +400,7 @@ impl CudaDevice {
         end.record(&self.stream).map_err(failed("event"))?;
         end.synchronize().map_err(failed("kernel"))?;
         let ms = start.elapsed_ms(&end).map_err(failed("event"))?;
-        Ok(f64::from(ms) / 1000.0)
+        Ok(f64::from(ms) / 1000.0 / repeat.max(1) as f64)
     }
 }
 
