@@ -9,6 +9,8 @@
 //!   steps than a pair's, which must first bring two rows' words into one register.
 //! - A batch (prefill): the halves are two input rows against the same decoded weight row;
 //!   a tile of four weight rows by three input pairs keeps twelve accumulators in flight.
+//!   A few inputs (an expert's share of a prompt) run on the row kernel's decoding instead,
+//!   each chunk decoded in registers for a tile of inputs ([`kernels::rows_few_inputs`]).
 //!
 //! Entered only after runtime detection (AVX-512 F, BW, DQ and VL beside AVX2, FMA and F16C:
 //! [`super::kernels::Isa::detect`]); a lone last row goes to the AVX2 kernels, which compute
@@ -731,6 +733,29 @@ unsafe fn batched<D: Pair>(
     }
 }
 
+/// Whether `n` inputs take [`few_inputs_rows`]: a format whose decoding a pair of rows
+/// repays ([`Pair::ROWS_IN_PAIRS`]) decodes each chunk once only, in one tile of inputs.
+fn few_inputs<D: Pair>(n: usize, scaling: Scaling) -> bool {
+    kernels::few_inputs(n, scaling, D::ROWS_IN_PAIRS)
+}
+
+/// A few inputs against rows `first..first + count` with the row kernel's decoding
+/// ([`kernels::rows_few_inputs`]): no rows decoded to memory, no inputs laid out in pairs.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+unsafe fn few_inputs_rows<D: Pair>(
+    view: &View<'_, D::Elem>,
+    first: usize,
+    count: usize,
+    input: &[f32],
+    n: usize,
+    out: &mut [f32],
+) {
+    let (data, cols, scaling) = (view.data, view.cols, view.scaling);
+    kernels::rows_few_inputs::<Avx2, OneRow<D>, true>(
+        data, cols, scaling, first, count, input, n, out,
+    )
+}
+
 /// Bytes of interleaved inputs [`batched`] runs against all of its rows at a time: with
 /// the eight decoded rows within a second-level cache of 1 MiB, and enough for the 64
 /// inputs of 2048 columns an expert gets from a 512-token prompt in one group.
@@ -849,7 +874,7 @@ impl<'a, D: Pair> Avx512Block<'a, D> {
 
     /// The blocks of a product of `n` inputs (`n x cols`).
     pub(super) fn batch(view: View<'a, D::Elem>, input: &[f32], n: usize) -> Self {
-        let pairs = if n > 1 {
+        let pairs = if n > 1 && !few_inputs::<D>(n, view.scaling) {
             interleave_pairs(input, n, view.cols)
         } else {
             Vec::new()
@@ -867,6 +892,10 @@ impl<D: Pair> Block for Avx512Block<'_, D> {
     fn batched(&self, first: usize, count: usize, input: &[f32], n: usize, out: &mut [f32]) {
         let chunks = self.view.cols.div_ceil(8);
         assert_eq!(input.len(), n * self.view.cols, "matmul input shape");
+        if few_inputs::<D>(n, self.view.scaling) {
+            // SAFETY: as `rows`.
+            return unsafe { few_inputs_rows::<D>(&self.view, first, count, input, n, out) };
+        }
         assert_eq!(
             self.pairs.len(),
             n.div_ceil(2) * pair_stride(chunks),

@@ -62,6 +62,10 @@ pub trait Codes: Copy + Send + Sync + 'static {
     type Elem: Copy + Send + Sync;
     /// Bytes that hold one chunk of eight elements.
     const CHUNK_BYTES: usize;
+    /// Whether decoding a chunk costs several multiply-adds (E4M3, a table lookup per
+    /// element without AVX-512): a batch decodes each chunk again for another tile of
+    /// inputs only where it does not ([`few_inputs`]).
+    const DEAR_DECODE: bool = false;
     /// Storage units per row of `cols` elements.
     fn stride(cols: usize) -> usize;
     /// The exact value of element `i`, without its scale.
@@ -161,6 +165,7 @@ impl Codes for Int4Codes {
 impl Codes for E4m3Codes {
     type Elem = u8;
     const CHUNK_BYTES: usize = 8;
+    const DEAR_DECODE: bool = true;
     fn stride(cols: usize) -> usize {
         cols
     }
@@ -274,21 +279,54 @@ unsafe fn tail<V: Lanes, D: Codes>(row: &[D::Elem], start: usize, cols: usize) -
     V::load(lanes.as_ptr())
 }
 
-/// The dot products of `R` rows with `x`; `scale_row` is the index of the first row in the
-/// matrix (for its scales).
+/// Chunk `c` of every row against every input, `into[r][t] += w[r] * x[t]`; with `tail`,
+/// the zero-padded elements from `8c` on (against `xs`, the inputs' padded tails). A
+/// function, not a closure, so that it inherits the caller's instruction set when inlined.
 #[inline(always)]
-unsafe fn dot_rows<V: Lanes, D: Decode<V>, const R: usize>(
+unsafe fn rows_step<V: Lanes, D: Decode<V>, const R: usize, const T: usize, const TAIL: bool>(
+    rows: [&[D::Elem]; R],
+    xs: [*const f32; T],
+    (c, cols): (usize, usize),
+    into: &mut [[V; T]; R],
+) {
+    let mut xv = [V::zero(); T];
+    for t in 0..T {
+        xv[t] = V::load(if TAIL { xs[t] } else { xs[t].add(c * 8) });
+    }
+    for r in 0..R {
+        let w = if TAIL {
+            tail::<V, D>(rows[r], c * 8, cols)
+        } else {
+            D::chunk(rows[r], c)
+        };
+        for t in 0..T {
+            into[r][t] = V::fma(w, xv[t], into[r][t]);
+        }
+    }
+}
+
+/// The dot products of `R` rows with each of `T` inputs, `out[r][t]`, each chunk of a row
+/// decoded once in registers for all `T` inputs; `scale_row` is the index of the first row
+/// in the matrix (for its scales). Every sum is fed the same multiply-adds in the same order
+/// whatever `T` is, so a row against an input has the same bits alone or among others.
+#[inline(always)]
+unsafe fn dot_rows<V: Lanes, D: Decode<V>, const R: usize, const T: usize>(
     rows: [&[D::Elem]; R],
     scale_row: usize,
-    x: &[f32],
+    xs: [&[f32]; T],
     cols: usize,
     scaling: Scaling,
-) -> [f32; R] {
+) -> [[f32; T]; R] {
     let full = cols / 8;
-    let mut x_tail = [0f32; 8];
-    x_tail[..cols - full * 8].copy_from_slice(&x[full * 8..cols]);
-    let mut acc = [V::zero(); R];
-    let mut out = [0f32; R];
+    let mut x_tails = [[0f32; 8]; T];
+    for (x_tail, x) in x_tails.iter_mut().zip(xs) {
+        x_tail[..cols - full * 8].copy_from_slice(&x[full * 8..cols]);
+    }
+    let x: [*const f32; T] = std::array::from_fn(|t| xs[t].as_ptr());
+    let x_tail: [*const f32; T] = std::array::from_fn(|t| x_tails[t].as_ptr());
+    let chunks = cols.div_ceil(8);
+    let mut acc = [[V::zero(); T]; R];
+    let mut out = [[0f32; T]; R];
     // Rows of a block are contiguous and read together in short streams, which hardware
     // prefetchers ramp up on too late for narrow codes: ask for the line the same offset
     // into the next block will need, one request per cache line.
@@ -305,57 +343,50 @@ unsafe fn dot_rows<V: Lanes, D: Decode<V>, const R: usize>(
         None => {
             for c in 0..full {
                 prefetch(c);
-                let xv = V::load(x.as_ptr().add(c * 8));
-                for r in 0..R {
-                    acc[r] = V::fma(D::chunk(rows[r], c), xv, acc[r]);
-                }
+                rows_step::<V, D, R, T, false>(rows, x, (c, cols), &mut acc);
             }
-            if full * 8 < cols {
-                let xv = V::load(x_tail.as_ptr());
-                for r in 0..R {
-                    acc[r] = V::fma(tail::<V, D>(rows[r], full * 8, cols), xv, acc[r]);
-                }
+            if full < chunks {
+                rows_step::<V, D, R, T, true>(rows, x_tail, (full, cols), &mut acc);
             }
             for r in 0..R {
-                out[r] = acc[r].sum();
-                if let Scaling::Row(scales) = scaling {
-                    out[r] *= scales[scale_row + r];
+                for t in 0..T {
+                    out[r][t] = acc[r][t].sum();
+                    if let Scaling::Row(scales) = scaling {
+                        out[r][t] *= scales[scale_row + r];
+                    }
                 }
             }
         }
         Some(size) => {
             let per_group = size / 8;
-            let chunks = cols.div_ceil(8);
             let row_scales: [RowScales; R] =
                 std::array::from_fn(|r| scaling.row_scales(scale_row + r));
             let mut group = 0;
             let mut c = 0;
             while c < chunks {
                 let end = (c + per_group).min(chunks);
-                let mut partial = [V::zero(); R];
+                let mut partial = [[V::zero(); T]; R];
                 while c < end.min(full) {
                     prefetch(c);
-                    let xv = V::load(x.as_ptr().add(c * 8));
-                    for r in 0..R {
-                        partial[r] = V::fma(D::chunk(rows[r], c), xv, partial[r]);
-                    }
+                    rows_step::<V, D, R, T, false>(rows, x, (c, cols), &mut partial);
                     c += 1;
                 }
                 if c < end {
-                    let xv = V::load(x_tail.as_ptr());
-                    for r in 0..R {
-                        partial[r] = V::fma(tail::<V, D>(rows[r], full * 8, cols), xv, partial[r]);
-                    }
+                    rows_step::<V, D, R, T, true>(rows, x_tail, (c, cols), &mut partial);
                     c += 1;
                 }
                 for r in 0..R {
                     let scale = V::splat(row_scales[r].at(group));
-                    acc[r] = V::fma(partial[r], scale, acc[r]);
+                    for t in 0..T {
+                        acc[r][t] = V::fma(partial[r][t], scale, acc[r][t]);
+                    }
                 }
                 group += 1;
             }
             for r in 0..R {
-                out[r] = acc[r].sum();
+                for t in 0..T {
+                    out[r][t] = acc[r][t].sum();
+                }
             }
         }
     }
@@ -494,19 +525,124 @@ pub(super) unsafe fn rows_into<V: Lanes, D: Decode<V>>(
     while i + 4 <= out.len() {
         let r = first + i;
         let rows = [0, 1, 2, 3].map(|k| row_of::<D>(data, cols, r + k));
-        out[i..i + 4].copy_from_slice(&dot_rows::<V, D, 4>(rows, r, x, cols, scaling));
+        let sums = dot_rows::<V, D, 4, 1>(rows, r, [x], cols, scaling);
+        out[i..i + 4].copy_from_slice(sums.as_flattened());
         i += 4;
     }
     while i < out.len() {
         let r = first + i;
-        out[i] = dot_rows::<V, D, 1>([row_of::<D>(data, cols, r)], r, x, cols, scaling)[0];
+        out[i] = dot_rows::<V, D, 1, 1>([row_of::<D>(data, cols, r)], r, [x], cols, scaling)[0][0];
         i += 1;
+    }
+}
+
+/// Whether a batch of `n` inputs takes [`rows_few_inputs`]: up to these counts decoding a
+/// row again for each tile of inputs costs less than decoding it to memory and reading it
+/// back (measured in docs/benchmarks.md). Group scales make each tile dearer, and a
+/// `dear_decode` (several multiply-adds a chunk) is paid once only in one tile of three.
+pub(super) fn few_inputs(n: usize, scaling: Scaling, dear_decode: bool) -> bool {
+    n <= match (dear_decode, scaling.group_size()) {
+        (true, _) => 3,
+        (false, Some(_)) => 8,
+        (false, None) => 16,
+    }
+}
+
+/// Rows `first..first + count` against each of `n` inputs (a few: [`few_inputs`]), written
+/// as `out[t * count + row - first]`: each chunk of four rows decoded in registers for a
+/// tile of inputs at once, so a prompt's experts, which get a few of its positions each,
+/// pay no decoding to memory. A tile is up to three inputs, four where the instruction set
+/// has 32 registers (`WIDE`) and there are no group scales (whose partial sums take as many
+/// registers again); the inputs are split into even tiles. The sums are [`dot_rows`]'s, so
+/// the bits are a single input's.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn rows_few_inputs<V: Lanes, D: Decode<V>, const WIDE: bool>(
+    data: &[D::Elem],
+    cols: usize,
+    scaling: Scaling,
+    first: usize,
+    count: usize,
+    input: &[f32],
+    n: usize,
+    out: &mut [f32],
+) {
+    let most = if WIDE && scaling.group_size().is_none() {
+        4
+    } else {
+        3
+    };
+    let tile = Tile {
+        data,
+        cols,
+        scaling,
+        first,
+        count,
+        input,
+    };
+    let mut i = 0;
+    while i < count {
+        let four = count - i >= 4;
+        let mut t = 0;
+        while t < n {
+            let left = n - t;
+            let take = if left <= most {
+                left
+            } else if left < 2 * most {
+                left.div_ceil(2)
+            } else {
+                most
+            };
+            match (four, take) {
+                (true, 4) => tile.run::<V, D, 4, 4>(i, t, out),
+                (true, 3) => tile.run::<V, D, 4, 3>(i, t, out),
+                (true, 2) => tile.run::<V, D, 4, 2>(i, t, out),
+                (true, _) => tile.run::<V, D, 4, 1>(i, t, out),
+                (false, 4) => tile.run::<V, D, 1, 4>(i, t, out),
+                (false, 3) => tile.run::<V, D, 1, 3>(i, t, out),
+                (false, 2) => tile.run::<V, D, 1, 2>(i, t, out),
+                (false, _) => tile.run::<V, D, 1, 1>(i, t, out),
+            }
+            t += take;
+        }
+        i += if four { 4 } else { 1 };
+    }
+}
+
+/// One product's rows and inputs, for [`rows_few_inputs`].
+struct Tile<'a, E> {
+    data: &'a [E],
+    cols: usize,
+    scaling: Scaling<'a>,
+    first: usize,
+    count: usize,
+    input: &'a [f32],
+}
+
+impl<E> Tile<'_, E> {
+    /// Rows `first + i..` (`R` of them) against inputs `t..t + T`, into `out`.
+    #[inline(always)]
+    unsafe fn run<V: Lanes, D: Decode<V, Elem = E>, const R: usize, const T: usize>(
+        &self,
+        i: usize,
+        t: usize,
+        out: &mut [f32],
+    ) {
+        let (cols, r) = (self.cols, self.first + i);
+        let rows: [&[E]; R] = std::array::from_fn(|k| row_of::<D>(self.data, cols, r + k));
+        let xs: [&[f32]; T] = std::array::from_fn(|u| &self.input[(t + u) * cols..][..cols]);
+        let sums = dot_rows::<V, D, R, T>(rows, r, xs, cols, self.scaling);
+        for (k, row) in sums.iter().enumerate() {
+            for (u, &sum) in row.iter().enumerate() {
+                out[(t + u) * self.count + i + k] = sum;
+            }
+        }
     }
 }
 
 /// Rows `first..first + count` against every one of the `n` inputs, written as
 /// `out[t * count + row - first]`: each block of four rows is decoded to f32 once and then
-/// reused for every input row.
+/// reused for every input row ([`rows_few_inputs`] for a few inputs).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn rows_batched<V: Lanes, D: Decode<V>>(
@@ -521,6 +657,9 @@ pub(super) unsafe fn rows_batched<V: Lanes, D: Decode<V>>(
 ) where
     F32Codes: Decode<V>,
 {
+    if few_inputs(n, scaling, D::DEAR_DECODE) {
+        return rows_few_inputs::<V, D, false>(data, cols, scaling, first, count, input, n, out);
+    }
     let mut scratch = vec![0f32; 4 * cols];
     let full = cols / 8;
     let mut i = 0;

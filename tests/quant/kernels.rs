@@ -127,7 +127,9 @@ fn every_simd_path_matches_the_scalar_reference_bit_for_bit() {
         for (rows, cols) in SHAPES {
             let matrix =
                 Matrix::from_f32_as(rows, cols, &values(rows * cols, cols as u64), format).unwrap();
-            for n in [1, 2, 5, 10] {
+            // Few inputs (tiles of registers, 2 + 3 with five), and more than the few-input
+            // kernels take with group scales (10) and without (17).
+            for n in [1, 2, 5, 10, 17] {
                 let x = values(n * cols, 7 + n as u64);
                 let mut reference = vec![0f32; n * rows];
                 matrix.matmul_with(Isa::Scalar, &x, n, &mut reference);
@@ -169,9 +171,10 @@ fn a_batch_computes_what_single_rows_compute() {
     for format in FORMATS {
         for (rows, cols) in SHAPES {
             let matrix = Matrix::from_f32_as(rows, cols, &values(rows * cols, 3), format).unwrap();
-            // Every tiling of the inputs: 3 + 3 + 1, 2 + 2 (2 + 2 + 2 + 1 with groups) and
-            // pairs 3 + 2.
-            for n in [7, 4, 10] {
+            // A few inputs, in tiles of registers (3, 4, 7, and 16 without group scales),
+            // and more than those kernels take (10 with group scales, 18 without), against
+            // rows decoded to memory.
+            for n in [3, 4, 7, 16, 10, 18] {
                 let x = values(n * cols, 11);
                 let (batch, singles) = batch_and_rows(&matrix, &x, n);
                 for (t, single) in singles.iter().enumerate() {
