@@ -298,16 +298,17 @@ fn padded_tail<D: Codes>(row: &[D::Elem], start: usize, cols: usize) -> [f32; 8]
     lanes
 }
 
-/// Chunk `c` of each pair of rows against `x`, into `into`; where a cache line starts,
-/// first ask for the one `ahead` bytes on in each row (the next block's, see `dot_rows`).
-/// A function, not a closure, so that it inherits the caller's instruction set.
+/// Chunk `c` of each pair of rows against each input `x[t]`, into `into[p][t]`; where a
+/// cache line starts, first ask for the one `ahead` bytes on in each row (the next block's,
+/// see `dot_rows`). A function, not a closure, so that it inherits the caller's
+/// instruction set.
 #[inline(always)]
-unsafe fn pairs_step<D: Pair, const P: usize>(
+unsafe fn pairs_step<D: Pair, const P: usize, const T: usize>(
     rows: &[[&[D::Elem]; 2]; P],
-    x: &[f32],
+    x: [*const f32; T],
     c: usize,
     ahead: usize,
-    into: &mut [Two; P],
+    into: &mut [[Two; T]; P],
 ) {
     if c.is_multiple_of((64 / D::CHUNK_BYTES).max(1)) {
         for row in rows.iter().flatten() {
@@ -315,23 +316,34 @@ unsafe fn pairs_step<D: Pair, const P: usize>(
             Avx2::prefetch(line.wrapping_add(ahead));
         }
     }
-    let xv = Two::both(x.as_ptr().add(c * 8));
+    let mut xv = [Two::zero(); T];
+    for t in 0..T {
+        xv[t] = Two::both(x[t].add(c * 8));
+    }
     for p in 0..P {
-        into[p] = Two::fma(D::pair(rows[p][0], rows[p][1], c), xv, into[p]);
+        let w = D::pair(rows[p][0], rows[p][1], c);
+        for t in 0..T {
+            into[p][t] = Two::fma(w, xv[t], into[p][t]);
+        }
     }
 }
 
-/// The zero-padded last chunk of each pair of rows against `x`'s.
+/// The zero-padded last chunk of each pair of rows against each input's.
 #[inline(always)]
-unsafe fn tails_step<const P: usize>(
+unsafe fn tails_step<const P: usize, const T: usize>(
     tails: &[[[f32; 8]; 2]; P],
-    x_tail: &[f32; 8],
-    into: &mut [Two; P],
+    x_tails: &[[f32; 8]; T],
+    into: &mut [[Two; T]; P],
 ) {
-    let xv = Two::both(x_tail.as_ptr());
+    let mut xv = [Two::zero(); T];
+    for t in 0..T {
+        xv[t] = Two::both(x_tails[t].as_ptr());
+    }
     for p in 0..P {
         let rows = Two::halves(tails[p][0].as_ptr(), tails[p][1].as_ptr());
-        into[p] = Two::fma(rows, xv, into[p]);
+        for t in 0..T {
+            into[p][t] = Two::fma(rows, xv[t], into[p][t]);
+        }
     }
 }
 
@@ -358,15 +370,16 @@ unsafe fn sixteen_scales(scales: RowScales, from: usize) -> __m512 {
 }
 
 /// The dot products of `P` pairs of rows (rows `first + 2p` and `first + 2p + 1`) with
-/// `x`: each half fed what the 8-lane `dot_rows` feeds one row, in the same order.
+/// each of `T` inputs, `out[p][t]`: each half fed what the 8-lane `dot_rows` feeds one row,
+/// in the same order, and each chunk of a pair decoded once for the `T` inputs.
 #[inline(always)]
-unsafe fn dot_pairs<D: Pair, const P: usize>(
+unsafe fn dot_pairs<D: Pair, const P: usize, const T: usize>(
     data: &[D::Elem],
     first: usize,
-    x: &[f32],
+    xs: [&[f32]; T],
     cols: usize,
     scaling: Scaling,
-) -> [[f32; 2]; P] {
+) -> [[[f32; 2]; T]; P] {
     let rows: [[&[D::Elem]; 2]; P] = std::array::from_fn(|p| {
         [
             row_of::<D>(data, cols, first + 2 * p),
@@ -374,8 +387,11 @@ unsafe fn dot_pairs<D: Pair, const P: usize>(
         ]
     });
     let full = cols / 8;
-    let mut x_tail = [0f32; 8];
-    x_tail[..cols - full * 8].copy_from_slice(&x[full * 8..cols]);
+    let mut x_tails = [[0f32; 8]; T];
+    for (x_tail, x) in x_tails.iter_mut().zip(xs) {
+        x_tail[..cols - full * 8].copy_from_slice(&x[full * 8..cols]);
+    }
+    let x: [*const f32; T] = std::array::from_fn(|t| xs[t].as_ptr());
     let tails: [[[f32; 8]; 2]; P] = std::array::from_fn(|p| {
         [
             padded_tail::<D>(rows[p][0], full * 8, cols),
@@ -384,21 +400,23 @@ unsafe fn dot_pairs<D: Pair, const P: usize>(
     });
     // The rows of the next block, one request per cache line (see `dot_rows`).
     let ahead = 2 * P * std::mem::size_of_val(rows[0][0]);
-    let mut acc = [Two::zero(); P];
-    let mut out = [[0f32; 2]; P];
+    let mut acc = [[Two::zero(); T]; P];
+    let mut out = [[[0f32; 2]; T]; P];
     match scaling {
         Scaling::None | Scaling::Row(_) => {
             for c in 0..full {
-                pairs_step::<D, P>(&rows, x, c, ahead, &mut acc);
+                pairs_step::<D, P, T>(&rows, x, c, ahead, &mut acc);
             }
             if full * 8 < cols {
-                tails_step(&tails, &x_tail, &mut acc);
+                tails_step(&tails, &x_tails, &mut acc);
             }
             for p in 0..P {
-                out[p] = acc[p].sums();
-                if let Scaling::Row(scales) = scaling {
-                    for h in 0..2 {
-                        out[p][h] *= scales[first + 2 * p + h];
+                for t in 0..T {
+                    out[p][t] = acc[p][t].sums();
+                    if let Scaling::Row(scales) = scaling {
+                        for h in 0..2 {
+                            out[p][t][h] *= scales[first + 2 * p + h];
+                        }
                     }
                 }
             }
@@ -417,13 +435,13 @@ unsafe fn dot_pairs<D: Pair, const P: usize>(
             let mut c = 0;
             while c < chunks {
                 let end = (c + per_group).min(chunks);
-                let mut partial = [Two::zero(); P];
+                let mut partial = [[Two::zero(); T]; P];
                 while c < end.min(full) {
-                    pairs_step::<D, P>(&rows, x, c, ahead, &mut partial);
+                    pairs_step::<D, P, T>(&rows, x, c, ahead, &mut partial);
                     c += 1;
                 }
                 if c < end {
-                    tails_step(&tails, &x_tail, &mut partial);
+                    tails_step(&tails, &x_tails, &mut partial);
                     c += 1;
                 }
                 if group.is_multiple_of(16) {
@@ -440,13 +458,17 @@ unsafe fn dot_pairs<D: Pair, const P: usize>(
                     _mm512_set1_epi32((group % 16) as i32),
                 );
                 for p in 0..P {
-                    let scale = _mm512_permutex2var_ps(sixteen[p][0], pick, sixteen[p][1]);
-                    acc[p] = Two::fma(partial[p], Two(scale), acc[p]);
+                    let scale = Two(_mm512_permutex2var_ps(sixteen[p][0], pick, sixteen[p][1]));
+                    for t in 0..T {
+                        acc[p][t] = Two::fma(partial[p][t], scale, acc[p][t]);
+                    }
                 }
                 group += 1;
             }
             for p in 0..P {
-                out[p] = acc[p].sums();
+                for t in 0..T {
+                    out[p][t] = acc[p][t].sums();
+                }
             }
         }
     }
@@ -463,13 +485,13 @@ unsafe fn rows<D: Pair>(view: &View<'_, D::Elem>, first: usize, x: &[f32], out: 
         return kernels::rows_into::<Avx2, OneRow<D>>(data, cols, scaling, first, x, out);
     }
     while i + 8 <= out.len() {
-        let sums = dot_pairs::<D, 4>(data, first + i, x, cols, scaling);
-        out[i..i + 8].copy_from_slice(sums.as_flattened());
+        let sums = dot_pairs::<D, 4, 1>(data, first + i, [x], cols, scaling);
+        out[i..i + 8].copy_from_slice(sums.as_flattened().as_flattened());
         i += 8;
     }
     while i + 2 <= out.len() {
-        let sums = dot_pairs::<D, 1>(data, first + i, x, cols, scaling);
-        out[i..i + 2].copy_from_slice(sums.as_flattened());
+        let sums = dot_pairs::<D, 1, 1>(data, first + i, [x], cols, scaling);
+        out[i..i + 2].copy_from_slice(sums.as_flattened().as_flattened());
         i += 2;
     }
     if i < out.len() {
@@ -733,14 +755,25 @@ unsafe fn batched<D: Pair>(
     }
 }
 
-/// Whether `n` inputs take [`few_inputs_rows`]: a format whose decoding a pair of rows
-/// repays ([`Pair::ROWS_IN_PAIRS`]) decodes each chunk once only, in one tile of inputs.
+/// Whether `n` inputs take [`few_inputs_rows`] ([`kernels::few_inputs`]); a format decoded
+/// two rows at a time, whose decoding costs several multiply-adds even so, only where one
+/// tile holds every input.
 fn few_inputs<D: Pair>(n: usize, scaling: Scaling) -> bool {
-    kernels::few_inputs(n, scaling, D::ROWS_IN_PAIRS)
+    if D::ROWS_IN_PAIRS {
+        n <= PAIR_TILE_INPUTS
+    } else {
+        kernels::few_inputs(n, scaling, false)
+    }
 }
 
-/// A few inputs against rows `first..first + count` with the row kernel's decoding
-/// ([`kernels::rows_few_inputs`]): no rows decoded to memory, no inputs laid out in pairs.
+/// Inputs in one tile of [`few_inputs_rows`] for the formats decoded two rows at a time.
+const PAIR_TILE_INPUTS: usize = 4;
+
+/// A few inputs against rows `first..first + count`, no rows decoded to memory and no
+/// inputs laid out in pairs: with the row kernel's decoding ([`kernels::rows_few_inputs`]),
+/// or for the formats decoded two rows at a time ([`Pair::ROWS_IN_PAIRS`]) with each chunk
+/// of four rows decoded as two pairs for all the inputs at once (a lone last row on the row
+/// kernel).
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
 unsafe fn few_inputs_rows<D: Pair>(
     view: &View<'_, D::Elem>,
@@ -751,9 +784,82 @@ unsafe fn few_inputs_rows<D: Pair>(
     out: &mut [f32],
 ) {
     let (data, cols, scaling) = (view.data, view.cols, view.scaling);
-    kernels::rows_few_inputs::<Avx2, OneRow<D>, true>(
-        data, cols, scaling, first, count, input, n, out,
-    )
+    if !D::ROWS_IN_PAIRS {
+        return kernels::rows_few_inputs::<Avx2, OneRow<D>, true>(
+            data, cols, scaling, first, count, input, n, out,
+        );
+    }
+    let mut i = 0;
+    while i + 2 <= count {
+        let four = count - i >= 4;
+        let mut t = 0;
+        while t < n {
+            let take = kernels::inputs_in_tile(n - t, PAIR_TILE_INPUTS);
+            let tile = PairTile {
+                view,
+                first: first + i,
+                input,
+                t,
+            };
+            let into = (&mut *out, count, i);
+            match (four, take) {
+                (true, 4) => tile.run::<D, 2, 4>(into),
+                (true, 3) => tile.run::<D, 2, 3>(into),
+                (true, 2) => tile.run::<D, 2, 2>(into),
+                (true, _) => tile.run::<D, 2, 1>(into),
+                (false, 4) => tile.run::<D, 1, 4>(into),
+                (false, 3) => tile.run::<D, 1, 3>(into),
+                (false, 2) => tile.run::<D, 1, 2>(into),
+                (false, _) => tile.run::<D, 1, 1>(into),
+            }
+            t += take;
+        }
+        i += if four { 4 } else { 2 };
+    }
+    if i < count {
+        let mut lone = vec![0f32; n];
+        kernels::rows_few_inputs::<Avx2, OneRow<D>, true>(
+            data,
+            cols,
+            scaling,
+            first + i,
+            1,
+            input,
+            n,
+            &mut lone,
+        );
+        for (t, sum) in lone.into_iter().enumerate() {
+            out[t * count + i] = sum;
+        }
+    }
+}
+
+/// `P` pairs of rows from `first` against the inputs from `t`, for [`few_inputs_rows`].
+struct PairTile<'a, 'v, E> {
+    view: &'a View<'v, E>,
+    first: usize,
+    input: &'a [f32],
+    t: usize,
+}
+
+impl<E> PairTile<'_, '_, E> {
+    /// Writes row `first + k` against input `t + u` into `out[(t + u) * count + i + k]`.
+    #[inline(always)]
+    unsafe fn run<D: Pair<Elem = E>, const P: usize, const T: usize>(
+        &self,
+        (out, count, i): (&mut [f32], usize, usize),
+    ) {
+        let cols = self.view.cols;
+        let xs: [&[f32]; T] = std::array::from_fn(|u| &self.input[(self.t + u) * cols..][..cols]);
+        let sums = dot_pairs::<D, P, T>(self.view.data, self.first, xs, cols, self.view.scaling);
+        for (p, pair) in sums.iter().enumerate() {
+            for (u, halves) in pair.iter().enumerate() {
+                for (h, &sum) in halves.iter().enumerate() {
+                    out[(self.t + u) * count + i + 2 * p + h] = sum;
+                }
+            }
+        }
+    }
 }
 
 /// Bytes of interleaved inputs [`batched`] runs against all of its rows at a time: with

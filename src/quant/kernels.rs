@@ -585,14 +585,7 @@ pub(super) unsafe fn rows_few_inputs<V: Lanes, D: Decode<V>, const WIDE: bool>(
         let four = count - i >= 4;
         let mut t = 0;
         while t < n {
-            let left = n - t;
-            let take = if left <= most {
-                left
-            } else if left < 2 * most {
-                left.div_ceil(2)
-            } else {
-                most
-            };
+            let take = inputs_in_tile(n - t, most);
             match (four, take) {
                 (true, 4) => tile.run::<V, D, 4, 4>(i, t, out),
                 (true, 3) => tile.run::<V, D, 4, 3>(i, t, out),
@@ -606,6 +599,18 @@ pub(super) unsafe fn rows_few_inputs<V: Lanes, D: Decode<V>, const WIDE: bool>(
             t += take;
         }
         i += if four { 4 } else { 1 };
+    }
+}
+
+/// How many of the `left` inputs the next tile takes, at most `most`: as many as fit, two
+/// even tiles where one is not enough but two are.
+pub(super) fn inputs_in_tile(left: usize, most: usize) -> usize {
+    if left <= most {
+        left
+    } else if left < 2 * most {
+        left.div_ceil(2)
+    } else {
+        most
     }
 }
 
