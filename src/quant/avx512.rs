@@ -9,8 +9,10 @@
 //!   steps than a pair's, which must first bring two rows' words into one register.
 //! - A batch (prefill): the halves are two input rows against the same decoded weight row;
 //!   a tile of four weight rows by three input pairs keeps twelve accumulators in flight.
-//!   A few inputs (an expert's share of a prompt) run on the row kernel's decoding instead,
-//!   each chunk decoded in registers for a tile of inputs ([`kernels::rows_few_inputs`]).
+//!   A few inputs (an expert's share of a prompt) have each chunk decoded in registers for
+//!   a tile of inputs instead: on the row kernel's decoding ([`kernels::rows_few_inputs`]),
+//!   or for the formats decoded in pairs, two pairs of rows decoded once for up to four
+//!   inputs ([`few_inputs_rows`]).
 //!
 //! Entered only after runtime detection (AVX-512 F, BW, DQ and VL beside AVX2, FMA and F16C:
 //! [`super::kernels::Isa::detect`]); a lone last row goes to the AVX2 kernels, which compute
@@ -805,19 +807,17 @@ unsafe fn few_inputs_rows<D: Pair>(
             match (four, take) {
                 (true, 4) => tile.run::<D, 2, 4>(into),
                 (true, 3) => tile.run::<D, 2, 3>(into),
-                (true, 2) => tile.run::<D, 2, 2>(into),
-                (true, _) => tile.run::<D, 2, 1>(into),
+                (true, _) => tile.run::<D, 2, 2>(into),
                 (false, 4) => tile.run::<D, 1, 4>(into),
                 (false, 3) => tile.run::<D, 1, 3>(into),
-                (false, 2) => tile.run::<D, 1, 2>(into),
-                (false, _) => tile.run::<D, 1, 1>(into),
+                (false, _) => tile.run::<D, 1, 2>(into),
             }
             t += take;
         }
         i += if four { 4 } else { 2 };
     }
     if i < count {
-        let mut lone = vec![0f32; n];
+        let mut lone = [0f32; PAIR_TILE_INPUTS];
         kernels::rows_few_inputs::<Avx2, OneRow<D>, true>(
             data,
             cols,
@@ -826,9 +826,9 @@ unsafe fn few_inputs_rows<D: Pair>(
             1,
             input,
             n,
-            &mut lone,
+            &mut lone[..n],
         );
-        for (t, sum) in lone.into_iter().enumerate() {
+        for (t, &sum) in lone[..n].iter().enumerate() {
             out[t * count + i] = sum;
         }
     }
@@ -980,7 +980,7 @@ impl<'a, D: Pair> Avx512Block<'a, D> {
 
     /// The blocks of a product of `n` inputs (`n x cols`).
     pub(super) fn batch(view: View<'a, D::Elem>, input: &[f32], n: usize) -> Self {
-        let pairs = if n > 1 && !few_inputs::<D>(n, view.scaling) {
+        let pairs = if !few_inputs::<D>(n, view.scaling) {
             interleave_pairs(input, n, view.cols)
         } else {
             Vec::new()

@@ -10,8 +10,9 @@
 //! with group scales keep one lane accumulator per group and fold it in with
 //! `acc = fma(group, scale, acc)` at the end of each group; per-row formats multiply the
 //! reduced sum by the row scale. Because decoding is exact, the batched path (decode a
-//! block of rows to f32 once, then run it against every input row) computes the same bits
-//! as the one-row path, so prefill and decode agree and `COLI_SIMD=scalar` changes nothing.
+//! block of rows to f32 once, then run it against every input row; for a few inputs, decode
+//! each chunk in registers for a tile of inputs) computes the same bits as the one-row
+//! path, so prefill and decode agree and `COLI_SIMD=scalar` changes nothing.
 //!
 //! Work is split across rayon threads by blocks of output rows; each output element is
 //! computed by one thread in one fixed order, so results do not depend on the thread count.
@@ -65,7 +66,7 @@ pub trait Codes: Copy + Send + Sync + 'static {
     /// Whether decoding a chunk costs several multiply-adds (E4M3, a table lookup per
     /// element without AVX-512): a batch decodes each chunk again for another tile of
     /// inputs only where it does not ([`few_inputs`]).
-    const DEAR_DECODE: bool = false;
+    const COSTLY_DECODE: bool = false;
     /// Storage units per row of `cols` elements.
     fn stride(cols: usize) -> usize;
     /// The exact value of element `i`, without its scale.
@@ -165,7 +166,7 @@ impl Codes for Int4Codes {
 impl Codes for E4m3Codes {
     type Elem = u8;
     const CHUNK_BYTES: usize = 8;
-    const DEAR_DECODE: bool = true;
+    const COSTLY_DECODE: bool = true;
     fn stride(cols: usize) -> usize {
         cols
     }
@@ -539,9 +540,9 @@ pub(super) unsafe fn rows_into<V: Lanes, D: Decode<V>>(
 /// Whether a batch of `n` inputs takes [`rows_few_inputs`]: up to these counts decoding a
 /// row again for each tile of inputs costs less than decoding it to memory and reading it
 /// back (measured in docs/benchmarks.md). Group scales make each tile dearer, and a
-/// `dear_decode` (several multiply-adds a chunk) is paid once only in one tile of three.
-pub(super) fn few_inputs(n: usize, scaling: Scaling, dear_decode: bool) -> bool {
-    n <= match (dear_decode, scaling.group_size()) {
+/// `costly_decode` (several multiply-adds a chunk) is paid once only in one tile of three.
+pub(super) fn few_inputs(n: usize, scaling: Scaling, costly_decode: bool) -> bool {
+    n <= match (costly_decode, scaling.group_size()) {
         (true, _) => 3,
         (false, Some(_)) => 8,
         (false, None) => 16,
@@ -589,12 +590,10 @@ pub(super) unsafe fn rows_few_inputs<V: Lanes, D: Decode<V>, const WIDE: bool>(
             match (four, take) {
                 (true, 4) => tile.run::<V, D, 4, 4>(i, t, out),
                 (true, 3) => tile.run::<V, D, 4, 3>(i, t, out),
-                (true, 2) => tile.run::<V, D, 4, 2>(i, t, out),
-                (true, _) => tile.run::<V, D, 4, 1>(i, t, out),
+                (true, _) => tile.run::<V, D, 4, 2>(i, t, out),
                 (false, 4) => tile.run::<V, D, 1, 4>(i, t, out),
                 (false, 3) => tile.run::<V, D, 1, 3>(i, t, out),
-                (false, 2) => tile.run::<V, D, 1, 2>(i, t, out),
-                (false, _) => tile.run::<V, D, 1, 1>(i, t, out),
+                (false, _) => tile.run::<V, D, 1, 2>(i, t, out),
             }
             t += take;
         }
@@ -603,8 +602,13 @@ pub(super) unsafe fn rows_few_inputs<V: Lanes, D: Decode<V>, const WIDE: bool>(
 }
 
 /// How many of the `left` inputs the next tile takes, at most `most`: as many as fit, two
-/// even tiles where one is not enough but two are.
+/// even tiles where one is not enough but two are. Of two or more inputs (a batch; one
+/// input takes the row kernel) every tile takes two or more, when `most` is at least three.
 pub(super) fn inputs_in_tile(left: usize, most: usize) -> usize {
+    debug_assert!(
+        left >= 2 && most >= 3,
+        "a tile of {left} inputs, at most {most}"
+    );
     if left <= most {
         left
     } else if left < 2 * most {
@@ -662,7 +666,7 @@ pub(super) unsafe fn rows_batched<V: Lanes, D: Decode<V>>(
 ) where
     F32Codes: Decode<V>,
 {
-    if few_inputs(n, scaling, D::DEAR_DECODE) {
+    if few_inputs(n, scaling, D::COSTLY_DECODE) {
         return rows_few_inputs::<V, D, false>(data, cols, scaling, first, count, input, n, out);
     }
     let mut scratch = vec![0f32; 4 * cols];

@@ -127,12 +127,15 @@ fn every_simd_path_matches_the_scalar_reference_bit_for_bit() {
         for (rows, cols) in SHAPES {
             let matrix =
                 Matrix::from_f32_as(rows, cols, &values(rows * cols, cols as u64), format).unwrap();
-            // Few inputs (tiles of registers, 2 + 3 with five), and more than the few-input
-            // kernels take with group scales (10) and without (17).
+            // A few inputs (tiled in registers; five as 3 + 2), and more than the few-input
+            // kernels take with group scales (10) and without (17). The reference is each
+            // input alone on the scalar row kernel.
             for n in [1, 2, 5, 10, 17] {
                 let x = values(n * cols, 7 + n as u64);
                 let mut reference = vec![0f32; n * rows];
-                matrix.matmul_with(Isa::Scalar, &x, n, &mut reference);
+                for (input, out) in x.chunks_exact(cols).zip(reference.chunks_exact_mut(rows)) {
+                    matrix.matmul_with(Isa::Scalar, input, 1, out);
+                }
                 for &isa in &isas {
                     let mut out = vec![0f32; n * rows];
                     matrix.matmul_with(isa, &x, n, &mut out);
@@ -171,10 +174,12 @@ fn a_batch_computes_what_single_rows_compute() {
     for format in FORMATS {
         for (rows, cols) in SHAPES {
             let matrix = Matrix::from_f32_as(rows, cols, &values(rows * cols, 3), format).unwrap();
-            // A few inputs, in tiles of registers (3, 4, 7, and 16 without group scales),
-            // and more than those kernels take (10 with group scales, 18 without), against
-            // rows decoded to memory.
-            for n in [3, 4, 7, 16, 10, 18] {
+            // A few inputs, tiled in registers (3 and 4; 7, 10 and 16 without group scales
+            // or, with them, 7), and more than that (10 with group scales, 18, 20 and 22
+            // without; FP8 and MXFP4 with AVX-512 from 7 on) against rows decoded to memory,
+            // which AVX-512 runs in tiles of three input pairs and fewer (20 and 22 inputs
+            // end in one pair and in two).
+            for n in [3, 4, 7, 16, 10, 18, 20, 22] {
                 let x = values(n * cols, 11);
                 let (batch, singles) = batch_and_rows(&matrix, &x, n);
                 for (t, single) in singles.iter().enumerate() {
