@@ -764,7 +764,7 @@ fn few_inputs<D: Pair>(n: usize, scaling: Scaling) -> bool {
     if D::ROWS_IN_PAIRS {
         n <= PAIR_TILE_INPUTS
     } else {
-        kernels::few_inputs(n, scaling, false)
+        kernels::few_inputs(n, scaling, false, true)
     }
 }
 

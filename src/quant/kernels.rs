@@ -541,11 +541,15 @@ pub(super) unsafe fn rows_into<V: Lanes, D: Decode<V>>(
 /// row again for each tile of inputs costs less than decoding it to memory and reading it
 /// back (measured in docs/benchmarks.md). Group scales make each tile dearer, and a
 /// `costly_decode` (several multiply-adds a chunk) is paid once only in one tile of three.
-pub(super) fn few_inputs(n: usize, scaling: Scaling, costly_decode: bool) -> bool {
+/// `wide`: AVX-512, whose batched kernels run two inputs per register and beat the tiles
+/// beyond 16 inputs; the 8-lane kernels decoding rows to memory do not, at any count,
+/// without group scales.
+pub(super) fn few_inputs(n: usize, scaling: Scaling, costly_decode: bool, wide: bool) -> bool {
     n <= match (costly_decode, scaling.group_size()) {
         (true, _) => 3,
         (false, Some(_)) => 8,
-        (false, None) => 16,
+        (false, None) if wide => 16,
+        (false, None) => usize::MAX,
     }
 }
 
@@ -666,7 +670,7 @@ pub(super) unsafe fn rows_batched<V: Lanes, D: Decode<V>>(
 ) where
     F32Codes: Decode<V>,
 {
-    if few_inputs(n, scaling, D::COSTLY_DECODE) {
+    if few_inputs(n, scaling, D::COSTLY_DECODE, false) {
         return rows_few_inputs::<V, D, false>(data, cols, scaling, first, count, input, n, out);
     }
     let mut scratch = vec![0f32; 4 * cols];

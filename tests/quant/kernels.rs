@@ -175,10 +175,11 @@ fn a_batch_computes_what_single_rows_compute() {
         for (rows, cols) in SHAPES {
             let matrix = Matrix::from_f32_as(rows, cols, &values(rows * cols, 3), format).unwrap();
             // A few inputs, tiled in registers (3 and 4; 7, 10 and 16 without group scales
-            // or, with them, 7), and more than that (10 with group scales, 18, 20 and 22
-            // without; FP8 and MXFP4 with AVX-512 from 7 on) against rows decoded to memory,
-            // which AVX-512 runs in tiles of three input pairs and fewer (20 and 22 inputs
-            // end in one pair and in two).
+            // or, with them, 7; every count without them on the 8-lane kernels), and more
+            // than that (10 with group scales; 18, 20 and 22 without them on AVX-512; FP8
+            // and MXFP4 on AVX-512 from 7 on) against rows decoded to memory, which AVX-512
+            // runs in tiles of three input pairs and fewer (20 and 22 inputs end in one pair
+            // and in two).
             for n in [3, 4, 7, 16, 10, 18, 20, 22] {
                 let x = values(n * cols, 11);
                 let (batch, singles) = batch_and_rows(&matrix, &x, n);
