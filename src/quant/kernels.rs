@@ -655,7 +655,8 @@ impl<E> Tile<'_, E> {
 
 /// Rows `first..first + count` against every one of the `n` inputs, written as
 /// `out[t * count + row - first]`: each block of four rows is decoded to f32 once and then
-/// reused for every input row ([`rows_few_inputs`] for a few inputs).
+/// reused for every input row, where [`few_inputs`] does not send the batch to
+/// [`rows_few_inputs`] (with group scales only).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn rows_batched<V: Lanes, D: Decode<V>>(
@@ -693,13 +694,9 @@ pub(super) unsafe fn rows_batched<V: Lanes, D: Decode<V>>(
         let x = |t: usize| &input[t * cols..(t + 1) * cols];
         let mut t = 0;
         while t < n {
-            // Inputs three at a time (twelve accumulators), two when four are left; two at
-            // most with group scales (each needs a partial sum beside its accumulator).
-            let take = match (n - t, scaling.group_size()) {
-                (1, _) => 1,
-                (_, Some(_)) | (2 | 4, None) => 2,
-                _ => 3,
-            };
+            // Inputs two at a time: only formats with group scales get here (each input
+            // needs a partial sum beside its accumulator), every other takes the tiles.
+            let take = (n - t).min(2);
             if block == 4 {
                 let rows = [decoded(0), decoded(1), decoded(2), decoded(3)];
                 let mut put = |k: usize, s: &[f32]| {
@@ -708,11 +705,6 @@ pub(super) unsafe fn rows_batched<V: Lanes, D: Decode<V>>(
                     }
                 };
                 match take {
-                    3 => {
-                        let xs = [x(t), x(t + 1), x(t + 2)];
-                        let sums = dot_tile::<V, 4, 3>(rows, r, xs, cols, scaling);
-                        sums.iter().enumerate().for_each(|(k, s)| put(k, s));
-                    }
                     2 => {
                         let sums = dot_tile::<V, 4, 2>(rows, r, [x(t), x(t + 1)], cols, scaling);
                         sums.iter().enumerate().for_each(|(k, s)| put(k, s));
