@@ -4,7 +4,8 @@
 //!
 //! - One input row (decode): the halves are two weight rows against the same input. The
 //!   minifloat formats, whose decoding costs more than their multiply-add, decode both rows'
-//!   chunks with one set of instructions ([`Pair`]). int4 runs one row per 256-bit register
+//!   chunks with one set of instructions ([`Pair`]); E4M3 by byte table lookups where the
+//!   CPU has AVX-512 VBMI ([`Pair::pair_vbmi`]). int4 runs one row per 256-bit register
 //!   instead, each nibble looked up by one two-table permute ([`Pair::row_chunk`]): fewer
 //!   steps than a pair's, which must first bring two rows' words into one register.
 //! - A batch (prefill): the halves are two input rows against the same decoded weight row;
@@ -12,7 +13,7 @@
 //!   A few inputs (an expert's share of a prompt) have each chunk decoded in registers for
 //!   a tile of inputs instead: on the row kernel's decoding ([`kernels::rows_few_inputs`]),
 //!   or for the formats decoded in pairs, two pairs of rows decoded once for up to four
-//!   inputs ([`few_inputs_rows`]).
+//!   inputs ([`few_inputs_rows_on`]).
 //!
 //! Entered only after runtime detection (AVX-512 F, BW, DQ and VL beside AVX2, FMA and F16C:
 //! [`super::kernels::Isa::detect`]); a lone last row goes to the AVX2 kernels, which compute
@@ -21,7 +22,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::codec::E2M1_DOUBLED;
+use super::codec::{self, E2M1_DOUBLED};
 use super::kernels::{
     self, Bf16Codes, Block, Codes, Decode, E2m1Codes, E4m3Codes, F16Codes, F32Codes, I8Codes,
     Int4Codes, Lanes, RowScales, Scaling, View,
@@ -76,6 +77,16 @@ pub(super) trait Pair: Decode<Avx2> {
     /// # Safety
     /// `8c + 8` must not exceed either row's element count, and the CPU must have AVX-512.
     unsafe fn pair(low: &[Self::Elem], high: &[Self::Elem], c: usize) -> Two;
+    /// Whether [`Pair::pair_vbmi`] decodes a pair in fewer steps than [`Pair::pair`]: the
+    /// kernels of one input and of a few run it ([`Vbmi`]) where the CPU has AVX-512 VBMI.
+    const VBMI: bool = false;
+    /// [`Pair::pair`] with AVX-512 VBMI's byte permutes, the same bits.
+    /// # Safety
+    /// As [`Pair::pair`], and the CPU must have AVX-512 VBMI.
+    #[inline(always)]
+    unsafe fn pair_vbmi(low: &[Self::Elem], high: &[Self::Elem], c: usize) -> Two {
+        Self::pair(low, high, c)
+    }
     /// Chunk `c` of one row for the row kernel, with AVX-512VL's 256-bit instructions
     /// where they decode it in fewer steps than AVX2's (the same bits).
     /// # Safety
@@ -107,6 +118,50 @@ impl<D: Pair> Decode<Avx2> for OneRow<D> {
     unsafe fn chunk(row: &[Self::Elem], c: usize) -> Avx2 {
         D::row_chunk(row, c)
     }
+}
+
+/// Format `D` with its pairs decoded by [`Pair::pair_vbmi`], for kernels compiled with
+/// AVX-512 VBMI ([`with_vbmi`]).
+#[derive(Clone, Copy)]
+struct Vbmi<D>(std::marker::PhantomData<D>);
+
+impl<D: Pair> Codes for Vbmi<D> {
+    type Elem = D::Elem;
+    const CHUNK_BYTES: usize = D::CHUNK_BYTES;
+    const COSTLY_DECODE: bool = D::COSTLY_DECODE;
+    fn stride(cols: usize) -> usize {
+        D::stride(cols)
+    }
+    #[inline(always)]
+    fn value(row: &[Self::Elem], i: usize) -> f32 {
+        D::value(row, i)
+    }
+}
+
+impl<D: Pair> Decode<Avx2> for Vbmi<D> {
+    #[inline(always)]
+    unsafe fn chunk(row: &[Self::Elem], c: usize) -> Avx2 {
+        D::chunk(row, c)
+    }
+}
+
+impl<D: Pair> Pair for Vbmi<D> {
+    const ROWS_IN_PAIRS: bool = D::ROWS_IN_PAIRS;
+    #[inline(always)]
+    unsafe fn pair(low: &[Self::Elem], high: &[Self::Elem], c: usize) -> Two {
+        D::pair_vbmi(low, high, c)
+    }
+    #[inline(always)]
+    unsafe fn row_chunk(row: &[Self::Elem], c: usize) -> Avx2 {
+        D::row_chunk(row, c)
+    }
+}
+
+/// Whether format `D`'s kernels run [`Vbmi`]`<D>`: it has a VBMI decoder and the CPU
+/// has AVX-512 VBMI (Ice Lake, Zen 4 and later; not Skylake-X).
+fn with_vbmi<D: Pair>() -> bool {
+    static VBMI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    D::VBMI && *VBMI.get_or_init(|| is_x86_feature_detected!("avx512vbmi"))
 }
 
 /// Chunk `c` of a row of nibbles, each looked up in `values`: every lane shifts its copy of
@@ -273,7 +328,81 @@ impl Pair for E4m3Codes {
             _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC0_0000)),
         ))
     }
+    const VBMI: bool = true;
+    #[inline(always)]
+    unsafe fn pair_vbmi(low: &[u8], high: &[u8], c: usize) -> Two {
+        // Every E4M3 value is an f32 whose low sixteen bits are zero: its bytes 2 and 3,
+        // each looked up by the code's seven magnitude bits in 128-byte tables, then the
+        // sign. Code `k` goes to bytes 4k + 2 and 4k + 3 (the rest zero, from the zeros
+        // above the sixteen codes), and each lookup rewrites its byte in place (the
+        // index's bit 7, the sign, is ignored). Three byte permutes, where `pair` takes
+        // a widening, a conversion, a product and the NaN code's mask.
+        let codes = _mm512_zextsi128_si512(sixteen_bytes(low, high, c));
+        let spread = _mm512_permutexvar_epi8(table64(&E4M3_SPREAD), codes);
+        let [byte2, byte3] = &E4M3_BYTES;
+        let low_bytes = _mm512_mask2_permutex2var_epi8(
+            table64(&byte2[0]),
+            spread,
+            0x4444_4444_4444_4444,
+            table64(&byte2[1]),
+        );
+        let magnitude = _mm512_mask2_permutex2var_epi8(
+            table64(&byte3[0]),
+            low_bytes,
+            0x8888_8888_8888_8888,
+            table64(&byte3[1]),
+        );
+        // magnitude | (spread & sign bit)
+        Two(_mm512_castsi512_ps(_mm512_ternarylogic_epi32::<0xF8>(
+            magnitude,
+            spread,
+            _mm512_set1_epi32(i32::MIN),
+        )))
+    }
 }
+
+/// A 64-byte table in a register.
+#[inline(always)]
+unsafe fn table64(bytes: &[u8; 64]) -> __m512i {
+    _mm512_loadu_si512(bytes.as_ptr() as *const __m512i)
+}
+
+/// Bytes `4k + 2` and `4k + 3` of [`E4m3Codes::pair_vbmi`]'s spread pick code `k`, the
+/// others byte 16 (zero).
+const E4M3_SPREAD: [u8; 64] = {
+    let mut bytes = [16u8; 64];
+    let mut i = 0;
+    while i < 64 {
+        if i % 4 >= 2 {
+            bytes[i] = (i / 4) as u8;
+        }
+        i += 1;
+    }
+    bytes
+};
+
+/// Byte `byte` of the f32 that each magnitude code `64 * half .. 64 * half + 64` decodes
+/// to: [`E4m3Codes::pair_vbmi`]'s tables.
+const fn e4m3_bytes(byte: u32, half: usize) -> [u8; 64] {
+    let mut bytes = [0u8; 64];
+    let mut i = 0;
+    while i < 64 {
+        let bits = codec::e4m3_to_f32((64 * half + i) as u8).to_bits();
+        assert!(
+            bits & 0xFFFF == 0,
+            "every E4M3 value has sixteen zero low bits"
+        );
+        bytes[i] = (bits >> (8 * byte)) as u8;
+        i += 1;
+    }
+    bytes
+}
+
+/// `[byte 2, byte 3][half]`, as [`e4m3_bytes`] gives them.
+static E4M3_BYTES: [[[u8; 64]; 2]; 2] = [
+    [e4m3_bytes(2, 0), e4m3_bytes(2, 1)],
+    [e4m3_bytes(3, 0), e4m3_bytes(3, 1)],
+];
 
 impl Pair for E2m1Codes {
     const ROWS_IN_PAIRS: bool = true;
@@ -477,10 +606,22 @@ unsafe fn dot_pairs<D: Pair, const P: usize, const T: usize>(
     out
 }
 
-/// `out[i] = row(first + i) · x`: four pairs of rows at a time, then one pair, then a last
-/// row on the AVX2 kernel (every row there where the format does not run in pairs).
+/// [`rows_on`] compiled for AVX-512.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
 unsafe fn rows<D: Pair>(view: &View<'_, D::Elem>, first: usize, x: &[f32], out: &mut [f32]) {
+    rows_on::<D>(view, first, x, out)
+}
+
+/// [`rows_on`] compiled for AVX-512 with VBMI, its pairs decoded by [`Pair::pair_vbmi`].
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,avx2,fma,f16c")]
+unsafe fn rows_vbmi<D: Pair>(view: &View<'_, D::Elem>, first: usize, x: &[f32], out: &mut [f32]) {
+    rows_on::<Vbmi<D>>(view, first, x, out)
+}
+
+/// `out[i] = row(first + i) · x`: four pairs of rows at a time, then one pair, then a last
+/// row on the AVX2 kernel (every row there where the format does not run in pairs).
+#[inline(always)]
+unsafe fn rows_on<D: Pair>(view: &View<'_, D::Elem>, first: usize, x: &[f32], out: &mut [f32]) {
     let (data, cols, scaling) = (view.data, view.cols, view.scaling);
     let mut i = 0;
     if !D::ROWS_IN_PAIRS {
@@ -757,7 +898,7 @@ unsafe fn batched<D: Pair>(
     }
 }
 
-/// Whether `n` inputs take [`few_inputs_rows`] ([`kernels::few_inputs`]); a format decoded
+/// Whether `n` inputs take [`few_inputs_rows_on`] ([`kernels::few_inputs`]); a format decoded
 /// two rows at a time, whose decoding costs several multiply-adds even so, only where one
 /// tile holds every input.
 fn few_inputs<D: Pair>(n: usize, scaling: Scaling) -> bool {
@@ -768,7 +909,7 @@ fn few_inputs<D: Pair>(n: usize, scaling: Scaling) -> bool {
     }
 }
 
-/// Inputs in one tile of [`few_inputs_rows`] for the formats decoded two rows at a time.
+/// Inputs in one tile of [`few_inputs_rows_on`] for the formats decoded two rows at a time.
 const PAIR_TILE_INPUTS: usize = 4;
 
 /// A few inputs against rows `first..first + count`, no rows decoded to memory and no
@@ -776,8 +917,8 @@ const PAIR_TILE_INPUTS: usize = 4;
 /// or for the formats decoded two rows at a time ([`Pair::ROWS_IN_PAIRS`]) with each chunk
 /// of four rows decoded as two pairs for all the inputs at once (a lone last row on the row
 /// kernel).
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
-unsafe fn few_inputs_rows<D: Pair>(
+#[inline(always)]
+unsafe fn few_inputs_rows_on<D: Pair>(
     view: &View<'_, D::Elem>,
     first: usize,
     count: usize,
@@ -834,7 +975,34 @@ unsafe fn few_inputs_rows<D: Pair>(
     }
 }
 
-/// `P` pairs of rows from `first` against the inputs from `t`, for [`few_inputs_rows`].
+/// [`few_inputs_rows_on`] compiled for AVX-512.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+unsafe fn few_inputs_rows<D: Pair>(
+    view: &View<'_, D::Elem>,
+    first: usize,
+    count: usize,
+    input: &[f32],
+    n: usize,
+    out: &mut [f32],
+) {
+    few_inputs_rows_on::<D>(view, first, count, input, n, out)
+}
+
+/// [`few_inputs_rows_on`] compiled for AVX-512 with VBMI, its pairs decoded by
+/// [`Pair::pair_vbmi`].
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,avx2,fma,f16c")]
+unsafe fn few_inputs_rows_vbmi<D: Pair>(
+    view: &View<'_, D::Elem>,
+    first: usize,
+    count: usize,
+    input: &[f32],
+    n: usize,
+    out: &mut [f32],
+) {
+    few_inputs_rows_on::<Vbmi<D>>(view, first, count, input, n, out)
+}
+
+/// `P` pairs of rows from `first` against the inputs from `t`, for [`few_inputs_rows_on`].
 struct PairTile<'a, 'v, E> {
     view: &'a View<'v, E>,
     first: usize,
@@ -992,15 +1160,27 @@ impl<'a, D: Pair> Avx512Block<'a, D> {
 impl<D: Pair> Block for Avx512Block<'_, D> {
     fn rows(&self, first: usize, x: &[f32], out: &mut [f32]) {
         // SAFETY: an Avx512Block is built only when `Isa::detect` found AVX-512 F/BW/DQ/VL,
-        // AVX2, FMA and F16C.
-        unsafe { rows::<D>(&self.view, first, x, out) }
+        // AVX2, FMA and F16C; `with_vbmi` checks for VBMI.
+        unsafe {
+            if with_vbmi::<D>() {
+                rows_vbmi::<D>(&self.view, first, x, out)
+            } else {
+                rows::<D>(&self.view, first, x, out)
+            }
+        }
     }
     fn batched(&self, first: usize, count: usize, input: &[f32], n: usize, out: &mut [f32]) {
         let chunks = self.view.cols.div_ceil(8);
         assert_eq!(input.len(), n * self.view.cols, "matmul input shape");
         if few_inputs::<D>(n, self.view.scaling) {
             // SAFETY: as `rows`.
-            return unsafe { few_inputs_rows::<D>(&self.view, first, count, input, n, out) };
+            return unsafe {
+                if with_vbmi::<D>() {
+                    few_inputs_rows_vbmi::<D>(&self.view, first, count, input, n, out)
+                } else {
+                    few_inputs_rows::<D>(&self.view, first, count, input, n, out)
+                }
+            };
         }
         assert_eq!(
             self.pairs.len(),
@@ -1023,8 +1203,8 @@ mod tests {
         (bytes[..128].to_vec(), bytes[128..].to_vec())
     }
 
-    /// Each chunk of `D::pair` and of `D::row_chunk` over every byte, against `D::value`
-    /// bit for bit (NaN for NaN).
+    /// Each chunk of `D::pair`, of `D::row_chunk` and (where the CPU has VBMI) of
+    /// `D::pair_vbmi` over every byte, against `D::value` bit for bit (NaN for NaN).
     fn decodes_as_the_scalar_code<D: Pair<Elem = u8>>(elements_per_byte: usize) {
         if !Isa::Avx512.supported() {
             eprintln!("skipped: this CPU has no AVX-512");
@@ -1032,13 +1212,22 @@ mod tests {
         }
         let (low, high) = every_byte();
         for c in 0..128 * elements_per_byte / 8 {
-            let mut paired = [0f32; 16];
-            // SAFETY: AVX-512 checked above; chunk `c` lies within both rows.
+            let (mut paired, mut vbmi) = ([0f32; 16], None);
+            // SAFETY: AVX-512 checked above, and VBMI by `with_vbmi`; chunk `c` lies within
+            // both rows.
             let one_row = unsafe {
                 _mm512_storeu_ps(paired.as_mut_ptr(), D::pair(&low, &high, c).0);
+                if with_vbmi::<D>() {
+                    let mut lanes = [0f32; 16];
+                    _mm512_storeu_ps(lanes.as_mut_ptr(), D::pair_vbmi(&low, &high, c).0);
+                    vbmi = Some(("pair_vbmi", lanes));
+                }
                 decode_as_rows::<D>(&low, &high, c)
             };
-            for (kernel, lanes) in [("pair", paired), ("row_chunk", one_row)] {
+            for (kernel, lanes) in [("pair", paired), ("row_chunk", one_row)]
+                .into_iter()
+                .chain(vbmi)
+            {
                 for (lane, got) in lanes.into_iter().enumerate() {
                     let row = if lane < 8 { &low } else { &high };
                     let want = D::value(row, 8 * c + lane % 8);

@@ -81,19 +81,18 @@ pub fn int4_value(row: &[u8], i: usize) -> f32 {
 
 /// The value of an FP8 E4M3 (`e4m3fn`) byte: 1 sign bit, 4 exponent bits with bias 7, 3
 /// mantissa bits; exponent 0 is subnormal; `0x7F`/`0xFF` are NaN and there is no infinity.
-pub fn e4m3_to_f32(byte: u8) -> f32 {
-    let sign = if byte & 0x80 != 0 { -1.0 } else { 1.0 };
-    let exponent = i32::from((byte >> 3) & 0x0F);
-    let mantissa = f32::from(byte & 0x07);
-    if byte & 0x7F == 0x7F {
-        return f32::NAN;
-    }
-    let magnitude = if exponent == 0 {
-        mantissa / 8.0 * 2f32.powi(-6)
+pub const fn e4m3_to_f32(byte: u8) -> f32 {
+    let magnitude = byte & 0x7F;
+    let bits = if magnitude == 0x7F {
+        f32::NAN.to_bits()
+    } else if magnitude < 0x08 {
+        // Subnormal: the mantissa times 2^-9, exact in f32.
+        (magnitude as f32 / 512.0).to_bits()
     } else {
-        (1.0 + mantissa / 8.0) * 2f32.powi(exponent - 7)
+        // The exponent and mantissa bits in an f32's, the bias 7 raised to 127.
+        ((magnitude as u32) << 20) + (120 << 23)
     };
-    sign * magnitude
+    f32::from_bits(bits | ((byte as u32 & 0x80) << 24))
 }
 
 /// Every E4M3 byte decoded, for table lookups.
