@@ -2,12 +2,13 @@
 //! kernels' 8-lane vectors, each with its own sum, so every result keeps the bits the
 //! 8-lane contract ([`super::kernels`]) defines while each instruction does twice the work.
 //!
-//! - One input row (decode): the halves are two weight rows against the same input. The
-//!   minifloat formats, whose decoding costs more than their multiply-add, decode both rows'
-//!   chunks with one set of instructions ([`Pair`]); E4M3 by byte table lookups where the
-//!   CPU has AVX-512 VBMI ([`Pair::pair_vbmi`]). int4 runs one row per 256-bit register
-//!   instead, each nibble looked up by one two-table permute ([`Pair::row_chunk`]): fewer
-//!   steps than a pair's, which must first bring two rows' words into one register.
+//! - One input row (decode): the halves are two weight rows against the same input. FP8's
+//!   E4M3, whose decoding costs more than its multiply-add, decodes both rows' chunks with
+//!   one set of instructions ([`Pair`]), by byte table lookups where the CPU has AVX-512
+//!   VBMI ([`Pair::pair_vbmi`]). The nibble formats (int4, MXFP4's E2M1)
+//!   run one row per 256-bit register instead, each nibble looked up by one two-table
+//!   permute ([`Pair::row_chunk`]): fewer steps than a pair's, which must first bring two
+//!   rows' words into one register.
 //! - A batch (prefill): the halves are two input rows against the same decoded weight row;
 //!   a tile of four weight rows by three input pairs keeps twelve accumulators in flight.
 //!   A few inputs (an expert's share of a prompt) have each chunk decoded in registers for
@@ -405,10 +406,14 @@ static E4M3_BYTES: [[[u8; 64]; 2]; 2] = [
 ];
 
 impl Pair for E2m1Codes {
-    const ROWS_IN_PAIRS: bool = true;
+    const ROWS_IN_PAIRS: bool = false;
     #[inline(always)]
     unsafe fn pair(low: &[u8], high: &[u8], c: usize) -> Two {
         nibble_lookup(low, high, c, &E2M1_VALUES)
+    }
+    #[inline(always)]
+    unsafe fn row_chunk(row: &[u8], c: usize) -> Avx2 {
+        row_nibble_lookup(row, c, &E2M1_VALUES)
     }
 }
 
@@ -625,7 +630,7 @@ unsafe fn rows_on<D: Pair>(view: &View<'_, D::Elem>, first: usize, x: &[f32], ou
     let (data, cols, scaling) = (view.data, view.cols, view.scaling);
     let mut i = 0;
     if !D::ROWS_IN_PAIRS {
-        return kernels::rows_into::<Avx2, OneRow<D>>(data, cols, scaling, first, x, out);
+        return kernels::rows_into::<Avx2, OneRow<D>, true>(data, cols, scaling, first, x, out);
     }
     while i + 8 <= out.len() {
         let sums = dot_pairs::<D, 4, 1>(data, first + i, [x], cols, scaling);
@@ -638,7 +643,14 @@ unsafe fn rows_on<D: Pair>(view: &View<'_, D::Elem>, first: usize, x: &[f32], ou
         i += 2;
     }
     if i < out.len() {
-        kernels::rows_into::<Avx2, OneRow<D>>(data, cols, scaling, first + i, x, &mut out[i..]);
+        kernels::rows_into::<Avx2, OneRow<D>, true>(
+            data,
+            cols,
+            scaling,
+            first + i,
+            x,
+            &mut out[i..],
+        );
     }
 }
 

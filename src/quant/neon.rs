@@ -172,7 +172,7 @@ unsafe fn rows<D: Decode<Neon>>(
     x: &[f32],
     out: &mut [f32],
 ) {
-    super::kernels::rows_into::<Neon, D>(view.data, view.cols, view.scaling, first, x, out)
+    super::kernels::rows_into::<Neon, D, false>(view.data, view.cols, view.scaling, first, x, out)
 }
 
 #[target_feature(enable = "neon")]

@@ -151,7 +151,7 @@ unsafe fn rows<D: Decode<Avx2>>(
     x: &[f32],
     out: &mut [f32],
 ) {
-    super::kernels::rows_into::<Avx2, D>(view.data, view.cols, view.scaling, first, x, out)
+    super::kernels::rows_into::<Avx2, D, false>(view.data, view.cols, view.scaling, first, x, out)
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
