@@ -98,21 +98,29 @@ pub(super) trait Pair: Decode<Avx2> {
     }
 }
 
+/// The codes of format `D` under a wrapper that changes only how they are decoded.
+macro_rules! codes_of {
+    ($wrapper:ident) => {
+        impl<D: Pair> Codes for $wrapper<D> {
+            type Elem = D::Elem;
+            const CHUNK_BYTES: usize = D::CHUNK_BYTES;
+            const COSTLY_DECODE: bool = D::COSTLY_DECODE;
+            fn stride(cols: usize) -> usize {
+                D::stride(cols)
+            }
+            #[inline(always)]
+            fn value(row: &[Self::Elem], i: usize) -> f32 {
+                D::value(row, i)
+            }
+        }
+    };
+}
+
 /// Format `D` with its chunks decoded by [`Pair::row_chunk`], for the AVX2 row kernel.
 #[derive(Clone, Copy)]
 struct OneRow<D>(std::marker::PhantomData<D>);
 
-impl<D: Pair> Codes for OneRow<D> {
-    type Elem = D::Elem;
-    const CHUNK_BYTES: usize = D::CHUNK_BYTES;
-    fn stride(cols: usize) -> usize {
-        D::stride(cols)
-    }
-    #[inline(always)]
-    fn value(row: &[Self::Elem], i: usize) -> f32 {
-        D::value(row, i)
-    }
-}
+codes_of!(OneRow);
 
 impl<D: Pair> Decode<Avx2> for OneRow<D> {
     #[inline(always)]
@@ -126,18 +134,7 @@ impl<D: Pair> Decode<Avx2> for OneRow<D> {
 #[derive(Clone, Copy)]
 struct Vbmi<D>(std::marker::PhantomData<D>);
 
-impl<D: Pair> Codes for Vbmi<D> {
-    type Elem = D::Elem;
-    const CHUNK_BYTES: usize = D::CHUNK_BYTES;
-    const COSTLY_DECODE: bool = D::COSTLY_DECODE;
-    fn stride(cols: usize) -> usize {
-        D::stride(cols)
-    }
-    #[inline(always)]
-    fn value(row: &[Self::Elem], i: usize) -> f32 {
-        D::value(row, i)
-    }
-}
+codes_of!(Vbmi);
 
 impl<D: Pair> Decode<Avx2> for Vbmi<D> {
     #[inline(always)]
