@@ -17,8 +17,8 @@
 //!   inputs ([`few_inputs_rows_on`]).
 //!
 //! Entered only after runtime detection (AVX-512 F, BW, DQ and VL beside AVX2, FMA and F16C:
-//! [`super::kernels::Isa::detect`]); a lone last row goes to the AVX2 kernels, which compute
-//! the same bits.
+//! [`super::kernels::Isa::detect`]; VBMI on its own, [`with_vbmi`]); a lone last row goes to
+//! the AVX2 kernels, which compute the same bits.
 
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -130,7 +130,7 @@ impl<D: Pair> Decode<Avx2> for OneRow<D> {
 }
 
 /// Format `D` with its pairs decoded by [`Pair::pair_vbmi`], for kernels compiled with
-/// AVX-512 VBMI ([`with_vbmi`]).
+/// AVX-512 VBMI ([`with_vbmi`]): its `pair` needs a CPU with VBMI, not only AVX-512.
 #[derive(Clone, Copy)]
 struct Vbmi<D>(std::marker::PhantomData<D>);
 

@@ -80,7 +80,8 @@ pub fn int4_value(row: &[u8], i: usize) -> f32 {
 }
 
 /// The value of an FP8 E4M3 (`e4m3fn`) byte: 1 sign bit, 4 exponent bits with bias 7, 3
-/// mantissa bits; exponent 0 is subnormal; `0x7F`/`0xFF` are NaN and there is no infinity.
+/// mantissa bits; exponent 0 is subnormal; `0x7F`/`0xFF` are NaN (the quiet NaN with the
+/// code's sign) and there is no infinity.
 pub const fn e4m3_to_f32(byte: u8) -> f32 {
     let magnitude = byte & 0x7F;
     let bits = if magnitude == 0x7F {
@@ -263,6 +264,7 @@ mod tests {
         assert_eq!(e4m3_to_f32(0x01), 2f32.powi(-9));
         assert_eq!(e4m3_to_f32(0xC0), -2.0);
         assert!(e4m3_to_f32(0xFF).is_nan());
+        assert_eq!(e4m3_to_f32(0x80).to_bits(), 0x8000_0000);
         for code in 0..=255u8 {
             if code & 0x7F != 0x7F {
                 assert_eq!(

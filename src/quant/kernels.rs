@@ -609,8 +609,9 @@ pub(super) fn few_inputs(n: usize, scaling: Scaling, costly_decode: bool, wide: 
 /// tile of inputs at once, so a prompt's experts, which get a few of its positions each,
 /// pay no decoding to memory. A tile is up to three inputs, four where the instruction set
 /// has 32 registers (`WIDE`) and there are no group scales (whose partial sums take as many
-/// registers again); the inputs are split into even tiles. The sums are [`dot_rows`]'s, so
-/// the bits are a single input's.
+/// registers again; `WIDE` also has [`dot_rows`] decode E8M0 scales sixteen at a time); the
+/// inputs are split into even tiles. The sums are [`dot_rows`]'s, so the bits are a single
+/// input's.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn rows_few_inputs<V: Lanes, D: Decode<V>, const WIDE: bool>(

@@ -24,7 +24,7 @@ const FORMATS: [Format; 11] = [
 /// enough that a batch walks them in several column steps.
 /// Every tail: rows past a block of eight or four, a lone last chunk column, and with
 /// (21, 1100) eight-row blocks over three column blocks (64, 64 and 10 chunks).
-const SHAPES: [(usize, usize); 12] = [
+const SHAPES: [(usize, usize); 13] = [
     (1, 1),
     (3, 7),
     (5, 8),
@@ -36,6 +36,7 @@ const SHAPES: [(usize, usize); 12] = [
     (130, 257),
     (260, 96),
     (6, 600),
+    (5, 1024),
     (21, 1100),
 ];
 
@@ -176,8 +177,8 @@ fn a_batch_computes_what_single_rows_compute() {
             let matrix = Matrix::from_f32_as(rows, cols, &values(rows * cols, 3), format).unwrap();
             // A few inputs, tiled in registers (3 and 4; 7, 10 and 16 without group scales
             // or, with them, 7; every count without them on the 8-lane kernels), and more
-            // than that (10 with group scales; 18, 20 and 22 without them on AVX-512; FP8
-            // and MXFP4 on AVX-512 from 7 on) against rows decoded to memory, which AVX-512
+            // than that (10 with group scales; 18, 20 and 22 without them on AVX-512; FP8 on
+            // AVX-512 from 7 on) against rows decoded to memory, which AVX-512
             // runs in tiles of three input pairs and fewer (20 and 22 inputs end in one pair
             // and in two).
             for n in [3, 4, 7, 16, 10, 18, 20, 22] {
