@@ -1206,6 +1206,64 @@ mod tests {
     use super::*;
     use crate::quant::kernels::Isa;
 
+    /// FP8 rows against one input and against a few, with the VBMI decoder and without,
+    /// against each input alone on the scalar kernel, bit for bit: on a CPU with VBMI the
+    /// product tests reach only the first.
+    #[test]
+    fn e4m3_kernels_with_and_without_vbmi_match_the_scalar_reference() {
+        if !Isa::Avx512.supported() || !with_vbmi::<E4m3Codes>() {
+            eprintln!("skipped: this CPU has no AVX-512 VBMI");
+            return;
+        }
+        // 139 rows (two FP8 block rows, pairs of four rows and a lone last one) by 300
+        // columns (a partial block and chunk); magnitudes down to E4M3's subnormals.
+        let (count, cols) = (139, 300);
+        let spread = |i: usize, seed: usize| {
+            let v = ((i * 2_654_435_761 + seed) % 2001) as f32 / 1000.0 - 1.0;
+            v * if i.is_multiple_of(7) { 1e-4 } else { 1.0 }
+        };
+        let weights: Vec<f32> = (0..count * cols).map(|i| spread(i, 0)).collect();
+        let (codes, scales) = codec::quantize_fp8_blocks(&weights, cols);
+        let view = View {
+            data: &codes[..],
+            rows: count,
+            cols,
+            scaling: Scaling::Groups {
+                size: 128,
+                scales: &scales,
+                per_row: cols.div_ceil(128),
+                row_div: 128,
+            },
+        };
+        for n in 1..=PAIR_TILE_INPUTS {
+            let x: Vec<f32> = (0..n * cols).map(|i| spread(i, 17 * n)).collect();
+            let mut reference = vec![0f32; n * count];
+            for (input, out) in x.chunks_exact(cols).zip(reference.chunks_exact_mut(count)) {
+                kernels::matmul::<E4m3Codes>(Isa::Scalar, view, input, 1, out);
+            }
+            let (mut plain, mut vbmi) = (vec![0f32; n * count], vec![0f32; n * count]);
+            // SAFETY: AVX-512 and VBMI checked above; the outputs hold `n * count` sums.
+            unsafe {
+                if n == 1 {
+                    rows::<E4m3Codes>(&view, 0, &x, &mut plain);
+                    rows_vbmi::<E4m3Codes>(&view, 0, &x, &mut vbmi);
+                } else {
+                    few_inputs_rows::<E4m3Codes>(&view, 0, count, &x, n, &mut plain);
+                    few_inputs_rows_vbmi::<E4m3Codes>(&view, 0, count, &x, n, &mut vbmi);
+                }
+            }
+            for (kernel, got) in [("without VBMI", &plain), ("with VBMI", &vbmi)] {
+                for (k, (a, b)) in reference.iter().zip(got.iter()).enumerate() {
+                    assert_eq!(
+                        a.to_bits(),
+                        b.to_bits(),
+                        "{kernel}, {n} inputs, element {k}"
+                    );
+                }
+            }
+        }
+    }
+
     /// Every byte 0-255 as two rows of 128 codes: `low` the first half, `high` the second.
     fn every_byte() -> (Vec<u8>, Vec<u8>) {
         let bytes: Vec<u8> = (0..=255).collect();
