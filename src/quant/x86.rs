@@ -106,25 +106,28 @@ impl Decode<Avx2> for Int4Codes {
 impl Decode<Avx2> for E4m3Codes {
     #[inline(always)]
     unsafe fn chunk(row: &[u8], c: usize) -> Avx2 {
-        // The seven magnitude bits shifted into an f32's exponent and mantissa give the
-        // value times 2^-120 (subnormals included); scale back, add the sign, and turn the
-        // NaN code 0x7F into a NaN.
-        let bytes =
-            _mm256_cvtepu8_epi32(_mm_loadl_epi64(row.as_ptr().add(c * 8) as *const __m128i));
-        let magnitude = _mm256_and_si256(bytes, _mm256_set1_epi32(0x7F));
+        // The byte sign-extended and shifted up 20 has its exponent and mantissa where an
+        // f32's go and the sign at bit 31 (copies at 27-30, cleared): the value times
+        // 2^-120, subnormals included. Scale back, and turn the NaN code 0x7F into a NaN.
+        let bits = _mm256_and_si256(
+            _mm256_slli_epi32(
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64(row.as_ptr().add(c * 8) as *const __m128i)),
+                20,
+            ),
+            _mm256_set1_epi32(0x87F0_0000_u32 as i32),
+        );
         let value = _mm256_mul_ps(
-            _mm256_castsi256_ps(_mm256_slli_epi32(magnitude, 20)),
+            _mm256_castsi256_ps(bits),
             _mm256_set1_ps(f32::from_bits(0x7B80_0000)),
         );
-        let sign = _mm256_slli_epi32(_mm256_and_si256(bytes, _mm256_set1_epi32(0x80)), 24);
         let nan = _mm256_and_si256(
-            _mm256_cmpeq_epi32(magnitude, _mm256_set1_epi32(0x7F)),
+            _mm256_cmpeq_epi32(
+                _mm256_and_si256(bits, _mm256_set1_epi32(0x07F0_0000)),
+                _mm256_set1_epi32(0x07F0_0000),
+            ),
             _mm256_set1_epi32(0x7FC0_0000),
         );
-        Avx2(_mm256_or_ps(
-            value,
-            _mm256_castsi256_ps(_mm256_or_si256(sign, nan)),
-        ))
+        Avx2(_mm256_or_ps(value, _mm256_castsi256_ps(nan)))
     }
 }
 
