@@ -303,10 +303,23 @@ fn rank_pid(mark: &str, rank: usize) -> Option<u32> {
     })
 }
 
+/// How long the signal tests wait for the job to start generating, and then to end.
+const JOB_DEADLINE: std::time::Duration = std::time::Duration::from_secs(180);
+
 /// A long generation on a copy of olmoe_tiny under `mpirun -np 3` (with `extra` settings):
-/// once it has run for three seconds, `kill -SIGNAL` goes to rank `rank`; then the job's
-/// output, and the copy, once mpirun has ended.
+/// once it is generating, `kill -SIGNAL` goes to rank `rank`; then the job's output, and
+/// the copy, once mpirun has ended.
+///
+/// The signal waits for generation, not for a time: the route trace of rank 0 reaches disk
+/// only when its buffer fills, hundreds of tokens in, after every rank has answered. A
+/// fixed wait is not enough: a rank stopped inside `MPI_Init` stops the
+/// others' `MPI_Init` with it, where no `MPI_TIMEOUT` can reach, and a loaded machine can
+/// spend seconds there. A job that neither starts nor ends within [`JOB_DEADLINE`] is
+/// killed, every rank with it, and the test fails saying so.
 fn signal_rank_mid_run(rank: usize, signal: &str, extra: &[&str]) -> (Output, tempfile::TempDir) {
+    use std::io::Read;
+    use std::sync::{Arc, Mutex};
+
     let dir = copy_fixture("olmoe_tiny");
     let mark = format!(
         "{}-{:?}-{signal}",
@@ -314,9 +327,12 @@ fn signal_rank_mid_run(rank: usize, signal: &str, extra: &[&str]) -> (Output, te
         std::time::Instant::now()
     );
     let snap = format!("SNAP={}", dir.path().display());
+    let trace_path = dir.path().join("route.trace");
+    let trace = format!("ROUTE_TRACE={}", trace_path.display());
     // A generation far longer than the test waits, so that it is running at the signal.
     let mut args = vec![
         snap.as_str(),
+        trace.as_str(),
         "IDS=3 11 29 7",
         "NGEN=10000000",
         "LONG_CONTEXT=1",
@@ -325,29 +341,85 @@ fn signal_rank_mid_run(rank: usize, signal: &str, extra: &[&str]) -> (Output, te
     args.extend(["2", "16", "16"]);
     let mut command = mpirun_command(3, &args);
     command.env("COLI_TEST_MARK", &mark);
-    let child = command
+    let mut child = command
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("mpirun starts");
-    let started = std::time::Instant::now();
-    let pid = loop {
-        if let Some(pid) = rank_pid(&mark, rank) {
-            break pid;
-        }
-        assert!(
-            started.elapsed().as_secs() < 60,
-            "rank {rank} never started"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(100));
+    // Both pipes drain as the job writes, so that it never blocks on a full one.
+    let collect = |mut pipe: Box<dyn Read + Send>| {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let into = Arc::clone(&seen);
+        let reader = std::thread::spawn(move || {
+            let mut chunk = [0u8; 4096];
+            while let Ok(n @ 1..) = pipe.read(&mut chunk) {
+                into.lock().unwrap().extend_from_slice(&chunk[..n]);
+            }
+        });
+        (seen, reader)
     };
-    std::thread::sleep(std::time::Duration::from_secs(3));
+    let (out, out_reader) = collect(Box::new(child.stdout.take().unwrap()));
+    let (err, err_reader) = collect(Box::new(child.stderr.take().unwrap()));
+    let give_up = |child: &mut std::process::Child, why: &str| -> ! {
+        for r in 0..3 {
+            if let Some(pid) = rank_pid(&mark, r) {
+                let _ = Command::new("kill")
+                    .args(["-KILL", &pid.to_string()])
+                    .status();
+            }
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!(
+            "{why}; stdout: {}\nstderr: {}",
+            String::from_utf8_lossy(&out.lock().unwrap()),
+            String::from_utf8_lossy(&err.lock().unwrap())
+        );
+    };
+
+    let started = std::time::Instant::now();
+    let generating = || std::fs::metadata(&trace_path).is_ok_and(|m| m.len() > 0);
+    while !generating() {
+        if started.elapsed() > JOB_DEADLINE || child.try_wait().unwrap().is_some() {
+            give_up(&mut child, "the job never started generating");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let Some(pid) = rank_pid(&mark, rank) else {
+        give_up(
+            &mut child,
+            &format!("no rank {rank} in a job that generates"),
+        );
+    };
     let sent = Command::new("kill")
         .args([format!("-{signal}"), pid.to_string()])
         .status()
         .unwrap();
     assert!(sent.success());
-    (child.wait_with_output().expect("mpirun ends"), dir)
+    let signalled = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if signalled.elapsed() > JOB_DEADLINE {
+            give_up(
+                &mut child,
+                &format!(
+                    "the job did not end within {JOB_DEADLINE:?} of SIG{signal} to rank {rank}"
+                ),
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    out_reader.join().unwrap();
+    err_reader.join().unwrap();
+    let take = |seen: Arc<Mutex<Vec<u8>>>| std::mem::take(&mut *seen.lock().unwrap());
+    let output = Output {
+        status,
+        stdout: take(out),
+        stderr: take(err),
+    };
+    (output, dir)
 }
 
 #[test]
