@@ -11,16 +11,21 @@
 //! tokens are the same. Each expert rank keeps its experts in its own store (budget,
 //! streaming, pins of its own) and only answers requests ([`serve`]).
 //!
-//! A rank that does not answer within `MPI_TIMEOUT` seconds ends the run with an error that
-//! names it, before that step is saved; a rank that dies ends the job through `mpirun`.
+//! A rank that does not take a message or answer one within `MPI_TIMEOUT` seconds ends the
+//! run with an error that names it, before that step is saved; a rank that dies ends the
+//! job through `mpirun`.
 //! This module owns the protocol and the placement; it does not compute experts.
 
+use std::cell::Cell;
+use std::mem::ManuallyDrop;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
+use mpi::datatype::Equivalence;
+use mpi::request::{self, Scope};
 use mpi::topology::{Process, Rank, SimpleCommunicator};
 use mpi::traits::*;
 use mpi::Threading;
@@ -152,6 +157,9 @@ pub struct Trunk {
     /// The experts pinned on the expert ranks, by layer, as their answers said.
     pinned: Vec<Vec<usize>>,
     pins_skipped: usize,
+    /// A rank ran past `MPI_TIMEOUT`: the failing run aborts the job, and nothing more is
+    /// sent (a message to a rank that hangs could wait as long again).
+    timed_out: Cell<bool>,
 }
 
 impl Trunk {
@@ -189,6 +197,7 @@ impl Trunk {
             layer: 0,
             slots: (0, false),
             pins_skipped: 0,
+            timed_out: Cell::new(false),
         };
         let states = trunk.states()?;
         trunk.slots = (
@@ -199,41 +208,122 @@ impl Trunk {
         Ok(())
     }
 
-    /// Wait for `rank`'s next message under `tag`, at most `MPI_TIMEOUT`; `what` says what
-    /// the answer was for when none comes.
-    fn wait_for(&self, rank: Rank, tag: i32, what: impl Fn() -> String) -> Result<()> {
+    /// `rank`'s next message under `tag`, waiting at most `MPI_TIMEOUT` for all of it; `what`
+    /// says what the answer was for when it does not come. A large message arrives in parts
+    /// as its sender runs, so a plain receive would wait for ever on a rank that hangs
+    /// partway through its answer.
+    fn receive_within<T: Equivalence + Default + Clone>(
+        &self,
+        rank: Rank,
+        tag: i32,
+        what: impl Fn() -> String,
+    ) -> Result<Vec<T>> {
         let world = SimpleCommunicator::world();
         let process = rank_process(&world, rank);
         let started = Instant::now();
+        let late = || {
+            anyhow!(
+                "expert rank {rank} did not answer {} within MPI_TIMEOUT={}s; the run ends here and this step is not saved (is rank {rank} alive, or does it need more time?)",
+                what(),
+                self.timeout.as_secs()
+            )
+        };
         let mut waited = 0u32;
-        while process.immediate_probe_with_tag(tag).is_none() {
-            if started.elapsed() > self.timeout {
-                bail!(
-                    "expert rank {rank} did not answer {} within MPI_TIMEOUT={}s; the run ends here and this step is not saved (is rank {rank} alive, or does it need more time?)",
-                    what(),
-                    self.timeout.as_secs()
-                );
+        let (message, status) = loop {
+            if let Some(matched) = process.immediate_matched_probe_with_tag(tag) {
+                break matched;
             }
+            if started.elapsed() > self.timeout {
+                self.timed_out.set(true);
+                return Err(late());
+            }
+            // The answer waits on the rank's experts: spin a little, then sleep between looks.
             waited += 1;
             if waited < 1000 {
                 std::thread::yield_now();
             } else {
                 std::thread::sleep(Duration::from_micros(200));
             }
+        };
+        let count = usize::try_from(status.count(T::equivalent_datatype()))?;
+        let mut data = ManuallyDrop::new(vec![T::default(); count]);
+        let received = request::scope(|scope| {
+            let request = message.immediate_matched_receive_into(scope, &mut data[..]);
+            self.complete_within(started, request)
+        });
+        if !received {
+            return Err(late());
         }
+        Ok(ManuallyDrop::into_inner(data))
+    }
+
+    /// Send `data` to `rank` under `tag`, waiting at most `MPI_TIMEOUT` for it to leave;
+    /// `what` says what it was when it does not. A message larger than MPI buffers (an
+    /// MoE call's rows of a real model) leaves only as the rank receives it, so a plain
+    /// send to a rank that hangs would never return.
+    fn send_within<T: Equivalence>(
+        &self,
+        rank: Rank,
+        tag: i32,
+        data: Vec<T>,
+        what: impl Fn() -> String,
+    ) -> Result<()> {
+        let world = SimpleCommunicator::world();
+        let process = rank_process(&world, rank);
+        let started = Instant::now();
+        let data = ManuallyDrop::new(data);
+        let sent = request::scope(|scope| {
+            let request = process.immediate_send_with_tag(scope, &data[..], tag);
+            self.complete_within(started, request)
+        });
+        if !sent {
+            bail!(
+                "expert rank {rank} did not take {} within MPI_TIMEOUT={}s; the run ends here and this step is not saved (is rank {rank} alive, or does it need more time?)",
+                what(),
+                self.timeout.as_secs()
+            );
+        }
+        drop(ManuallyDrop::into_inner(data));
         Ok(())
+    }
+
+    /// Drive `request` until it completes (true) or `MPI_TIMEOUT` has passed since
+    /// `started` (false). An unfinished request is left to MPI with its buffer, which the
+    /// caller must then never free: the failing run ends every rank ([`Job::abort`]).
+    fn complete_within<'a, D: ?Sized, S: Scope<'a>>(
+        &self,
+        started: Instant,
+        mut request: request::Request<'a, D, S>,
+    ) -> bool {
+        loop {
+            match request.test() {
+                Ok(_) => return true,
+                Err(pending) if started.elapsed() > self.timeout => {
+                    self.timed_out.set(true);
+                    // SAFETY: the request leaves its scope unfinished; its buffer is never
+                    // freed (the callers leak it) and the job is aborted.
+                    let _ = unsafe { pending.into_raw() };
+                    return false;
+                }
+                Err(pending) => request = pending,
+            }
+            // Each test moves the transfer on; yielding leaves the core to the ranks.
+            std::thread::yield_now();
+        }
     }
 
     /// Each expert rank's store: slots a layer, whether it streams, and its counters.
     fn states(&self) -> Result<Vec<(usize, bool, CacheStats)>> {
-        let world = SimpleCommunicator::world();
         for rank in 1..self.size {
-            rank_process(&world, rank).send_with_tag(&[OP_STATE][..], TAG_REQUEST);
+            self.send_within(rank, TAG_REQUEST, vec![OP_STATE], || {
+                "a question about its expert store".into()
+            })?;
         }
         (1..self.size)
             .map(|rank| {
-                self.wait_for(rank, TAG_STATE, || "a question about its expert store".into())?;
-                let (words, _) = rank_process(&world, rank).receive_vec_with_tag::<u64>(TAG_STATE);
+                let words: Vec<u64> = self.receive_within(rank, TAG_STATE, || {
+                    "a question about its expert store".into()
+                })?;
                 let Some((&[slots, streams], counters)) = words.split_first_chunk::<2>() else {
                     bail!("expert rank {rank} described its store in {} words; are all ranks running the same coli?", words.len());
                 };
@@ -273,7 +363,6 @@ impl RemoteExperts for Trunk {
     ) -> Result<()> {
         profile::time(Phase::Exchange, || {
             EXCHANGES.fetch_add(1, Ordering::Relaxed);
-            let world = SimpleCommunicator::world();
             self.pending.clear();
             self.sent = assignments.len();
             self.layer = layer;
@@ -308,28 +397,26 @@ impl RemoteExperts for Trunk {
                     .flat_map(|&row| &input[row * width..][..width])
                     .copied()
                     .collect();
-                let process = rank_process(&world, rank);
-                process.send_with_tag(&request[..], TAG_REQUEST);
-                process.send_with_tag(&batch[..], TAG_INPUT);
+                let what = || format!("the rows of MoE layer {layer}");
+                self.send_within(rank, TAG_REQUEST, request, what)?;
+                self.send_within(rank, TAG_INPUT, batch, what)?;
                 let expected = mine
                     .iter()
                     .map(|&i| (i, assignments[i].1.len() * width))
                     .collect();
                 self.pending.push((rank, expected));
             }
-        });
-        Ok(())
+            Ok(())
+        })
     }
 
     fn receive(&mut self) -> Result<Vec<Vec<f32>>> {
         profile::time(Phase::Exchange, || {
-            let world = SimpleCommunicator::world();
             let mut outputs = vec![Vec::new(); self.sent];
             for (rank, expected) in std::mem::take(&mut self.pending) {
                 let layer = self.layer;
-                self.wait_for(rank, TAG_OUTPUT, || format!("for MoE layer {layer}"))?;
-                let process = rank_process(&world, rank);
-                let (answer, _) = process.receive_vec_with_tag::<f32>(TAG_OUTPUT);
+                let answer: Vec<f32> =
+                    self.receive_within(rank, TAG_OUTPUT, || format!("for MoE layer {layer}"))?;
                 let total: usize = expected.iter().map(|&(_, len)| len).sum();
                 if answer.len() != total {
                     bail!(
@@ -349,7 +436,6 @@ impl RemoteExperts for Trunk {
     }
 
     fn place(&mut self, changes: &[(usize, usize, bool)]) -> Result<Vec<bool>> {
-        let world = SimpleCommunicator::world();
         let mut asked: Vec<(Rank, Vec<usize>)> = Vec::new();
         for rank in 1..self.size {
             let mine: Vec<usize> = (0..changes.len())
@@ -363,7 +449,7 @@ impl RemoteExperts for Trunk {
                 let (layer, expert, pin) = changes[i];
                 request.extend([layer as u64, expert as u64, u64::from(pin)]);
             }
-            rank_process(&world, rank).send_with_tag(&request[..], TAG_REQUEST);
+            self.send_within(rank, TAG_REQUEST, request, || "pins and unpins".into())?;
             asked.push((rank, mine));
         }
         // Every rank loads its share at once; each answer comes as its expert is placed,
@@ -372,11 +458,9 @@ impl RemoteExperts for Trunk {
         for (rank, mine) in asked {
             for i in mine {
                 let (layer, expert, _) = changes[i];
-                self.wait_for(rank, TAG_PLACED, || {
+                let answer: Vec<u64> = self.receive_within(rank, TAG_PLACED, || {
                     format!("for the pin of expert {expert} of layer {layer}")
                 })?;
-                let (answer, _) =
-                    rank_process(&world, rank).receive_vec_with_tag::<u64>(TAG_PLACED);
                 placed[i] = answer.first() == Some(&1);
             }
         }
@@ -400,7 +484,6 @@ impl RemoteExperts for Trunk {
     }
 
     fn seed_heat(&mut self, seeds: &[(usize, usize, u64)]) -> Result<()> {
-        let world = SimpleCommunicator::world();
         for rank in 1..self.size {
             let mine: Vec<u64> = seeds
                 .iter()
@@ -410,7 +493,9 @@ impl RemoteExperts for Trunk {
             if !mine.is_empty() {
                 let mut request = vec![OP_SEED, (mine.len() / 3) as u64];
                 request.extend(mine);
-                rank_process(&world, rank).send_with_tag(&request[..], TAG_REQUEST);
+                self.send_within(rank, TAG_REQUEST, request, || {
+                    "the history's heat of its experts".into()
+                })?;
             }
         }
         Ok(())
@@ -438,8 +523,12 @@ impl RemoteExperts for Trunk {
 }
 
 impl Drop for Trunk {
-    /// The expert ranks stop when the trunk's engine goes, whether the run ended or failed.
+    /// The expert ranks stop when the trunk's engine goes, whether the run ended or failed;
+    /// after a timeout the abort that follows stops them.
     fn drop(&mut self) {
+        if self.timed_out.get() {
+            return;
+        }
         let world = SimpleCommunicator::world();
         for rank in 1..self.size {
             rank_process(&world, rank).send_with_tag(&[OP_STOP][..], TAG_REQUEST);

@@ -320,7 +320,7 @@ pub const KEYS: &[Key] = &[
         name: "MPI_TIMEOUT",
         kind: Kind::Count,
         default: "120",
-        doc: "under mpirun: seconds rank 0 waits for an expert rank's answer before it ends the run naming that rank",
+        doc: "under mpirun: seconds rank 0 waits for an expert rank, to take a message or to answer, before it ends the run naming that rank",
     },
     Key {
         name: "ACT_BITS",

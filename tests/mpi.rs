@@ -303,20 +303,24 @@ fn rank_pid(mark: &str, rank: usize) -> Option<u32> {
     })
 }
 
-/// How long the signal tests wait for the job to start generating, and then to end.
+/// A generation far longer than the signal tests wait, so that it is running at the signal.
+const GENERATION: [&str; 3] = ["IDS=3 11 29 7", "NGEN=10000000", "LONG_CONTEXT=1"];
+
+/// How long the signal tests wait for the run to get under way, and then for it to end.
 const JOB_DEADLINE: std::time::Duration = std::time::Duration::from_secs(180);
 
-/// A long generation on a copy of olmoe_tiny under `mpirun -np 3` (with `extra` settings):
-/// once it is generating, `kill -SIGNAL` goes to rank `rank`; then the job's output, and
-/// the copy, once mpirun has ended.
+/// A long run on a copy of olmoe_tiny under `mpirun -np 3` (with the settings `run`, a
+/// generation or a perplexity far longer than the test waits): once it is under way,
+/// `kill -SIGNAL` goes to rank `rank`; then the job's output, and the copy, once mpirun has
+/// ended.
 ///
-/// The signal waits for generation, not for a time: the route trace of rank 0 reaches disk
+/// The signal waits for the run, not for a time: the route trace of rank 0 reaches disk
 /// only when its buffer fills, hundreds of tokens in, after every rank has answered. A
 /// fixed wait is not enough: a rank stopped inside `MPI_Init` stops the
 /// others' `MPI_Init` with it, where no `MPI_TIMEOUT` can reach, and a loaded machine can
 /// spend seconds there. A job that neither starts nor ends within [`JOB_DEADLINE`] is
 /// killed, every rank with it, and the test fails saying so.
-fn signal_rank_mid_run(rank: usize, signal: &str, extra: &[&str]) -> (Output, tempfile::TempDir) {
+fn signal_rank_mid_run(rank: usize, signal: &str, run: &[&str]) -> (Output, tempfile::TempDir) {
     use std::io::Read;
     use std::sync::{Arc, Mutex};
 
@@ -329,15 +333,8 @@ fn signal_rank_mid_run(rank: usize, signal: &str, extra: &[&str]) -> (Output, te
     let snap = format!("SNAP={}", dir.path().display());
     let trace_path = dir.path().join("route.trace");
     let trace = format!("ROUTE_TRACE={}", trace_path.display());
-    // A generation far longer than the test waits, so that it is running at the signal.
-    let mut args = vec![
-        snap.as_str(),
-        trace.as_str(),
-        "IDS=3 11 29 7",
-        "NGEN=10000000",
-        "LONG_CONTEXT=1",
-    ];
-    args.extend(extra);
+    let mut args = vec![snap.as_str(), trace.as_str()];
+    args.extend(run);
     args.extend(["2", "16", "16"]);
     let mut command = mpirun_command(3, &args);
     command.env("COLI_TEST_MARK", &mark);
@@ -378,24 +375,29 @@ fn signal_rank_mid_run(rank: usize, signal: &str, extra: &[&str]) -> (Output, te
     };
 
     let started = std::time::Instant::now();
-    let generating = || std::fs::metadata(&trace_path).is_ok_and(|m| m.len() > 0);
-    while !generating() {
-        if started.elapsed() > JOB_DEADLINE || child.try_wait().unwrap().is_some() {
-            give_up(&mut child, "the job never started generating");
+    let under_way = || std::fs::metadata(&trace_path).is_ok_and(|m| m.len() > 0);
+    while !under_way() {
+        if let Some(status) = child.try_wait().unwrap() {
+            give_up(
+                &mut child,
+                &format!("mpirun ended ({status}) before the run was under way"),
+            );
+        }
+        if started.elapsed() > JOB_DEADLINE {
+            give_up(&mut child, "the run never got under way");
         }
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
     let Some(pid) = rank_pid(&mark, rank) else {
-        give_up(
-            &mut child,
-            &format!("no rank {rank} in a job that generates"),
-        );
+        give_up(&mut child, &format!("no rank {rank} in a job under way"));
     };
     let sent = Command::new("kill")
         .args([format!("-{signal}"), pid.to_string()])
         .status()
         .unwrap();
-    assert!(sent.success());
+    if !sent.success() {
+        give_up(&mut child, &format!("kill -{signal} {pid} failed"));
+    }
     let signalled = std::time::Instant::now();
     let status = loop {
         if let Some(status) = child.try_wait().unwrap() {
@@ -425,7 +427,8 @@ fn signal_rank_mid_run(rank: usize, signal: &str, extra: &[&str]) -> (Output, te
 #[test]
 fn a_rank_that_stops_answering_ends_the_run_naming_it_and_nothing_is_saved() {
     // Rank 1 frozen, as a hung machine would be.
-    let (out, dir) = signal_rank_mid_run(1, "STOP", &["MPI_TIMEOUT=2"]);
+    let (out, dir) =
+        signal_rank_mid_run(1, "STOP", &[&GENERATION[..], &["MPI_TIMEOUT=2"]].concat());
     let err = stderr(&out);
     assert!(!out.status.success(), "{err}");
     assert!(
@@ -439,8 +442,33 @@ fn a_rank_that_stops_answering_ends_the_run_naming_it_and_nothing_is_saved() {
 }
 
 #[test]
+fn a_rank_that_stops_during_a_prompt_ends_the_run_naming_it() {
+    // Rank 1 frozen while a perplexity run sends it windows of 64 rows. The stop lands while
+    // the rank waits for rows, which are more than MPI sends before the rank takes them (a
+    // plain send would wait for ever), or while it computes or sends its answer, which then
+    // never comes whole (a plain receive of a message begun would wait for ever).
+    let text = tempfile::NamedTempFile::new().expect("temporary file");
+    std::fs::write(
+        text.path(),
+        "the cat sat on a mat and it was fine ".repeat(12_000),
+    )
+    .unwrap();
+    let file = format!("PPL_FILE={}", text.path().display());
+    let (out, _) = signal_rank_mid_run(1, "STOP", &["PPL=1", &file, "CTX=64", "MPI_TIMEOUT=2"]);
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{err}");
+    let named = [
+        "did not take the rows of MoE layer",
+        "did not answer for MoE layer",
+    ]
+    .iter()
+    .any(|what| err.contains(&format!("expert rank 1 {what}")));
+    assert!(named && err.contains("MPI_TIMEOUT=2s"), "{err}");
+}
+
+#[test]
 fn a_signal_to_rank_0_ends_the_job_as_one_process_ends_and_saves() {
-    let (out, dir) = signal_rank_mid_run(0, "TERM", &[]);
+    let (out, dir) = signal_rank_mid_run(0, "TERM", &GENERATION);
     let err = stderr(&out);
     // Rank 0 exits 128 + SIGTERM after saving, and the expert ranks stop when told.
     assert_eq!(out.status.code(), Some(143), "{err}");
