@@ -212,10 +212,19 @@ pub fn run(argv: impl IntoIterator<Item = OsString>) -> Result<ExitCode> {
     }
     let result = run::main_job(cli.model.as_deref(), &settings, positionals);
     #[cfg(feature = "mpi")]
-    if let (Err(err), Some(job)) = (&result, &job) {
-        // A rank that stopped answering would hold up MPI's orderly end: end them all.
-        eprintln!("error: {err:#}");
-        job.abort(2);
+    if let Some(job) = &job {
+        // A rank that stopped answering would hold up MPI's orderly end: end them all, also
+        // when its timeout only cost a report and the run itself ended.
+        match &result {
+            Err(err) => eprintln!("error: {err:#}"),
+            Ok(_) if crate::cluster::timed_out() => eprintln!(
+                "error: an expert rank did not answer within MPI_TIMEOUT (above); the job ends here"
+            ),
+            Ok(_) => {}
+        }
+        if result.is_err() || crate::cluster::timed_out() {
+            job.abort(2);
+        }
     }
     result
 }

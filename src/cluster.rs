@@ -12,14 +12,14 @@
 //! streaming, pins of its own) and only answers requests ([`serve`]).
 //!
 //! A rank that does not take a message or answer one within `MPI_TIMEOUT` seconds ends the
-//! run with an error that names it, before that step is saved; a rank that dies ends the
-//! job through `mpirun`.
+//! job: the error names it, the step it held up is not saved, nothing more is asked of the
+//! ranks, and rank 0 aborts them all as the run ends ([`timed_out`]). A rank that dies ends
+//! the job through `mpirun`.
 //! This module owns the protocol and the placement; it does not compute experts.
 
-use std::cell::Cell;
 use std::mem::ManuallyDrop;
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -65,6 +65,15 @@ pub struct Job {
 
 static SIZE: OnceLock<Rank> = OnceLock::new();
 static EXCHANGES: AtomicU64 = AtomicU64::new(0);
+/// An expert rank ran past `MPI_TIMEOUT`. Nothing more is asked of the ranks (a message to
+/// a rank that hangs could wait as long again), and the job is aborted when the run ends,
+/// even where the timeout only cost a report (the cache counters at the end).
+static TIMED_OUT: AtomicBool = AtomicBool::new(false);
+
+/// Whether an expert rank ran past `MPI_TIMEOUT` in this run: the job must be aborted.
+pub fn timed_out() -> bool {
+    TIMED_OUT.load(Ordering::Relaxed)
+}
 
 /// The MoE calls whose experts went to other ranks so far.
 pub fn exchanges() -> u64 {
@@ -157,9 +166,6 @@ pub struct Trunk {
     /// The experts pinned on the expert ranks, by layer, as their answers said.
     pinned: Vec<Vec<usize>>,
     pins_skipped: usize,
-    /// A rank ran past `MPI_TIMEOUT`: the failing run aborts the job, and nothing more is
-    /// sent (a message to a rank that hangs could wait as long again).
-    timed_out: Cell<bool>,
 }
 
 impl Trunk {
@@ -197,7 +203,6 @@ impl Trunk {
             layer: 0,
             slots: (0, false),
             pins_skipped: 0,
-            timed_out: Cell::new(false),
         };
         let states = trunk.states()?;
         trunk.slots = (
@@ -218,23 +223,20 @@ impl Trunk {
         tag: i32,
         what: impl Fn() -> String,
     ) -> Result<Vec<T>> {
+        let late = || self.late(rank, format!("did not answer {}", what()));
+        if timed_out() {
+            return Err(late());
+        }
         let world = SimpleCommunicator::world();
         let process = rank_process(&world, rank);
         let started = Instant::now();
-        let late = || {
-            anyhow!(
-                "expert rank {rank} did not answer {} within MPI_TIMEOUT={}s; the run ends here and this step is not saved (is rank {rank} alive, or does it need more time?)",
-                what(),
-                self.timeout.as_secs()
-            )
-        };
         let mut waited = 0u32;
         let (message, status) = loop {
             if let Some(matched) = process.immediate_matched_probe_with_tag(tag) {
                 break matched;
             }
             if started.elapsed() > self.timeout {
-                self.timed_out.set(true);
+                TIMED_OUT.store(true, Ordering::Relaxed);
                 return Err(late());
             }
             // The answer waits on the rank's experts: spin a little, then sleep between looks.
@@ -245,11 +247,17 @@ impl Trunk {
                 std::thread::sleep(Duration::from_micros(200));
             }
         };
-        let count = usize::try_from(status.count(T::equivalent_datatype()))?;
+        let Ok(count) = usize::try_from(status.count(T::equivalent_datatype())) else {
+            // Unreceived, the message would panic as it drops: left to MPI, as the job ends.
+            std::mem::forget(message);
+            TIMED_OUT.store(true, Ordering::Relaxed);
+            bail!("expert rank {rank} answered {} with a message that is not a whole number of values; are all ranks running the same coli?", what());
+        };
         let mut data = ManuallyDrop::new(vec![T::default(); count]);
         let received = request::scope(|scope| {
             let request = message.immediate_matched_receive_into(scope, &mut data[..]);
-            self.complete_within(started, request)
+            // SAFETY: on a timeout `data` is never freed (it stays in its `ManuallyDrop`).
+            unsafe { self.complete_within(started, request) }
         });
         if !received {
             return Err(late());
@@ -268,29 +276,41 @@ impl Trunk {
         data: Vec<T>,
         what: impl Fn() -> String,
     ) -> Result<()> {
+        let late = || self.late(rank, format!("did not take {}", what()));
+        if timed_out() {
+            return Err(late());
+        }
         let world = SimpleCommunicator::world();
         let process = rank_process(&world, rank);
         let started = Instant::now();
         let data = ManuallyDrop::new(data);
         let sent = request::scope(|scope| {
             let request = process.immediate_send_with_tag(scope, &data[..], tag);
-            self.complete_within(started, request)
+            // SAFETY: on a timeout `data` is never freed (it stays in its `ManuallyDrop`).
+            unsafe { self.complete_within(started, request) }
         });
         if !sent {
-            bail!(
-                "expert rank {rank} did not take {} within MPI_TIMEOUT={}s; the run ends here and this step is not saved (is rank {rank} alive, or does it need more time?)",
-                what(),
-                self.timeout.as_secs()
-            );
+            return Err(late());
         }
         drop(ManuallyDrop::into_inner(data));
         Ok(())
     }
 
+    /// The error for `rank` having `happened` (what it did not do) within `MPI_TIMEOUT`.
+    fn late(&self, rank: Rank, happened: String) -> anyhow::Error {
+        anyhow!(
+            "expert rank {rank} {happened} within MPI_TIMEOUT={}s; the run ends here and this step is not saved (is rank {rank} alive, or does it need more time?)",
+            self.timeout.as_secs()
+        )
+    }
+
     /// Drive `request` until it completes (true) or `MPI_TIMEOUT` has passed since
-    /// `started` (false). An unfinished request is left to MPI with its buffer, which the
-    /// caller must then never free: the failing run ends every rank ([`Job::abort`]).
-    fn complete_within<'a, D: ?Sized, S: Scope<'a>>(
+    /// `started` (false, and [`timed_out`] from then on).
+    ///
+    /// # Safety
+    /// An unfinished request is left to MPI with its buffer: after `false` the caller must
+    /// never free that buffer. The job is aborted at the end of the run ([`timed_out`]).
+    unsafe fn complete_within<'a, D: ?Sized, S: Scope<'a>>(
         &self,
         started: Instant,
         mut request: request::Request<'a, D, S>,
@@ -299,15 +319,16 @@ impl Trunk {
             match request.test() {
                 Ok(_) => return true,
                 Err(pending) if started.elapsed() > self.timeout => {
-                    self.timed_out.set(true);
-                    // SAFETY: the request leaves its scope unfinished; its buffer is never
-                    // freed (the callers leak it) and the job is aborted.
+                    TIMED_OUT.store(true, Ordering::Relaxed);
+                    // SAFETY: the request leaves its scope unfinished; the caller never
+                    // frees its buffer (this function's contract).
                     let _ = unsafe { pending.into_raw() };
                     return false;
                 }
                 Err(pending) => request = pending,
             }
-            // Each test moves the transfer on; yielding leaves the core to the ranks.
+            // Each test moves the transfer on, so no sleeping between them (unlike the wait
+            // for an answer, which waits on the rank's experts).
             std::thread::yield_now();
         }
     }
@@ -526,7 +547,7 @@ impl Drop for Trunk {
     /// The expert ranks stop when the trunk's engine goes, whether the run ended or failed;
     /// after a timeout the abort that follows stops them.
     fn drop(&mut self) {
-        if self.timed_out.get() {
+        if timed_out() {
             return;
         }
         let world = SimpleCommunicator::world();

@@ -442,11 +442,13 @@ fn a_rank_that_stops_answering_ends_the_run_naming_it_and_nothing_is_saved() {
 }
 
 #[test]
-fn a_rank_that_stops_during_a_prompt_ends_the_run_naming_it() {
+fn a_rank_that_stops_during_a_perplexity_run_ends_it_naming_the_rank() {
     // Rank 1 frozen while a perplexity run sends it windows of 64 rows. The stop lands while
     // the rank waits for rows, which are more than MPI sends before the rank takes them (a
     // plain send would wait for ever), or while it computes or sends its answer, which then
-    // never comes whole (a plain receive of a message begun would wait for ever).
+    // never comes whole (a plain receive of a message begun would wait for ever: the ranks
+    // here copy through shared memory, `btl_vader_single_copy_mechanism=none`, so the
+    // receiver cannot pull the rest itself).
     let text = tempfile::NamedTempFile::new().expect("temporary file");
     std::fs::write(
         text.path(),
