@@ -223,10 +223,8 @@ impl Trunk {
         tag: i32,
         what: impl Fn() -> String,
     ) -> Result<Vec<T>> {
+        self.not_after_a_timeout(rank)?;
         let late = || self.late(rank, format!("did not answer {}", what()));
-        if timed_out() {
-            return Err(late());
-        }
         let world = SimpleCommunicator::world();
         let process = rank_process(&world, rank);
         let started = Instant::now();
@@ -276,10 +274,8 @@ impl Trunk {
         data: Vec<T>,
         what: impl Fn() -> String,
     ) -> Result<()> {
+        self.not_after_a_timeout(rank)?;
         let late = || self.late(rank, format!("did not take {}", what()));
-        if timed_out() {
-            return Err(late());
-        }
         let world = SimpleCommunicator::world();
         let process = rank_process(&world, rank);
         let started = Instant::now();
@@ -293,6 +289,17 @@ impl Trunk {
             return Err(late());
         }
         drop(ManuallyDrop::into_inner(data));
+        Ok(())
+    }
+
+    /// Once a rank ran past `MPI_TIMEOUT`, `rank` is not waited on again ([`TIMED_OUT`]).
+    fn not_after_a_timeout(&self, rank: Rank) -> Result<()> {
+        if timed_out() {
+            bail!(
+                "expert rank {rank} was not asked again: a rank already ran past MPI_TIMEOUT={}s",
+                self.timeout.as_secs()
+            );
+        }
         Ok(())
     }
 
