@@ -215,14 +215,16 @@ pub fn run(argv: impl IntoIterator<Item = OsString>) -> Result<ExitCode> {
     if let Some(job) = &job {
         // A rank that stopped answering would hold up MPI's orderly end: end them all, also
         // when its timeout only cost a report and the run itself ended.
-        match &result {
-            Err(err) => eprintln!("error: {err:#}"),
-            Ok(_) if crate::cluster::timed_out() => eprintln!(
-                "error: an expert rank did not answer within MPI_TIMEOUT (above); the job ends here"
+        let failed = match &result {
+            Err(err) => Some(format!("{err:#}")),
+            Ok(_) if crate::cluster::timed_out() => Some(
+                "an expert rank did not answer within MPI_TIMEOUT (above); the job ends here"
+                    .to_string(),
             ),
-            Ok(_) => {}
-        }
-        if result.is_err() || crate::cluster::timed_out() {
+            Ok(_) => None,
+        };
+        if let Some(why) = failed {
+            eprintln!("error: {why}");
             job.abort(2);
         }
     }
