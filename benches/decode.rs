@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use coli::convert::Precision;
-use coli::engines::{self, LoadOptions};
+use coli::engines::{self, LoadOptions, Logits};
 use coli::experts::{Budget, StoreOptions};
 use coli::generate::greedy;
 use coli::quant::Width;
@@ -142,12 +142,12 @@ fn run(dir: &Path, layers: usize, repeat: usize) -> Figures {
         },
         ..LoadOptions::exact(EXPERTS)
     };
-    let mut engine = engines::load("olmoe", &snapshot, options).expect("load the model");
+    let engine = engines::load("olmoe", &snapshot, options).expect("load the model");
     let prompt: Vec<u32> = (0..PROMPT as u32)
         .map(|i| (i * 7919 + 13) % VOCAB as u32)
         .collect();
     // Untimed: loads every expert the prompt and the decode touch.
-    greedy(engine.as_mut(), &prompt, DECODE).expect("warm-up generation");
+    greedy(engine.as_ref(), &prompt, DECODE).expect("warm-up generation");
     let long: Vec<u32> = (0..LONG_PROMPT as u32)
         .map(|i| (i * 104_729 + 7) % VOCAB as u32)
         .collect();
@@ -158,13 +158,14 @@ fn run(dir: &Path, layers: usize, repeat: usize) -> Figures {
         bytes: bytes_per_token(&snapshot, layers),
     };
     for _ in 0..repeat.max(1) {
-        engine.reset();
-        let generation = greedy(engine.as_mut(), &prompt, DECODE).expect("generation");
+        let generation = greedy(engine.as_ref(), &prompt, DECODE).expect("generation");
         best.prefill = best.prefill.max(PROMPT as f64 / generation.prefill_seconds);
         best.decode = best.decode.max(generation.decode_tokens_per_second());
-        engine.reset();
+        let mut state = engine.new_state();
         let started = Instant::now();
-        engine.forward(&long, false).expect("long prefill");
+        engine
+            .forward_one(&mut state, &long, Logits::Last)
+            .expect("long prefill");
         best.long_prefill = best
             .long_prefill
             .max(LONG_PROMPT as f64 / started.elapsed().as_secs_f64());

@@ -171,10 +171,13 @@ pub struct Trunk {
 impl Trunk {
     /// The trunk of an MPI job of `size` ranks for `engine`, placed as `settings` ask from
     /// the history the engine has loaded; the placement is said on stderr.
-    pub fn attach(engine: &mut dyn Engine, settings: &Settings, size: Rank) -> Result<()> {
-        let store = engine.expert_store();
-        let per_layer: Vec<usize> = (0..store.layers()).map(|l| store.experts_in(l)).collect();
-        let counts = engine.telemetry().counts().clone();
+    pub fn attach(engine: &dyn Engine, settings: &Settings, size: Rank) -> Result<()> {
+        let (per_layer, counts) = {
+            let routed = engine.routed();
+            let store = &routed.store;
+            let per_layer: Vec<usize> = (0..store.layers()).map(|l| store.experts_in(l)).collect();
+            (per_layer, routed.telemetry.counts().clone())
+        };
         let owners = plan(settings.expert_sharding, size, &per_layer, |l, e| {
             u64::from(counts.get(l, e))
         });
@@ -209,7 +212,7 @@ impl Trunk {
             states.iter().map(|s| s.0).min().unwrap_or(0),
             states.iter().any(|s| s.1),
         );
-        engine.routed_mut().remote = Some(Box::new(trunk));
+        engine.routed().remote = Some(Box::new(trunk));
         Ok(())
     }
 
@@ -602,11 +605,11 @@ pub fn serve(
     // between tokens and saves), and this rank answers until the trunk says stop.
     crate::interrupt::install();
     let (snapshot, name) = run::open(model, settings)?;
-    let mut engine = run::load_for(settings, positionals, &snapshot, name, false)?.engine;
+    let engine = run::load_for(settings, positionals, &snapshot, name, false)?.engine;
     // Only the store answers requests: the trunk's weights go before any expert is read,
     // and the store's budget was sized without them.
     let placeholder = ExpertStore::new(Vec::new(), 1, Width::F32);
-    let mut store = std::mem::replace(&mut engine.routed_mut().store, placeholder);
+    let mut store = std::mem::replace(&mut engine.routed().store, placeholder);
     drop(engine);
     let world = SimpleCommunicator::world();
     let root = world.process_at_rank(0);

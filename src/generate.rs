@@ -8,13 +8,13 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 
-use crate::engines::Engine;
+use crate::engines::{Engine, Logits, State};
 use crate::interrupt;
 use crate::sampling::Sampler;
 
 /// Called after each forward that emitted tokens, with how many it emitted (placement
 /// passes such as `REPIN` run here).
-pub type OnTokens<'a> = &'a mut dyn FnMut(&mut dyn Engine, u64) -> Result<()>;
+pub type OnTokens<'a> = &'a mut dyn FnMut(&dyn Engine, u64) -> Result<()>;
 
 /// What a generation produced and what it cost.
 pub struct Generation {
@@ -87,17 +87,19 @@ impl Generation {
     }
 }
 
-/// Greedily generate `count` tokens after `prompt`, starting from an empty KV cache;
-/// speculatively (same tokens) when the engine drafts.
-pub fn greedy(engine: &mut dyn Engine, prompt: &[u32], count: usize) -> Result<Generation> {
-    greedy_with(engine, prompt, count, &[], &mut |_, _| Ok(()))
+/// Greedily generate `count` tokens after `prompt`, from a new state; speculatively (same
+/// tokens) when the engine drafts.
+pub fn greedy(engine: &dyn Engine, prompt: &[u32], count: usize) -> Result<Generation> {
+    let mut state = engine.new_state();
+    greedy_with(engine, &mut state, prompt, count, &[], &mut |_, _| Ok(()))
 }
 
 /// [`greedy`], ending early when it chooses one of `stops` (not kept in the tokens) and
 /// calling `on_tokens` as tokens come out. A Ctrl-C stops it after the current forward
 /// with the tokens so far.
 pub fn greedy_with(
-    engine: &mut dyn Engine,
+    engine: &dyn Engine,
+    state: &mut State,
     prompt: &[u32],
     count: usize,
     stops: &[u32],
@@ -108,7 +110,7 @@ pub fn greedy_with(
         sampler: &mut Sampler::greedy(),
         stops,
     };
-    generate_with(engine, prompt, policy, on_tokens, &mut |_| {
+    generate_with(engine, state, prompt, policy, on_tokens, &mut |_| {
         Ok(Flow::Continue)
     })
 }
@@ -146,44 +148,44 @@ pub enum Ending {
     Halted,
 }
 
-/// Generate up to `policy.count` tokens after `prompt` from an empty KV cache, each chosen by
-/// the policy's sampler, ending early on a stop id or a Ctrl-C (after the current forward);
-/// through [`speculate`] when the engine drafts.
+/// Generate up to `policy.count` tokens after `prompt` into `state`, emptied first, each
+/// chosen by the policy's sampler, ending early on a stop id or a Ctrl-C (after the current
+/// forward); through [`speculate`] when the engine drafts.
 pub fn generate_with(
-    engine: &mut dyn Engine,
+    engine: &dyn Engine,
+    state: &mut State,
     prompt: &[u32],
     policy: Policy,
     on_tokens: OnTokens,
     on_token: OnToken,
 ) -> Result<Generation> {
-    generate_after(engine, prompt, 0, policy, on_tokens, on_token)
+    *state = engine.new_state();
+    generate_after(engine, state, prompt, policy, on_tokens, on_token)
 }
 
-/// [`generate_with`] where the engine's KV cache already holds the first `cached` positions
-/// of `prompt` (a conversation's earlier turns): only the rest is prefilled. `cached` must
-/// be the engine's position and shorter than the prompt; 0 starts from an empty cache.
+/// [`generate_with`] where `state` already holds the first positions of `prompt` (a
+/// conversation's earlier turns): only the rest is prefilled. The state must hold fewer
+/// positions than the prompt has tokens.
 pub fn generate_after(
-    engine: &mut dyn Engine,
+    engine: &dyn Engine,
+    state: &mut State,
     prompt: &[u32],
-    cached: usize,
     policy: Policy,
     on_tokens: OnTokens,
     on_token: OnToken,
 ) -> Result<Generation> {
-    if cached > 0 && (cached >= prompt.len() || engine.position() != cached) {
+    let cached = state.position();
+    if cached >= prompt.len() {
         bail!(
-            "{cached} cached positions cannot be reused for a {}-token prompt with {} positions in the cache",
-            prompt.len(),
-            engine.position()
+            "{cached} cached positions cannot be reused for a {}-token prompt",
+            prompt.len()
         );
-    }
-    if cached == 0 {
-        engine.reset();
     }
     let depth = engine.draft_depth();
     if depth > 0 {
         return speculate(
             engine,
+            state,
             &prompt[cached..],
             depth,
             policy,
@@ -192,7 +194,7 @@ pub fn generate_after(
         );
     }
     let started = Instant::now();
-    let Some(mut logits) = prefill(engine, &prompt[cached..])? else {
+    let Some(mut logits) = prefill(engine, state, &prompt[cached..])? else {
         return Ok(Generation::interrupted_in_prefill(started, None));
     };
     let prefill_seconds = started.elapsed().as_secs_f64();
@@ -222,7 +224,7 @@ pub fn generate_after(
             ending = Ending::Interrupted;
             break;
         }
-        logits = engine.forward(&[token], false)?;
+        logits = engine.forward_one(state, &[token], Logits::Last)?;
     }
     Ok(Generation {
         tokens,
@@ -234,13 +236,13 @@ pub fn generate_after(
     })
 }
 
-/// The prompt's forward, which a signal may stop between layers: then the engine's cache,
-/// which holds part of it, is cleared and there are no logits.
-fn prefill(engine: &mut dyn Engine, tokens: &[u32]) -> Result<Option<Vec<f32>>> {
-    match interrupt::abortable(|| engine.forward(tokens, false)) {
+/// The prompt's forward, which a signal may stop between layers: then the state, which
+/// holds part of it, is emptied and there are no logits.
+fn prefill(engine: &dyn Engine, state: &mut State, tokens: &[u32]) -> Result<Option<Vec<f32>>> {
+    match interrupt::abortable(|| engine.forward_one(state, tokens, Logits::Last)) {
         Ok(logits) => Ok(Some(logits)),
         Err(err) if err.is::<interrupt::Interrupted>() => {
-            engine.reset();
+            *state = engine.new_state();
             Ok(None)
         }
         Err(err) => Err(err),
@@ -256,7 +258,8 @@ fn prefill(engine: &mut dyn Engine, tokens: &[u32]) -> Result<Option<Vec<f32>>> 
 /// forwards would). Rejected positions are dropped from the cache. `fresh` is the part of
 /// the prompt the cache does not hold yet.
 fn speculate(
-    engine: &mut dyn Engine,
+    engine: &dyn Engine,
+    state: &mut State,
     fresh: &[u32],
     depth: usize,
     policy: Policy,
@@ -269,7 +272,7 @@ fn speculate(
         depth,
         ..Speculation::default()
     };
-    let Some(logits) = prefill(engine, fresh)? else {
+    let Some(logits) = prefill(engine, state, fresh)? else {
         return Ok(Generation::interrupted_in_prefill(started, Some(stats)));
     };
     let prefill_seconds = started.elapsed().as_secs_f64();
@@ -298,12 +301,12 @@ fn speculate(
         }
         let next = tokens[tokens.len() - 1];
         // No draft beyond the last token asked for.
-        let drafts = engine.propose(next, depth.min(count - tokens.len() - 1))?;
-        let start = engine.position();
+        let drafts = engine.propose(state, next, depth.min(count - tokens.len() - 1))?;
+        let start = state.position();
         let mut feed = Vec::with_capacity(drafts.len() + 1);
         feed.push(next);
         feed.extend_from_slice(&drafts);
-        let rows = engine.forward(&feed, true)?;
+        let rows = engine.forward_one(state, &feed, Logits::All)?;
         stats.forwards += 1;
         stats.drafted += drafts.len();
         let mut kept = 0;
@@ -332,7 +335,7 @@ fn speculate(
         }
         stats.accepted += kept;
         if kept < drafts.len() {
-            engine.truncate(start + kept + 1)?;
+            state.truncate(start + kept + 1)?;
         }
         if emitted > 0 {
             on_tokens(engine, emitted)?;

@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 
-use crate::engines::Engine;
+use crate::engines::{Engine, Logits};
 use crate::generate::{argmax, greedy};
 
 /// A parsed, validated `ref.json`.
@@ -110,7 +110,7 @@ impl Outcome {
 
 /// Greedy generation from `prompt_ids`, compared position by position with the reference
 /// continuation.
-pub fn compare_greedy(engine: &mut dyn Engine, reference: &Reference) -> Result<Outcome> {
+pub fn compare_greedy(engine: &dyn Engine, reference: &Reference) -> Result<Outcome> {
     let expected = reference.generated();
     let generation = greedy(engine, &reference.prompt_ids, expected.len())?;
     let matching = expected
@@ -142,13 +142,13 @@ pub fn compare_greedy(engine: &mut dyn Engine, reference: &Reference) -> Result<
 }
 
 /// One forward over `full_ids`; the argmax at every position against `tf_pred`.
-pub fn compare_teacher_forced(engine: &mut dyn Engine, reference: &Reference) -> Result<Outcome> {
+pub fn compare_teacher_forced(engine: &dyn Engine, reference: &Reference) -> Result<Outcome> {
     let Some(expected) = &reference.tf_pred else {
         bail!("TF=1 needs tf_pred in the reference (the reference model's argmax at every position of full_ids)");
     };
-    engine.reset();
+    let mut state = engine.new_state();
     let started = Instant::now();
-    let logits = engine.forward(&reference.full_ids, true)?;
+    let logits = engine.forward_one(&mut state, &reference.full_ids, Logits::All)?;
     let seconds = started.elapsed().as_secs_f64();
     let vocab = engine.vocab_size();
     let mut matching = 0;

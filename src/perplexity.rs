@@ -32,7 +32,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 
-use crate::engines::Engine;
+use crate::engines::{Engine, Logits};
 use crate::files;
 use crate::oracle::Reference;
 use crate::settings::Settings;
@@ -117,7 +117,7 @@ impl Job {
     /// Score the tokens (the reference's `full_ids` at `reference` when none were given),
     /// print the `PPL:` line and, with a base, the `KLD:` line; write the base when it
     /// was missing.
-    pub fn run(self, engine: &mut dyn Engine, reference: &Path) -> Result<()> {
+    pub fn run(self, engine: &dyn Engine, reference: &Path) -> Result<()> {
         let vocab = engine.vocab_size();
         let (ids, from) = match self.ids {
             Some(given) => given,
@@ -261,7 +261,7 @@ impl Measured {
 /// Score `ids` in `windows`: one teacher-forced pass per window from an empty cache; with
 /// a `base` (already [`Base::check`]ed), compare each position with it.
 pub fn measure(
-    engine: &mut dyn Engine,
+    engine: &dyn Engine,
     ids: &[u32],
     windows: Windows,
     base: Option<&Base>,
@@ -283,11 +283,11 @@ pub fn measure(
     };
     let started = Instant::now();
     for (begin, end, first) in windows.spans(ids.len()) {
-        engine.reset();
+        let mut state = engine.new_state();
         let mut at = begin;
         while at < end {
             let upto = (at + CHUNK).min(end);
-            let logits = engine.forward(&ids[at..upto], true)?;
+            let logits = engine.forward_one(&mut state, &ids[at..upto], Logits::All)?;
             measured.forwarded += upto - at;
             // Row r of this call predicts token at + r + 1.
             for (r, row) in logits.chunks_exact(vocab).enumerate() {
@@ -316,7 +316,6 @@ pub fn measure(
             at = upto;
         }
     }
-    engine.reset();
     measured.seconds = started.elapsed().as_secs_f64();
     Ok(measured)
 }

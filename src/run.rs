@@ -9,7 +9,7 @@ use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::backend;
-use crate::engines::{self, Engine, LoadOptions};
+use crate::engines::{self, Engine, LoadOptions, Logits, State, Step};
 use crate::experts::budget::proc_field;
 use crate::experts::{Budget, StoreOptions};
 use crate::generate::{greedy_with, Ending};
@@ -65,7 +65,7 @@ fn job(model: Option<&str>, settings: &Settings, positionals: Positionals) -> Re
     let text = TextMode::from_settings(settings, snapshot.dir())?;
     let perplexity = perplexity::Job::from_settings(settings, snapshot.dir())?;
     let Loaded {
-        mut engine,
+        engine,
         budget,
         banner,
     } = load(settings, positionals, &snapshot, name)?;
@@ -113,31 +113,31 @@ fn job(model: Option<&str>, settings: &Settings, positionals: Positionals) -> Re
     } else {
         RunKind::Scoring
     };
-    let mut session = Session::start(settings, snapshot.dir(), engine.as_mut(), kind)?;
+    let mut session = Session::start(settings, snapshot.dir(), engine.as_ref(), kind)?;
     #[cfg(feature = "mpi")]
     if crate::cluster::world_size() > 1 {
         // Placed after the history loaded, so that its heat balances the ranks, and before
         // the pins, which go to the ranks that own them.
-        crate::cluster::Trunk::attach(engine.as_mut(), settings, crate::cluster::world_size())?;
+        crate::cluster::Trunk::attach(engine.as_ref(), settings, crate::cluster::world_size())?;
     }
-    session.place(settings, snapshot.dir(), engine.as_mut(), budget)?;
+    session.place(settings, snapshot.dir(), engine.as_ref(), budget)?;
 
     let ref_path = settings
         .reference
         .clone()
         .unwrap_or_else(|| snapshot.dir().join("ref.json"));
     if let Some(job) = perplexity {
-        job.run(engine.as_mut(), &ref_path)?;
+        job.run(engine.as_ref(), &ref_path)?;
         println!("{}", report_line(engine.as_ref(), 0.0));
         println!("{}", profile_line(engine.as_ref(), &run_started));
-        return Ok(session.finish(engine.as_mut(), RunKind::Scoring));
+        return Ok(session.finish(engine.as_ref(), RunKind::Scoring));
     }
 
     if let Some(job) = text_job.as_mut() {
         let mut on_tokens =
-            |engine: &mut dyn Engine, emitted: u64| session.after_tokens(engine, emitted);
+            |engine: &dyn Engine, emitted: u64| session.after_tokens(engine, emitted);
         let generation = job.run(
-            engine.as_mut(),
+            engine.as_ref(),
             ngen,
             &mut on_tokens,
             &mut std::io::stdout(),
@@ -154,7 +154,7 @@ fn job(model: Option<&str>, settings: &Settings, positionals: Positionals) -> Re
             report_line(engine.as_ref(), generation.decode_tokens_per_second())
         );
         eprintln!("{}", profile_line(engine.as_ref(), &run_started));
-        return Ok(session.finish(engine.as_mut(), RunKind::Generating));
+        return Ok(session.finish(engine.as_ref(), RunKind::Generating));
     }
 
     if let Some(ids) = &settings.ids {
@@ -163,17 +163,25 @@ fn job(model: Option<&str>, settings: &Settings, positionals: Positionals) -> Re
             bail!("IDS: token id {bad} is outside the vocabulary (vocab_size {vocab})");
         }
         if settings.replay {
-            let line = replay(engine.as_mut(), ids, &mut session)?;
+            let line = replay(engine.as_ref(), ids, settings.batch, &mut session)?;
             println!("{line}");
             println!("{}", report_line(engine.as_ref(), 0.0));
             println!("{}", profile_line(engine.as_ref(), &run_started));
-            return Ok(session.finish(engine.as_mut(), RunKind::Generating));
+            return Ok(session.finish(engine.as_ref(), RunKind::Generating));
         }
         let mut on_tokens =
-            |engine: &mut dyn Engine, emitted: u64| session.after_tokens(engine, emitted);
+            |engine: &dyn Engine, emitted: u64| session.after_tokens(engine, emitted);
         // A generation ends where the model says it ends, as in text mode.
         let stops = engine.stop_tokens().to_vec();
-        let generation = greedy_with(engine.as_mut(), ids, ngen, &stops, &mut on_tokens)?;
+        let mut state = engine.new_state();
+        let generation = greedy_with(
+            engine.as_ref(),
+            &mut state,
+            ids,
+            ngen,
+            &stops,
+            &mut on_tokens,
+        )?;
         if generation.stopped_in_prefill() {
             eprintln!(
                 "[coli] stopped during the prefill of {} tokens: nothing generated",
@@ -195,7 +203,7 @@ fn job(model: Option<&str>, settings: &Settings, positionals: Positionals) -> Re
             report_line(engine.as_ref(), generation.decode_tokens_per_second())
         );
         println!("{}", profile_line(engine.as_ref(), &run_started));
-        return Ok(session.finish(engine.as_mut(), RunKind::Generating));
+        return Ok(session.finish(engine.as_ref(), RunKind::Generating));
     }
     if settings.replay {
         bail!("REPLAY=1 decodes the ids given with IDS=\"...\"; IDS is not set");
@@ -203,13 +211,13 @@ fn job(model: Option<&str>, settings: &Settings, positionals: Positionals) -> Re
 
     let reference = Reference::load(&ref_path, engine.vocab_size())?;
     let outcome = if settings.tf {
-        oracle::compare_teacher_forced(engine.as_mut(), &reference)?
+        oracle::compare_teacher_forced(engine.as_ref(), &reference)?
     } else {
-        oracle::compare_greedy(engine.as_mut(), &reference)?
+        oracle::compare_greedy(engine.as_ref(), &reference)?
     };
     println!("{}", report_line(engine.as_ref(), outcome.rate));
     // An oracle run scores the reference's tokens: its routing is traced but not learned.
-    let finished = session.finish(engine.as_mut(), RunKind::Scoring);
+    let finished = session.finish(engine.as_ref(), RunKind::Scoring);
     if settings.oracle_strict && !outcome.passed() {
         eprintln!(
             "ORACLE_STRICT: {}/{} matching{}",
@@ -393,28 +401,43 @@ fn loading_spinner(name: &str) -> ProgressBar {
 }
 
 /// `REPLAY=1`: decode `ids` one token at a time (a short untimed warm-up over the first
-/// few, then the whole sequence from a fresh KV cache, the expert cache kept), no
-/// sampling, and describe the timed pass: tokens per second, hit rate, and what was read
-/// from disk (the process's `read_bytes`: expert reads and page faults alike).
-fn replay(engine: &mut dyn Engine, ids: &[u32], session: &mut Session) -> Result<String> {
+/// few, then the whole sequence from a fresh state, the expert cache kept), no sampling, and
+/// describe the timed pass: tokens per second, hit rate, and what was read from disk (the
+/// process's `read_bytes`: expert reads and page faults alike). With `BATCH=N` (`batch`),
+/// N sequences decode together, one batched forward a token; sequence `i` is `ids` rotated
+/// left by `i`, so that they route differently from the first token.
+fn replay(engine: &dyn Engine, ids: &[u32], batch: usize, session: &mut Session) -> Result<String> {
     if ids.is_empty() {
         bail!("REPLAY=1: IDS has no token ids to decode");
     }
+    let mut warm = engine.new_state();
     for &id in ids.iter().take(REPLAY_WARMUP) {
-        engine.forward(&[id], false)?;
+        engine.forward_one(&mut warm, &[id], Logits::Last)?;
     }
-    engine.reset();
+    let streams: Vec<Vec<u32>> = (0..batch)
+        .map(|i| {
+            let mut stream = ids.to_vec();
+            stream.rotate_left(i % ids.len());
+            stream
+        })
+        .collect();
+    let mut states: Vec<State> = (0..batch).map(|_| engine.new_state()).collect();
     let before = engine.cache_stats();
     let read_before = process_read_bytes();
     let started = Instant::now();
-    let mut decoded = 0u64;
-    for &id in ids {
+    let mut steps_done = 0usize;
+    for t in 0..ids.len() {
         if interrupt::requested() {
             break;
         }
-        engine.forward(&[id], false)?;
-        decoded += 1;
-        session.after_tokens(engine, decoded)?;
+        let mut steps: Vec<Step> = states
+            .iter_mut()
+            .zip(&streams)
+            .map(|(state, stream)| Step::new(state, &stream[t..=t], Logits::Last))
+            .collect();
+        engine.forward(&mut steps)?;
+        steps_done += 1;
+        session.after_tokens(engine, batch as u64)?;
     }
     let seconds = started.elapsed().as_secs_f64().max(1e-9);
     let window = engine.cache_stats().since(&before);
@@ -422,13 +445,21 @@ fn replay(engine: &mut dyn Engine, ids: &[u32], session: &mut Session) -> Result
         (Some(a), Some(b)) => b.saturating_sub(a),
         _ => window.bytes_read,
     };
-    Ok(format!(
-        "REPLAY decode: {decoded} tokens | {:.2} tok/s | hit {:.1}% | disk {:.2} GB ({:.1} MB/token, {:.2} GB/s)",
+    let decoded = steps_done * batch;
+    let (rate, mb_per_token, gb_per_second) = (
         decoded as f64 / seconds,
+        disk as f64 / 1e6 / decoded.max(1) as f64,
+        disk as f64 / 1e9 / seconds,
+    );
+    let what = if batch == 1 {
+        format!("{decoded} tokens | {rate:.2} tok/s")
+    } else {
+        format!("{batch} sequences x {steps_done} tokens | {rate:.2} tok/s aggregate")
+    };
+    Ok(format!(
+        "REPLAY decode: {what} | hit {:.1}% | disk {:.2} GB ({mb_per_token:.1} MB/token, {gb_per_second:.2} GB/s)",
         window.hit_rate(),
         disk as f64 / 1e9,
-        disk as f64 / 1e6 / decoded.max(1) as f64,
-        disk as f64 / 1e9 / seconds
     ))
 }
 

@@ -14,6 +14,7 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 
 use crate::backend;
+use crate::engines::moe::RoutedExperts;
 use crate::engines::Engine;
 use crate::experts::tier::ExpertTier;
 use crate::experts::Policy;
@@ -135,12 +136,13 @@ impl Session {
     pub fn start(
         settings: &Settings,
         snap: &Path,
-        engine: &mut dyn Engine,
+        engine: &dyn Engine,
         kind: RunKind,
     ) -> Result<Session> {
         let history = history_path(settings, snap);
 
-        let telemetry = engine.telemetry();
+        let mut routed = engine.routed();
+        let telemetry = &mut routed.telemetry;
         if let Some(trace) = &settings.route_trace {
             // A trace was asked for: one that cannot be created (or must not replace the
             // file there) stops the run before the first token.
@@ -192,26 +194,27 @@ impl Session {
         &self,
         settings: &Settings,
         snap: &Path,
-        engine: &mut dyn Engine,
+        engine: &dyn Engine,
         ram_budget: u64,
     ) -> Result<()> {
         let history = &self.history;
-        if engine.expert_store().policy() == Policy::Lfru {
+        let mut routed = engine.routed();
+        if routed.store.policy() == Policy::Lfru {
             // LFRU's frequencies start from the history's selections.
-            let seeds: Vec<(usize, usize, u64)> = engine
-                .telemetry()
+            let seeds: Vec<(usize, usize, u64)> = routed
+                .telemetry
                 .counts()
                 .nonzero()
                 .map(|(layer, expert, count)| (layer, expert, u64::from(count)))
                 .collect();
-            engine.routed_mut().seed_heat(&seeds)?;
+            routed.seed_heat(&seeds)?;
         }
 
-        let cap = engine.cache_capacity();
+        let cap = routed.slots().0;
         // PIN=auto ranks from the file this engine's history lives in: the per-engine path
         // when the default one holds another's.
-        let in_use = engine
-            .telemetry()
+        let in_use = routed
+            .telemetry
             .home()
             .map_or_else(|| history.clone(), |h| h.save_to.clone());
         let request = PinRequest {
@@ -226,16 +229,16 @@ impl Session {
             rank: settings.pin_rank,
         };
         let sizes: Vec<u64> = {
-            let store = engine.expert_store();
+            let store = &routed.store;
             (0..=store.layers())
                 .map(|layer| store.expert_bytes(layer))
                 .collect()
         };
-        let plan = engine
-            .telemetry()
+        let plan = routed
+            .telemetry
             .plan_pins(&request, &|layer| sizes.get(layer).copied().unwrap_or(0));
         let started = Instant::now();
-        let tier = fill_expert_tier(settings, engine, &plan)?;
+        let tier = fill_expert_tier(settings, &routed, &plan)?;
         let vram = plan
             .pins
             .iter()
@@ -249,14 +252,13 @@ impl Session {
             .filter(|pin| layer_has_experts(&sizes, pin.layer))
             .map(|pin| (pin.layer, pin.expert))
             .collect();
-        let routed = engine.routed_mut();
         routed.pin(&in_ram)?;
         routed.tier = tier;
         let skipped = routed.pins_skipped();
         if skipped > 0 {
             eprintln!(
                 "[PIN] {skipped} pins skipped: with streamed experts a pin takes one of its layer's {} slots, and each layer keeps one for the rest (raise the budget or lower PIN_N/PIN_GB)",
-                engine.cache_capacity()
+                routed.slots().0
             );
         }
         if let Some(line) = plan.line(vram, started.elapsed().as_secs_f64()) {
@@ -269,18 +271,18 @@ impl Session {
             plan.source,
             Some(PinSource::Auto(_) | PinSource::Autopin { .. })
         );
-        if from_history && settings.pin_abstain && engine.routed().slots().1 {
+        if from_history && settings.pin_abstain && routed.slots().1 {
             // Each layer's ranking: what it holds, then the plan's reserve.
-            let mut ranked = engine.routed().pinned();
+            let mut ranked = routed.pinned();
             let held: Vec<usize> = ranked.iter().map(Vec::len).collect();
             for pin in &plan.reserve {
                 if let Some(layer) = ranked.get_mut(pin.layer) {
                     layer.push(pin.expert);
                 }
             }
-            let slots = engine.cache_capacity();
-            engine
-                .telemetry()
+            let slots = routed.slots().0;
+            routed
+                .telemetry
                 .watch_pins(PlacementGuard::new(slots, &ranked, &held));
         }
         Ok(())
@@ -288,10 +290,10 @@ impl Session {
 
     /// After each generated token: the abstain rule's changes of pins, and a `REPIN` pass
     /// when one is due.
-    pub fn after_tokens(&mut self, engine: &mut dyn Engine, emitted: u64) -> Result<()> {
-        for verdict in engine.telemetry().pin_verdicts() {
+    pub fn after_tokens(&mut self, engine: &dyn Engine, emitted: u64) -> Result<()> {
+        let mut routed = engine.routed();
+        for verdict in routed.telemetry.pin_verdicts() {
             let layer = verdict.layer;
-            let routed = engine.routed_mut();
             let unpin: Vec<_> = verdict.unpin.iter().map(|&e| (layer, e)).collect();
             routed.unpin(&unpin)?;
             let mut pinned = Vec::new();
@@ -305,7 +307,7 @@ impl Session {
                 // The store had no slot for a pin (read-ahead holds part of them): the
                 // layer keeps the pins it had, and the rule judges on from there.
                 routed.unpin(&pinned)?;
-                engine.telemetry().undo_pin_verdict(&verdict);
+                routed.telemetry.undo_pin_verdict(&verdict);
                 continue;
             }
             eprintln!("{}", verdict_line(&verdict));
@@ -317,14 +319,13 @@ impl Session {
             return Ok(());
         }
         let started = Instant::now();
-        let pinned = engine.routed().pinned();
-        let swaps = plan_repin(engine.telemetry().session_heat(), &pinned, REPIN_PASS_LIMIT);
-        let routed = engine.routed_mut();
+        let pinned = routed.pinned();
+        let swaps = plan_repin(routed.telemetry.session_heat(), &pinned, REPIN_PASS_LIMIT);
         for swap in &swaps {
             routed.unpin(&[(swap.layer, swap.evict)])?;
             routed.pin(&[(swap.layer, swap.admit)])?;
         }
-        engine.telemetry().cool_session_heat();
+        routed.telemetry.cool_session_heat();
         let millis = started.elapsed().as_secs_f64() * 1e3;
         for swap in &swaps {
             eprintln!("{}", swap.line("RAM", millis));
@@ -336,8 +337,9 @@ impl Session {
     /// killed server loses at most the turn in progress. `COLI_USAGE_DECAY` applies at
     /// every save, as colibri's serve modes apply it: a half-life in turns. A failure is
     /// said on stderr and the server goes on; the next save carries the counts.
-    pub fn save_turn(&mut self, engine: &mut dyn Engine) {
-        let telemetry = engine.telemetry();
+    pub fn save_turn(&mut self, engine: &dyn Engine) {
+        let mut routed = engine.routed();
+        let telemetry = &mut routed.telemetry;
         let unsaved = telemetry.unsaved_selections();
         if let Err(err) = telemetry.save_history(&self.history, self.save) {
             eprintln!(
@@ -353,8 +355,9 @@ impl Session {
     /// (generating runs only), the `STATS` dump and the trace flush. Each is attempted
     /// whatever happened to the others; a failure is said on stderr with what was lost,
     /// and makes the exit status 1 (the run itself finished; 2 stays "refused").
-    pub fn finish(&mut self, engine: &mut dyn Engine, kind: RunKind) -> ExitCode {
-        let telemetry = engine.telemetry();
+    pub fn finish(&mut self, engine: &dyn Engine, kind: RunKind) -> ExitCode {
+        let mut routed = engine.routed();
+        let telemetry = &mut routed.telemetry;
         let mut failed = false;
         if kind == RunKind::Generating {
             let unsaved = telemetry.unsaved_selections();
@@ -388,7 +391,7 @@ impl Session {
 /// spent; so a budget that holds the whole model holds it with or without a history.
 fn fill_expert_tier(
     settings: &Settings,
-    engine: &mut dyn Engine,
+    routed: &RoutedExperts,
     plan: &PinPlan,
 ) -> Result<ExpertTier> {
     let gb = settings.gpu_expert_gb;
@@ -399,13 +402,13 @@ fn fill_expert_tier(
         eprintln!("[GPU] GPU_EXPERT_GB={gb} ignored: no GPU backend is computing (see BACKEND)");
         return Ok(ExpertTier::default());
     };
-    if engine.routed().remote.is_some() {
+    if routed.remote.is_some() {
         // The ranks compute every routed expert; a tier here would hold pins they lack.
         eprintln!("[GPU] GPU_EXPERT_GB={gb} ignored: in an MPI job the expert ranks compute the routed experts");
         return Ok(ExpertTier::default());
     }
-    let ranked = rank(engine.telemetry().counts());
-    let store = engine.expert_store();
+    let ranked = rank(routed.telemetry.counts());
+    let store = &routed.store;
     let every =
         (0..store.layers()).flat_map(|layer| (0..store.experts_in(layer)).map(move |e| (layer, e)));
     let order = plan

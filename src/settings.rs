@@ -119,6 +119,12 @@ pub const KEYS: &[Key] = &[
         doc: "with IDS: decode the ids one token at a time, no sampling, and print the REPLAY line (the fixed-workload decode benchmark)",
     },
     Key {
+        name: "BATCH",
+        kind: Kind::Count,
+        default: "1",
+        doc: "with REPLAY=1: decode this many sequences together in one batched forward a token (sequence i from IDS rotated left by i)",
+    },
+    Key {
         name: "THREADS",
         kind: Kind::Count,
         default: "0",
@@ -517,6 +523,8 @@ pub struct Settings {
     pub ids: Option<Vec<u32>>,
     pub ngen: usize,
     pub replay: bool,
+    /// `BATCH`: sequences a `REPLAY=1` run decodes together.
+    pub batch: usize,
     pub prompt: Option<String>,
     pub chat: bool,
     pub ppl: bool,
@@ -616,6 +624,7 @@ impl Settings {
             ids: r.ids("IDS"),
             ngen: r.count("NGEN"),
             replay: r.flag("REPLAY"),
+            batch: r.count("BATCH"),
             prompt: r.text("PROMPT"),
             chat: r.flag("CHAT"),
             ppl: r.flag("PPL"),
@@ -660,6 +669,12 @@ impl Settings {
             repin: r.count_u64("REPIN").unwrap_or(0),
         };
         debug_assert_eq!(r.read.len(), KEYS.len(), "every declared key is read");
+        if settings.batch == 0 {
+            bail!("BATCH=0: a replay decodes at least one sequence (BATCH=1, the default, is one)");
+        }
+        if settings.batch > 1 && !settings.replay {
+            bail!("BATCH={}: only REPLAY=1 decodes sequences together (add REPLAY=1 and IDS=, or drop BATCH)", settings.batch);
+        }
         Ok(settings)
     }
 

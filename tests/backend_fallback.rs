@@ -61,14 +61,15 @@ impl Device for FailingDevice {
 fn a_failed_device_leaves_the_tokens_of_the_cpu() {
     let snapshot = Snapshot::open(&common::fixture("olmoe_tiny")).unwrap();
     let prompt = [3, 11, 29, 7];
-    let mut engine = engines::load("olmoe", &snapshot, LoadOptions::exact(2)).unwrap();
-    let on_cpu = greedy(engine.as_mut(), &prompt, 16).unwrap().tokens;
+    let engine = engines::load("olmoe", &snapshot, LoadOptions::exact(2)).unwrap();
+    let on_cpu = greedy(engine.as_ref(), &prompt, 16).unwrap().tokens;
 
     let device = Arc::new(FailingDevice::default());
     backend::install(device.clone());
     let active = backend::active().expect("installed");
-    let mut engine = engines::load("olmoe", &snapshot, LoadOptions::exact(2)).unwrap();
-    let store = engine.expert_store();
+    let engine = engines::load("olmoe", &snapshot, LoadOptions::exact(2)).unwrap();
+    let mut routed = engine.routed();
+    let store = &routed.store;
     let every = (0..store.layers()).flat_map(|l| (0..store.experts_in(l)).map(move |e| (l, e)));
     let tier = ExpertTier::fill(active, store, every.collect::<Vec<_>>(), 1 << 30).unwrap();
     assert_eq!(
@@ -76,9 +77,10 @@ fn a_failed_device_leaves_the_tokens_of_the_cpu() {
         3 * 8,
         "every expert of the three layers is resident"
     );
-    engine.routed_mut().tier = tier;
+    routed.tier = tier;
+    drop(routed);
 
-    let after_failure = greedy(engine.as_mut(), &prompt, 16).unwrap().tokens;
+    let after_failure = greedy(engine.as_ref(), &prompt, 16).unwrap().tokens;
     assert_eq!(after_failure, on_cpu);
     assert_eq!(
         device.groups.load(Ordering::Relaxed),

@@ -204,8 +204,8 @@ fn a_next_turn_reuses_the_cache_and_answers_as_a_fresh_run() {
     // process) and new ids. The cache holds the prompt and the five answer tokens fed
     // back (the sixth was never fed).
     let snapshot = Snapshot::open(&snap).unwrap();
-    let mut engine = engines::load("olmoe", &snapshot, LoadOptions::exact(64)).unwrap();
-    let answer = coli::generate::greedy(engine.as_mut(), &first, 6)
+    let engine = engines::load("olmoe", &snapshot, LoadOptions::exact(64)).unwrap();
+    let answer = coli::generate::greedy(engine.as_ref(), &first, 6)
         .unwrap()
         .tokens;
     let mut second = first.clone();
@@ -245,36 +245,44 @@ fn every_engine_continues_a_cached_prefix_as_a_fresh_prefill_would() {
             draft,
             ..LoadOptions::exact(64)
         };
-        let mut engine = engines::load(engine_name, &snapshot, options).unwrap();
+        let engine = engines::load(engine_name, &snapshot, options).unwrap();
         let vocab = engine.vocab_size() as u32;
         let prompt: Vec<u32> = (0..7).map(|i| (i * 37 + 5) % vocab).collect();
-        let run = |engine: &mut dyn coli::engines::Engine, ids: &[u32], cached: usize| {
+        let run = |state: &mut coli::engines::State, ids: &[u32]| {
             let policy = Policy {
                 count: 6,
                 sampler: &mut Sampler::greedy(),
                 stops: &[],
             };
-            generate_after(engine, ids, cached, policy, &mut |_, _| Ok(()), &mut |_| {
-                Ok(Flow::Continue)
-            })
+            let done = |_: u32| Ok(Flow::Continue);
+            generate_after(
+                engine.as_ref(),
+                state,
+                ids,
+                policy,
+                &mut |_, _| Ok(()),
+                &mut { done },
+            )
             .unwrap()
             .tokens
         };
-        let answer = run(engine.as_mut(), &prompt, 0);
+        let mut state = engine.new_state();
+        let answer = run(&mut state, &prompt);
         let mut conversation = prompt.clone();
         conversation.extend_from_slice(&answer);
-        let held = engine.position();
+        let held = state.position();
         assert!(held >= prompt.len() && held <= conversation.len(), "{name}");
         conversation.truncate(held);
         conversation.extend((0..5).map(|i| (i * 11 + 3) % vocab));
-        let continued = run(engine.as_mut(), &conversation, held);
+        let continued = run(&mut state, &conversation);
         let policy = Policy {
             count: 6,
             sampler: &mut Sampler::greedy(),
             stops: &[],
         };
         let fresh = generate_with(
-            engine.as_mut(),
+            engine.as_ref(),
+            &mut engine.new_state(),
             &conversation,
             policy,
             &mut |_, _| Ok(()),

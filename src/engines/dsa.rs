@@ -9,6 +9,8 @@
 //! first `rope` dimensions of each q head and of k. A row that sees at most `top_k`
 //! positions reads them all, as a top-k over the masked scores keeps them all.
 
+use std::ops::Range;
+
 use anyhow::Result;
 use rayon::prelude::*;
 
@@ -20,6 +22,7 @@ use crate::snapshot::Snapshot;
 const K_NORM_EPS: f64 = 1e-6;
 
 /// The indexer keys of one layer, one `head_dim` vector per position.
+#[derive(Clone)]
 pub struct IndexKeys {
     dim: usize,
     keys: Vec<f32>,
@@ -41,6 +44,10 @@ impl IndexKeys {
         self.keys.is_empty()
     }
 
+    pub fn size_bytes(&self) -> usize {
+        4 * self.keys.len()
+    }
+
     /// Keep the first `len` positions.
     pub fn truncate(&mut self, len: usize) {
         self.keys.truncate(len * self.dim);
@@ -49,6 +56,16 @@ impl IndexKeys {
     fn key(&self, pos: usize) -> &[f32] {
         &self.keys[pos * self.dim..][..self.dim]
     }
+}
+
+/// The indexer's products over a batch's rows ([`Indexer::project`]).
+pub struct IndexerRows {
+    /// `n x head_dim`, normalised, not rotated yet.
+    keys: Vec<f32>,
+    /// `n x heads x head_dim`, not rotated yet; empty when no row selects.
+    queries: Vec<f32>,
+    /// `n x heads`; empty when no row selects.
+    weights: Vec<f32>,
 }
 
 /// Sizes of the indexer.
@@ -119,13 +136,17 @@ impl Indexer {
             + 4 * (self.k_norm_weight.len() + self.k_norm_bias.len())
     }
 
-    /// Append the keys of `n` rows of the normalised layer input `x` at positions
-    /// `start..start + n` to `cache`.
-    pub fn push_keys(&self, x: &[f32], n: usize, start: usize, rope: &Rope, cache: &mut IndexKeys) {
-        let dim = self.shape.head_dim;
-        let mut projected = vec![0f32; n * dim];
+    /// The indexer's products over `n` rows of the normalised layer input `x` (and their
+    /// normalised low-rank queries `q_resid`), once for every sequence of a batch: the keys
+    /// always, the queries and head weights only `with_queries` (some row sees more than
+    /// `top_k` positions, or `DSA_FORCE`).
+    pub fn project(&self, x: &[f32], q_resid: &[f32], n: usize, with_queries: bool) -> IndexerRows {
+        let IndexerShape {
+            heads, head_dim, ..
+        } = self.shape;
+        let mut projected = vec![0f32; n * head_dim];
         self.wk.matmul(x, n, &mut projected);
-        let mut keys = vec![0f32; n * dim];
+        let mut keys = vec![0f32; n * head_dim];
         layer_norm(
             &projected,
             &self.k_norm_weight,
@@ -133,21 +154,46 @@ impl Indexer {
             K_NORM_EPS,
             &mut keys,
         );
+        let (mut queries, mut weights) = (Vec::new(), Vec::new());
+        if with_queries {
+            queries = vec![0f32; n * heads * head_dim];
+            self.wq_b.matmul(q_resid, n, &mut queries);
+            weights = vec![0f32; n * heads];
+            self.weights_proj.matmul(x, n, &mut weights);
+        }
+        IndexerRows {
+            keys,
+            queries,
+            weights,
+        }
+    }
+
+    /// Append the keys of rows `rows` of `projected` at positions `start..` to `cache`.
+    pub fn push_keys(
+        &self,
+        projected: &IndexerRows,
+        rows: Range<usize>,
+        start: usize,
+        rope: &Rope,
+        cache: &mut IndexKeys,
+    ) {
+        let dim = self.shape.head_dim;
+        let mut keys = projected.keys[rows.start * dim..rows.end * dim].to_vec();
         for (t, key) in keys.chunks_exact_mut(dim).enumerate() {
             rope.apply_interleaved(&mut key[..self.shape.rope], start + t);
         }
         cache.keys.extend_from_slice(&keys);
     }
 
-    /// The positions each of the `n` query rows (the last `n` positions of `cache`) reads,
-    /// ascending: the `top_k` best-scoring ones (ties to the earlier position), or every
-    /// visible one when the row sees no more than `top_k`, or always with `keep_all`.
-    /// `None` when no row has anything to drop and `keep_all` is off: plain causal attention.
+    /// The positions each query row of `rows` of `projected` (the last `rows.len()`
+    /// positions of `cache`) reads, ascending: the `top_k` best-scoring ones (ties to the
+    /// earlier position), or every visible one when the row sees no more than `top_k`, or
+    /// always with `keep_all`. `None` when no row has anything to drop and `keep_all` is
+    /// off: plain causal attention.
     pub fn select(
         &self,
-        x: &[f32],
-        q_resid: &[f32],
-        n: usize,
+        projected: &IndexerRows,
+        rows: Range<usize>,
         rope: &Rope,
         cache: &IndexKeys,
         keep_all: bool,
@@ -158,14 +204,14 @@ impl Indexer {
             top_k: keep,
             ..
         } = self.shape;
+        let n = rows.len();
         let first = cache.len() - n;
         if !keep_all && first + n <= keep {
             return None;
         }
-        let mut queries = vec![0f32; n * heads * head_dim];
-        self.wq_b.matmul(q_resid, n, &mut queries);
-        let mut weights = vec![0f32; n * heads];
-        self.weights_proj.matmul(x, n, &mut weights);
+        let queries =
+            &projected.queries[rows.start * heads * head_dim..rows.end * heads * head_dim];
+        let weights = &projected.weights[rows.start * heads..rows.end * heads];
         let head_scale = (heads as f32).powf(-0.5);
         let softmax_scale = (head_dim as f32).powf(-0.5);
         let selection = (0..n)
@@ -240,21 +286,25 @@ mod tests {
         let mut cache = IndexKeys::new(2);
         // LayerNorm of (a, b) with a != b is (+-1, -+1): keys alternate "up" and "down".
         let x = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0];
-        ix.push_keys(&x, 4, 0, &rope, &mut cache);
+        ix.push_keys(
+            &ix.project(&x, &[0.0; 8], 4, false),
+            0..4,
+            0,
+            &rope,
+            &mut cache,
+        );
         assert_eq!(cache.len(), 4);
         // A query along "up", weighted by x[0] = 1.
         let q_resid = [1.0, -1.0];
-        let last = [1.0, 0.0];
-        let picked = ix.select(&last, &q_resid, 1, &rope, &cache, false).unwrap();
+        let last = ix.project(&[1.0, 0.0], &q_resid, 1, true);
+        let picked = ix.select(&last, 0..1, &rope, &cache, false).unwrap();
         // Scores: up keys (0, 2) score ~2/sqrt(2), down keys (1, 3) ReLU to 0.
         assert_eq!(picked, vec![vec![0, 2]]);
         // Keeping every key, or seeing no more than top_k, reads all visible positions.
-        let all = ix.select(&last, &q_resid, 1, &rope, &cache, true).unwrap();
+        let all = ix.select(&last, 0..1, &rope, &cache, true).unwrap();
         assert_eq!(all, vec![vec![0, 1, 2, 3]]);
         let wide = indexer(4);
-        assert!(wide
-            .select(&last, &q_resid, 1, &rope, &cache, false)
-            .is_none());
+        assert!(wide.select(&last, 0..1, &rope, &cache, false).is_none());
     }
 
     #[test]
@@ -262,10 +312,16 @@ mod tests {
         let ix = indexer(1);
         let rope = Rope::new(0, 10000.0);
         let mut cache = IndexKeys::new(2);
-        ix.push_keys(&[1.0, 0.0, 1.0, 0.0, 0.0, 1.0], 3, 0, &rope, &mut cache);
-        let picked = ix
-            .select(&[1.0, 0.0], &[1.0, -1.0], 1, &rope, &cache, false)
-            .unwrap();
+        let x = [1.0, 0.0, 1.0, 0.0, 0.0, 1.0];
+        ix.push_keys(
+            &ix.project(&x, &[0.0; 6], 3, false),
+            0..3,
+            0,
+            &rope,
+            &mut cache,
+        );
+        let last = ix.project(&[1.0, 0.0], &[1.0, -1.0], 1, true);
+        let picked = ix.select(&last, 0..1, &rope, &cache, false).unwrap();
         assert_eq!(picked, vec![vec![0]]);
         cache.truncate(1);
         assert_eq!(cache.len(), 1);

@@ -10,7 +10,8 @@
 //! decoding: `eh_proj [enorm(embed(next)); hnorm(h)]` through one more MLA + MoE layer with
 //! its own latent cache, then `shared_head.norm` and the main LM head.
 
-use std::sync::Arc;
+use std::any::Any;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use anyhow::{anyhow, bail, Result};
 use serde::Deserialize;
@@ -24,7 +25,8 @@ use super::mla::{
     attend_absorbed, attend_plain, Keys, LatentCache, MlaProjections, MlaShape, Projected,
 };
 use super::moe::{Predictor, Route, RoutedExperts, SigmoidRouter};
-use super::{Engine, LoadOptions};
+use super::state::{per_sequence, Logits, Rows, SequenceState, State, Step};
+use super::{lock, Engine, LoadOptions};
 use crate::activation::Activation;
 use crate::experts::ExpertTensors;
 use crate::generate::argmax;
@@ -372,6 +374,7 @@ struct MtpHead {
 }
 
 /// What one layer remembers between forwards.
+#[derive(Clone)]
 struct LayerCache {
     latents: LatentCache,
     index_keys: Option<IndexKeys>,
@@ -384,6 +387,74 @@ impl LayerCache {
             keys.truncate(len);
         }
     }
+
+    fn size_bytes(&self) -> usize {
+        self.latents.size_bytes() + self.index_keys.as_ref().map_or(0, IndexKeys::size_bytes)
+    }
+}
+
+/// A conversation's state: each layer's caches, the tokens fed, and the MTP head's window.
+#[derive(Clone)]
+struct GlmState {
+    layers: Vec<LayerCache>,
+    /// The token at every cached position.
+    tokens: Vec<u32>,
+    /// `hidden_size`, when the engine drafts: forwards then keep their final hidden states
+    /// for the MTP; 0 when it does not.
+    drafting: usize,
+    mtp_cache: LayerCache,
+    /// MTP positions whose (hidden state, next token) pair is in the MTP cache for good.
+    mtp_done: usize,
+    /// Final-normalised hidden states of main positions `mtp_done..`, waiting for the MTP.
+    pending: Vec<f32>,
+}
+
+impl SequenceState for GlmState {
+    fn position(&self) -> usize {
+        self.tokens.len()
+    }
+
+    fn size_bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(LayerCache::size_bytes)
+            .sum::<usize>()
+            + self.mtp_cache.size_bytes()
+            + 4 * (self.tokens.len() + self.pending.len())
+    }
+
+    /// Latent and index-key caches go back to any position. With a draft head, the MTP's
+    /// pair for position `mtp_done - 1` was made with the token after it, so a cut must
+    /// keep that token (or go back to nothing).
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        if len == 0 {
+            self.layers.iter_mut().for_each(|c| c.truncate(0));
+            self.mtp_cache.truncate(0);
+            self.tokens.clear();
+            self.pending.clear();
+            self.mtp_done = 0;
+            return Ok(());
+        }
+        if self.drafting > 0 && len <= self.mtp_done {
+            bail!(
+                "{NAME}: cannot go back to position {len}: the draft head has already paired position {} with the token after it (keep more than {} positions)",
+                self.mtp_done - 1,
+                self.mtp_done
+            );
+        }
+        self.layers.iter_mut().for_each(|c| c.truncate(len));
+        self.tokens.truncate(len);
+        self.pending.truncate((len - self.mtp_done) * self.drafting);
+        Ok(())
+    }
+
+    fn fork(&self) -> Box<dyn SequenceState> {
+        Box::new(self.clone())
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
 }
 
 /// Everything the layers of one forward share.
@@ -391,14 +462,11 @@ struct Pass<'a> {
     config: &'a Config,
     shape: MlaShape,
     rope: &'a Rope,
-    n: usize,
-    start: usize,
-    /// Attend through the expanded cache (a forward from position 0) or the absorbed path.
-    plain: bool,
+    rows: &'a Rows,
     /// `DSA_FORCE`: run the indexer on every query but keep every key.
     keep_all: bool,
-    /// The last full indexer layer's choice, for the shared layers after it.
-    selected: Option<Vec<Vec<usize>>>,
+    /// By sequence: the last full indexer layer's choice, for the shared layers after it.
+    selected: Vec<Option<Vec<Vec<usize>>>>,
     routed: &'a mut RoutedExperts,
 }
 
@@ -504,26 +572,27 @@ impl Layer {
         4 * vectors + matrices + selection + ffn
     }
 
-    /// `x += attention(norm(x)); x += ffn(norm(x))` for the `pass.n` rows of `x`; `id` is
-    /// the layer's index (the MTP layer's is `num_hidden_layers`).
+    /// `x += attention(norm(x)); x += ffn(norm(x))` for the rows of `x`, with `caches`
+    /// this layer's cache of each sequence; `id` is the layer's index (the MTP layer's is
+    /// `num_hidden_layers`).
     fn forward(
         &self,
         id: usize,
-        cache: &mut LayerCache,
+        caches: &mut [&mut LayerCache],
         pass: &mut Pass,
         x: &mut [f32],
     ) -> Result<()> {
         let norms = [&self.input_norm[..], &self.post_attention_norm];
         pre_norm_residual(x, norms, pass.config.rms_norm_eps, |step, h| match step {
-            Sublayer::Attention => Ok(self.attention(cache, pass, h)),
+            Sublayer::Attention => Ok(self.attention(caches, pass, h)),
             Sublayer::Ffn => self.ffn(id, pass, h),
         })
     }
 
-    fn attention(&self, cache: &mut LayerCache, pass: &mut Pass, h: &[f32]) -> Vec<f32> {
+    fn attention(&self, caches: &mut [&mut LayerCache], pass: &mut Pass, h: &[f32]) -> Vec<f32> {
         let a = &self.attention;
-        let (config, shape, rope) = (pass.config, pass.shape, pass.rope);
-        let (n, start) = (pass.n, pass.start);
+        let (config, shape, rope, rows) = (pass.config, pass.shape, pass.rope, pass.rows);
+        let n = rows.len();
         let (qk, nope) = (shape.qk(), shape.nope);
 
         let Projected {
@@ -532,39 +601,69 @@ impl Layer {
             latents,
             mut rope_keys,
         } = a.mla.project(h, n, LORA_NORM_EPS);
-        for (t, row) in queries.chunks_exact_mut(shape.heads * qk).enumerate() {
-            for head in row.chunks_exact_mut(qk) {
-                rope.apply_interleaved(&mut head[nope..], start + t);
+        for segment in &rows.segments {
+            for (i, t) in segment.rows.clone().enumerate() {
+                let row = &mut queries[t * shape.heads * qk..][..shape.heads * qk];
+                for head in row.chunks_exact_mut(qk) {
+                    rope.apply_interleaved(&mut head[nope..], segment.start + i);
+                }
+                let key = &mut rope_keys[t * shape.rope..][..shape.rope];
+                rope.apply_interleaved(key, segment.start + i);
             }
         }
-        for (t, key) in rope_keys.chunks_exact_mut(shape.rope).enumerate() {
-            rope.apply_interleaved(key, start + t);
-        }
-        cache.latents.push(&latents, &rope_keys);
-
-        if let (Selection::Full(indexer), Some(keys)) = (&self.selection, cache.index_keys.as_mut())
-        {
-            indexer.push_keys(h, n, start, rope, keys);
-            pass.selected = indexer.select(h, &q_low_rank, n, rope, keys, pass.keep_all);
-        }
-        let keys = match (&self.selection, &pass.selected) {
-            (Selection::Dense, _) | (_, None) => Keys::Causal,
-            (_, Some(rows)) => Keys::Selected(rows),
+        let index = match &self.selection {
+            Selection::Full(indexer) => {
+                let top_k = config.index_topk;
+                let selects =
+                    pass.keep_all || rows.segments.iter().any(|s| s.start + s.len() > top_k);
+                Some((indexer, indexer.project(h, &q_low_rank, n, selects)))
+            }
+            _ => None,
         };
+        let dense = matches!(self.selection, Selection::Dense);
+        let keep_all = pass.keep_all;
         let mut context = vec![0f32; n * shape.heads * shape.v];
-        let attend = if pass.plain {
-            attend_plain
-        } else {
-            attend_absorbed
-        };
-        attend(
-            shape,
-            a.mla.kv_b(),
-            &queries,
-            n,
-            &cache.latents,
-            &keys,
+        let mut work: Vec<_> = caches.iter_mut().zip(pass.selected.iter_mut()).collect();
+        let width = shape.heads * shape.v;
+        per_sequence(
+            rows,
+            &mut work,
             &mut context,
+            width,
+            |segment, (cache, selected), context| {
+                let latents = segment.of(&latents, shape.kv_lora);
+                cache
+                    .latents
+                    .push(latents, segment.of(&rope_keys, shape.rope));
+                if let (Some((indexer, projected)), Some(keys)) =
+                    (&index, cache.index_keys.as_mut())
+                {
+                    let own = segment.rows.clone();
+                    indexer.push_keys(projected, own.clone(), segment.start, rope, keys);
+                    **selected = indexer.select(projected, own, rope, keys, keep_all);
+                }
+                let keys = match (dense, &**selected) {
+                    (true, _) | (_, None) => Keys::Causal,
+                    (false, Some(picked)) => Keys::Selected(picked),
+                };
+                // A forward from an empty cache expands the latents once for all its queries;
+                // every later forward (decode, draft verification) takes the absorbed path, so
+                // verifying k drafts at once computes exactly what k single steps would.
+                let attend = if segment.start == 0 {
+                    attend_plain
+                } else {
+                    attend_absorbed
+                };
+                attend(
+                    shape,
+                    a.mla.kv_b(),
+                    segment.of(&queries, shape.heads * qk),
+                    segment.len(),
+                    &cache.latents,
+                    &keys,
+                    context,
+                );
+            },
         );
         let mut out = vec![0f32; n * config.hidden_size];
         a.o.matmul(&context, n, &mut out);
@@ -572,7 +671,7 @@ impl Layer {
     }
 
     fn ffn(&self, id: usize, pass: &mut Pass, h: &[f32]) -> Result<Vec<f32>> {
-        let (n, d) = (pass.n, pass.config.hidden_size);
+        let (n, d) = (pass.rows.len(), pass.config.hidden_size);
         match &self.ffn {
             Ffn::Dense(mlp) => Ok(mlp.forward(h, n)),
             Ffn::Moe {
@@ -640,23 +739,12 @@ pub struct GlmMoeDsa {
     final_norm: Vec<f32>,
     lm_head: Matrix,
     layers: Vec<Layer>,
-    /// Each layer's state across forwards: its latent (and index-key) cache.
-    states: Vec<LayerCache>,
     mtp: Option<MtpHead>,
-    mtp_cache: LayerCache,
-    routed: RoutedExperts,
+    routed: Mutex<RoutedExperts>,
     stop: Vec<u32>,
     dsa_force: bool,
     /// Draft depth for speculative decoding (0 without an MTP head).
     draft: usize,
-    /// The token at every cached position.
-    tokens: Vec<u32>,
-    /// Where the last forward started: the earliest position `truncate` may cut to plus one.
-    last_start: usize,
-    /// MTP positions whose (hidden state, next token) pair is in the MTP cache for good.
-    mtp_done: usize,
-    /// Final-normalised hidden states of main positions `mtp_done..`, waiting for the MTP.
-    pending: Vec<f32>,
 }
 
 impl GlmMoeDsa {
@@ -772,14 +860,6 @@ impl GlmMoeDsa {
         if mtp.is_none() {
             telemetry.drop_row(n_layers);
         }
-        let cache = |indexed: bool| LayerCache {
-            latents: LatentCache::new(config.kv_lora_rank, config.qk_rope_head_dim),
-            index_keys: indexed.then(|| IndexKeys::new(config.index_head_dim)),
-        };
-        let states = layers
-            .iter()
-            .map(|layer| cache(matches!(layer.selection, Selection::Full(_))))
-            .collect();
         let draft = match (&mtp, options.draft) {
             (None, _) => 0,
             (Some(_), requested) => requested.unwrap_or(1),
@@ -792,27 +872,18 @@ impl GlmMoeDsa {
             final_norm: load_vector(&snapshot.tensor("model.norm.weight")?, d)?,
             lm_head,
             layers,
-            states,
-            mtp_cache: cache(false),
             mtp,
-            routed: RoutedExperts::unprovisioned(options.store.width, telemetry),
+            routed: Mutex::new(RoutedExperts::unprovisioned(options.store.width, telemetry)),
             dsa_force: options.dsa_force,
             draft,
-            tokens: Vec::new(),
-            last_start: 0,
-            mtp_done: 0,
-            pending: Vec::new(),
             config,
         };
         let trunk = engine.resident_bytes();
-        engine
-            .routed
-            .provision(expert_tensors, &options.store, trunk)?;
+        let routed = engine.routed.get_mut().unwrap_or_else(|e| e.into_inner());
+        routed.provision(expert_tensors, &options.store, trunk)?;
         for (l, layer) in engine.layers.iter().enumerate() {
             if let Ffn::Moe { router, gate, .. } = &layer.ffn {
-                engine
-                    .routed
-                    .predict_with(l, Predictor::sigmoid(router, gate));
+                routed.predict_with(l, Predictor::sigmoid(router, gate));
             }
         }
         Ok(engine)
@@ -829,10 +900,28 @@ impl GlmMoeDsa {
         embed_tokens(&self.embed, tokens, self.config.vocab_size)
     }
 
-    /// One MTP step over `n` rows: `hidden` (the main model's final-normalised states, or
-    /// the head's own previous output) paired with the token that follows each; returns the
-    /// layer's output rows.
-    fn mtp_rows(&mut self, hidden: &[f32], next: &[u32]) -> Result<Vec<f32>> {
+    fn drafting(&self) -> bool {
+        self.mtp.is_some() && self.draft > 0
+    }
+
+    /// A layer's empty caches: the latents, and the index keys where it runs an indexer.
+    fn empty_cache(&self, indexed: bool) -> LayerCache {
+        LayerCache {
+            latents: LatentCache::new(self.config.kv_lora_rank, self.config.qk_rope_head_dim),
+            index_keys: indexed.then(|| IndexKeys::new(self.config.index_head_dim)),
+        }
+    }
+
+    /// One MTP step over `n` rows of `state`'s MTP window: `hidden` (the main model's
+    /// final-normalised states, or the head's own previous output) paired with the token
+    /// that follows each; returns the layer's output rows.
+    fn mtp_rows(
+        &self,
+        state: &mut GlmState,
+        routed: &mut RoutedExperts,
+        hidden: &[f32],
+        next: &[u32],
+    ) -> Result<Vec<f32>> {
         let d = self.config.hidden_size;
         let n = next.len();
         let eps = self.config.rms_norm_eps;
@@ -852,21 +941,19 @@ impl GlmMoeDsa {
         }
         let mut x = vec![0f32; n * d];
         mtp.eh_proj.matmul(&joined, n, &mut x);
-        let start = self.mtp_cache.latents.len();
+        let rows = Rows::from_parts(&[(next, state.mtp_cache.latents.len(), Logits::Last)]);
         let mut pass = Pass {
             config: &self.config,
             shape: self.shape,
             rope: &self.rope,
-            n,
-            start,
-            plain: start == 0,
+            rows: &rows,
             keep_all: false,
-            selected: None,
-            routed: &mut self.routed,
+            selected: vec![None],
+            routed,
         };
         mtp.layer.forward(
             self.config.num_hidden_layers,
-            &mut self.mtp_cache,
+            &mut [&mut state.mtp_cache],
             &mut pass,
             &mut x,
         )?;
@@ -899,69 +986,76 @@ impl Engine for GlmMoeDsa {
         self.config.vocab_size
     }
 
-    fn position(&self) -> usize {
-        self.tokens.len()
+    fn new_state(&self) -> State {
+        let layers = self
+            .layers
+            .iter()
+            .map(|layer| self.empty_cache(matches!(layer.selection, Selection::Full(_))))
+            .collect();
+        State::new(
+            NAME,
+            GlmState {
+                layers,
+                tokens: Vec::new(),
+                drafting: if self.drafting() {
+                    self.config.hidden_size
+                } else {
+                    0
+                },
+                mtp_cache: self.empty_cache(false),
+                mtp_done: 0,
+                pending: Vec::new(),
+            },
+        )
     }
 
-    fn forward(&mut self, tokens: &[u32], all_positions: bool) -> Result<Vec<f32>> {
-        let (n, d) = (tokens.len(), self.config.hidden_size);
-        let start = self.position();
-        let mut x = self.embed_rows(tokens)?;
+    fn forward(&self, batch: &mut [Step]) -> Result<Vec<Vec<f32>>> {
+        let rows = Rows::of(batch)?;
+        let d = self.config.hidden_size;
+        let mut states = batch
+            .iter_mut()
+            .map(|step| step.state.downcast_mut::<GlmState>(NAME))
+            .collect::<Result<Vec<_>>>()?;
+        let mut x = self.embed_rows(&rows.tokens)?;
+        let mut routed = self.routed();
         let mut pass = Pass {
             config: &self.config,
             shape: self.shape,
             rope: &self.rope,
-            n,
-            start,
-            // A forward from an empty cache expands the latents once for all its queries;
-            // every later forward (decode, draft verification) takes the absorbed path, so
-            // verifying k drafts at once computes exactly what k single steps would.
-            plain: start == 0,
+            rows: &rows,
             keep_all: self.dsa_force,
-            selected: None,
-            routed: &mut self.routed,
+            selected: vec![None; rows.segments.len()],
+            routed: &mut routed,
         };
-        for (l, (layer, cache)) in self.layers.iter().zip(self.states.iter_mut()).enumerate() {
+        for (l, layer) in self.layers.iter().enumerate() {
             interrupt::checkpoint()?;
-            layer.forward(l, cache, &mut pass, &mut x)?;
+            let mut caches: Vec<_> = states.iter_mut().map(|s| &mut s.layers[l]).collect();
+            layer.forward(l, &mut caches, &mut pass, &mut x)?;
         }
-        self.tokens.extend_from_slice(tokens);
-        self.last_start = start;
-
-        let drafting = self.mtp.is_some() && self.draft > 0;
-        let normed = final_norm(
-            &x,
-            &self.final_norm,
-            self.config.rms_norm_eps,
-            all_positions || drafting,
-        );
-        let rows = normed.len() / d;
-        if drafting {
-            self.pending.extend_from_slice(&normed);
+        for (state, segment) in states.iter_mut().zip(&rows.segments) {
+            state
+                .tokens
+                .extend_from_slice(&rows.tokens[segment.rows.clone()]);
         }
-        let heads = if all_positions {
-            &normed[..]
+        let eps = self.config.rms_norm_eps;
+        let wanted = rows.output_rows();
+        let normed = if self.drafting() {
+            // The MTP reads every position's final hidden state.
+            let every: Vec<usize> = (0..rows.len()).collect();
+            let normed = final_norm(&x, &self.final_norm, eps, &every);
+            for (state, segment) in states.iter_mut().zip(&rows.segments) {
+                state.pending.extend_from_slice(segment.of(&normed, d));
+            }
+            Rows::gather(&normed, d, &wanted)
         } else {
-            &normed[(rows - 1) * d..]
+            final_norm(&x, &self.final_norm, eps, &wanted)
         };
-        Ok(lm_head(&self.lm_head, heads))
+        let logits = lm_head(&self.lm_head, &normed);
+        Ok(rows.split_logits(logits, self.config.vocab_size))
     }
 
-    fn reset(&mut self) {
-        self.states.iter_mut().for_each(|c| c.truncate(0));
-        self.mtp_cache.truncate(0);
-        self.tokens.clear();
-        self.pending.clear();
-        self.last_start = 0;
-        self.mtp_done = 0;
-    }
-
-    fn routed(&self) -> &RoutedExperts {
-        &self.routed
-    }
-
-    fn routed_mut(&mut self) -> &mut RoutedExperts {
-        &mut self.routed
+    fn routed(&self) -> MutexGuard<'_, RoutedExperts> {
+        lock(&self.routed)
     }
 
     fn resident_bytes(&self) -> usize {
@@ -1003,50 +1097,35 @@ impl Engine for GlmMoeDsa {
         self.draft
     }
 
-    fn propose(&mut self, next: u32, depth: usize) -> Result<Vec<u32>> {
-        if self.mtp.is_none() || self.draft == 0 || depth == 0 {
+    fn propose(&self, state: &mut State, next: u32, depth: usize) -> Result<Vec<u32>> {
+        if !self.drafting() || depth == 0 {
             return Ok(Vec::new());
         }
-        let len = self.position();
-        if len == self.mtp_done {
+        let state = state.downcast_mut::<GlmState>(NAME)?;
+        let len = state.position();
+        if len == state.mtp_done {
             bail!("{NAME}: a draft needs a forward since the last one");
         }
         // Pairs (hidden state at i, token at i + 1) for every position the MTP cache lacks;
         // the token after the last position is `next`. Rows that earlier chained drafts left
         // in the MTP cache go first.
-        let next_tokens: Vec<u32> = (self.mtp_done..len)
-            .map(|i| self.tokens.get(i + 1).copied().unwrap_or(next))
+        let next_tokens: Vec<u32> = (state.mtp_done..len)
+            .map(|i| state.tokens.get(i + 1).copied().unwrap_or(next))
             .collect();
-        self.mtp_cache.truncate(self.mtp_done);
-        let hidden = std::mem::take(&mut self.pending);
-        let out = self.mtp_rows(&hidden, &next_tokens)?;
-        self.mtp_done = len;
+        state.mtp_cache.truncate(state.mtp_done);
+        let hidden = std::mem::take(&mut state.pending);
+        let mut routed = self.routed();
+        let out = self.mtp_rows(state, &mut routed, &hidden, &next_tokens)?;
+        state.mtp_done = len;
         let d = self.config.hidden_size;
-        let mut state = out[out.len() - d..].to_vec();
-        let mut drafts = vec![self.mtp_token(&state)?];
+        let mut row = out[out.len() - d..].to_vec();
+        let mut drafts = vec![self.mtp_token(&row)?];
         while drafts.len() < depth {
             let last = drafts[drafts.len() - 1];
-            state = self.mtp_rows(&state, &[last])?;
-            drafts.push(self.mtp_token(&state)?);
+            row = self.mtp_rows(state, &mut routed, &row, &[last])?;
+            drafts.push(self.mtp_token(&row)?);
         }
         Ok(drafts)
-    }
-
-    fn truncate(&mut self, len: usize) -> Result<()> {
-        let end = self.position();
-        if len <= self.last_start || len > end {
-            bail!(
-                "{NAME}: cannot keep {len} positions: only positions the last forward added ({}..{end}) can be dropped, and at least one of them stays",
-                self.last_start
-            );
-        }
-        self.states.iter_mut().for_each(|c| c.truncate(len));
-        self.tokens.truncate(len);
-        if self.mtp.is_some() && self.draft > 0 {
-            self.pending
-                .truncate((len - self.mtp_done) * self.config.hidden_size);
-        }
-        Ok(())
     }
 }
 

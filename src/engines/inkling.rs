@@ -8,7 +8,8 @@
 //! with them (the "shared-expert sink"). The final hidden state is divided by the muP width
 //! multiplier before the head, whose logits are cut to the unpadded vocabulary.
 
-use std::sync::Arc;
+use std::any::Any;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use anyhow::{anyhow, bail, Result};
 use serde::Deserialize;
@@ -19,8 +20,9 @@ use super::layers::{
 };
 use super::moe::{biased_top_k, Predictor, Route, RoutedExperts};
 use super::short_conv::{ConvState, ShortConv};
+use super::state::{per_sequence, Rows, SequenceState, State, Step};
 use super::window_attention::{windowed_attention, DistanceBias, WindowKvCache};
-use super::{Engine, LoadOptions};
+use super::{lock, Engine, LoadOptions};
 use crate::activation::Activation;
 use crate::experts::ExpertTensors;
 use crate::interrupt;
@@ -384,6 +386,7 @@ struct Layer {
 }
 
 /// What a layer carries from one forward to the next.
+#[derive(Clone)]
 struct LayerState {
     kv: WindowKvCache,
     k_conv: ConvState,
@@ -399,10 +402,7 @@ pub struct Inkling {
     final_norm: Vec<f32>,
     lm_head: Matrix,
     layers: Vec<Layer>,
-    states: Vec<LayerState>,
-    /// Positions the states hold.
-    position: usize,
-    routed: RoutedExperts,
+    routed: Mutex<RoutedExperts>,
     /// The ids that end a generation (`eos_token_id`).
     stop: Vec<u32>,
 }
@@ -554,19 +554,6 @@ impl Inkling {
             expert_tensors.push(experts);
         }
 
-        let states = layers
-            .iter()
-            .map(|layer| {
-                let a = &layer.attention;
-                LayerState {
-                    kv: WindowKvCache::new(a.shape.kv_heads, a.shape.head_dim, a.window),
-                    k_conv: a.k_conv.state(),
-                    v_conv: a.v_conv.state(),
-                    attn_conv: layer.attn_conv.state(),
-                    mlp_conv: layer.mlp_conv.state(),
-                }
-            })
-            .collect();
         // Dense layers do not route, and there is no MTP head in the row after the last
         // layer (transformers ignores `model.mtp.*`).
         let mut telemetry = RouteTrace::new(NAME, config.num_hidden_layers, n_experts)?;
@@ -588,15 +575,12 @@ impl Inkling {
             final_norm: vector(&format!("{}norm.weight", names.prefix), d)?,
             lm_head: matrix("lm_head.weight", [config.vocab_size, d], io_width)?,
             layers,
-            states,
-            position: 0,
-            routed: RoutedExperts::unprovisioned(options.store.width, telemetry),
+            routed: Mutex::new(RoutedExperts::unprovisioned(options.store.width, telemetry)),
             config,
         };
         let trunk = inkling.resident_bytes();
-        inkling
-            .routed
-            .provision(expert_tensors, &options.store, trunk)?;
+        let routed = inkling.routed.get_mut().unwrap_or_else(|e| e.into_inner());
+        routed.provision(expert_tensors, &options.store, trunk)?;
         let (n_experts, k) = (
             inkling.config.n_routed_experts,
             inkling.config.num_experts_per_tok,
@@ -604,7 +588,7 @@ impl Inkling {
         for (l, layer) in inkling.layers.iter().enumerate() {
             if let Mlp::Sparse(moe) = &layer.mlp {
                 let bias = moe.bias.clone();
-                inkling.routed.predict_with(
+                routed.predict_with(
                     l,
                     Predictor {
                         router: Arc::clone(&moe.router),
@@ -618,46 +602,106 @@ impl Inkling {
     }
 }
 
-/// What every layer of one forward shares: the configuration, the rows and the position of
-/// the first, and the routed experts.
+/// A conversation's state: what each layer carries, and the positions held.
+#[derive(Clone)]
+struct InklingState {
+    layers: Vec<LayerState>,
+    position: usize,
+}
+
+impl SequenceState for InklingState {
+    fn position(&self) -> usize {
+        self.position
+    }
+
+    fn size_bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| {
+                l.kv.size_bytes()
+                    + [&l.k_conv, &l.v_conv, &l.attn_conv, &l.mlp_conv]
+                        .iter()
+                        .map(|c| c.size_bytes())
+                        .sum::<usize>()
+            })
+            .sum()
+    }
+
+    /// The short convolutions carry only their last inputs, so only an empty state is
+    /// exact short of the whole one.
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        if len > 0 {
+            bail!("{NAME} cannot go back to position {len} of {}: its short convolutions keep only their last inputs (start a new state, or fork one at the position wanted)", self.position);
+        }
+        for state in &mut self.layers {
+            state.kv.clear();
+            state.k_conv.clear();
+            state.v_conv.clear();
+            state.attn_conv.clear();
+            state.mlp_conv.clear();
+        }
+        self.position = 0;
+        Ok(())
+    }
+
+    fn fork(&self) -> Box<dyn SequenceState> {
+        Box::new(self.clone())
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+}
+
+/// What every layer of one forward shares: the configuration, the batch's rows, and the
+/// routed experts.
 struct Pass<'a> {
     config: &'a Config,
-    n: usize,
-    start: usize,
+    rows: &'a Rows,
     routed: &'a mut RoutedExperts,
 }
 
 impl Layer {
-    /// `x += conv(attention(norm(x))); x += conv(ffn(norm(x)))` for the `pass.n` rows of
-    /// `x`, each short convolution with its residual inside; `id` is the layer's index.
+    /// `x += conv(attention(norm(x))); x += conv(ffn(norm(x)))` for the rows of `x`, each
+    /// short convolution with its residual inside, over each sequence's rows with its own
+    /// `states`; `id` is the layer's index.
     fn forward(
         &self,
         id: usize,
-        state: &mut LayerState,
+        states: &mut [&mut LayerState],
         pass: &mut Pass,
         x: &mut [f32],
     ) -> Result<()> {
         let norms = [&self.input_norm[..], &self.post_attention_norm];
+        let d = pass.config.hidden_size;
         pre_norm_residual(x, norms, pass.config.rms_norm_eps, |step, h| {
-            let n = pass.n;
-            Ok(match step {
-                Sublayer::Attention => {
-                    let attention = self.attention(state, pass, h);
-                    let conv = self.attn_conv.forward(&attention, n, &mut state.attn_conv);
-                    with_residual(conv, &attention)
-                }
-                Sublayer::Ffn => {
-                    let ffn = self.ffn(id, pass, h)?;
-                    let conv = self.mlp_conv.forward(&ffn, n, &mut state.mlp_conv);
-                    with_residual(conv, &ffn)
-                }
-            })
+            let (out, conv, pick): (_, _, fn(&mut LayerState) -> &mut ConvState) = match step {
+                Sublayer::Attention => (self.attention(states, pass, h), &self.attn_conv, |s| {
+                    &mut s.attn_conv
+                }),
+                Sublayer::Ffn => (self.ffn(id, pass, h)?, &self.mlp_conv, |s| &mut s.mlp_conv),
+            };
+            let mut convolved = vec![0f32; out.len()];
+            per_sequence(
+                pass.rows,
+                states,
+                &mut convolved,
+                d,
+                |segment, state, part| {
+                    part.copy_from_slice(&conv.forward(
+                        segment.of(&out, d),
+                        segment.len(),
+                        pick(state),
+                    ));
+                },
+            );
+            Ok(with_residual(convolved, &out))
         })
     }
 
     /// Self-attention over the normalised rows `h`, before the output convolution.
-    fn attention(&self, state: &mut LayerState, pass: &Pass, h: &[f32]) -> Vec<f32> {
-        let (config, n, start) = (pass.config, pass.n, pass.start);
+    fn attention(&self, states: &mut [&mut LayerState], pass: &Pass, h: &[f32]) -> Vec<f32> {
+        let (config, n) = (pass.config, pass.rows.len());
         let d = config.hidden_size;
         let attn = &self.attention;
         let AttentionShape {
@@ -675,41 +719,54 @@ impl Layer {
         attn.k_proj.matmul(h, n, &mut k);
         attn.v_proj.matmul(h, n, &mut v);
         attn.r_proj.matmul(h, n, &mut r);
-        let mut k = with_residual(attn.k_conv.forward(&k, n, &mut state.k_conv), &k);
-        let v = with_residual(attn.v_conv.forward(&v, n, &mut state.v_conv), &v);
-        // The norm weights are one head wide, so each head is normalised on its own.
-        rms_norm_in_place(&mut q, &attn.q_norm, config.rms_norm_eps);
-        rms_norm_in_place(&mut k, &attn.k_norm, config.rms_norm_eps);
-
-        let tau: Vec<f32> = (0..n)
-            .map(|t| match (attn.window, config.log_floor()) {
-                (None, Some(floor)) => log_length_scale(start + t, floor, config.log_scaling_alpha),
-                _ => 1.0,
-            })
-            .collect();
-        for (row, &scale) in q.chunks_exact_mut(heads * hd).zip(&tau) {
-            if scale != 1.0 {
-                row.iter_mut().for_each(|x| *x *= scale);
-            }
-        }
-        state.kv.push(&k, &v);
-        let bias = RelativeBias {
-            states: &r,
-            bank: &attn.rel_bank,
-            extent: attn.extent,
-            d_rel,
-            heads,
-            tau: &tau,
-        };
-        let mut context = vec![0f32; n * heads * hd];
-        windowed_attention(
-            attn.shape,
-            attn.window,
-            &q,
-            n,
-            &state.kv,
-            Some(&bias),
+        let (q_width, kv_width) = (heads * hd, kv_heads * hd);
+        let mut context = vec![0f32; n * q_width];
+        per_sequence(
+            pass.rows,
+            states,
             &mut context,
+            q_width,
+            |segment, state, context| {
+                let rows = segment.len();
+                let (k, v) = (segment.of(&k, kv_width), segment.of(&v, kv_width));
+                let mut k = with_residual(attn.k_conv.forward(k, rows, &mut state.k_conv), k);
+                let v = with_residual(attn.v_conv.forward(v, rows, &mut state.v_conv), v);
+                let mut q = segment.of(&q, q_width).to_vec();
+                // The norm weights are one head wide, so each head is normalised on its own.
+                rms_norm_in_place(&mut q, &attn.q_norm, config.rms_norm_eps);
+                rms_norm_in_place(&mut k, &attn.k_norm, config.rms_norm_eps);
+                let tau: Vec<f32> = (segment.start..segment.start + rows)
+                    .map(|position| match (attn.window, config.log_floor()) {
+                        (None, Some(floor)) => {
+                            log_length_scale(position, floor, config.log_scaling_alpha)
+                        }
+                        _ => 1.0,
+                    })
+                    .collect();
+                for (row, &scale) in q.chunks_exact_mut(q_width).zip(&tau) {
+                    if scale != 1.0 {
+                        row.iter_mut().for_each(|x| *x *= scale);
+                    }
+                }
+                state.kv.push(&k, &v);
+                let bias = RelativeBias {
+                    states: segment.of(&r, heads * d_rel),
+                    bank: &attn.rel_bank,
+                    extent: attn.extent,
+                    d_rel,
+                    heads,
+                    tau: &tau,
+                };
+                windowed_attention(
+                    attn.shape,
+                    attn.window,
+                    &q,
+                    rows,
+                    &state.kv,
+                    Some(&bias),
+                    context,
+                );
+            },
         );
         let mut out = vec![0f32; n * d];
         attn.o_proj.matmul(&context, n, &mut out);
@@ -719,7 +776,7 @@ impl Layer {
     /// The MLP of layer `id` (dense or sparse) over the normalised rows `h`, before the
     /// output convolution.
     fn ffn(&self, id: usize, pass: &mut Pass, h: &[f32]) -> Result<Vec<f32>> {
-        let (config, n) = (pass.config, pass.n);
+        let (config, n) = (pass.config, pass.rows.len());
         let d = config.hidden_size;
         let moe = match &self.mlp {
             Mlp::Dense { mlp, global_scale } => {
@@ -855,62 +912,77 @@ impl Engine for Inkling {
         self.config.logit_count()
     }
 
-    fn position(&self) -> usize {
-        self.position
+    fn new_state(&self) -> State {
+        let layers = self
+            .layers
+            .iter()
+            .map(|layer| {
+                let a = &layer.attention;
+                LayerState {
+                    kv: WindowKvCache::new(a.shape.kv_heads, a.shape.head_dim, a.window),
+                    k_conv: a.k_conv.state(),
+                    v_conv: a.v_conv.state(),
+                    attn_conv: layer.attn_conv.state(),
+                    mlp_conv: layer.mlp_conv.state(),
+                }
+            })
+            .collect();
+        State::new(
+            NAME,
+            InklingState {
+                layers,
+                position: 0,
+            },
+        )
     }
 
-    fn forward(&mut self, tokens: &[u32], all_positions: bool) -> Result<Vec<f32>> {
-        let (n, rows) = (tokens.len(), self.config.vocab_size);
+    fn forward(&self, batch: &mut [Step]) -> Result<Vec<Vec<f32>>> {
+        let rows = Rows::of(batch)?;
+        let vocab = self.config.vocab_size;
         let eps = self.config.rms_norm_eps;
-        let mut x = embed_tokens(&self.embed, tokens, rows)?;
+        let mut states = batch
+            .iter_mut()
+            .map(|step| step.state.downcast_mut::<InklingState>(NAME))
+            .collect::<Result<Vec<_>>>()?;
+        let mut x = embed_tokens(&self.embed, &rows.tokens, vocab)?;
         rms_norm_in_place(&mut x, &self.embed_norm, eps);
+        let mut routed = self.routed();
         let mut pass = Pass {
             config: &self.config,
-            n,
-            start: self.position,
-            routed: &mut self.routed,
+            rows: &rows,
+            routed: &mut routed,
         };
-        for (l, (layer, state)) in self.layers.iter().zip(self.states.iter_mut()).enumerate() {
+        for (l, layer) in self.layers.iter().enumerate() {
             interrupt::checkpoint()?;
-            layer.forward(l, state, &mut pass, &mut x)?;
+            let mut layer_states: Vec<_> = states.iter_mut().map(|s| &mut s.layers[l]).collect();
+            layer.forward(l, &mut layer_states, &mut pass, &mut x)?;
         }
-        self.position += n;
-        let mut normed = final_norm(&x, &self.final_norm, eps, all_positions);
+        for (state, segment) in states.iter_mut().zip(&rows.segments) {
+            state.position += segment.len();
+        }
+        let mut normed = final_norm(&x, &self.final_norm, eps, &rows.output_rows());
         let multiplier = self.config.logits_mup_width_multiplier as f32;
         normed.iter_mut().for_each(|v| *v /= multiplier);
         let logits = lm_head(&self.lm_head, &normed);
         let kept = self.config.logit_count();
-        if kept == rows {
-            return Ok(logits);
-        }
-        Ok(logits
-            .chunks_exact(rows)
-            .flat_map(|row| &row[..kept])
-            .copied()
-            .collect())
-    }
-
-    fn reset(&mut self) {
-        for state in &mut self.states {
-            state.kv.clear();
-            state.k_conv.clear();
-            state.v_conv.clear();
-            state.attn_conv.clear();
-            state.mlp_conv.clear();
-        }
-        self.position = 0;
+        let logits = if kept == vocab {
+            logits
+        } else {
+            logits
+                .chunks_exact(vocab)
+                .flat_map(|row| &row[..kept])
+                .copied()
+                .collect()
+        };
+        Ok(rows.split_logits(logits, kept))
     }
 
     fn stop_tokens(&self) -> &[u32] {
         &self.stop
     }
 
-    fn routed(&self) -> &RoutedExperts {
-        &self.routed
-    }
-
-    fn routed_mut(&mut self) -> &mut RoutedExperts {
-        &mut self.routed
+    fn routed(&self) -> MutexGuard<'_, RoutedExperts> {
+        lock(&self.routed)
     }
 
     fn resident_bytes(&self) -> usize {

@@ -25,6 +25,7 @@ use rayon::prelude::*;
 
 use super::gated_norm::rms_norm_sigmoid_gated;
 use super::short_conv::{ConvState, ShortConv};
+use super::state::{per_sequence, Rows};
 use crate::activation::silu;
 use crate::quant::{load_vector, Matrix, Width};
 use crate::snapshot::Snapshot;
@@ -50,6 +51,7 @@ impl KdaShape {
 
 /// What a KDA layer remembers between forwards: the per-head state and the inputs the three
 /// convolutions still need.
+#[derive(Clone)]
 pub struct KdaState {
     recurrent: Vec<f32>,
     q_conv: ConvState,
@@ -64,6 +66,13 @@ impl KdaState {
         self.q_conv.clear();
         self.k_conv.clear();
         self.v_conv.clear();
+    }
+
+    pub fn size_bytes(&self) -> usize {
+        4 * self.recurrent.len()
+            + self.q_conv.size_bytes()
+            + self.k_conv.size_bytes()
+            + self.v_conv.size_bytes()
     }
 }
 
@@ -157,8 +166,11 @@ impl Kda {
         matrices + convs + 4 * (self.dt_bias.len() + self.decay_rate.len() + self.o_norm.len())
     }
 
-    /// The layer's output (`n x hidden`) for `n` normalised rows `x`, continuing `state`.
-    pub fn forward(&self, x: &[f32], n: usize, state: &mut KdaState) -> Vec<f32> {
+    /// The layer's output (`n x hidden`) for the normalised rows `x` of a batch, each
+    /// sequence continuing its own state in `states`: the projections once over every row,
+    /// the convolutions and the recurrence per sequence.
+    pub fn forward(&self, x: &[f32], rows: &Rows, states: &mut [&mut KdaState]) -> Vec<f32> {
+        let n = rows.len();
         let KdaShape {
             heads,
             head_dim: d,
@@ -172,14 +184,7 @@ impl Kda {
             m.matmul(x, n, &mut out);
             out
         };
-        let convolved = |m: &Matrix, conv: &ShortConv, conv_state: &mut ConvState| {
-            let mut y = conv.forward(&project(m), n, conv_state);
-            y.iter_mut().for_each(|v| *v = silu(*v));
-            y
-        };
-        let q = convolved(&self.q, &self.q_conv, &mut state.q_conv);
-        let k = convolved(&self.k, &self.k_conv, &mut state.k_conv);
-        let v = convolved(&self.v, &self.v_conv, &mut state.v_conv);
+        let (q, k, v) = (project(&self.q), project(&self.k), project(&self.v));
         let gate_out = project(&self.g);
         let beta: Vec<f32> = project(&self.b)
             .iter()
@@ -195,20 +200,32 @@ impl Kda {
             }
         }
         let mut core = vec![0f32; n * p];
-        for t in 0..n {
-            let at = |v: &[f32]| v[t * p..][..p].to_vec();
-            delta_rule(
-                heads,
-                d,
-                &at(&q),
-                &at(&k),
-                &at(&v),
-                &at(&z),
-                &beta[t * heads..][..heads],
-                &mut state.recurrent,
-                &mut core[t * p..][..p],
-            );
-        }
+        per_sequence(rows, states, &mut core, p, |segment, state, core| {
+            let m = segment.len();
+            let convolved = |input: &[f32], conv: &ShortConv, conv_state: &mut ConvState| {
+                let mut y = conv.forward(segment.of(input, p), m, conv_state);
+                y.iter_mut().for_each(|v| *v = silu(*v));
+                y
+            };
+            let q = convolved(&q, &self.q_conv, &mut state.q_conv);
+            let k = convolved(&k, &self.k_conv, &mut state.k_conv);
+            let v = convolved(&v, &self.v_conv, &mut state.v_conv);
+            let (z, beta) = (segment.of(&z, p), segment.of(&beta, heads));
+            for t in 0..m {
+                let at = |v: &[f32]| v[t * p..][..p].to_vec();
+                delta_rule(
+                    heads,
+                    d,
+                    &at(&q),
+                    &at(&k),
+                    &at(&v),
+                    &at(z),
+                    &beta[t * heads..][..heads],
+                    &mut state.recurrent,
+                    &mut core[t * p..][..p],
+                );
+            }
+        });
         let mut normed = vec![0f32; n * p];
         rms_norm_sigmoid_gated(&core, &self.o_norm, &gate_out, eps, &mut normed);
         let mut out = vec![0f32; n * self.o.rows()];

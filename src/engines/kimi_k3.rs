@@ -18,8 +18,9 @@
 //! batched and its experts deduplicated, while the KDA recurrence and the MLA cache carry
 //! across chunks, so any split of a sequence computes the same tokens.
 
+use std::any::Any;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use anyhow::{anyhow, bail, Context, Result};
 use serde::Deserialize;
@@ -29,7 +30,8 @@ use super::kda::{Kda, KdaShape, KdaState};
 use super::layers::{embed_tokens, final_norm, lm_head, rms_norm, rms_norm_in_place, GatedMlp};
 use super::mla::{attend_absorbed, attend_plain, Keys, LatentCache, MlaProjections, MlaShape};
 use super::moe::{Predictor, Route, RoutedExperts, SigmoidRouter};
-use super::{Engine, LoadOptions};
+use super::state::{per_sequence, Logits, Rows, SequenceState, State, Step};
+use super::{lock, Engine, LoadOptions};
 use crate::activation::{Activation, Situ};
 use crate::experts::ExpertTensors;
 use crate::interrupt;
@@ -418,6 +420,7 @@ enum Mixer {
 }
 
 /// What a layer's attention remembers between forwards.
+#[derive(Clone)]
 enum MixerState {
     Kda(KdaState),
     Mla(LatentCache),
@@ -447,11 +450,58 @@ struct Layer {
     ffn: Ffn,
 }
 
+/// A conversation's state: what each layer's attention remembers, and the positions held.
+#[derive(Clone)]
+struct KimiState {
+    layers: Vec<MixerState>,
+    position: usize,
+}
+
+impl SequenceState for KimiState {
+    fn position(&self) -> usize {
+        self.position
+    }
+
+    fn size_bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|state| match state {
+                MixerState::Kda(state) => state.size_bytes(),
+                MixerState::Mla(cache) => cache.size_bytes(),
+            })
+            .sum()
+    }
+
+    /// The KDA state is a running sum over every position, so only an empty state is exact
+    /// short of the whole one.
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        if len > 0 {
+            bail!("{NAME} cannot go back to position {len} of {}: its KDA layers keep a recurrent state, not the positions (start a new state, or fork one at the position wanted)", self.position);
+        }
+        for state in &mut self.layers {
+            match state {
+                MixerState::Kda(state) => state.clear(),
+                MixerState::Mla(cache) => cache.clear(),
+            }
+        }
+        self.position = 0;
+        Ok(())
+    }
+
+    fn fork(&self) -> Box<dyn SequenceState> {
+        Box::new(self.clone())
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+}
+
 /// What a forward's layers share.
 struct Pass<'a> {
     config: &'a Config,
     situ: Situ,
-    n: usize,
+    rows: &'a Rows,
     routed: &'a mut RoutedExperts,
 }
 
@@ -599,7 +649,7 @@ impl Layer {
     fn forward(
         &self,
         id: usize,
-        state: &mut MixerState,
+        states: &mut [&mut MixerState],
         pass: &mut Pass,
         stream: &mut ResidualStream,
     ) -> Result<()> {
@@ -607,7 +657,7 @@ impl Layer {
         let input = stream.attention_input(id, &self.attention_mix);
         let mut h = vec![0f32; input.len()];
         rms_norm(&input, &self.input_norm, eps, &mut h);
-        let attention = profile::time(Phase::Attention, || self.attention(state, pass, &h))?;
+        let attention = profile::time(Phase::Attention, || self.attention(states, pass, &h))?;
         let input = stream.after_attention(&attention, &self.mlp_mix);
         rms_norm(&input, &self.post_attention_norm, eps, &mut h);
         let ffn = self.ffn(id, pass, &h)?;
@@ -615,26 +665,60 @@ impl Layer {
         Ok(())
     }
 
-    fn attention(&self, state: &mut MixerState, pass: &Pass, h: &[f32]) -> Result<Vec<f32>> {
-        let n = pass.n;
-        match (&self.mixer, state) {
-            (Mixer::Kda(kda), MixerState::Kda(state)) => Ok(kda.forward(h, n, state)),
-            (Mixer::Mla(mla), MixerState::Mla(cache)) => {
+    fn attention(
+        &self,
+        states: &mut [&mut MixerState],
+        pass: &Pass,
+        h: &[f32],
+    ) -> Result<Vec<f32>> {
+        let (rows, n) = (pass.rows, pass.rows.len());
+        match &self.mixer {
+            Mixer::Kda(kda) => {
+                let mut kda_states = states
+                    .iter_mut()
+                    .map(|state| match &mut **state {
+                        MixerState::Kda(state) => Ok(state),
+                        MixerState::Mla(_) => Err(mismatch()),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(kda.forward(h, rows, &mut kda_states))
+            }
+            Mixer::Mla(mla) => {
                 let shape = pass.config.mla_shape();
                 let projected = mla.proj.project(h, n, LORA_NORM_EPS);
-                cache.push(&projected.latents, &projected.rope_keys);
-                let mut context = vec![0f32; n * shape.heads * shape.v];
-                // Many queries share one expansion of the cache; a single one is cheaper
-                // against the latents directly.
-                let attend = if n > 1 { attend_plain } else { attend_absorbed };
-                attend(
-                    shape,
-                    mla.proj.kv_b(),
-                    &projected.queries,
-                    n,
-                    cache,
-                    &Keys::Causal,
+                let mut caches = states
+                    .iter_mut()
+                    .map(|state| match &mut **state {
+                        MixerState::Mla(cache) => Ok(cache),
+                        MixerState::Kda(_) => Err(mismatch()),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let width = shape.heads * shape.v;
+                let mut context = vec![0f32; n * width];
+                per_sequence(
+                    rows,
+                    &mut caches,
                     &mut context,
+                    width,
+                    |segment, cache, context| {
+                        cache.push(
+                            segment.of(&projected.latents, shape.kv_lora),
+                            segment.of(&projected.rope_keys, shape.rope),
+                        );
+                        // Many queries share one expansion of the cache; a single one is
+                        // cheaper against the latents directly.
+                        let m = segment.len();
+                        let attend = if m > 1 { attend_plain } else { attend_absorbed };
+                        attend(
+                            shape,
+                            mla.proj.kv_b(),
+                            segment.of(&projected.queries, shape.heads * shape.qk()),
+                            m,
+                            cache,
+                            &Keys::Causal,
+                            context,
+                        );
+                    },
                 );
                 if let Some(gate) = &mla.gate {
                     let mut g = vec![0f32; context.len()];
@@ -647,12 +731,15 @@ impl Layer {
                 mla.o.matmul(&context, n, &mut out);
                 Ok(out)
             }
-            _ => bail!("{NAME}: a layer's attention state does not match its kind"),
         }
     }
 
     fn ffn(&self, id: usize, pass: &mut Pass, h: &[f32]) -> Result<Vec<f32>> {
-        let (n, d, eps) = (pass.n, pass.config.hidden_size, pass.config.rms_norm_eps);
+        let (n, d, eps) = (
+            pass.rows.len(),
+            pass.config.hidden_size,
+            pass.config.rms_norm_eps,
+        );
         let moe = match &self.ffn {
             Ffn::Dense(mlp) => return Ok(mlp.forward(h, n)),
             Ffn::Moe(moe) => moe,
@@ -720,10 +807,8 @@ pub struct KimiK3 {
     final_norm: Vec<f32>,
     lm_head: Matrix,
     layers: Vec<Layer>,
-    states: Vec<MixerState>,
-    routed: RoutedExperts,
+    routed: Mutex<RoutedExperts>,
     stop: Vec<u32>,
-    position: usize,
 }
 
 impl KimiK3 {
@@ -746,16 +831,6 @@ impl KimiK3 {
                 layer_experts(snapshot, &config, &p)?
             });
         }
-        let states = layers
-            .iter()
-            .map(|layer| match &layer.mixer {
-                Mixer::Kda(kda) => MixerState::Kda(kda.state()),
-                Mixer::Mla(_) => MixerState::Mla(LatentCache::new(
-                    config.kv_lora_rank,
-                    config.qk_rope_head_dim,
-                )),
-            })
-            .collect();
         // The dense layers do not route, and K3 has no MTP head in the row after the last.
         let mut telemetry = RouteTrace::new(NAME, n_layers, config.num_experts)?;
         for l in 0..config.first_k_dense_replace {
@@ -788,50 +863,57 @@ impl KimiK3 {
                 io_width,
             )?,
             layers,
-            states,
-            routed: RoutedExperts::unprovisioned(options.store.width, telemetry),
+            routed: Mutex::new(RoutedExperts::unprovisioned(options.store.width, telemetry)),
             stop,
-            position: 0,
             config,
         };
         let trunk = engine.resident_bytes();
-        engine
-            .routed
-            .provision(expert_tensors, &options.store, trunk)?;
+        let routed = engine.routed.get_mut().unwrap_or_else(|e| e.into_inner());
+        routed.provision(expert_tensors, &options.store, trunk)?;
         for (l, layer) in engine.layers.iter().enumerate() {
             if let Ffn::Moe(moe) = &layer.ffn {
-                engine
-                    .routed
-                    .predict_with(l, Predictor::sigmoid(&moe.router, &moe.choose));
+                routed.predict_with(l, Predictor::sigmoid(&moe.router, &moe.choose));
             }
         }
         Ok(engine)
     }
 
-    /// One chunk through every layer: the final-normalised hidden states of its rows (all,
-    /// or the last only).
-    fn chunk(&mut self, tokens: &[u32], all_rows: bool) -> Result<Vec<f32>> {
-        let (n, d, vocab) = (
-            tokens.len(),
-            self.config.hidden_size,
-            self.config.vocab_size,
-        );
-        let x = embed_tokens(&self.embed, tokens, vocab)?;
+    /// One chunk of each sequence of a batch through every layer: the final-normalised
+    /// hidden states of the rows `picked`.
+    fn chunk(
+        &self,
+        rows: &Rows,
+        states: &mut [&mut KimiState],
+        routed: &mut RoutedExperts,
+        picked: &[usize],
+    ) -> Result<Vec<f32>> {
+        let (d, vocab) = (self.config.hidden_size, self.config.vocab_size);
+        let x = embed_tokens(&self.embed, &rows.tokens, vocab)?;
         let eps = self.config.rms_norm_eps;
         let mut stream = ResidualStream::new(x, d, self.config.block_size());
         let mut pass = Pass {
             config: &self.config,
             situ: self.situ,
-            n,
-            routed: &mut self.routed,
+            rows,
+            routed,
         };
-        for (l, (layer, state)) in self.layers.iter().zip(self.states.iter_mut()).enumerate() {
+        for (l, layer) in self.layers.iter().enumerate() {
             interrupt::checkpoint()?;
-            layer.forward(l, state, &mut pass, &mut stream)?;
+            let mut layer_states: Vec<_> = states.iter_mut().map(|s| &mut s.layers[l]).collect();
+            layer.forward(l, &mut layer_states, &mut pass, &mut stream)?;
+        }
+        for (state, segment) in states.iter_mut().zip(&rows.segments) {
+            state.position += segment.len();
         }
         let out = stream.output(&self.output_mix);
-        Ok(final_norm(&out, &self.final_norm, eps, all_rows))
+        Ok(final_norm(&out, &self.final_norm, eps, picked))
     }
+}
+
+/// A layer's attention state of the other kind than the layer (a state built for another
+/// checkpoint of the same engine).
+fn mismatch() -> anyhow::Error {
+    anyhow!("{NAME}: a layer's attention state does not match its kind")
 }
 
 impl Engine for KimiK3 {
@@ -843,45 +925,105 @@ impl Engine for KimiK3 {
         self.config.vocab_size
     }
 
-    fn position(&self) -> usize {
-        self.position
+    fn new_state(&self) -> State {
+        let layers = self
+            .layers
+            .iter()
+            .map(|layer| match &layer.mixer {
+                Mixer::Kda(kda) => MixerState::Kda(kda.state()),
+                Mixer::Mla(_) => MixerState::Mla(LatentCache::new(
+                    self.config.kv_lora_rank,
+                    self.config.qk_rope_head_dim,
+                )),
+            })
+            .collect();
+        State::new(
+            NAME,
+            KimiState {
+                layers,
+                position: 0,
+            },
+        )
     }
 
-    fn forward(&mut self, tokens: &[u32], all_positions: bool) -> Result<Vec<f32>> {
-        if tokens.is_empty() {
-            bail!("forward needs at least one token");
-        }
-        let chunks = tokens.chunks(PREFILL_CHUNK).count();
-        let mut hidden = Vec::new();
-        for (i, chunk) in tokens.chunks(PREFILL_CHUNK).enumerate() {
-            let last = i + 1 == chunks;
-            if !all_positions && !last {
-                // Only the state this chunk leaves behind matters.
-                self.chunk(chunk, false)?;
-            } else {
-                hidden.extend(self.chunk(chunk, all_positions)?);
+    /// Every sequence's tokens go through in chunks of [`PREFILL_CHUNK`]: round `r` runs
+    /// chunk `r` of each sequence that has one, side by side.
+    fn forward(&self, batch: &mut [Step]) -> Result<Vec<Vec<f32>>> {
+        Rows::of(batch)?;
+        let asks: Vec<(&[u32], Logits)> = batch.iter().map(|s| (s.tokens, s.logits)).collect();
+        let mut states = batch
+            .iter_mut()
+            .map(|step| step.state.downcast_mut::<KimiState>(NAME))
+            .collect::<Result<Vec<_>>>()?;
+        let d = self.config.hidden_size;
+        let rounds = asks
+            .iter()
+            .map(|(t, _)| t.len().div_ceil(PREFILL_CHUNK))
+            .max()
+            .unwrap_or(0);
+        let mut hidden: Vec<Vec<f32>> = vec![Vec::new(); asks.len()];
+        let mut routed = self.routed();
+        for round in 0..rounds {
+            let (from, to) = (round * PREFILL_CHUNK, (round + 1) * PREFILL_CHUNK);
+            let members: Vec<usize> = (0..asks.len())
+                .filter(|&i| asks[i].0.len() > from)
+                .collect();
+            let parts: Vec<(&[u32], usize, Logits)> = members
+                .iter()
+                .map(|&i| {
+                    let (tokens, logits) = asks[i];
+                    (
+                        &tokens[from..tokens.len().min(to)],
+                        states[i].position,
+                        logits,
+                    )
+                })
+                .collect();
+            let rows = Rows::from_parts(&parts);
+            // Rows the logits come from: every row of an `All` step, the last row of a
+            // `Last` step's last chunk; none of a chunk only the state needs.
+            let mut picked = Vec::new();
+            let mut owners = Vec::new();
+            for (segment, &i) in rows.segments.iter().zip(&members) {
+                let wanted = match asks[i].1 {
+                    Logits::All => segment.rows.clone(),
+                    Logits::Last if asks[i].0.len() <= to => segment.rows.end - 1..segment.rows.end,
+                    Logits::Last => segment.rows.end..segment.rows.end,
+                };
+                owners.push((i, wanted.len()));
+                picked.extend(wanted);
             }
-            self.position += chunk.len();
-        }
-        Ok(lm_head(&self.lm_head, &hidden))
-    }
-
-    fn reset(&mut self) {
-        for state in &mut self.states {
-            match state {
-                MixerState::Kda(state) => state.clear(),
-                MixerState::Mla(cache) => cache.clear(),
+            let mut chunk_states: Vec<&mut KimiState> = states
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| members.contains(i))
+                .map(|(_, state)| &mut **state)
+                .collect();
+            let normed = self.chunk(&rows, &mut chunk_states, &mut routed, &picked)?;
+            let mut rest = &normed[..];
+            for (i, count) in owners {
+                let (mine, after) = rest.split_at(count * d);
+                hidden[i].extend_from_slice(mine);
+                rest = after;
             }
         }
-        self.position = 0;
+        drop(routed);
+        let counts: Vec<usize> = hidden.iter().map(|h| h.len() / d).collect();
+        let logits = lm_head(&self.lm_head, &hidden.concat());
+        let vocab = self.config.vocab_size;
+        let mut rest = &logits[..];
+        Ok(counts
+            .into_iter()
+            .map(|count| {
+                let (mine, after) = rest.split_at(count * vocab);
+                rest = after;
+                mine.to_vec()
+            })
+            .collect())
     }
 
-    fn routed(&self) -> &RoutedExperts {
-        &self.routed
-    }
-
-    fn routed_mut(&mut self) -> &mut RoutedExperts {
-        &mut self.routed
+    fn routed(&self) -> MutexGuard<'_, RoutedExperts> {
+        lock(&self.routed)
     }
 
     fn resident_bytes(&self) -> usize {

@@ -8,6 +8,7 @@
 
 use anyhow::{bail, Result};
 
+use super::state::Rows;
 use crate::activation::{swiglu, Activation};
 use crate::profile::{self, Phase};
 use crate::quant::{matmul_shared_input, Matrix, Width};
@@ -58,12 +59,11 @@ pub fn pre_norm_residual(
 }
 
 /// The final norm of the hidden rows `x` (each `weight.len()` wide) that the LM head reads:
-/// every row with `all_rows`, else the last.
-pub fn final_norm(x: &[f32], weight: &[f32], eps: f64, all_rows: bool) -> Vec<f32> {
-    let d = weight.len();
-    let rows = if all_rows { x } else { &x[x.len() - d..] };
+/// the rows `picked`, in that order.
+pub fn final_norm(x: &[f32], weight: &[f32], eps: f64, picked: &[usize]) -> Vec<f32> {
+    let rows = Rows::gather(x, weight.len(), picked);
     let mut normed = vec![0f32; rows.len()];
-    rms_norm(rows, weight, eps, &mut normed);
+    rms_norm(&rows, weight, eps, &mut normed);
     normed
 }
 

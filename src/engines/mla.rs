@@ -155,6 +155,7 @@ impl MlaProjections {
 
 /// The compressed KV cache of one MLA layer: per position the normalised latent
 /// (`kv_lora`) and the rotated shared key (`rope`).
+#[derive(Clone)]
 pub struct LatentCache {
     kv_lora: usize,
     rope: usize,
@@ -182,6 +183,10 @@ impl LatentCache {
 
     pub fn clear(&mut self) {
         self.truncate(0);
+    }
+
+    pub fn size_bytes(&self) -> usize {
+        4 * (self.latents.len() + self.rope_keys.len())
     }
 
     /// Keep the first `len` positions.

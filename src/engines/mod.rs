@@ -18,16 +18,19 @@ pub mod moe;
 pub mod olmoe;
 pub mod short_conv;
 pub mod situ;
+pub mod state;
 pub mod window_attention;
+
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use anyhow::{bail, Result};
 
-use crate::experts::{CacheStats, ExpertStore, StoreOptions};
+use crate::experts::{CacheStats, StoreOptions};
 use crate::quant::Width;
-use crate::route_trace::RouteTrace;
 use crate::snapshot::Snapshot;
 use crate::text::PromptConvention;
 use moe::RoutedExperts;
+pub use state::{Logits, State, Step};
 
 /// How to build an engine from a snapshot.
 #[derive(Debug, Clone)]
@@ -55,42 +58,39 @@ impl LoadOptions {
     }
 }
 
-/// A loaded model that turns token ids into logits.
-pub trait Engine {
+/// A loaded model: its weights, immutable after [`load`] and shared by every conversation,
+/// and its routed experts (the expert store and the routing telemetry, which every forward
+/// updates under one lock). What grows with a conversation is a [`State`] the engine
+/// creates; one [`Engine::forward`] runs the rows of many states.
+pub trait Engine: Send + Sync {
     /// The engine's name, as `--model` spells it.
     fn name(&self) -> &'static str;
 
     fn vocab_size(&self) -> usize;
 
-    /// Number of positions already in the KV cache.
-    fn position(&self) -> usize;
+    /// An empty conversation: no positions.
+    fn new_state(&self) -> State;
 
-    /// Run `tokens` at the positions following those already cached and return the logits
-    /// of the last position, or of every position (`tokens.len() x vocab`) when
-    /// `all_positions`. A forward that fails (a signal between layers, an expert that
-    /// cannot be read) leaves the cache partly filled: the caller resets before the next.
-    fn forward(&mut self, tokens: &[u32], all_positions: bool) -> Result<Vec<f32>>;
+    /// One forward over a batch: each step's tokens at the positions after those its state
+    /// holds, every dense product once over all rows, attention per sequence on its own
+    /// state, each MoE layer taking each distinct expert once for every row routed to it.
+    /// Returns each step's logits (`vocab` for [`Logits::Last`], `tokens x vocab` for
+    /// [`Logits::All`]), every row the bits it has when its sequence runs alone. A forward
+    /// that fails (a signal between layers, an expert that cannot be read) leaves the
+    /// batch's states partly filled: the caller starts them again.
+    fn forward(&self, batch: &mut [Step]) -> Result<Vec<Vec<f32>>>;
 
-    /// Forget every cached position (the expert cache stays warm).
-    fn reset(&mut self);
+    /// [`Engine::forward`] of one sequence.
+    fn forward_one(&self, state: &mut State, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
+        let mut out = self.forward(&mut [Step::new(state, tokens, logits)])?;
+        Ok(out.pop().unwrap_or_default())
+    }
 
-    /// The routed experts and their telemetry.
-    fn routed(&self) -> &RoutedExperts;
-
-    fn routed_mut(&mut self) -> &mut RoutedExperts;
+    /// The routed experts and their telemetry, locked (a forward holds the lock).
+    fn routed(&self) -> MutexGuard<'_, RoutedExperts>;
 
     fn cache_stats(&self) -> CacheStats {
         self.routed().stats()
-    }
-
-    /// The run's routing telemetry, which the engine's router loops feed.
-    fn telemetry(&mut self) -> &mut RouteTrace {
-        &mut self.routed_mut().telemetry
-    }
-
-    /// The routed experts' store, for placement (pins) decided outside the engine.
-    fn expert_store(&mut self) -> &mut ExpertStore {
-        &mut self.routed_mut().store
     }
 
     /// Expert-cache slots per MoE layer actually in use (the fewest of the expert ranks'
@@ -125,22 +125,18 @@ pub trait Engine {
     }
 
     /// Up to `depth` tokens the engine's draft head expects after `next`, the token chosen
-    /// from the last forward's logits (which `forward` has not seen yet). Empty when the
+    /// from `state`'s last forward's logits (which no forward has seen yet). Empty when the
     /// engine has no draft head.
-    fn propose(&mut self, next: u32, depth: usize) -> Result<Vec<u32>> {
-        let _ = (next, depth);
+    fn propose(&self, state: &mut State, next: u32, depth: usize) -> Result<Vec<u32>> {
+        let _ = (state, next, depth);
         Ok(Vec::new())
     }
+}
 
-    /// Keep the first `len` cached positions, dropping rejected draft tokens: only positions
-    /// the last forward added can go, and at least one of them stays.
-    fn truncate(&mut self, len: usize) -> Result<()> {
-        bail!(
-            "{} cannot drop cached positions (asked to keep {len} of {})",
-            self.name(),
-            self.position()
-        )
-    }
+/// `routed` locked, whether or not a forward that held it panicked: the store and the
+/// counters stay consistent between expert calls.
+pub(crate) fn lock(routed: &Mutex<RoutedExperts>) -> MutexGuard<'_, RoutedExperts> {
+    routed.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Every engine this build can run.

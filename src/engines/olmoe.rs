@@ -2,7 +2,8 @@
 //! whole q and k projections and rotate-half RoPE, then a softmax-routed top-k MoE of
 //! SwiGLU experts. No dense layers, no shared experts, no router bias.
 
-use std::sync::Arc;
+use std::any::Any;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use anyhow::{bail, Result};
 use serde::Deserialize;
@@ -12,8 +13,9 @@ use super::layers::{
     Sublayer,
 };
 use super::moe::{softmax_top_k, Predictor, Route, RoutedExperts};
+use super::state::{per_sequence, Rows, SequenceState, State, Step};
 use super::window_attention::{windowed_attention, WindowKvCache};
-use super::{Engine, LoadOptions};
+use super::{lock, Engine, LoadOptions};
 use crate::experts::ExpertTensors;
 use crate::interrupt;
 use crate::quant::{load_vector, matmul_shared_input, Matrix, Width};
@@ -164,13 +166,9 @@ pub struct Olmoe {
     final_norm: Vec<f32>,
     lm_head: Matrix,
     layers: Vec<Layer>,
-    /// Each layer's state across forwards: its KV cache.
-    states: Vec<WindowKvCache>,
-    /// Positions the states hold.
-    position: usize,
     rope: Rope,
     shape: AttentionShape,
-    routed: RoutedExperts,
+    routed: Mutex<RoutedExperts>,
     /// The ids that end a generation (`eos_token_id`).
     stop: Vec<u32>,
 }
@@ -265,18 +263,14 @@ impl Olmoe {
                 head_dim: hd,
                 scale: (hd as f32).powf(-0.5),
             },
-            position: 0,
-            states: (0..config.num_hidden_layers)
-                .map(|_| WindowKvCache::new(kv_heads, hd, None))
-                .collect(),
             // Every layer routes; the row after the last layer (an MTP head in other
             // models) does not exist here.
-            routed: RoutedExperts::unprovisioned(options.store.width, {
+            routed: Mutex::new(RoutedExperts::unprovisioned(options.store.width, {
                 let mut telemetry =
                     RouteTrace::new(NAME, config.num_hidden_layers, config.num_experts)?;
                 telemetry.drop_row(config.num_hidden_layers);
                 telemetry
-            }),
+            })),
             embed,
             final_norm,
             lm_head,
@@ -284,12 +278,11 @@ impl Olmoe {
             config,
         };
         let trunk = olmoe.resident_bytes();
-        olmoe
-            .routed
-            .provision(expert_tensors, &options.store, trunk)?;
+        let routed = olmoe.routed.get_mut().unwrap_or_else(|e| e.into_inner());
+        routed.provision(expert_tensors, &options.store, trunk)?;
         let k = olmoe.config.num_experts_per_tok;
         for (l, layer) in olmoe.layers.iter().enumerate() {
-            olmoe.routed.predict_with(
+            routed.predict_with(
                 l,
                 Predictor {
                     router: Arc::clone(&layer.router),
@@ -302,36 +295,63 @@ impl Olmoe {
     }
 }
 
+/// A conversation's state: each layer's KV cache.
+#[derive(Clone)]
+struct OlmoeState {
+    caches: Vec<WindowKvCache>,
+}
+
+impl SequenceState for OlmoeState {
+    fn position(&self) -> usize {
+        self.caches.first().map_or(0, WindowKvCache::positions)
+    }
+
+    fn size_bytes(&self) -> usize {
+        self.caches.iter().map(WindowKvCache::size_bytes).sum()
+    }
+
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        self.caches.iter_mut().try_for_each(|c| c.truncate(len))
+    }
+
+    fn fork(&self) -> Box<dyn SequenceState> {
+        Box::new(self.clone())
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+}
+
 /// What every layer of one forward shares: the configuration, the attention shape and
-/// rotary table, the rows and the position of the first, and the routed experts.
+/// rotary table, the batch's rows, and the routed experts.
 struct Pass<'a> {
     config: &'a Config,
     shape: AttentionShape,
     rope: &'a Rope,
-    n: usize,
-    start: usize,
+    rows: &'a Rows,
     routed: &'a mut RoutedExperts,
 }
 
 impl Layer {
-    /// `x += attention(norm(x)); x += ffn(norm(x))` for the `pass.n` rows of `x`; `id` is
-    /// the layer's index.
+    /// `x += attention(norm(x)); x += ffn(norm(x))` for the rows of `x`, with `caches`
+    /// this layer's cache of each sequence; `id` is the layer's index.
     fn forward(
         &self,
         id: usize,
-        cache: &mut WindowKvCache,
+        caches: &mut [&mut WindowKvCache],
         pass: &mut Pass,
         x: &mut [f32],
     ) -> Result<()> {
         let norms = [&self.input_norm[..], &self.post_attention_norm];
         pre_norm_residual(x, norms, pass.config.rms_norm_eps, |step, h| match step {
-            Sublayer::Attention => Ok(self.attention(cache, pass, h)),
+            Sublayer::Attention => Ok(self.attention(caches, pass, h)),
             Sublayer::Ffn => self.ffn(id, pass, h),
         })
     }
 
-    fn attention(&self, cache: &mut WindowKvCache, pass: &Pass, h: &[f32]) -> Vec<f32> {
-        let (config, shape, n, start) = (pass.config, pass.shape, pass.n, pass.start);
+    fn attention(&self, caches: &mut [&mut WindowKvCache], pass: &Pass, h: &[f32]) -> Vec<f32> {
+        let (config, shape, n) = (pass.config, pass.shape, pass.rows.len());
         let (d, hd) = (config.hidden_size, shape.head_dim);
         let attn = &self.attention;
         let q_width = shape.heads * hd;
@@ -355,15 +375,34 @@ impl Layer {
                 *value = value.clamp(-clip, clip);
             }
         }
-        for t in 0..n {
-            pass.rope
-                .apply(&mut q[t * q_width..][..q_width], hd, start + t);
-            pass.rope
-                .apply(&mut k[t * kv_width..][..kv_width], hd, start + t);
+        for segment in &pass.rows.segments {
+            for (i, t) in segment.rows.clone().enumerate() {
+                let position = segment.start + i;
+                pass.rope
+                    .apply(&mut q[t * q_width..][..q_width], hd, position);
+                pass.rope
+                    .apply(&mut k[t * kv_width..][..kv_width], hd, position);
+            }
         }
-        cache.push(&k, &v);
         let mut context = vec![0f32; n * q_width];
-        windowed_attention(shape, None, &q, n, cache, None, &mut context);
+        per_sequence(
+            pass.rows,
+            caches,
+            &mut context,
+            q_width,
+            |segment, cache, context| {
+                cache.push(segment.of(&k, kv_width), segment.of(&v, kv_width));
+                windowed_attention(
+                    shape,
+                    None,
+                    segment.of(&q, q_width),
+                    segment.len(),
+                    cache,
+                    None,
+                    context,
+                );
+            },
+        );
         let mut out = vec![0f32; n * d];
         attn.o_proj.matmul(&context, n, &mut out);
         out
@@ -371,7 +410,7 @@ impl Layer {
 
     /// The routed experts of layer `id` for the normed rows `h`.
     fn ffn(&self, id: usize, pass: &mut Pass, h: &[f32]) -> Result<Vec<f32>> {
-        let (config, n) = (pass.config, pass.n);
+        let (config, n) = (pass.config, pass.rows.len());
         let d = config.hidden_size;
         let mut logits = vec![0f32; n * config.num_experts];
         self.router.matmul(h, n, &mut logits);
@@ -483,50 +522,50 @@ impl Engine for Olmoe {
         self.config.vocab_size
     }
 
-    fn position(&self) -> usize {
-        self.position
+    fn new_state(&self) -> State {
+        let shape = self.shape;
+        State::new(
+            NAME,
+            OlmoeState {
+                caches: (0..self.layers.len())
+                    .map(|_| WindowKvCache::new(shape.kv_heads, shape.head_dim, None))
+                    .collect(),
+            },
+        )
     }
 
-    fn forward(&mut self, tokens: &[u32], all_positions: bool) -> Result<Vec<f32>> {
-        let (n, vocab) = (tokens.len(), self.config.vocab_size);
-        let mut x = embed_tokens(&self.embed, tokens, vocab)?;
+    fn forward(&self, batch: &mut [Step]) -> Result<Vec<Vec<f32>>> {
+        let rows = Rows::of(batch)?;
+        let vocab = self.config.vocab_size;
+        let mut states = batch
+            .iter_mut()
+            .map(|step| step.state.downcast_mut::<OlmoeState>(NAME))
+            .collect::<Result<Vec<_>>>()?;
+        let mut x = embed_tokens(&self.embed, &rows.tokens, vocab)?;
+        let mut routed = self.routed();
         let mut pass = Pass {
             config: &self.config,
             shape: self.shape,
             rope: &self.rope,
-            n,
-            start: self.position,
-            routed: &mut self.routed,
+            rows: &rows,
+            routed: &mut routed,
         };
-        for (l, (layer, cache)) in self.layers.iter().zip(self.states.iter_mut()).enumerate() {
+        for (l, layer) in self.layers.iter().enumerate() {
             interrupt::checkpoint()?;
-            layer.forward(l, cache, &mut pass, &mut x)?;
+            let mut caches: Vec<_> = states.iter_mut().map(|s| &mut s.caches[l]).collect();
+            layer.forward(l, &mut caches, &mut pass, &mut x)?;
         }
-        self.position += n;
-        let normed = final_norm(
-            &x,
-            &self.final_norm,
-            self.config.rms_norm_eps,
-            all_positions,
-        );
-        Ok(lm_head(&self.lm_head, &normed))
-    }
-
-    fn reset(&mut self) {
-        self.states.iter_mut().for_each(WindowKvCache::clear);
-        self.position = 0;
+        let eps = self.config.rms_norm_eps;
+        let normed = final_norm(&x, &self.final_norm, eps, &rows.output_rows());
+        Ok(rows.split_logits(lm_head(&self.lm_head, &normed), vocab))
     }
 
     fn stop_tokens(&self) -> &[u32] {
         &self.stop
     }
 
-    fn routed(&self) -> &RoutedExperts {
-        &self.routed
-    }
-
-    fn routed_mut(&mut self) -> &mut RoutedExperts {
-        &mut self.routed
+    fn routed(&self) -> MutexGuard<'_, RoutedExperts> {
+        lock(&self.routed)
     }
 
     fn resident_bytes(&self) -> usize {

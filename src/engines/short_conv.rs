@@ -21,6 +21,7 @@ pub struct ShortConv {
 
 /// The inputs a convolution still needs from earlier positions: the last `kernel - 1` rows,
 /// oldest first; zero before the first token.
+#[derive(Clone)]
 pub struct ConvState {
     rows: Vec<f32>,
 }
@@ -29,6 +30,10 @@ impl ConvState {
     /// Forget every earlier position.
     pub fn clear(&mut self) {
         self.rows.fill(0.0);
+    }
+
+    pub fn size_bytes(&self) -> usize {
+        4 * self.rows.len()
     }
 }
 

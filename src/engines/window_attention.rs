@@ -18,6 +18,7 @@ use crate::quant::{selected_simd, Isa};
 /// Keys and values by absolute position, each kv head's rows side by side (so that one
 /// head's attention reads its keys and values sequentially). With a window, rows older
 /// than the window are dropped in batches, so memory stays within about twice the window.
+#[derive(Clone)]
 pub struct WindowKvCache {
     head_dim: usize,
     window: Option<usize>,
@@ -48,6 +49,37 @@ impl WindowKvCache {
     /// Number of positions seen so far (stored or already forgotten).
     pub fn positions(&self) -> usize {
         self.first + self.stored()
+    }
+
+    /// Bytes of keys and values held.
+    pub fn size_bytes(&self) -> usize {
+        4 * self
+            .keys
+            .iter()
+            .chain(&self.values)
+            .map(Vec::len)
+            .sum::<usize>()
+    }
+
+    /// Keep the first `len` positions, where every key the next query may read is still
+    /// held; otherwise the error says how far back this cache can go.
+    pub fn truncate(&mut self, len: usize) -> anyhow::Result<()> {
+        if len == 0 {
+            self.clear();
+            return Ok(());
+        }
+        let needed = self.window.map_or(0, |w| len.saturating_sub(w - 1));
+        if len < self.positions() && needed < self.first {
+            anyhow::bail!(
+                "a sliding-window cache that forgot the positions before {} cannot go back to {len}",
+                self.first
+            );
+        }
+        let keep = (len.max(self.first) - self.first) * self.head_dim;
+        for head in self.keys.iter_mut().chain(self.values.iter_mut()) {
+            head.truncate(keep);
+        }
+        Ok(())
     }
 
     pub fn clear(&mut self) {

@@ -19,7 +19,7 @@ use tokio::sync::mpsc::{Receiver, UnboundedSender};
 
 use super::api::{ApiError, Finish, Input, Routed, Usage};
 use super::metrics::{Metrics, Turn};
-use crate::engines::Engine;
+use crate::engines::{Engine, State};
 use crate::generate::{generate_after, Ending, Flow, Policy};
 use crate::run::{self, Loaded, Positionals};
 use crate::sampling::Sampler;
@@ -80,7 +80,7 @@ pub fn run(
         let (snapshot, name) = run::open(model.as_deref(), &settings)?;
         let tokenizer = TextTokenizer::load(snapshot.dir())?;
         let Loaded {
-            mut engine,
+            engine,
             budget,
             banner,
         } = run::load(&settings, positionals, &snapshot, name)?;
@@ -90,13 +90,13 @@ pub fn run(
         let session = Session::start(
             &settings,
             snapshot.dir(),
-            engine.as_mut(),
+            engine.as_ref(),
             RunKind::Generating,
         )?;
-        session.place(&settings, snapshot.dir(), engine.as_mut(), budget)?;
+        session.place(&settings, snapshot.dir(), engine.as_ref(), budget)?;
         Ok((snapshot, name, tokenizer, engine, session))
     })();
-    let (snapshot, name, tokenizer, mut engine, mut session) = match loaded {
+    let (snapshot, name, tokenizer, engine, mut session) = match loaded {
         Ok(parts) => parts,
         Err(err) => {
             let _ = ready.send(Err(err));
@@ -121,17 +121,17 @@ pub fn run(
         info,
         default_tokens: settings.ngen,
         cached: Vec::new(),
+        state: engine.new_state(),
     };
     while let Some(job) = jobs.blocking_recv() {
         metrics.queue(-1, 1);
         let events = job.events.clone();
         // A panic in one generation answers that request and leaves the server serving.
         let turn = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            worker.turn(engine.as_mut(), &mut session, job)
+            worker.turn(engine.as_ref(), &mut session, job)
         }))
         .unwrap_or_else(|_| {
-            worker.cached.clear();
-            engine.reset();
+            worker.forget(engine.as_ref());
             let _ = events.send(Event::Failed(ApiError::server(
                 500,
                 "the generation failed (the engine's KV cache was reset)",
@@ -141,8 +141,8 @@ pub fn run(
         if let Some(turn) = turn {
             // A turn that routed nothing (its client left while it waited) saves nothing,
             // so it cannot decay the history.
-            if engine.telemetry().unsaved_selections() > 0 {
-                session.save_turn(engine.as_mut());
+            if engine.routed().telemetry.unsaved_selections() > 0 {
+                session.save_turn(engine.as_ref());
             }
             let pinned = engine.routed().pinned().iter().map(Vec::len).sum();
             metrics.turn(&turn, engine.cache_stats(), pinned);
@@ -151,12 +151,12 @@ pub fn run(
     }
     eprintln!("[serve] queue closed; saving");
     // Every turn saved its selections; saving again would decay the history once more.
-    let kind = if engine.telemetry().unsaved_selections() > 0 {
+    let kind = if engine.routed().telemetry.unsaved_selections() > 0 {
         RunKind::Generating
     } else {
         RunKind::Scoring
     };
-    session.finish(engine.as_mut(), kind)
+    session.finish(engine.as_ref(), kind)
 }
 
 /// The id `/v1/models` lists: the model directory's last component.
@@ -173,14 +173,22 @@ struct Worker<'a> {
     info: ModelInfo,
     /// `max_tokens` when a request gives none: `NGEN`.
     default_tokens: usize,
-    /// The token ids whose KV the engine's cache holds, in order.
+    /// The token ids `state` holds, in order.
     cached: Vec<u32>,
+    /// The conversation kept from the last turn.
+    state: State,
 }
 
 impl Worker<'_> {
+    /// Keep nothing from earlier turns.
+    fn forget(&mut self, engine: &dyn Engine) {
+        self.cached.clear();
+        self.state = engine.new_state();
+    }
+
     /// One job: its prompt checked, generated, streamed. `None` when it failed before a
     /// token was generated (the handler got `Failed`).
-    fn turn(&mut self, engine: &mut dyn Engine, session: &mut Session, job: Job) -> Option<Turn> {
+    fn turn(&mut self, engine: &dyn Engine, session: &mut Session, job: Job) -> Option<Turn> {
         let events = job.events.clone();
         match self.generate(engine, session, job) {
             Ok(turn) => Some(turn),
@@ -190,9 +198,8 @@ impl Worker<'_> {
             }
             Err(Failure::Engine(err)) => {
                 eprintln!("[serve] generation failed: {err:#}");
-                // What the cache holds is unknown now.
-                self.cached.clear();
-                engine.reset();
+                // What the state holds is unknown now.
+                self.forget(engine);
                 let _ = events.send(Event::Failed(ApiError::server(
                     500,
                     format!("generation failed: {err:#}"),
@@ -226,7 +233,7 @@ impl Worker<'_> {
 
     fn generate(
         &mut self,
-        engine: &mut dyn Engine,
+        engine: &dyn Engine,
         session: &mut Session,
         job: Job,
     ) -> Result<Turn, Failure> {
@@ -266,14 +273,12 @@ impl Worker<'_> {
             .zip(&prompt)
             .take_while(|(a, b)| a == b)
             .count();
-        let reuse = if common == self.cached.len()
-            && common < prompt.len()
-            && engine.position() == common
-        {
-            common
-        } else {
-            0
-        };
+        let reuse =
+            common == self.cached.len() && common < prompt.len() && self.state.position() == common;
+        if !reuse {
+            self.forget(engine);
+        }
+        let reused = self.state.position();
         if job.events.send(Event::Started).is_err() {
             // The client left while queued.
             return Ok(Turn {
@@ -286,7 +291,7 @@ impl Worker<'_> {
             });
         }
 
-        engine.telemetry().keep_routes(job.routed_experts);
+        engine.routed().telemetry.keep_routes(job.routed_experts);
         let mut routed: Routed = Vec::new();
         let mut text = StopScan::new(&job.stop);
         let mut stream = self.tokenizer.stream();
@@ -317,8 +322,8 @@ impl Worker<'_> {
             // The token a forward's row chose was computed by that row's experts: the last
             // row of the prefill, then the rows of each later forward in order.
             let mut prefill = true;
-            let mut on_tokens = |engine: &mut dyn Engine, emitted: u64| {
-                if let Some(routes) = engine.telemetry().last_routes() {
+            let mut on_tokens = |engine: &dyn Engine, emitted: u64| {
+                if let Some(routes) = engine.routed().telemetry.last_routes() {
                     if std::mem::replace(&mut prefill, false) {
                         routed.push(routes.row(routes.rows().saturating_sub(1)));
                     } else {
@@ -334,8 +339,8 @@ impl Worker<'_> {
             };
             let result = generate_after(
                 engine,
+                &mut self.state,
                 &prompt,
-                reuse,
                 policy,
                 &mut on_tokens,
                 &mut on_token,
@@ -343,22 +348,21 @@ impl Worker<'_> {
             match result {
                 Ok(generation) => generation,
                 Err(err) => {
-                    engine.telemetry().keep_routes(false);
+                    engine.routed().telemetry.keep_routes(false);
                     return Err(Failure::Engine(err));
                 }
             }
         };
-        engine.telemetry().keep_routes(false);
-        // What the cache holds now: the prompt and the generated tokens it has seen.
+        engine.routed().telemetry.keep_routes(false);
+        // What the state holds now: the prompt and the generated tokens it has seen.
         let mut held = prompt.clone();
         held.extend_from_slice(&generation.tokens);
-        self.cached = if engine.position() <= held.len() {
-            held.truncate(engine.position());
-            held
+        if self.state.position() <= held.len() {
+            held.truncate(self.state.position());
+            self.cached = held;
         } else {
-            engine.reset();
-            Vec::new()
-        };
+            self.forget(engine);
+        }
         if !stopped_by_text && !abandoned {
             let rest = stream.finish().map_err(Failure::Engine)?;
             let (ready, stopped) = text.push(&rest);
@@ -379,7 +383,7 @@ impl Worker<'_> {
         let usage = Usage {
             prompt: prompt.len(),
             completion: generation.tokens.len(),
-            cached: reuse,
+            cached: reused,
         };
         let routed = job.routed_experts.then_some(routed);
         let _ = job.events.send(Event::Done {

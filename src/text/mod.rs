@@ -292,7 +292,7 @@ impl TextJob<'_> {
     /// newline at the end.
     pub fn run(
         &mut self,
-        engine: &mut dyn Engine,
+        engine: &dyn Engine,
         count: usize,
         on_tokens: OnTokens,
         out: &mut dyn Write,
@@ -311,7 +311,15 @@ impl TextJob<'_> {
                 sampler: &mut self.sampler,
                 stops: &self.stops,
             };
-            generate_with(engine, &self.prompt.ids, policy, on_tokens, &mut print)?
+            let mut state = engine.new_state();
+            generate_with(
+                engine,
+                &mut state,
+                &self.prompt.ids,
+                policy,
+                on_tokens,
+                &mut print,
+            )?
         };
         let rest = stream.finish()?;
         out.write_all(rest.as_bytes())?;

@@ -5,6 +5,42 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+/// One conversation with an engine: the engine and the state its forwards fill, for tests
+/// that follow a single sequence.
+pub struct Conversation {
+    pub engine: Box<dyn coli::engines::Engine>,
+    pub state: coli::engines::State,
+}
+
+impl Conversation {
+    pub fn new(engine: Box<dyn coli::engines::Engine>) -> Conversation {
+        let state = engine.new_state();
+        Conversation { engine, state }
+    }
+
+    /// `tokens` after the positions held: every position's logits (`all`) or the last's.
+    pub fn forward(&mut self, tokens: &[u32], all: bool) -> anyhow::Result<Vec<f32>> {
+        let logits = if all {
+            coli::engines::Logits::All
+        } else {
+            coli::engines::Logits::Last
+        };
+        self.engine.forward_one(&mut self.state, tokens, logits)
+    }
+
+    pub fn reset(&mut self) {
+        self.state = self.engine.new_state();
+    }
+
+    pub fn position(&self) -> usize {
+        self.state.position()
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.engine.vocab_size()
+    }
+}
+
 pub fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("fixtures")

@@ -7,11 +7,12 @@
 //! telemetry sees every MoE layer and row and no dense layer.
 
 use crate::common;
+use crate::common::Conversation;
 use crate::{reference, reference_in};
 
 use std::collections::BTreeSet;
 
-use coli::engines::{self, Engine, LoadOptions};
+use coli::engines::{self, LoadOptions};
 use coli::generate::{argmax, greedy};
 use coli::route_trace::{EngineId, ReadOutcome, SaveOptions};
 use coli::snapshot::Snapshot;
@@ -67,16 +68,16 @@ fn load_from(
     cap: usize,
     draft: Option<usize>,
     dsa_force: bool,
-) -> Box<dyn Engine> {
+) -> Conversation {
     let options = LoadOptions {
         draft,
         dsa_force,
         ..LoadOptions::exact(cap)
     };
-    engines::load("glm_moe_dsa", snapshot, options).unwrap()
+    Conversation::new(engines::load("glm_moe_dsa", snapshot, options).unwrap())
 }
 
-fn load(name: &str, cap: usize, draft: Option<usize>, dsa_force: bool) -> Box<dyn Engine> {
+fn load(name: &str, cap: usize, draft: Option<usize>, dsa_force: bool) -> Conversation {
     load_from(
         &Snapshot::open(&fixture(name)).unwrap(),
         cap,
@@ -301,9 +302,9 @@ fn depth_one_drafts_are_the_reference_mtp_predictions() {
     );
     let want = &mtp["draft1"];
     let field = |key: &str| want[key].as_u64().unwrap() as usize;
-    let mut engine = load(MTP.name, MTP.experts, Some(1), false);
+    let engine = load(MTP.name, MTP.experts, Some(1), false);
     let generated = r.full_ids.len() - r.prompt_ids.len();
-    let generation = greedy(engine.as_mut(), &r.prompt_ids, generated).unwrap();
+    let generation = greedy(engine.engine.as_ref(), &r.prompt_ids, generated).unwrap();
     assert_eq!(generation.tokens, r.full_ids[r.prompt_ids.len()..]);
     let stats = generation.speculation.unwrap();
     assert_eq!(
@@ -321,11 +322,13 @@ fn drafting_is_lossless_beyond_the_reference() {
     // Past the reference nothing guarantees margins, so this holds only because verifying
     // drafts computes bit for bit what one-token steps compute.
     let r = reference(MTP.name);
-    let mut baseline = load(MTP.name, 2, Some(0), false);
-    let want = greedy(baseline.as_mut(), &r.prompt_ids, 64).unwrap().tokens;
+    let baseline = load(MTP.name, 2, Some(0), false);
+    let want = greedy(baseline.engine.as_ref(), &r.prompt_ids, 64)
+        .unwrap()
+        .tokens;
     for depth in 1..=3 {
-        let mut engine = load(MTP.name, 2, Some(depth), false);
-        let got = greedy(engine.as_mut(), &r.prompt_ids, 64).unwrap();
+        let engine = load(MTP.name, 2, Some(depth), false);
+        let got = greedy(engine.engine.as_ref(), &r.prompt_ids, 64).unwrap();
         assert_eq!(got.tokens, want, "DRAFT={depth}");
         assert!(
             got.speculation.unwrap().forwards < 63,
@@ -335,17 +338,22 @@ fn drafting_is_lossless_beyond_the_reference() {
 }
 
 #[test]
-fn truncate_only_drops_the_last_forward() {
+fn truncation_keeps_what_the_draft_head_paired() {
     let r = reference(MTP.name);
     let mut engine = load(MTP.name, 2, Some(1), false);
     engine.forward(&r.full_ids[..10], false).unwrap();
-    engine.forward(&r.full_ids[10..13], true).unwrap();
+    // The draft head pairs position 9 with the token that follows it.
+    let next = r.full_ids[10];
+    let drafts = engine.engine.propose(&mut engine.state, next, 1).unwrap();
+    assert_eq!(drafts.len(), 1);
+    engine.forward(&[next, drafts[0]], true).unwrap();
+    let message = engine.state.truncate(10).unwrap_err().to_string();
+    assert!(message.contains("draft head"), "{message}");
     assert!(
-        engine.truncate(10).is_err(),
-        "every position of the last forward dropped"
+        engine.state.truncate(13).is_err(),
+        "more positions than cached"
     );
-    assert!(engine.truncate(14).is_err(), "more positions than cached");
-    engine.truncate(11).unwrap();
+    engine.state.truncate(11).unwrap();
     assert_eq!(engine.position(), 11);
     // The cache continues as if only 11 tokens had been fed.
     let logits = engine.forward(&r.full_ids[11..], true).unwrap();
@@ -361,9 +369,9 @@ fn route_trace_covers_every_moe_layer_and_no_dense_one() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("trace.txt");
         let mut engine = load(f.name, f.experts, Some(0), false);
-        engine.telemetry().open_trace(&path).unwrap();
+        engine.engine.routed().telemetry.open_trace(&path).unwrap();
         engine.forward(&r.full_ids, true).unwrap();
-        engine.telemetry().flush_trace().unwrap();
+        engine.engine.routed().telemetry.flush_trace().unwrap();
 
         let text = std::fs::read_to_string(&path).unwrap();
         let mut seen = BTreeSet::new();
@@ -386,7 +394,8 @@ fn route_trace_covers_every_moe_layer_and_no_dense_one() {
             .collect();
         assert_eq!(seen, want, "{}", f.name);
 
-        let counts = engine.telemetry().counts();
+        let routed = engine.engine.routed();
+        let counts = routed.telemetry.counts();
         for l in 0..f.layers {
             assert_eq!(
                 counts.routes(l),
@@ -409,10 +418,10 @@ fn the_mtp_head_routes_on_its_own_row() {
     let r = reference(MTP.name);
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("trace.txt");
-    let mut engine = load(MTP.name, MTP.experts, Some(1), false);
-    engine.telemetry().open_trace(&path).unwrap();
-    greedy(engine.as_mut(), &r.prompt_ids, 4).unwrap();
-    engine.telemetry().flush_trace().unwrap();
+    let engine = load(MTP.name, MTP.experts, Some(1), false);
+    engine.engine.routed().telemetry.open_trace(&path).unwrap();
+    greedy(engine.engine.as_ref(), &r.prompt_ids, 4).unwrap();
+    engine.engine.routed().telemetry.flush_trace().unwrap();
     let text = std::fs::read_to_string(&path).unwrap();
     let mtp_lines = text
         .lines()
@@ -434,21 +443,26 @@ fn history_round_trips_with_the_engine_identity() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join(".coli_usage");
         let mut engine = load(f.name, f.experts, Some(0), false);
-        assert_eq!(engine.telemetry().engine_id(), EngineId::of("glm_moe_dsa"));
+        assert_eq!(
+            engine.engine.routed().telemetry.engine_id(),
+            EngineId::of("glm_moe_dsa")
+        );
         engine.forward(&r.full_ids, true).unwrap();
-        let total = engine.telemetry().counts().total();
+        let total = engine.engine.routed().telemetry.counts().total();
         engine
-            .telemetry()
+            .engine
+            .routed()
+            .telemetry
             .save_history(&path, SaveOptions::default())
             .unwrap();
 
-        let mut again = load(f.name, f.experts, Some(0), false);
-        let outcome = again.telemetry().load_history(&path);
+        let again = load(f.name, f.experts, Some(0), false);
+        let outcome = again.engine.routed().telemetry.load_history(&path);
         assert!(matches!(outcome, ReadOutcome::Read(_)), "{outcome:?}");
         assert_eq!(outcome.total(), total);
         let (before, after) = (
-            engine.telemetry().counts().clone(),
-            again.telemetry().counts().clone(),
+            engine.engine.routed().telemetry.counts().clone(),
+            again.engine.routed().telemetry.counts().clone(),
         );
         for l in 0..=f.layers {
             for e in 0..f.experts {
@@ -461,14 +475,14 @@ fn history_round_trips_with_the_engine_identity() {
             }
         }
         // An OLMoE engine refuses a glm_moe_dsa history.
-        let mut olmoe = engines::load(
+        let olmoe = engines::load(
             "olmoe",
             &Snapshot::open(&fixture("olmoe_tiny")).unwrap(),
             LoadOptions::exact(8),
         )
         .unwrap();
         assert!(matches!(
-            olmoe.telemetry().load_history(&path),
+            olmoe.routed().telemetry.load_history(&path),
             ReadOutcome::Refused(_)
         ));
     }

@@ -9,9 +9,10 @@
 //! (`model.language_model.*`, `embed_norm` outside the embedding).
 
 use crate::common;
+use crate::common::Conversation;
 use crate::reference;
 
-use coli::engines::{self, Engine, LoadOptions};
+use coli::engines::{self, LoadOptions};
 use coli::generate::argmax;
 use coli::route_trace::{ReadOutcome, SaveOptions};
 use coli::snapshot::Snapshot;
@@ -42,10 +43,10 @@ const FIXTURES: &[Fixture] = &[
     },
 ];
 
-fn load(name: &str, cap: usize) -> Box<dyn Engine> {
+fn load(name: &str, cap: usize) -> Conversation {
     let snapshot = Snapshot::open(&fixture(name)).unwrap();
     let options = LoadOptions::exact(cap);
-    engines::load("inkling", &snapshot, options).unwrap()
+    Conversation::new(engines::load("inkling", &snapshot, options).unwrap())
 }
 
 #[test]
@@ -125,21 +126,26 @@ fn iku1_history_is_read_and_rewritten_as_text() {
     }
     std::fs::write(&path, &bytes).unwrap();
 
-    let mut engine = load(f.name, f.experts);
-    let outcome = engine.telemetry().load_history(&path);
+    let engine = load(f.name, f.experts);
+    let outcome = engine.engine.routed().telemetry.load_history(&path);
     assert!(matches!(outcome, ReadOutcome::Read(_)), "{outcome:?}");
     assert_eq!(outcome.total(), total);
-    assert_eq!(engine.telemetry().counts().total(), total);
+    assert_eq!(engine.engine.routed().telemetry.counts().total(), total);
 
     engine
-        .telemetry()
+        .engine
+        .routed()
+        .telemetry
         .save_history(&path, SaveOptions::default())
         .unwrap();
     let rewritten = std::fs::read(&path).unwrap();
     assert!(!rewritten.starts_with(b"IKU1"));
     assert!(std::str::from_utf8(&rewritten).is_ok());
-    let mut again = load(f.name, f.experts);
-    assert_eq!(again.telemetry().load_history(&path).total(), total);
+    let again = load(f.name, f.experts);
+    assert_eq!(
+        again.engine.routed().telemetry.load_history(&path).total(),
+        total
+    );
 }
 
 #[test]

@@ -13,13 +13,14 @@
 //! attention-residual block that is cut short.
 
 use crate::common;
+use crate::common::Conversation;
 use crate::reference;
 
 use std::collections::BTreeSet;
 
 use coli::engines::kda::delta_rule;
 use coli::engines::kimi_k3::PREFILL_CHUNK;
-use coli::engines::{self, Engine, LoadOptions};
+use coli::engines::{self, LoadOptions};
 use coli::generate::argmax;
 use coli::snapshot::Snapshot;
 use common::{coli, copy_fixture, fixture, stderr, stdout};
@@ -53,9 +54,9 @@ fn json(path: &std::path::Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
-fn load(name: &str, cap: usize) -> Box<dyn Engine> {
+fn load(name: &str, cap: usize) -> Conversation {
     let snapshot = Snapshot::open(&fixture(name)).unwrap();
-    engines::load("kimi_k3", &snapshot, LoadOptions::exact(cap)).unwrap()
+    Conversation::new(engines::load("kimi_k3", &snapshot, LoadOptions::exact(cap)).unwrap())
 }
 
 /// The argmax of every row of `logits`.
@@ -145,9 +146,9 @@ fn route_trace_covers_every_moe_layer_and_no_dense_one() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("trace.txt");
         let mut engine = load(f.name, f.experts);
-        engine.telemetry().open_trace(&path).unwrap();
+        engine.engine.routed().telemetry.open_trace(&path).unwrap();
         engine.forward(&r.full_ids, true).unwrap();
-        engine.telemetry().flush_trace().unwrap();
+        engine.engine.routed().telemetry.flush_trace().unwrap();
 
         let text = std::fs::read_to_string(&path).unwrap();
         let config = json(&fixture(f.name).join("config.json"));
@@ -180,7 +181,8 @@ fn route_trace_covers_every_moe_layer_and_no_dense_one() {
         let expected: BTreeSet<u64> = (0..(moe.len() * chunks) as u64).collect();
         assert_eq!(calls, expected, "{}", f.name);
 
-        let counts = engine.telemetry().counts();
+        let routed = engine.engine.routed();
+        let counts = routed.telemetry.counts();
         for l in 0..=f.layers {
             assert_eq!(counts.routes(l), moe.contains(&l), "{} layer {l}", f.name);
         }
