@@ -13,11 +13,15 @@
 //! `ROUTE_TRACE`, which `coli trace simulate` replays at the same slots per layer: Belady's
 //! hit rate there gives the disk traffic per token that no eviction policy can beat.
 //!
+//! `--batch 1,2,4,8` adds an axis: each configuration also decodes that many sequences
+//! together (`REPLAY=1 BATCH=N`, sequence `i` the ids rotated by `i`), and the table gives
+//! the aggregate tokens per second and the bytes read per token of all of them.
+//!
 //! `cargo bench --bench offload` (as root, for the cgroups and the cache drops; without them
 //! it says so and runs without limits). `-- --quick` is a smoke run (4 layers, 40%, 32
-//! tokens); `--layers 4,16`, `--limits 100,60,40,25`, `--tokens N` and `--dir DIR` (default:
-//! `coli-olmoe-bench` in the system temporary directory, shared with `decode`, whose models
-//! are reused) choose the rest.
+//! tokens); `--layers 4,16`, `--limits 100,60,40,25`, `--batch 1`, `--tokens N` and `--dir
+//! DIR` (default: `coli-olmoe-bench` in the system temporary directory, shared with
+//! `decode`, whose models are reused) choose the rest.
 
 use std::fs::OpenOptions;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
@@ -42,6 +46,7 @@ struct Args {
     layers: Vec<usize>,
     dir: PathBuf,
     limits: Vec<u32>,
+    batches: Vec<usize>,
     tokens: usize,
 }
 
@@ -64,6 +69,7 @@ fn args() -> Args {
         } else {
             vec![100, 60, 40, 25]
         },
+        batches: vec![1],
         tokens: if quick { 32 } else { 128 },
     };
     let mut argv = argv.iter();
@@ -71,13 +77,14 @@ fn args() -> Args {
         match flag.as_str() {
             "--layers" => parsed.layers = list(flag, argv.next()),
             "--limits" => parsed.limits = list(flag, argv.next()),
+            "--batch" => parsed.batches = list(flag, argv.next()),
             "--tokens" => parsed.tokens = list(flag, argv.next())[0],
             "--dir" => parsed.dir = PathBuf::from(argv.next().cloned().unwrap_or_default()),
             // `cargo bench` passes `--bench`.
             "--quick" | "--bench" => {}
             other => {
                 eprintln!(
-                    "unknown argument {other} (--layers, --limits, --tokens, --dir, --quick)"
+                    "unknown argument {other} (--layers, --limits, --batch, --tokens, --dir, --quick)"
                 );
                 std::process::exit(2)
             }
@@ -328,6 +335,8 @@ fn simulate(
 
 struct Row {
     layers: usize,
+    /// Sequences decoded together.
+    batch: usize,
     /// Percent of the shard bytes and the limit in bytes; `None` without cgroups.
     limit: Option<(u32, u64)>,
     config: String,
@@ -342,9 +351,9 @@ fn cell(value: Option<f64>, digits: usize) -> String {
 
 fn print_table(rows: &[Row], device_gbs: Option<f64>) {
     println!(
-        "\n| layers | limit % (MB) | config | tok/s | hit % | MB/token | disk GB/s | % of device seq BW | peak MB | OOM | belady MB/token |"
+        "\n| layers | limit % (MB) | batch | config | tok/s | hit % | MB/token | disk GB/s | % of device seq BW | peak MB | OOM | belady MB/token |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     for row in rows {
         let limit = row.limit.map_or("none".to_string(), |(pct, bytes)| {
             format!("{pct}% ({:.0})", bytes as f64 / 1e6)
@@ -358,8 +367,9 @@ fn print_table(rows: &[Row], device_gbs: Option<f64>) {
         };
         let of_device = r.zip(device_gbs).map(|(r, d)| 100.0 * r.disk_gbs / d);
         println!(
-            "| {} | {limit} | {} | {speed} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {limit} | {} | {} | {speed} | {} | {} | {} | {} | {} | {} | {} |",
             row.layers,
+            row.batch,
             row.config,
             cell(r.map(|r| r.hit), 1),
             cell(r.map(|r| r.mb_per_token), 1),
@@ -445,7 +455,10 @@ fn main() {
         } else {
             vec![None]
         };
-        for limit in limits {
+        for (limit, &batch) in limits
+            .iter()
+            .flat_map(|limit| args.batches.iter().map(move |b| (*limit, b)))
+        {
             let label = limit.map_or("none".to_string(), |l| l.0.to_string());
             let trace = args.dir.join(format!("trace-{layers}-{label}.txt"));
             let first = rows.len();
@@ -458,9 +471,12 @@ fn main() {
                     "THREADS=2".to_string(),
                     "USAGE_SAVE=0".to_string(),
                     "CAP=0".to_string(),
+                    format!("BATCH={batch}"),
                 ];
                 settings.extend(config.iter().map(|s| s.to_string()));
-                if index == TRACED {
+                // One sequence's trace is the one `coli trace simulate` replays.
+                let traced = index == TRACED && batch == 1;
+                if traced {
                     // A trace left by an earlier run is replaced, never appended to.
                     let _ = std::fs::remove_file(&trace);
                     settings.push(format!("ROUTE_TRACE={}", trace.display()));
@@ -470,7 +486,7 @@ fn main() {
                 }
                 let outcome = run_coli(&coli, limit.map(|l| (membox.as_path(), l.1)), &settings);
                 eprintln!(
-                    "[offload] {layers} layers, limit {label}%, {}: {}",
+                    "[offload] {layers} layers, limit {label}%, batch {batch}, {}: {}",
                     config.join(" "),
                     match (&outcome.error, &outcome.replay) {
                         (Some(err), _) => err.clone(),
@@ -480,11 +496,15 @@ fn main() {
                 );
                 rows.push(Row {
                     layers: *layers,
+                    batch,
                     limit,
                     config: config.join(" "),
                     outcome,
                     belady_mb: None,
                 });
+            }
+            if batch != 1 {
+                continue;
             }
             let traced_slots = rows[first + TRACED].outcome.slots;
             match traced_slots.filter(|_| trace.exists()) {
@@ -532,8 +552,9 @@ fn main() {
             })
             .collect();
         println!(
-            "- {} layers, {label}: {}",
+            "- {} layers, {label}, batch {}: {}",
             group[0].layers,
+            group[0].batch,
             ratios.join(", ")
         );
     }
@@ -543,7 +564,10 @@ fn main() {
         let limit = row
             .limit
             .map_or("none".to_string(), |l| format!("{}%", l.0));
-        println!("- {} layers, {limit}, {}:", row.layers, row.config);
+        println!(
+            "- {} layers, {limit}, batch {}, {}:",
+            row.layers, row.batch, row.config
+        );
         for line in [&o.experts, &o.profile].into_iter().flatten() {
             println!("  {line}");
         }

@@ -264,6 +264,55 @@ fn replay_decodes_the_ids_and_reports_with_a_profile() {
 }
 
 #[test]
+fn a_batched_replay_decodes_every_sequence_and_traces_every_row() {
+    let dir = tempfile::tempdir().unwrap();
+    let snap = format!("SNAP={}", fixture("olmoe_tiny").display());
+    let trace = dir.path().join("trace");
+    let out = coli(
+        &[
+            &snap,
+            &format!("ROUTE_TRACE={}", trace.display()),
+            "USAGE_SAVE=0",
+            "IDS=3 11 29 7 41 19 5 2",
+            "REPLAY=1",
+            "BATCH=3",
+            "EXPERT_IO=direct",
+            "PILOT=1",
+            "2",
+            "16",
+            "16",
+        ],
+        &[],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("REPLAY decode: 3 sequences x 8 tokens | "))
+        .unwrap_or_else(|| panic!("{text}"));
+    for part in [" tok/s aggregate | hit ", "% | disk ", " MB/token, "] {
+        assert!(line.contains(part), "{line}");
+    }
+    // `call row layer choices`: the four warm-up tokens one row each, then eight calls per
+    // layer of three rows, one per sequence.
+    let trace = std::fs::read_to_string(&trace).unwrap();
+    let rows = |row: &str| {
+        trace
+            .lines()
+            .filter(|l| l.split_whitespace().nth(1) == Some(row))
+            .count()
+    };
+    assert_eq!(
+        (rows("0"), rows("1"), rows("2")),
+        ((4 + 8) * 3, 8 * 3, 8 * 3)
+    );
+
+    let out = coli(&[&snap, "IDS=3 11", "BATCH=2", "2", "16", "16"], &[]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("REPLAY=1"), "{}", stderr(&out));
+}
+
+#[test]
 fn the_simulator_replays_a_streamed_cache_under_either_policy() {
     let dir = tempfile::tempdir().unwrap();
     for (policy, sim) in [("lru", SimPolicy::Lru), ("lfru", SimPolicy::Lfru)] {

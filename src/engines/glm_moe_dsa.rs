@@ -10,7 +10,6 @@
 //! decoding: `eh_proj [enorm(embed(next)); hnorm(h)]` through one more MLA + MoE layer with
 //! its own latent cache, then `shared_head.norm` and the main LM head.
 
-use std::any::Any;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use anyhow::{anyhow, bail, Result};
@@ -446,14 +445,6 @@ impl SequenceState for GlmState {
         self.tokens.truncate(len);
         self.pending.truncate((len - self.mtp_done) * self.drafting);
         Ok(())
-    }
-
-    fn fork(&self) -> Box<dyn SequenceState> {
-        Box::new(self.clone())
-    }
-
-    fn as_any_mut(&mut self) -> &mut dyn Any {
-        self
     }
 }
 

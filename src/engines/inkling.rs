@@ -8,7 +8,6 @@
 //! with them (the "shared-expert sink"). The final hidden state is divided by the muP width
 //! multiplier before the head, whose logits are cut to the unpadded vocabulary.
 
-use std::any::Any;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use anyhow::{anyhow, bail, Result};
@@ -642,14 +641,6 @@ impl SequenceState for InklingState {
         }
         self.position = 0;
         Ok(())
-    }
-
-    fn fork(&self) -> Box<dyn SequenceState> {
-        Box::new(self.clone())
-    }
-
-    fn as_any_mut(&mut self) -> &mut dyn Any {
-        self
     }
 }
 

@@ -18,7 +18,6 @@
 //! batched and its experts deduplicated, while the KDA recurrence and the MLA cache carry
 //! across chunks, so any split of a sequence computes the same tokens.
 
-use std::any::Any;
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -486,14 +485,6 @@ impl SequenceState for KimiState {
         }
         self.position = 0;
         Ok(())
-    }
-
-    fn fork(&self) -> Box<dyn SequenceState> {
-        Box::new(self.clone())
-    }
-
-    fn as_any_mut(&mut self) -> &mut dyn Any {
-        self
     }
 }
 

@@ -121,9 +121,10 @@ impl Predictor {
     }
 }
 
-/// Rows of a forward above which the lookahead stays idle: a prompt's batch already
-/// touches most experts of every layer, and its reads are better spent on demand.
-const LOOKAHEAD_ROWS: usize = 4;
+/// Rows of a forward above which the lookahead stays idle: a prompt's chunk already touches
+/// most experts of every layer, and its reads are better spent on demand. A decode batch of
+/// up to sixteen sequences (or four checking three drafts each) is below it.
+const LOOKAHEAD_ROWS: usize = 16;
 
 /// The routed half of a MoE model: the expert store, the experts resident on a GPU, the
 /// telemetry its routing feeds, and the routers the lookahead (`PILOT`) applies ahead.

@@ -2,7 +2,6 @@
 //! whole q and k projections and rotate-half RoPE, then a softmax-routed top-k MoE of
 //! SwiGLU experts. No dense layers, no shared experts, no router bias.
 
-use std::any::Any;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use anyhow::{bail, Result};
@@ -312,14 +311,6 @@ impl SequenceState for OlmoeState {
 
     fn truncate(&mut self, len: usize) -> Result<()> {
         self.caches.iter_mut().try_for_each(|c| c.truncate(len))
-    }
-
-    fn fork(&self) -> Box<dyn SequenceState> {
-        Box::new(self.clone())
-    }
-
-    fn as_any_mut(&mut self) -> &mut dyn Any {
-        self
     }
 }
 

@@ -12,8 +12,8 @@ use std::ops::Range;
 use anyhow::{bail, Result};
 
 /// One engine's per-sequence state. Implemented by each engine's state type; callers see
-/// it only through [`State`].
-pub trait SequenceState: Any + Send + Sync {
+/// it only through [`State`], whose clone is the type's.
+pub trait SequenceState: Clone + Send + Sync + 'static {
     /// Positions the state holds.
     fn position(&self) -> usize;
 
@@ -24,11 +24,37 @@ pub trait SequenceState: Any + Send + Sync {
     /// refuse with the reason when the model cannot (a recurrent state keeps no earlier
     /// positions). `len` is at most [`SequenceState::position`].
     fn truncate(&mut self, len: usize) -> Result<()>;
+}
 
-    /// An independent copy at the same position: a fork of the conversation.
-    fn fork(&self) -> Box<dyn SequenceState>;
-
+/// A [`SequenceState`] of any engine, behind one pointer.
+trait AnyState: Send + Sync {
+    fn position(&self) -> usize;
+    fn size_bytes(&self) -> usize;
+    fn truncate(&mut self, len: usize) -> Result<()>;
+    fn fork(&self) -> Box<dyn AnyState>;
     fn as_any_mut(&mut self) -> &mut dyn Any;
+}
+
+impl<S: SequenceState> AnyState for S {
+    fn position(&self) -> usize {
+        SequenceState::position(self)
+    }
+
+    fn size_bytes(&self) -> usize {
+        SequenceState::size_bytes(self)
+    }
+
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        SequenceState::truncate(self, len)
+    }
+
+    fn fork(&self) -> Box<dyn AnyState> {
+        Box::new(self.clone())
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
 }
 
 /// A conversation's state: what an engine's forwards add to and read, owned by the caller.
@@ -36,7 +62,7 @@ pub trait SequenceState: Any + Send + Sync {
 /// original would have.
 pub struct State {
     engine: &'static str,
-    inner: Box<dyn SequenceState>,
+    inner: Box<dyn AnyState>,
 }
 
 impl State {
@@ -275,6 +301,7 @@ pub fn per_sequence<S: Send>(
 mod tests {
     use super::*;
 
+    #[derive(Clone)]
     struct Counter(usize);
 
     impl SequenceState for Counter {
@@ -287,12 +314,6 @@ mod tests {
         fn truncate(&mut self, len: usize) -> Result<()> {
             self.0 = len;
             Ok(())
-        }
-        fn fork(&self) -> Box<dyn SequenceState> {
-            Box::new(Counter(self.0))
-        }
-        fn as_any_mut(&mut self) -> &mut dyn Any {
-            self
         }
     }
 
