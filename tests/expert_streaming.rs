@@ -421,9 +421,9 @@ fn the_lookahead_reads_ahead_only_while_its_predictions_are_right() {
     assert_eq!((after.foreseeable, after.foreseen), (2, 2), "{after:?}");
     assert_eq!(routed.store.ahead_unused(), 0);
 
-    // Decode only: a prompt's batch is not looked ahead for.
+    // Decode batches only (up to sixteen rows): a prompt's chunk is not looked ahead for.
     let before = routed.store.stats();
-    routed.look_ahead(0, &vec![0.5; 5 * 64], 5);
+    routed.look_ahead(0, &vec![0.5; 17 * 64], 17);
     routed.store.with_experts(0, &[0, 1], ids).unwrap();
     assert_eq!(routed.store.stats().since(&before).ahead_reads, 0);
 
