@@ -24,7 +24,7 @@ use super::mla::{
     attend_absorbed, attend_plain, Keys, LatentCache, MlaProjections, MlaShape, Projected,
 };
 use super::moe::{Predictor, Route, RoutedExperts, SigmoidRouter};
-use super::state::{per_sequence, Logits, Rows, SequenceState, State, Step};
+use super::state::{per_sequence, states_of, Logits, Rows, SequenceState, State, Step};
 use super::{lock, Engine, LoadOptions};
 use crate::activation::Activation;
 use crate::experts::ExpertTensors;
@@ -1001,12 +1001,8 @@ impl Engine for GlmMoeDsa {
     }
 
     fn forward(&self, batch: &mut [Step]) -> Result<Vec<Vec<f32>>> {
-        let rows = Rows::of(batch)?;
+        let (rows, mut states) = states_of::<GlmState>(batch, NAME)?;
         let d = self.config.hidden_size;
-        let mut states = batch
-            .iter_mut()
-            .map(|step| step.state.downcast_mut::<GlmState>(NAME))
-            .collect::<Result<Vec<_>>>()?;
         let mut x = self.embed_rows(&rows.tokens)?;
         let mut routed = self.routed();
         let mut pass = Pass {

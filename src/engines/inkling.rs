@@ -19,7 +19,7 @@ use super::layers::{
 };
 use super::moe::{biased_top_k, Predictor, Route, RoutedExperts};
 use super::short_conv::{ConvState, ShortConv};
-use super::state::{per_sequence, Rows, SequenceState, State, Step};
+use super::state::{per_sequence, states_of, Rows, SequenceState, State, Step};
 use super::window_attention::{windowed_attention, DistanceBias, WindowKvCache};
 use super::{lock, Engine, LoadOptions};
 use crate::activation::Activation;
@@ -928,13 +928,9 @@ impl Engine for Inkling {
     }
 
     fn forward(&self, batch: &mut [Step]) -> Result<Vec<Vec<f32>>> {
-        let rows = Rows::of(batch)?;
+        let (rows, mut states) = states_of::<InklingState>(batch, NAME)?;
         let vocab = self.config.vocab_size;
         let eps = self.config.rms_norm_eps;
-        let mut states = batch
-            .iter_mut()
-            .map(|step| step.state.downcast_mut::<InklingState>(NAME))
-            .collect::<Result<Vec<_>>>()?;
         let mut x = embed_tokens(&self.embed, &rows.tokens, vocab)?;
         rms_norm_in_place(&mut x, &self.embed_norm, eps);
         let mut routed = self.routed();

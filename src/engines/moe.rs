@@ -594,19 +594,23 @@ pub fn host_outputs(
                 .collect::<Vec<_>>()
         })
     })?;
-    match together {
-        Some(results) => Ok(results),
-        None => assignments
-            .iter()
-            .zip(&batches)
-            .map(|((expert, _), batch)| {
-                store.with_expert(layer, *expert, |w| {
-                    profile::time(Phase::ExpertMatmul, || ffn(w, batch))
-                })
-            })
-            .collect::<Result<_>>()
-            .and_then(|results| store.finish_layer(layer).map(|()| results)),
+    if let Some(results) = together {
+        return Ok(results);
     }
+    // More experts than slots (a batch of many sequences): those already resident go
+    // first, so that the misses replace slots this call no longer needs instead of the
+    // ones it is about to use. Each result keeps its place, so the sums are unchanged.
+    let (mut order, missing): (Vec<usize>, Vec<usize>) =
+        (0..ids.len()).partition(|&i| store.is_resident(layer, ids[i]));
+    order.extend(missing);
+    let mut results: Vec<Option<Vec<f32>>> = vec![None; ids.len()];
+    for i in order {
+        results[i] = Some(store.with_expert(layer, ids[i], |w| {
+            profile::time(Phase::ExpertMatmul, || ffn(w, &batches[i]))
+        })?);
+    }
+    store.finish_layer(layer)?;
+    Ok(results.into_iter().flatten().collect())
 }
 
 #[cfg(test)]

@@ -12,7 +12,7 @@ use super::layers::{
     Sublayer,
 };
 use super::moe::{softmax_top_k, Predictor, Route, RoutedExperts};
-use super::state::{per_sequence, Rows, SequenceState, State, Step};
+use super::state::{per_sequence, states_of, Rows, SequenceState, State, Step};
 use super::window_attention::{windowed_attention, WindowKvCache};
 use super::{lock, Engine, LoadOptions};
 use crate::experts::ExpertTensors;
@@ -526,12 +526,8 @@ impl Engine for Olmoe {
     }
 
     fn forward(&self, batch: &mut [Step]) -> Result<Vec<Vec<f32>>> {
-        let rows = Rows::of(batch)?;
+        let (rows, mut states) = states_of::<OlmoeState>(batch, NAME)?;
         let vocab = self.config.vocab_size;
-        let mut states = batch
-            .iter_mut()
-            .map(|step| step.state.downcast_mut::<OlmoeState>(NAME))
-            .collect::<Result<Vec<_>>>()?;
         let mut x = embed_tokens(&self.embed, &rows.tokens, vocab)?;
         let mut routed = self.routed();
         let mut pass = Pass {

@@ -272,6 +272,19 @@ impl Rows {
     }
 }
 
+/// The row layout of `batch` and each step's state as engine `engine`'s own type `S`.
+pub fn states_of<'b, S: SequenceState>(
+    batch: &'b mut [Step],
+    engine: &'static str,
+) -> Result<(Rows, Vec<&'b mut S>)> {
+    let rows = Rows::of(batch)?;
+    let states = batch
+        .iter_mut()
+        .map(|step| step.state.downcast_mut::<S>(engine))
+        .collect::<Result<Vec<_>>>()?;
+    Ok((rows, states))
+}
+
 /// `work` for every sequence of a batch on its own state and rows, side by side on the
 /// thread pool: `work(segment, state, out)` with `out` the sequence's rows of `out`
 /// (`width` values a row). Each sequence computes what it computes alone.

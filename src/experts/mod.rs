@@ -869,6 +869,11 @@ impl ExpertStore {
         Ok(())
     }
 
+    /// Whether expert `expert` of MoE layer `layer` is pinned or in a slot now.
+    pub fn is_resident(&self, layer: usize, expert: usize) -> bool {
+        self.layers.get(layer).is_some() && self.resident(layer, expert).is_some()
+    }
+
     /// The weights of a resident expert.
     fn resident(&self, layer: usize, expert: usize) -> Option<&Expert> {
         let cache = &self.layers[layer];
