@@ -28,7 +28,24 @@ pub struct LayerCache {
     pub heat: Vec<u64>,
 }
 
+/// The order a call takes `experts` in: as given when they fit the slots together, else
+/// (one at a time, as the expert store then takes them) the resident ones (`held`) first,
+/// so that a miss replaces a slot the call no longer needs, then the rest.
+pub fn take_order(experts: &[usize], fits: bool, held: impl Fn(usize) -> bool) -> Vec<usize> {
+    if fits {
+        return experts.to_vec();
+    }
+    let (mut first, rest): (Vec<usize>, Vec<usize>) = experts.iter().partition(|&&e| held(e));
+    first.extend(rest);
+    first
+}
+
 impl LayerCache {
+    /// Whether `expert` is resident.
+    pub fn holds(&self, expert: usize) -> bool {
+        self.resident.iter().any(|s| s.0 == expert)
+    }
+
     /// One lookup of a call; `together` when the call's experts all fit the slots, so that
     /// (as in the engine's store) none taken earlier in the call is replaced for a later one.
     pub fn lookup(&mut self, expert: usize, slots: usize, lfru: bool, call_start: u64) -> bool {
@@ -102,6 +119,17 @@ impl PinnedLru {
         } else {
             self.lru.clock + 1
         }
+    }
+
+    /// Whether `expert` is pinned or in the LRU.
+    pub fn holds(&self, expert: usize) -> bool {
+        self.pins.contains(&expert) || self.lru.holds(expert)
+    }
+
+    /// The experts of a call in the order it takes them (see [`take_order`]).
+    pub fn order(&self, experts: &[usize], slots: usize) -> Vec<usize> {
+        let fits = self.call_start(experts, slots) != u64::MAX;
+        take_order(experts, fits, |e| self.holds(e))
     }
 
     /// One lookup; a pinned expert is a hit.
@@ -243,7 +271,7 @@ impl PlacementGuard {
         w.lookups += experts.len() as u64;
         for (shadow, hits) in w.shadows.iter_mut().zip(&mut w.hits) {
             let start = shadow.call_start(experts, slots);
-            for &e in experts {
+            for e in shadow.order(experts, slots) {
                 *hits += u64::from(shadow.lookup(e, slots, start));
             }
         }

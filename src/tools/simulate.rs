@@ -48,7 +48,7 @@ use serde::Serialize;
 
 use super::history_file;
 use super::trace::{Call, CallGrouper, TraceReader, MAX_INDEX};
-use crate::route_trace::guard::{LayerCache, PinnedLru, PlacementGuard};
+use crate::route_trace::guard::{take_order, LayerCache, PinnedLru, PlacementGuard};
 use crate::route_trace::{placement, Counters};
 
 /// A placement policy.
@@ -617,16 +617,30 @@ pub fn simulate(trace: &Path, opts: &SimOptions) -> Result<SimReport> {
                 let cache = layer_mut(&mut caches[i], call.layer)
                     .get_or_insert_with(|| PinnedLru::new(layer_pins(slots).to_vec()));
                 let start = cache.call_start(&call.experts, slots);
-                for &e in &call.experts {
+                for e in cache.order(&call.experts, slots) {
                     hits[i][at] += u64::from(cache.lookup(e, slots, start));
                 }
             }
         }
-        for &e in &call.experts {
+        // Each size's caches take the call's experts in their own order.
+        let orders: Vec<(Vec<usize>, Vec<usize>)> = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &slots)| {
+                let fits = call.experts.len() <= slots;
+                let mut order = |caches: &mut Vec<LayerCache>| {
+                    let cache = layer_mut(caches, call.layer);
+                    take_order(&call.experts, fits, |e| cache.holds(e))
+                };
+                (order(&mut lru[i]), order(&mut lfru[i]))
+            })
+            .collect();
+        for (k, &e) in call.experts.iter().enumerate() {
             for (i, &slots) in sizes.iter().enumerate() {
                 let (lru_start, lfru_start) = starts[i];
+                let (lru_e, lfru_e) = (orders[i].0[k], orders[i].1[k]);
                 if want(Policy::Lru)
-                    && layer_mut(&mut lru[i], call.layer).lookup(e, slots, false, lru_start)
+                    && layer_mut(&mut lru[i], call.layer).lookup(lru_e, slots, false, lru_start)
                 {
                     hits[i][0] += u64::from(scored);
                 }
@@ -635,7 +649,7 @@ pub fn simulate(trace: &Path, opts: &SimOptions) -> Result<SimReport> {
                     if cache.heat.is_empty() {
                         cache.heat = heat_prior.get(call.layer).cloned().unwrap_or_default();
                     }
-                    if cache.lookup(e, slots, true, lfru_start) {
+                    if cache.lookup(lfru_e, slots, true, lfru_start) {
                         hits[i][1] += u64::from(scored);
                     }
                 }
