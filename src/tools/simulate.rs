@@ -628,7 +628,7 @@ pub fn simulate(trace: &Path, opts: &SimOptions) -> Result<SimReport> {
             .enumerate()
             .map(|(i, &slots)| {
                 let fits = call.experts.len() <= slots;
-                let mut order = |caches: &mut Vec<LayerCache>| {
+                let order = |caches: &mut Vec<LayerCache>| {
                     let cache = layer_mut(caches, call.layer);
                     take_order(&call.experts, fits, |e| cache.holds(e))
                 };
