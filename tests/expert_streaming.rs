@@ -214,6 +214,17 @@ fn a_truncated_shard_is_refused_at_load() {
     }
 }
 
+/// The line of `text` that starts with `start`, holding every one of `parts`.
+fn replay_line(text: &str, start: &str, parts: &[&str]) {
+    let line = text
+        .lines()
+        .find(|l| l.starts_with(start))
+        .unwrap_or_else(|| panic!("{text}"));
+    for part in parts {
+        assert!(line.contains(part), "{line}");
+    }
+}
+
 #[test]
 fn replay_decodes_the_ids_and_reports_with_a_profile() {
     let dir = tempfile::tempdir().unwrap();
@@ -235,13 +246,11 @@ fn replay_decodes_the_ids_and_reports_with_a_profile() {
     );
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
-    let line = text
-        .lines()
-        .find(|l| l.starts_with("REPLAY decode: 8 tokens | "))
-        .unwrap_or_else(|| panic!("{text}"));
-    for part in [" tok/s | hit ", "% | disk ", " MB/token, ", " GB/s)"] {
-        assert!(line.contains(part), "{line}");
-    }
+    replay_line(
+        &text,
+        "REPLAY decode: 8 tokens | ",
+        &[" tok/s | hit ", "% | disk ", " MB/token, ", " GB/s)"],
+    );
     let profile = text
         .lines()
         .find(|l| l.starts_with("PROFILE: expert-disk "))
@@ -285,14 +294,11 @@ fn a_batched_replay_decodes_every_sequence_and_traces_every_row() {
         &[],
     );
     assert!(out.status.success(), "{}", stderr(&out));
-    let text = stdout(&out);
-    let line = text
-        .lines()
-        .find(|l| l.starts_with("REPLAY decode: 3 sequences x 8 tokens | "))
-        .unwrap_or_else(|| panic!("{text}"));
-    for part in [" tok/s aggregate | hit ", "% | disk ", " MB/token, "] {
-        assert!(line.contains(part), "{line}");
-    }
+    replay_line(
+        &stdout(&out),
+        "REPLAY decode: 3 sequences x 8 tokens | ",
+        &[" tok/s aggregate | hit ", "% | disk ", " MB/token, "],
+    );
     // `call row layer choices`: the four warm-up tokens one row each, then eight calls per
     // layer of three rows, one per sequence.
     let trace = std::fs::read_to_string(&trace).unwrap();

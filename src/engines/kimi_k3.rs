@@ -665,25 +665,19 @@ impl Layer {
         let (rows, n) = (pass.rows, pass.rows.len());
         match &self.mixer {
             Mixer::Kda(kda) => {
-                let mut kda_states = states
-                    .iter_mut()
-                    .map(|state| match &mut **state {
-                        MixerState::Kda(state) => Ok(state),
-                        MixerState::Mla(_) => Err(mismatch()),
-                    })
-                    .collect::<Result<Vec<_>>>()?;
+                let mut kda_states = of_kind(states, |state| match state {
+                    MixerState::Kda(state) => Some(state),
+                    MixerState::Mla(_) => None,
+                })?;
                 Ok(kda.forward(h, rows, &mut kda_states))
             }
             Mixer::Mla(mla) => {
                 let shape = pass.config.mla_shape();
                 let projected = mla.proj.project(h, n, LORA_NORM_EPS);
-                let mut caches = states
-                    .iter_mut()
-                    .map(|state| match &mut **state {
-                        MixerState::Mla(cache) => Ok(cache),
-                        MixerState::Kda(_) => Err(mismatch()),
-                    })
-                    .collect::<Result<Vec<_>>>()?;
+                let mut caches = of_kind(states, |state| match state {
+                    MixerState::Mla(cache) => Some(cache),
+                    MixerState::Kda(_) => None,
+                })?;
                 let width = shape.heads * shape.v;
                 let mut context = vec![0f32; n * width];
                 per_sequence(
@@ -901,10 +895,19 @@ impl KimiK3 {
     }
 }
 
-/// A layer's attention state of the other kind than the layer (a state built for another
-/// checkpoint of the same engine).
-fn mismatch() -> anyhow::Error {
-    anyhow!("{NAME}: a layer's attention state does not match its kind")
+/// Each sequence's state of one layer as the layer's kind (`pick`), or an error when one is
+/// of the other kind (a state built for another checkpoint of the same engine).
+fn of_kind<'s, T>(
+    states: &'s mut [&mut MixerState],
+    pick: impl Fn(&'s mut MixerState) -> Option<&'s mut T>,
+) -> Result<Vec<&'s mut T>> {
+    states
+        .iter_mut()
+        .map(|state| {
+            pick(state)
+                .ok_or_else(|| anyhow!("{NAME}: a layer's attention state does not match its kind"))
+        })
+        .collect()
 }
 
 impl Engine for KimiK3 {
