@@ -223,7 +223,7 @@ fn each_expert_is_one_contiguous_read_and_every_matrix_is_stamped() {
             Format::F32,
         ),
     ] {
-        let view = snapshot.tensor_shaped(&name, &shape).unwrap();
+        let view = coli::quant::format::shaped(snapshot.tensor(&name).unwrap(), &shape).unwrap();
         assert_eq!(
             Matrix::load(&view, Width::F32).unwrap().format(),
             format,
@@ -393,12 +393,18 @@ fn fp8_and_mxfp4_checkpoints_run_and_convert() {
     convert(&fp8, &widened, &["--bits", "16"]);
     let name = "model.layers.2.self_attn.o_proj.weight";
     let stored = Snapshot::open(&fp8).unwrap();
-    let fp8_matrix =
-        Matrix::load(&stored.tensor_shaped(name, &[64, 64]).unwrap(), Width::F32).unwrap();
+    let fp8_matrix = Matrix::load(
+        &coli::quant::format::shaped(stored.tensor(name).unwrap(), &[64, 64]).unwrap(),
+        Width::F32,
+    )
+    .unwrap();
     assert_eq!(fp8_matrix.format(), Format::Fp8E4m3B128);
     let out = Snapshot::open(&widened).unwrap();
-    let f32_matrix =
-        Matrix::load(&out.tensor_shaped(name, &[64, 64]).unwrap(), Width::F32).unwrap();
+    let f32_matrix = Matrix::load(
+        &coli::quant::format::shaped(out.tensor(name).unwrap(), &[64, 64]).unwrap(),
+        Width::F32,
+    )
+    .unwrap();
     assert_eq!(f32_matrix.format(), Format::F32);
     assert_eq!(fp8_matrix.to_f32(), f32_matrix.to_f32());
     // The FP8 checkpoint runs directly, computing what its f32 dequantisation computes.
@@ -493,7 +499,7 @@ fn fp8_and_mxfp4_containers_compute_what_their_encoding_of_the_source_computes()
         ),
         ("lm_head.weight", [128, 64], Format::Fp8E4m3B128),
     ] {
-        let view = stored.tensor_shaped(name, &shape).unwrap();
+        let view = coli::quant::format::shaped(stored.tensor(name).unwrap(), &shape).unwrap();
         assert_eq!(view.stamp.as_deref(), Some(format.name()), "{name}");
         assert_eq!(Matrix::load(&view, Width::F32).unwrap().format(), format);
     }

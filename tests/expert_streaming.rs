@@ -369,10 +369,9 @@ fn the_simulator_replays_a_streamed_cache_under_either_policy() {
 
 #[test]
 fn the_lookahead_reads_ahead_only_while_its_predictions_are_right() {
-    use coli::engines::moe::{softmax_top_k, Predictor, RoutedExperts};
+    use coli::engines::moe::{Choice, RoutedExperts, Router};
     use coli::quant::Matrix;
     use coli::route_trace::RouteTrace;
-    use std::sync::Arc;
 
     let snapshot = Snapshot::open(&fixture("olmoe_tiny")).unwrap();
     let layer = |l: usize| common::olmoe_tiny_experts(&snapshot, l);
@@ -389,12 +388,14 @@ fn the_lookahead_reads_ahead_only_while_its_predictions_are_right() {
     for e in 0..8 {
         weights[e * 64 + e] = 1.0;
     }
-    routed.predict_with(
+    routed.set_router(
         1,
-        Predictor {
-            router: Arc::new(Matrix::from_f32(8, 64, weights, Width::F32)),
-            top_k: 2,
-            choose: Box::new(|row| softmax_top_k(row, 2, false)),
+        Router {
+            weight: Matrix::from_f32(8, 64, weights, Width::F32),
+            choice: Choice::Softmax {
+                top_k: 2,
+                normalise: false,
+            },
         },
     );
     let ids = |w: &[&coli::experts::Expert]| w.len();

@@ -45,7 +45,7 @@ fn shard(dir: &Path, packed: (&[u8], Vec<usize>), scales: (&[u8], Vec<usize>)) -
 
 /// Load `w` as a `[rows, cols]` matrix through the snapshot.
 fn load(snapshot: &Snapshot, rows: usize, cols: usize, width: Width) -> anyhow::Result<Matrix> {
-    let view = snapshot.tensor_shaped("w.weight_packed", &[rows, cols])?;
+    let view = coli::quant::format::shaped(snapshot.tensor("w.weight_packed")?, &[rows, cols])?;
     Matrix::load(&view, width)
 }
 

@@ -26,8 +26,7 @@
 use anyhow::Result;
 
 use super::layers::add_in_place;
-use crate::quant::load_vector;
-use crate::snapshot::Snapshot;
+use super::weights::Weights;
 
 /// One AttnRes scoring vector: `res_norm.weight ⊙ res_proj.weight` and the norm's epsilon.
 pub struct ResMix {
@@ -38,11 +37,9 @@ pub struct ResMix {
 impl ResMix {
     /// From `{prefix}_norm.weight` (`[D]`) and `{prefix}_proj.weight` (`[1, D]`), e.g.
     /// `model.layers.3.self_attention_res` or `model.output_attn_res`.
-    pub fn load(snapshot: &Snapshot, prefix: &str, hidden: usize, eps: f64) -> Result<ResMix> {
-        let norm = load_vector(&snapshot.tensor(&format!("{prefix}_norm.weight"))?, hidden)?;
-        let mut proj = snapshot.tensor_shaped(&format!("{prefix}_proj.weight"), &[1, hidden])?;
-        proj.shape = vec![hidden];
-        let proj = load_vector(&proj, hidden)?;
+    pub fn load(w: &Weights, prefix: &str, hidden: usize, eps: f64) -> Result<ResMix> {
+        let norm = w.vector(&format!("{prefix}_norm.weight"), hidden)?;
+        let proj = w.flat(&format!("{prefix}_proj.weight"), &[1, hidden])?;
         Ok(ResMix::new(&norm, &proj, eps))
     }
 
@@ -52,10 +49,6 @@ impl ResMix {
             weight: norm.iter().zip(proj).map(|(a, b)| a * b).collect(),
             eps,
         }
-    }
-
-    pub fn size_bytes(&self) -> usize {
-        4 * self.weight.len()
     }
 
     /// `out = Σ_e p_e v_e` over `entries` (each one token's row), scores in f64.

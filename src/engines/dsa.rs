@@ -15,8 +15,8 @@ use anyhow::Result;
 use rayon::prelude::*;
 
 use super::layers::{layer_norm, top_k, Rope};
-use crate::quant::{load_vector, Matrix, Width};
-use crate::snapshot::Snapshot;
+use super::weights::Weights;
+use crate::quant::Matrix;
 
 /// `nn.LayerNorm` epsilon of the indexer's key norm.
 const K_NORM_EPS: f64 = 1e-6;
@@ -93,16 +93,12 @@ pub struct Indexer {
 
 impl Indexer {
     /// Whether `prefix` holds indexer tensors at all.
-    pub fn present(snapshot: &Snapshot, prefix: &str) -> bool {
-        snapshot.contains(&format!("{prefix}.wq_b.weight"))
+    pub fn present(w: &Weights) -> bool {
+        w.contains("wq_b.weight")
     }
 
-    pub fn load(
-        snapshot: &Snapshot,
-        prefix: &str,
-        shape: IndexerShape,
-        width: Width,
-    ) -> Result<Indexer> {
+    /// The indexer under `w` (a layer's `self_attn.indexer`).
+    pub fn load(w: &Weights, shape: IndexerShape) -> Result<Indexer> {
         let IndexerShape {
             hidden,
             q_lora,
@@ -110,30 +106,15 @@ impl Indexer {
             head_dim,
             ..
         } = shape;
-        let matrix = |name: &str, dims: [usize; 2], width: Width| -> Result<Matrix> {
-            Matrix::load(
-                &snapshot.tensor_shaped(&format!("{prefix}.{name}.weight"), &dims)?,
-                width,
-            )
-        };
-        let vector =
-            |name: &str| load_vector(&snapshot.tensor(&format!("{prefix}.{name}"))?, head_dim);
         Ok(Indexer {
             shape,
-            wq_b: matrix("wq_b", [heads * head_dim, q_lora], width)?,
-            wk: matrix("wk", [head_dim, hidden], width)?,
+            wq_b: w.matrix("wq_b.weight", [heads * head_dim, q_lora])?,
+            wk: w.matrix("wk.weight", [head_dim, hidden])?,
             // The head weights decide the ranking on their own; transformers keeps them f32.
-            weights_proj: matrix("weights_proj", [heads, hidden], Width::F32)?,
-            k_norm_weight: vector("k_norm.weight")?,
-            k_norm_bias: vector("k_norm.bias")?,
+            weights_proj: w.matrix_f32("weights_proj.weight", [heads, hidden])?,
+            k_norm_weight: w.vector("k_norm.weight", head_dim)?,
+            k_norm_bias: w.vector("k_norm.bias", head_dim)?,
         })
-    }
-
-    pub fn size_bytes(&self) -> usize {
-        self.wq_b.size_bytes()
-            + self.wk.size_bytes()
-            + self.weights_proj.size_bytes()
-            + 4 * (self.k_norm_weight.len() + self.k_norm_bias.len())
     }
 
     /// The indexer's products over `n` rows of the normalised layer input `x` (and their
@@ -256,6 +237,7 @@ impl Indexer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::quant::Width;
 
     fn indexer(top_k: usize) -> Indexer {
         // hidden 2, q_lora 2, one head of dim 2 with no rotated dimensions; wq_b and wk are

@@ -10,7 +10,7 @@
 //! decoding: `eh_proj [enorm(embed(next)); hnorm(h)]` through one more MLA + MoE layer with
 //! its own latent cache, then `shared_head.norm` and the main LM head.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 
 use anyhow::{anyhow, bail, Result};
 use serde::Deserialize;
@@ -23,14 +23,15 @@ use super::layers::{
 use super::mla::{
     attend_absorbed, attend_plain, Keys, LatentCache, MlaProjections, MlaShape, Projected,
 };
-use super::moe::{Predictor, Route, RoutedExperts, SigmoidRouter};
+use super::moe::{Choice, RoutedExperts, Router, SigmoidRouter};
 use super::state::{per_sequence, states_of, Logits, Rows, SequenceState, State, Step};
+use super::weights::Weights;
 use super::{lock, Engine, LoadOptions};
 use crate::activation::Activation;
 use crate::experts::ExpertTensors;
 use crate::generate::argmax;
 use crate::interrupt;
-use crate::quant::{load_vector, Matrix, Width};
+use crate::quant::Matrix;
 use crate::route_trace::RouteTrace;
 use crate::snapshot::Snapshot;
 use crate::text::PromptConvention;
@@ -348,9 +349,8 @@ enum Selection {
 
 enum Ffn {
     Dense(GatedMlp),
+    /// The routed experts (their router is in [`RoutedExperts`]) and the shared expert.
     Moe {
-        router: Arc<Matrix>,
-        gate: SigmoidRouter,
         shared: Option<GatedMlp>,
     },
 }
@@ -462,105 +462,56 @@ struct Pass<'a> {
 }
 
 impl Layer {
+    /// Layer `w` (`model.layers.N`) and, for a MoE layer, its router.
     fn load(
-        snapshot: &Snapshot,
+        w: &Weights,
         config: &Config,
-        l: usize,
         sparse: bool,
         selection: Selection,
-        width: Width,
-    ) -> Result<Layer> {
+    ) -> Result<(Layer, Option<Router>)> {
         let d = config.hidden_size;
         let heads = config.num_attention_heads;
-        let p = format!("model.layers.{l}");
-        let matrix = |name: &str, shape: [usize; 2], width: Width| -> Result<Matrix> {
-            Matrix::load(
-                &snapshot.tensor_shaped(&format!("{p}.{name}"), &shape)?,
-                width,
-            )
-        };
-        let vector =
-            |name: &str, len: usize| load_vector(&snapshot.tensor(&format!("{p}.{name}"))?, len);
+        let a = w.at("self_attn");
         let attention = Attention {
-            mla: MlaProjections::load(
-                snapshot,
-                &format!("{p}.self_attn"),
-                d,
-                config.q_lora_rank,
-                config.mla_shape(),
-                width,
-            )?,
-            o: matrix(
-                "self_attn.o_proj.weight",
-                [d, heads * config.v_head_dim],
-                width,
-            )?,
+            mla: MlaProjections::load(&a, d, config.q_lora_rank, config.mla_shape())?,
+            o: a.matrix("o_proj.weight", [d, heads * config.v_head_dim])?,
         };
-        let ffn = if sparse {
-            let shared_inter = config.moe_intermediate_size * config.n_shared_experts;
-            Ffn::Moe {
-                router: Arc::new(matrix(
-                    "mlp.gate.weight",
-                    [config.n_routed_experts, d],
-                    Width::F32,
-                )?),
-                gate: SigmoidRouter {
-                    bias: vector("mlp.gate.e_score_correction_bias", config.n_routed_experts)?,
+        let m = w.at("mlp");
+        let (ffn, router) = if sparse {
+            let experts = config.n_routed_experts;
+            let router = Router {
+                weight: m.matrix_f32("gate.weight", [experts, d])?,
+                choice: Choice::Sigmoid(SigmoidRouter {
+                    bias: m.vector("gate.e_score_correction_bias", experts)?,
                     top_k: config.num_experts_per_tok,
                     n_group: config.n_group,
                     topk_group: config.topk_group,
                     normalise: config.norm_topk_prob,
                     scale: config.routed_scaling_factor,
-                },
-                shared: match shared_inter {
-                    0 => None,
-                    inter => Some(GatedMlp::load(
-                        snapshot,
-                        &format!("{p}.mlp.shared_experts"),
-                        (d, inter),
-                        Activation::SwiGlu,
-                        width,
-                    )?),
-                },
-            }
+                }),
+            };
+            let shared = match config.moe_intermediate_size * config.n_shared_experts {
+                0 => None,
+                inter => Some(GatedMlp::load(
+                    &m.at("shared_experts"),
+                    (d, inter),
+                    Activation::SwiGlu,
+                )?),
+            };
+            (Ffn::Moe { shared }, Some(router))
         } else {
-            Ffn::Dense(GatedMlp::load(
-                snapshot,
-                &format!("{p}.mlp"),
-                (d, config.intermediate_size),
-                Activation::SwiGlu,
-                width,
-            )?)
+            let inter = config.intermediate_size;
+            let mlp = GatedMlp::load(&m, (d, inter), Activation::SwiGlu)?;
+            (Ffn::Dense(mlp), None)
         };
-        Ok(Layer {
-            input_norm: vector("input_layernorm.weight", d)?,
-            post_attention_norm: vector("post_attention_layernorm.weight", d)?,
+        let layer = Layer {
+            input_norm: w.vector("input_layernorm.weight", d)?,
+            post_attention_norm: w.vector("post_attention_layernorm.weight", d)?,
             attention,
             selection,
             ffn,
-        })
-    }
-
-    fn size_bytes(&self) -> usize {
-        let vectors = self.input_norm.len() + self.post_attention_norm.len();
-        let matrices = self.attention.mla.size_bytes() + self.attention.o.size_bytes();
-        let selection = match &self.selection {
-            Selection::Full(indexer) => indexer.size_bytes(),
-            Selection::Shared | Selection::Dense => 0,
         };
-        let ffn = match &self.ffn {
-            Ffn::Dense(mlp) => mlp.size_bytes(),
-            Ffn::Moe {
-                router,
-                gate,
-                shared,
-            } => {
-                router.size_bytes()
-                    + 4 * gate.bias.len()
-                    + shared.as_ref().map_or(0, GatedMlp::size_bytes)
-            }
-        };
-        4 * vectors + matrices + selection + ffn
+        Ok((layer, router))
     }
 
     /// `x += attention(norm(x)); x += ffn(norm(x))` for the rows of `x`, with `caches`
@@ -662,24 +613,11 @@ impl Layer {
     }
 
     fn ffn(&self, id: usize, pass: &mut Pass, h: &[f32]) -> Result<Vec<f32>> {
-        let (n, d) = (pass.rows.len(), pass.config.hidden_size);
+        let n = pass.rows.len();
         match &self.ffn {
             Ffn::Dense(mlp) => Ok(mlp.forward(h, n)),
-            Ffn::Moe {
-                router,
-                gate,
-                shared,
-            } => {
-                let experts = pass.config.n_routed_experts;
-                let mut logits = vec![0f32; n * experts];
-                router.matmul(h, n, &mut logits);
-                let routes: Vec<Route> = logits
-                    .chunks_exact(experts)
-                    .map(|row| gate.route(row))
-                    .collect();
-                let mut out = vec![0f32; n * d];
-                pass.routed.look_ahead(id, h, n);
-                pass.routed.run(id, h, &routes, d, &mut out)?;
+            Ffn::Moe { shared } => {
+                let mut out = pass.routed.forward(id, h, n)?.routed;
                 // transformers adds the shared expert after the routed sum.
                 if let Some(shared) = shared {
                     add_in_place(&mut out, &shared.forward(h, n));
@@ -690,12 +628,12 @@ impl Layer {
     }
 }
 
-/// The per-expert tensors of MoE layer `l`, in the published layout.
-fn layer_experts(snapshot: &Snapshot, config: &Config, l: usize) -> Result<Vec<ExpertTensors>> {
-    let p = format!("model.layers.{l}.mlp.experts");
+/// The per-expert tensors of MoE layer `w` (`model.layers.N`), in the published layout.
+fn layer_experts(w: &Weights, config: &Config) -> Result<Vec<ExpertTensors>> {
+    let p = w.name("mlp.experts");
     (0..config.n_routed_experts)
         .map(|e| {
-            ExpertTensors::published(snapshot, &p, e)?
+            ExpertTensors::published(w.snapshot(), &p, e)?
                 .checked(config.hidden_size, config.moe_intermediate_size)
         })
         .collect()
@@ -732,6 +670,8 @@ pub struct GlmMoeDsa {
     layers: Vec<Layer>,
     mtp: Option<MtpHead>,
     routed: Mutex<RoutedExperts>,
+    /// Bytes of the weights above.
+    resident: usize,
     stop: Vec<u32>,
     dsa_force: bool,
     /// Draft depth for speculative decoding (0 without an MTP head).
@@ -756,27 +696,27 @@ impl GlmMoeDsa {
         let sparse = config.sparse_layers()?;
         let full = config.full_indexer_layers()?;
         let (d, n_layers) = (config.hidden_size, config.num_hidden_layers);
-        let dense = options.dense_width;
-        let io_width = dense.for_embeddings();
+        let weights = Weights::new(snapshot, options.dense_width);
+        let layer_weights = |l: usize| weights.at(&format!("model.layers.{l}"));
 
         // A checkpoint converted without the indexer attends densely, exact while the
         // context stays within index_topk; one with only some indexers is broken.
-        let indexer_prefix = |l: usize| format!("model.layers.{l}.self_attn.indexer");
+        let indexer = |l: usize| layer_weights(l).at("self_attn.indexer");
         let full_layers: Vec<usize> = (0..n_layers).filter(|&l| full[l]).collect();
         let with_indexer = full_layers
             .iter()
-            .filter(|&&l| Indexer::present(snapshot, &indexer_prefix(l)))
+            .filter(|&&l| Indexer::present(&indexer(l)))
             .count();
         let dsa = with_indexer > 0;
         if dsa && with_indexer < full_layers.len() {
             let missing = full_layers
                 .iter()
-                .find(|&&l| !Indexer::present(snapshot, &indexer_prefix(l)))
+                .find(|&&l| !Indexer::present(&indexer(l)))
                 .copied();
             bail!(
-                "{}: tensor {}.wq_b.weight not found, but other full indexer layers have one",
+                "{}: tensor {} not found, but other full indexer layers have one",
                 snapshot.dir().display(),
-                indexer_prefix(missing.unwrap_or(0))
+                indexer(missing.unwrap_or(0)).name("wq_b.weight")
             );
         }
         let index_shape = IndexerShape {
@@ -788,96 +728,86 @@ impl GlmMoeDsa {
             top_k: config.index_topk,
         };
 
-        let mut layers = Vec::with_capacity(n_layers);
-        let mut expert_tensors = Vec::with_capacity(n_layers + 1);
-        for l in 0..n_layers {
-            let selection = match (dsa, full[l]) {
-                (false, _) => Selection::Dense,
-                (true, true) => Selection::Full(Box::new(Indexer::load(
-                    snapshot,
-                    &indexer_prefix(l),
-                    index_shape,
-                    dense,
-                )?)),
-                (true, false) => Selection::Shared,
-            };
-            layers.push(Layer::load(
-                snapshot, &config, l, sparse[l], selection, dense,
-            )?);
-            expert_tensors.push(if sparse[l] {
-                layer_experts(snapshot, &config, l)?
-            } else {
-                Vec::new()
-            });
-        }
-        let mtp = if mtp_present(snapshot, &config, n_layers) {
-            let p = format!("model.layers.{n_layers}");
-            let vector = |name: &str| load_vector(&snapshot.tensor(&format!("{p}.{name}"))?, d);
-            expert_tensors.push(layer_experts(snapshot, &config, n_layers)?);
-            Some(MtpHead {
-                eh_proj: Matrix::load(
-                    &snapshot.tensor_shaped(&format!("{p}.eh_proj.weight"), &[d, 2 * d])?,
-                    dense,
-                )?,
-                enorm: vector("enorm.weight")?,
-                hnorm: vector("hnorm.weight")?,
-                head_norm: vector("shared_head.norm.weight")?,
-                // Drafts never change the output, so the head attends densely.
-                layer: Layer::load(snapshot, &config, n_layers, true, Selection::Dense, dense)?,
-            })
-        } else {
-            None
-        };
-        let embed = Matrix::load(
-            &snapshot.tensor_shaped("model.embed_tokens.weight", &[config.vocab_size, d])?,
-            io_width,
-        )?;
-        let head_name = if snapshot.contains("lm_head.weight") || !config.tie_word_embeddings {
-            "lm_head.weight"
-        } else {
-            "model.embed_tokens.weight"
-        };
-        let lm_head = Matrix::load(
-            &snapshot.tensor_shaped(head_name, &[config.vocab_size, d])?,
-            io_width,
-        )?;
-
         let mut telemetry = RouteTrace::new(NAME, n_layers, config.n_routed_experts)?;
         for (l, &routes) in sparse.iter().enumerate() {
             if !routes {
                 telemetry.drop_row(l);
             }
         }
-        if mtp.is_none() {
-            telemetry.drop_row(n_layers);
+        let mut routed = RoutedExperts::unprovisioned(options.store.width, telemetry);
+        let mut layers = Vec::with_capacity(n_layers);
+        let mut expert_tensors = Vec::with_capacity(n_layers + 1);
+        for l in 0..n_layers {
+            let w = layer_weights(l);
+            let selection = match (dsa, full[l]) {
+                (false, _) => Selection::Dense,
+                (true, true) => Selection::Full(Box::new(Indexer::load(&indexer(l), index_shape)?)),
+                (true, false) => Selection::Shared,
+            };
+            let (layer, router) = Layer::load(&w, &config, sparse[l], selection)?;
+            layers.push(layer);
+            expert_tensors.push(match router {
+                Some(router) => {
+                    routed.set_router(l, router);
+                    layer_experts(&w, &config)?
+                }
+                None => Vec::new(),
+            });
         }
+        let mtp = if mtp_present(snapshot, &config, n_layers) {
+            let w = layer_weights(n_layers);
+            expert_tensors.push(layer_experts(&w, &config)?);
+            // Drafts never change the output, so the head attends densely.
+            let (layer, router) = Layer::load(&w, &config, true, Selection::Dense)?;
+            Some((
+                MtpHead {
+                    eh_proj: w.matrix("eh_proj.weight", [d, 2 * d])?,
+                    enorm: w.vector("enorm.weight", d)?,
+                    hnorm: w.vector("hnorm.weight", d)?,
+                    head_norm: w.vector("shared_head.norm.weight", d)?,
+                    layer,
+                },
+                router,
+            ))
+        } else {
+            routed.telemetry.drop_row(n_layers);
+            None
+        };
         let draft = match (&mtp, options.draft) {
             (None, _) => 0,
             (Some(_), requested) => requested.unwrap_or(1),
         };
-        let mut engine = GlmMoeDsa {
+        // The draft head's router routes only while it drafts: registered then, so that
+        // the lookahead never reads experts for a layer that does not run.
+        let mtp = mtp.map(|(head, router)| {
+            if let Some(router) = router.filter(|_| draft > 0) {
+                routed.set_router(n_layers, router);
+            }
+            head
+        });
+        let vocab = [config.vocab_size, d];
+        let embed_name = "model.embed_tokens.weight";
+        let embed = weights.embedding(embed_name, vocab)?;
+        let tied = config.tie_word_embeddings;
+        let lm_head = weights.lm_head("lm_head.weight", embed_name, tied, vocab)?;
+        let final_norm = weights.vector("model.norm.weight", d)?;
+        let resident = weights.resident_bytes();
+        routed.provision(expert_tensors, &options.store, resident)?;
+        Ok(GlmMoeDsa {
             shape: config.mla_shape(),
             rope: Rope::new(config.qk_rope_head_dim, config.rope_theta()),
             stop,
             embed,
-            final_norm: load_vector(&snapshot.tensor("model.norm.weight")?, d)?,
+            final_norm,
             lm_head,
             layers,
             mtp,
-            routed: Mutex::new(RoutedExperts::unprovisioned(options.store.width, telemetry)),
+            routed: Mutex::new(routed),
+            resident,
             dsa_force: options.dsa_force,
             draft,
             config,
-        };
-        let trunk = engine.resident_bytes();
-        let routed = engine.routed.get_mut().unwrap_or_else(|e| e.into_inner());
-        routed.provision(expert_tensors, &options.store, trunk)?;
-        for (l, layer) in engine.layers.iter().enumerate() {
-            if let Ffn::Moe { router, gate, .. } = &layer.ffn {
-                routed.predict_with(l, Predictor::sigmoid(router, gate));
-            }
-        }
-        Ok(engine)
+        })
     }
 
     /// Whether the checkpoint carries the indexer (else attention is dense at every length).
@@ -1046,17 +976,7 @@ impl Engine for GlmMoeDsa {
     }
 
     fn resident_bytes(&self) -> usize {
-        let layers: usize = self.layers.iter().map(Layer::size_bytes).sum();
-        let mtp = self.mtp.as_ref().map_or(0, |m| {
-            m.layer.size_bytes()
-                + m.eh_proj.size_bytes()
-                + 4 * (m.enorm.len() + m.hnorm.len() + m.head_norm.len())
-        });
-        layers
-            + mtp
-            + self.embed.size_bytes()
-            + self.lm_head.size_bytes()
-            + 4 * self.final_norm.len()
+        self.resident
     }
 
     fn stop_tokens(&self) -> &[u32] {

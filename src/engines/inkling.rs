@@ -8,7 +8,7 @@
 //! with them (the "shared-expert sink"). The final hidden state is divided by the muP width
 //! multiplier before the head, whose logits are cut to the unpadded vocabulary.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 
 use anyhow::{anyhow, bail, Result};
 use serde::Deserialize;
@@ -17,15 +17,16 @@ use super::layers::{
     add_in_place, embed_tokens, final_norm, lm_head, pre_norm_residual, rms_norm_in_place,
     AttentionShape, GatedMlp, Sublayer,
 };
-use super::moe::{biased_top_k, Predictor, Route, RoutedExperts};
+use super::moe::{Choice, RoutedExperts, Router};
 use super::short_conv::{ConvState, ShortConv};
 use super::state::{per_sequence, states_of, Rows, SequenceState, State, Step};
+use super::weights::Weights;
 use super::window_attention::{windowed_attention, DistanceBias, WindowKvCache};
 use super::{lock, Engine, LoadOptions};
 use crate::activation::Activation;
 use crate::experts::ExpertTensors;
 use crate::interrupt;
-use crate::quant::{load_vector, Matrix, Width};
+use crate::quant::Matrix;
 use crate::route_trace::RouteTrace;
 use crate::snapshot::Snapshot;
 use crate::text::PromptConvention;
@@ -358,21 +359,14 @@ struct Attention {
     v_conv: ShortConv,
 }
 
-/// The router and shared experts of a sparse layer; the routed experts are in the store.
-struct Moe {
-    /// `[routed + shared, hidden]`: one row per shared expert too.
-    router: Arc<Matrix>,
-    bias: Vec<f32>,
-    global_scale: f32,
-    shared: Vec<GatedMlp>,
-}
-
 enum Mlp {
     Dense {
         mlp: Box<GatedMlp>,
         global_scale: f32,
     },
-    Sparse(Moe),
+    /// The shared experts of a sparse layer; its router (which weighs them too) and its
+    /// routed experts are in [`RoutedExperts`].
+    Sparse { shared: Vec<GatedMlp> },
 }
 
 struct Layer {
@@ -402,6 +396,8 @@ pub struct Inkling {
     lm_head: Matrix,
     layers: Vec<Layer>,
     routed: Mutex<RoutedExperts>,
+    /// Bytes of the weights above.
+    resident: usize,
     /// The ids that end a generation (`eos_token_id`).
     stop: Vec<u32>,
 }
@@ -429,18 +425,26 @@ impl Inkling {
         let (dense_inter, moe_inter) = config.intermediate_sizes();
         let kernel = config.conv_kernel()?;
         let (n_experts, n_shared) = (config.n_routed_experts, config.n_shared_experts);
-        let dense = options.dense_width;
-        let matrix = |name: &str, shape: [usize; 2], width: Width| -> Result<Matrix> {
-            Matrix::load(&snapshot.tensor_shaped(name, &shape)?, width)
+        let weights = Weights::new(snapshot, options.dense_width);
+        let model = weights.at(names.prefix.trim_end_matches('.'));
+        let conv = |w: &Weights, name: &str, channels: usize| {
+            ShortConv::load(w, &format!("{name}.conv1d.weight"), channels, kernel)
         };
-        let vector = |name: &str, len: usize| load_vector(&snapshot.tensor(name)?, len);
-        let conv = |name: &str, channels: usize| ShortConv::load(snapshot, name, channels, kernel);
-        let io_width = dense.for_embeddings();
+        // Dense layers do not route, and there is no MTP head in the row after the last
+        // layer (transformers ignores `model.mtp.*`).
+        let mut telemetry = RouteTrace::new(NAME, config.num_hidden_layers, n_experts)?;
+        for (l, kind) in kinds.iter().enumerate() {
+            if !kind.sparse {
+                telemetry.drop_row(l);
+            }
+        }
+        telemetry.drop_row(config.num_hidden_layers);
+        let mut routed = RoutedExperts::unprovisioned(options.store.width, telemetry);
 
         let mut layers = Vec::with_capacity(kinds.len());
         let mut expert_tensors = Vec::with_capacity(kinds.len());
         for (l, kind) in kinds.iter().enumerate() {
-            let p = format!("{}layers.{l}", names.prefix);
+            let w = model.at(&format!("layers.{l}"));
             let (heads, kv_heads, hd) = if kind.sliding {
                 (
                     config.swa_num_attention_heads,
@@ -459,7 +463,7 @@ impl Inkling {
             } else {
                 config.rel_extent
             };
-            let a = format!("{p}.self_attn");
+            let a = w.at("self_attn");
             let attention = Attention {
                 shape: AttentionShape {
                     heads,
@@ -469,135 +473,91 @@ impl Inkling {
                     scale: 1.0 / hd as f32,
                 },
                 window: kind.sliding.then_some(config.sliding_window_size),
-                q_proj: matrix(&format!("{a}.q_proj.weight"), [heads * hd, d], dense)?,
-                k_proj: matrix(&format!("{a}.k_proj.weight"), [kv_heads * hd, d], dense)?,
-                v_proj: matrix(&format!("{a}.v_proj.weight"), [kv_heads * hd, d], dense)?,
-                r_proj: matrix(
-                    &format!("{a}.r_proj.weight"),
-                    [heads * config.d_rel, d],
-                    dense,
-                )?,
-                o_proj: matrix(&format!("{a}.o_proj.weight"), [d, heads * hd], dense)?,
-                q_norm: vector(&format!("{a}.q_norm.weight"), hd)?,
-                k_norm: vector(&format!("{a}.k_norm.weight"), hd)?,
-                rel_bank: {
-                    let name = format!("{a}.rel_logits_proj.proj");
-                    let mut view = snapshot.tensor_shaped(&name, &[config.d_rel, extent])?;
-                    view.shape = vec![config.d_rel * extent];
-                    load_vector(&view, config.d_rel * extent)?
-                },
+                q_proj: a.matrix("q_proj.weight", [heads * hd, d])?,
+                k_proj: a.matrix("k_proj.weight", [kv_heads * hd, d])?,
+                v_proj: a.matrix("v_proj.weight", [kv_heads * hd, d])?,
+                r_proj: a.matrix("r_proj.weight", [heads * config.d_rel, d])?,
+                o_proj: a.matrix("o_proj.weight", [d, heads * hd])?,
+                q_norm: a.vector("q_norm.weight", hd)?,
+                k_norm: a.vector("k_norm.weight", hd)?,
+                rel_bank: a.flat("rel_logits_proj.proj", &[config.d_rel, extent])?,
                 extent,
-                k_conv: conv(&format!("{a}.k_sconv.conv1d.weight"), kv_heads * hd)?,
-                v_conv: conv(&format!("{a}.v_sconv.conv1d.weight"), kv_heads * hd)?,
+                k_conv: conv(&a, "k_sconv", kv_heads * hd)?,
+                v_conv: conv(&a, "v_sconv", kv_heads * hd)?,
             };
-            let m = format!("{p}.mlp");
+            let m = w.at("mlp");
             let (mlp, experts) = if kind.sparse {
-                let gate_up = snapshot.tensor_shaped(
-                    &format!("{m}.experts.gate_up_proj"),
-                    &[n_experts, 2 * moe_inter, d],
-                )?;
-                let down = snapshot.tensor_shaped(
-                    &format!("{m}.experts.down_proj"),
-                    &[n_experts, d, moe_inter],
-                )?;
+                let gate_up = m.view("experts.gate_up_proj", &[n_experts, 2 * moe_inter, d])?;
+                let down = m.view("experts.down_proj", &[n_experts, d, moe_inter])?;
                 let experts = (0..n_experts)
                     .map(|e| ExpertTensors::from_fused(&gate_up, &down, e)?.checked(d, moe_inter))
                     .collect::<Result<Vec<_>>>()?;
                 let shared = |part: &str, shape: [usize; 3]| {
-                    snapshot.tensor_shaped(&format!("{m}.shared_experts.{part}"), &shape)
+                    m.view(&format!("shared_experts.{part}"), &shape)
                 };
                 let gate = shared("gate_proj", [n_shared, moe_inter, d])?;
                 let up = shared("up_proj", [n_shared, moe_inter, d])?;
                 let down_shared = shared("down_proj", [n_shared, d, moe_inter])?;
-                let moe = Moe {
-                    router: Arc::new(matrix(
-                        &format!("{m}.gate.weight"),
-                        [n_experts + n_shared, d],
-                        Width::F32,
-                    )?),
-                    bias: vector(&format!("{m}.gate.e_score_correction_bias"), n_experts)?,
-                    global_scale: scalar(snapshot, &format!("{m}.gate.global_scale"))?,
-                    shared: (0..n_shared)
-                        .map(|j| {
-                            Ok(GatedMlp::from_matrices(
-                                Activation::SwiGlu,
-                                Matrix::load(&gate.select(j)?, dense)?,
-                                Matrix::load(&up.select(j)?, dense)?,
-                                Matrix::load(&down_shared.select(j)?, dense)?,
-                            ))
-                        })
-                        .collect::<Result<_>>()?,
-                };
-                (Mlp::Sparse(moe), experts)
+                let shared = (0..n_shared)
+                    .map(|j| {
+                        Ok(GatedMlp::from_matrices(
+                            Activation::SwiGlu,
+                            m.dense_from(&gate.select(j)?)?,
+                            m.dense_from(&up.select(j)?)?,
+                            m.dense_from(&down_shared.select(j)?)?,
+                        ))
+                    })
+                    .collect::<Result<_>>()?;
+                let scale = (config.route_scale as f32) * learned_scale(&m, "gate.global_scale")?;
+                routed.set_router(
+                    l,
+                    Router {
+                        weight: m.matrix_f32("gate.weight", [n_experts + n_shared, d])?,
+                        choice: Choice::Sink {
+                            routed: n_experts,
+                            bias: m.vector("gate.e_score_correction_bias", n_experts)?,
+                            top_k: config.num_experts_per_tok,
+                            scale,
+                        },
+                    },
+                );
+                (Mlp::Sparse { shared }, experts)
             } else {
                 let mlp = Mlp::Dense {
-                    mlp: Box::new(GatedMlp::load(
-                        snapshot,
-                        &m,
-                        (d, dense_inter),
-                        Activation::SwiGlu,
-                        dense,
-                    )?),
-                    global_scale: scalar(snapshot, &format!("{m}.global_scale"))?,
+                    mlp: Box::new(GatedMlp::load(&m, (d, dense_inter), Activation::SwiGlu)?),
+                    global_scale: learned_scale(&m, "global_scale")?,
                 };
                 (mlp, Vec::new())
             };
             layers.push(Layer {
-                input_norm: vector(&format!("{p}.input_layernorm.weight"), d)?,
-                post_attention_norm: vector(&format!("{p}.post_attention_layernorm.weight"), d)?,
+                input_norm: w.vector("input_layernorm.weight", d)?,
+                post_attention_norm: w.vector("post_attention_layernorm.weight", d)?,
                 attention,
-                attn_conv: conv(&format!("{p}.attn_sconv.conv1d.weight"), d)?,
+                attn_conv: conv(&w, "attn_sconv", d)?,
                 mlp,
-                mlp_conv: conv(&format!("{p}.mlp_sconv.conv1d.weight"), d)?,
+                mlp_conv: conv(&w, "mlp_sconv", d)?,
             });
             expert_tensors.push(experts);
         }
 
-        // Dense layers do not route, and there is no MTP head in the row after the last
-        // layer (transformers ignores `model.mtp.*`).
-        let mut telemetry = RouteTrace::new(NAME, config.num_hidden_layers, n_experts)?;
-        for (l, kind) in kinds.iter().enumerate() {
-            if !kind.sparse {
-                telemetry.drop_row(l);
-            }
-        }
-        telemetry.drop_row(config.num_hidden_layers);
-
-        let mut inkling = Inkling {
+        let vocab = [config.vocab_size, d];
+        let embed = model.embedding("embed_tokens.weight", vocab)?;
+        let embed_norm = weights.vector(&names.embed_norm, d)?;
+        let final_norm = model.vector("norm.weight", d)?;
+        let lm_head = weights.embedding("lm_head.weight", vocab)?;
+        let resident = weights.resident_bytes();
+        routed.provision(expert_tensors, &options.store, resident)?;
+        Ok(Inkling {
             stop,
-            embed: matrix(
-                &format!("{}embed_tokens.weight", names.prefix),
-                [config.vocab_size, d],
-                io_width,
-            )?,
-            embed_norm: vector(&names.embed_norm, d)?,
-            final_norm: vector(&format!("{}norm.weight", names.prefix), d)?,
-            lm_head: matrix("lm_head.weight", [config.vocab_size, d], io_width)?,
+            embed,
+            embed_norm,
+            final_norm,
+            lm_head,
             layers,
-            routed: Mutex::new(RoutedExperts::unprovisioned(options.store.width, telemetry)),
+            routed: Mutex::new(routed),
+            resident,
             config,
-        };
-        let trunk = inkling.resident_bytes();
-        let routed = inkling.routed.get_mut().unwrap_or_else(|e| e.into_inner());
-        routed.provision(expert_tensors, &options.store, trunk)?;
-        let (n_experts, k) = (
-            inkling.config.n_routed_experts,
-            inkling.config.num_experts_per_tok,
-        );
-        for (l, layer) in inkling.layers.iter().enumerate() {
-            if let Mlp::Sparse(moe) = &layer.mlp {
-                let bias = moe.bias.clone();
-                routed.predict_with(
-                    l,
-                    Predictor {
-                        router: Arc::clone(&moe.router),
-                        top_k: k,
-                        choose: Box::new(move |row| sink_route(row, n_experts, &bias, k, 1.0).0),
-                    },
-                );
-            }
-        }
-        Ok(inkling)
+        })
     }
 }
 
@@ -769,64 +729,33 @@ impl Layer {
     fn ffn(&self, id: usize, pass: &mut Pass, h: &[f32]) -> Result<Vec<f32>> {
         let (config, n) = (pass.config, pass.rows.len());
         let d = config.hidden_size;
-        let moe = match &self.mlp {
+        let shared = match &self.mlp {
             Mlp::Dense { mlp, global_scale } => {
                 let mut out = mlp.forward(h, n);
                 out.iter_mut().for_each(|x| *x *= global_scale);
                 return Ok(out);
             }
-            Mlp::Sparse(moe) => moe,
+            Mlp::Sparse { shared } => shared,
         };
-        let (n_experts, k) = (config.n_routed_experts, config.num_experts_per_tok);
-        let total = moe.router.rows();
-        let mut logits = vec![0f32; n * total];
-        moe.router.matmul(h, n, &mut logits);
-        let scale = (config.route_scale as f32) * moe.global_scale;
-        let (routes, gammas): (Vec<Route>, Vec<Vec<f32>>) = logits
-            .chunks_exact(total)
-            .map(|row| sink_route(row, n_experts, &moe.bias, k, scale))
-            .unzip();
-        let mut out = vec![0f32; n * d];
-        pass.routed.look_ahead(id, h, n);
-        pass.routed.run(id, h, &routes, d, &mut out)?;
+        let moe = pass.routed.forward(id, h, n)?;
+        let mut out = moe.routed;
+        // The router weighs the shared experts together with the routed ones.
         let mut shared_sum = vec![0f32; n * d];
-        for (j, expert) in moe.shared.iter().enumerate() {
+        for (j, expert) in shared.iter().enumerate() {
             let y = expert.forward(h, n);
-            for ((sum, y), gamma) in shared_sum
+            for ((sum, y), weights) in shared_sum
                 .chunks_exact_mut(d)
                 .zip(y.chunks_exact(d))
-                .zip(&gammas)
+                .zip(&moe.shared_weights)
             {
                 for (s, &v) in sum.iter_mut().zip(y) {
-                    *s += v * gamma[j];
+                    *s += v * weights[j];
                 }
             }
         }
         add_in_place(&mut out, &shared_sum);
         Ok(out)
     }
-}
-
-/// The router of a sparse layer for one row of logits (`routed` experts, then the shared
-/// ones): choose the top `k` routed experts by `sigmoid(logit) + bias`; weigh the chosen and
-/// every shared expert by its unbiased sigmoid, normalised over all of them together, times
-/// `scale`. Returns the routed choice and the shared experts' weights.
-fn sink_route(
-    logits: &[f32],
-    routed: usize,
-    bias: &[f32],
-    k: usize,
-    scale: f32,
-) -> (Route, Vec<f32>) {
-    let sigmoid = |x: f32| 1.0 / (1.0 + (-x).exp());
-    let scores: Vec<f32> = logits.iter().map(|&x| sigmoid(x)).collect();
-    let ids = biased_top_k(&scores[..routed], bias, k, 1, 1);
-    let total: f32 =
-        ids.iter().map(|&e| scores[e]).sum::<f32>() + scores[routed..].iter().sum::<f32>();
-    let weight = |score: f32| score / total * scale;
-    let route = ids.into_iter().map(|e| (e, weight(scores[e]))).collect();
-    let shared = scores[routed..].iter().map(|&s| weight(s)).collect();
-    (route, shared)
 }
 
 /// `tau = 1 + alpha * ln(max((position + 1) / floor, 1))`, in f32 as the reference computes it.
@@ -868,20 +797,12 @@ impl DistanceBias for RelativeBias<'_> {
 
 /// A scalar parameter (`global_scale`, stored as `[1]`); 1 when the checkpoint has none,
 /// as transformers initialises it.
-fn scalar(snapshot: &Snapshot, name: &str) -> Result<f32> {
-    if !snapshot.contains(name) {
-        return Ok(1.0);
+fn learned_scale(w: &Weights, name: &str) -> Result<f32> {
+    if w.contains(name) {
+        w.scalar(name)
+    } else {
+        Ok(1.0)
     }
-    let mut view = snapshot.tensor(name)?;
-    if view.numel() != 1 {
-        bail!(
-            "{}: tensor {name} has shape {:?}, expected a scalar",
-            view.file.display(),
-            view.shape
-        );
-    }
-    view.shape = vec![1];
-    Ok(load_vector(&view, 1)?[0])
 }
 
 /// The short convolutions keep the residual inside: `conv(x) + x`.
@@ -973,42 +894,7 @@ impl Engine for Inkling {
     }
 
     fn resident_bytes(&self) -> usize {
-        let floats = |v: &[f32]| 4 * v.len();
-        let layers: usize = self
-            .layers
-            .iter()
-            .map(|layer| {
-                let a = &layer.attention;
-                let attention = [&a.q_proj, &a.k_proj, &a.v_proj, &a.r_proj, &a.o_proj]
-                    .iter()
-                    .map(|m| m.size_bytes())
-                    .sum::<usize>()
-                    + floats(&a.q_norm)
-                    + floats(&a.k_norm)
-                    + floats(&a.rel_bank)
-                    + a.k_conv.size_bytes()
-                    + a.v_conv.size_bytes();
-                let mlp = match &layer.mlp {
-                    Mlp::Dense { mlp, .. } => mlp.size_bytes(),
-                    Mlp::Sparse(moe) => {
-                        moe.router.size_bytes()
-                            + floats(&moe.bias)
-                            + moe.shared.iter().map(GatedMlp::size_bytes).sum::<usize>()
-                    }
-                };
-                attention
-                    + mlp
-                    + floats(&layer.input_norm)
-                    + floats(&layer.post_attention_norm)
-                    + layer.attn_conv.size_bytes()
-                    + layer.mlp_conv.size_bytes()
-            })
-            .sum();
-        layers
-            + self.embed.size_bytes()
-            + self.lm_head.size_bytes()
-            + floats(&self.embed_norm)
-            + floats(&self.final_norm)
+        self.resident
     }
 }
 
@@ -1129,19 +1015,6 @@ mod tests {
             missing.contains("model.embed_tokens.embed_norm.weight")
                 && missing.contains("model.embed_norm.weight")
         );
-    }
-
-    #[test]
-    fn shared_experts_share_the_normalisation() {
-        // Routed logits 2, 0, -1 with bias favouring expert 2; one shared expert at logit 1.
-        let logits = [2.0f32, 0.0, -1.0, 1.0];
-        let (route, shared) = sink_route(&logits, 3, &[0.0, 0.0, 0.5], 2, 3.0);
-        let s = |x: f32| 1.0 / (1.0 + (-x).exp());
-        let total = s(2.0) + s(-1.0) + s(1.0);
-        assert_eq!(route.iter().map(|r| r.0).collect::<Vec<_>>(), vec![0, 2]);
-        assert!((route[0].1 - 3.0 * s(2.0) / total).abs() < 1e-6);
-        assert!((route[1].1 - 3.0 * s(-1.0) / total).abs() < 1e-6);
-        assert!((shared[0] - 3.0 * s(1.0) / total).abs() < 1e-6);
     }
 
     #[test]

@@ -26,9 +26,9 @@ use rayon::prelude::*;
 use super::gated_norm::rms_norm_sigmoid_gated;
 use super::short_conv::{ConvState, ShortConv};
 use super::state::{per_sequence, Rows};
+use super::weights::Weights;
 use crate::activation::silu;
-use crate::quant::{load_vector, Matrix, Width};
-use crate::snapshot::Snapshot;
+use crate::quant::Matrix;
 
 /// The sizes of one KDA layer.
 #[derive(Debug, Clone, Copy)]
@@ -98,45 +98,36 @@ pub struct Kda {
 }
 
 impl Kda {
-    pub fn load(
-        snapshot: &Snapshot,
-        prefix: &str,
-        hidden: usize,
-        shape: KdaShape,
-        width: Width,
-    ) -> Result<Kda> {
+    /// The KDA layer under `w` (a layer's `self_attn`).
+    pub fn load(w: &Weights, hidden: usize, shape: KdaShape) -> Result<Kda> {
         let (p, d, h) = (shape.width(), shape.head_dim, shape.heads);
-        let matrix = |name: &str, rows: usize, cols: usize, width: Width| -> Result<Matrix> {
-            let view = snapshot.tensor_shaped(&format!("{prefix}.{name}.weight"), &[rows, cols])?;
-            Matrix::load(&view, width)
+        let matrix = |name: &str, rows: usize, cols: usize| {
+            w.matrix(&format!("{name}.weight"), [rows, cols])
         };
-        let conv = |name: &str| {
-            ShortConv::load(
-                snapshot,
-                &format!("{prefix}.{name}_conv1d.weight"),
-                p,
-                shape.kernel,
-            )
+        let kept = |name: &str, rows: usize, cols: usize| {
+            w.matrix_f32(&format!("{name}.weight"), [rows, cols])
         };
+        let conv =
+            |name: &str| ShortConv::load(w, &format!("{name}_conv1d.weight"), p, shape.kernel);
         Ok(Kda {
-            q: matrix("q_proj", p, hidden, width)?,
-            k: matrix("k_proj", p, hidden, width)?,
-            v: matrix("v_proj", p, hidden, width)?,
-            g: matrix("g_proj", p, hidden, width)?,
-            o: matrix("o_proj", hidden, p, width)?,
+            q: matrix("q_proj", p, hidden)?,
+            k: matrix("k_proj", p, hidden)?,
+            v: matrix("v_proj", p, hidden)?,
+            g: matrix("g_proj", p, hidden)?,
+            o: matrix("o_proj", hidden, p)?,
             // The gate's low-rank factors and beta are small and steer every decay: kept f32.
-            b: matrix("b_proj", h, hidden, Width::F32)?,
-            f_a: matrix("f_a_proj", d, hidden, Width::F32)?,
-            f_b: matrix("f_b_proj", p, d, Width::F32)?,
+            b: kept("b_proj", h, hidden)?,
+            f_a: kept("f_a_proj", d, hidden)?,
+            f_b: kept("f_b_proj", p, d)?,
             q_conv: conv("q")?,
             k_conv: conv("k")?,
             v_conv: conv("v")?,
-            dt_bias: load_vector(&snapshot.tensor(&format!("{prefix}.dt_bias"))?, p)?,
-            decay_rate: per_head_a_log(snapshot, &format!("{prefix}.A_log"), h)?
+            dt_bias: w.vector("dt_bias", p)?,
+            decay_rate: per_head_a_log(w, "A_log", h)?
                 .iter()
                 .map(|a| a.exp())
                 .collect(),
-            o_norm: load_vector(&snapshot.tensor(&format!("{prefix}.o_norm.weight"))?, d)?,
+            o_norm: w.vector("o_norm.weight", d)?,
             shape,
         })
     }
@@ -150,20 +141,6 @@ impl Kda {
             k_conv: self.k_conv.state(),
             v_conv: self.v_conv.state(),
         }
-    }
-
-    pub fn size_bytes(&self) -> usize {
-        let matrices = [
-            &self.q, &self.k, &self.v, &self.g, &self.o, &self.b, &self.f_a, &self.f_b,
-        ]
-        .iter()
-        .map(|m| m.size_bytes())
-        .sum::<usize>();
-        let convs = [&self.q_conv, &self.k_conv, &self.v_conv]
-            .iter()
-            .map(|c| c.size_bytes())
-            .sum::<usize>();
-        matrices + convs + 4 * (self.dt_bias.len() + self.decay_rate.len() + self.o_norm.len())
     }
 
     /// The layer's output (`n x hidden`) for the normalised rows `x` of a batch, each
@@ -295,9 +272,10 @@ pub fn delta_rule(
 
 /// `A_log` as one value per head: its first `heads` entries. Any further entries are the
 /// checkpoint's padding and must be zero; anything else means the tensor is not per head.
-fn per_head_a_log(snapshot: &Snapshot, name: &str, heads: usize) -> Result<Vec<f32>> {
-    let mut view = snapshot.tensor(name)?;
-    let len = view.numel();
+fn per_head_a_log(w: &Weights, name: &str, heads: usize) -> Result<Vec<f32>> {
+    let values = w.flat_any(name)?;
+    let view = w.snapshot().tensor(&w.name(name))?;
+    let (len, name) = (values.len(), &view.name);
     if len < heads {
         bail!(
             "{}: tensor {name} has {len} entries ({:?}); expected at least one per KDA head ({heads})",
@@ -305,8 +283,6 @@ fn per_head_a_log(snapshot: &Snapshot, name: &str, heads: usize) -> Result<Vec<f
             view.shape
         );
     }
-    view.shape = vec![len];
-    let values = load_vector(&view, len)?;
     if let Some(i) = values[heads..].iter().position(|&a| a != 0.0) {
         bail!(
             "{}: tensor {name} has {len} entries for {heads} KDA heads and entry {} is {} rather than zero padding; coli reads A_log as one decay rate per head and cannot tell what a per-channel value means",

@@ -19,7 +19,7 @@
 //! across chunks, so any split of a sequence computes the same tokens.
 
 use std::path::Path;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 
 use anyhow::{anyhow, bail, Context, Result};
 use serde::Deserialize;
@@ -28,14 +28,15 @@ use super::attn_res::{ResMix, ResidualStream};
 use super::kda::{Kda, KdaShape, KdaState};
 use super::layers::{embed_tokens, final_norm, lm_head, rms_norm, rms_norm_in_place, GatedMlp};
 use super::mla::{attend_absorbed, attend_plain, Keys, LatentCache, MlaProjections, MlaShape};
-use super::moe::{Predictor, Route, RoutedExperts, SigmoidRouter};
+use super::moe::{Choice, ExpertInput, RoutedExperts, Router, SigmoidRouter};
 use super::state::{per_sequence, Logits, Rows, SequenceState, State, Step};
+use super::weights::Weights;
 use super::{lock, Engine, LoadOptions};
 use crate::activation::{Activation, Situ};
 use crate::experts::ExpertTensors;
 use crate::interrupt;
 use crate::profile::{self, Phase};
-use crate::quant::{load_vector, Matrix, Width};
+use crate::quant::Matrix;
 use crate::route_trace::RouteTrace;
 use crate::snapshot::Snapshot;
 use crate::text::PromptConvention;
@@ -425,10 +426,9 @@ enum MixerState {
     Mla(LatentCache),
 }
 
-/// The stable LatentMoE block.
+/// The stable LatentMoE block around the routed experts (whose router is in
+/// [`RoutedExperts`]): into the latent, the experts there, its norm, and back.
 struct LatentMoe {
-    router: Arc<Matrix>,
-    choose: SigmoidRouter,
     down: Matrix,
     norm: Option<Vec<f32>>,
     up: Matrix,
@@ -497,142 +497,76 @@ struct Pass<'a> {
 }
 
 impl Layer {
-    fn load(
-        snapshot: &Snapshot,
-        config: &Config,
-        p: &str,
-        l: usize,
-        kda: bool,
-        width: Width,
-    ) -> Result<Layer> {
+    /// Layer `w` (`model.layers.N`), the `l`-th, and, for a MoE layer, its router.
+    fn load(w: &Weights, config: &Config, l: usize, kda: bool) -> Result<(Layer, Option<Router>)> {
         let d = config.hidden_size;
         let eps = config.rms_norm_eps;
-        let matrix = |name: &str, rows: usize, cols: usize, width: Width| -> Result<Matrix> {
-            Matrix::load(
-                &snapshot.tensor_shaped(&format!("{p}.{name}"), &[rows, cols])?,
-                width,
-            )
-        };
-        let vector =
-            |name: &str, len: usize| load_vector(&snapshot.tensor(&format!("{p}.{name}"))?, len);
-        let a = format!("{p}.self_attn");
+        let a = w.at("self_attn");
         let mixer = if kda {
-            Mixer::Kda(Box::new(Kda::load(
-                snapshot,
-                &a,
-                d,
-                config.kda_shape(),
-                width,
-            )?))
+            Mixer::Kda(Box::new(Kda::load(&a, d, config.kda_shape())?))
         } else {
             let shape = config.mla_shape();
             let context = shape.heads * shape.v;
             Mixer::Mla(Box::new(GatedMla {
-                proj: MlaProjections::load(snapshot, &a, d, config.q_lora_rank, shape, width)?,
+                proj: MlaProjections::load(&a, d, config.q_lora_rank, shape)?,
                 gate: match config.mla_use_output_gate {
                     Some(false) => None,
-                    _ => Some(matrix("self_attn.g_proj.weight", context, d, width)?),
+                    _ => Some(a.matrix("g_proj.weight", [context, d])?),
                 },
-                o: matrix("self_attn.o_proj.weight", d, context, width)?,
+                o: a.matrix("o_proj.weight", [d, context])?,
             }))
         };
-        let ffn = if l < config.first_k_dense_replace {
-            Ffn::Dense(Box::new(GatedMlp::load(
-                snapshot,
-                &format!("{p}.mlp"),
+        let (ffn, router) = if l < config.first_k_dense_replace {
+            let mlp = GatedMlp::load(
+                &w.at("mlp"),
                 (d, config.intermediate_size),
                 Activation::Situ(config.situ()),
-                width,
-            )?))
+            )?;
+            (Ffn::Dense(Box::new(mlp)), None)
         } else {
-            let m = format!("{p}.block_sparse_moe");
+            let m = w.at("block_sparse_moe");
             let latent = config.latent();
             let (n_group, topk_group) = config.groups();
             let shared = config.moe_intermediate_size * config.num_shared_experts;
-            Ffn::Moe(Box::new(LatentMoe {
-                router: Arc::new(matrix(
-                    "block_sparse_moe.gate.weight",
-                    config.num_experts,
-                    d,
-                    Width::F32,
-                )?),
-                choose: SigmoidRouter {
-                    bias: load_vector(
-                        &snapshot.tensor(&format!("{m}.gate.e_score_correction_bias"))?,
-                        config.num_experts,
-                    )?,
+            let router = Router {
+                weight: m.matrix_f32("gate.weight", [config.num_experts, d])?,
+                choice: Choice::Sigmoid(SigmoidRouter {
+                    bias: m.vector("gate.e_score_correction_bias", config.num_experts)?,
                     top_k: config.num_experts_per_token,
                     n_group,
                     topk_group,
                     normalise: config.moe_renormalize.unwrap_or(true),
                     scale: config.routed_scaling_factor.unwrap_or(1.0),
-                },
-                down: matrix(
-                    "block_sparse_moe.routed_expert_down_proj.weight",
-                    latent,
-                    d,
-                    width,
-                )?,
+                }),
+            };
+            let moe = LatentMoe {
+                down: m.matrix("routed_expert_down_proj.weight", [latent, d])?,
                 norm: match config.latent_moe_use_norm {
                     Some(false) => None,
-                    _ => Some(vector(
-                        "block_sparse_moe.routed_expert_norm.weight",
-                        latent,
-                    )?),
+                    _ => Some(m.vector("routed_expert_norm.weight", latent)?),
                 },
-                up: matrix(
-                    "block_sparse_moe.routed_expert_up_proj.weight",
-                    d,
-                    latent,
-                    width,
-                )?,
+                up: m.matrix("routed_expert_up_proj.weight", [d, latent])?,
                 shared: (shared > 0)
                     .then(|| {
                         GatedMlp::load(
-                            snapshot,
-                            &format!("{m}.shared_experts"),
+                            &m.at("shared_experts"),
                             (d, shared),
                             Activation::Situ(config.situ()),
-                            width,
                         )
                     })
                     .transpose()?,
-            }))
+            };
+            (Ffn::Moe(Box::new(moe)), Some(router))
         };
-        Ok(Layer {
-            input_norm: vector("input_layernorm.weight", d)?,
-            post_attention_norm: vector("post_attention_layernorm.weight", d)?,
-            attention_mix: ResMix::load(snapshot, &format!("{p}.self_attention_res"), d, eps)?,
-            mlp_mix: ResMix::load(snapshot, &format!("{p}.mlp_res"), d, eps)?,
+        let layer = Layer {
+            input_norm: w.vector("input_layernorm.weight", d)?,
+            post_attention_norm: w.vector("post_attention_layernorm.weight", d)?,
+            attention_mix: ResMix::load(w, "self_attention_res", d, eps)?,
+            mlp_mix: ResMix::load(w, "mlp_res", d, eps)?,
             mixer,
             ffn,
-        })
-    }
-
-    fn size_bytes(&self) -> usize {
-        let mixer = match &self.mixer {
-            Mixer::Kda(kda) => kda.size_bytes(),
-            Mixer::Mla(mla) => {
-                mla.proj.size_bytes()
-                    + mla.o.size_bytes()
-                    + mla.gate.as_ref().map_or(0, Matrix::size_bytes)
-            }
         };
-        let ffn = match &self.ffn {
-            Ffn::Dense(mlp) => mlp.size_bytes(),
-            Ffn::Moe(moe) => {
-                moe.router.size_bytes()
-                    + moe.down.size_bytes()
-                    + moe.up.size_bytes()
-                    + 4 * (moe.choose.bias.len() + moe.norm.as_ref().map_or(0, Vec::len))
-                    + moe.shared.as_ref().map_or(0, GatedMlp::size_bytes)
-            }
-        };
-        mixer
-            + ffn
-            + 4 * (self.input_norm.len() + self.post_attention_norm.len())
-            + self.attention_mix.size_bytes()
-            + self.mlp_mix.size_bytes()
+        Ok((layer, router))
     }
 
     /// One layer over the block residual stream: attention over its mix of the blocks so
@@ -729,21 +663,16 @@ impl Layer {
             Ffn::Dense(mlp) => return Ok(mlp.forward(h, n)),
             Ffn::Moe(moe) => moe,
         };
-        let experts = moe.router.rows();
-        let mut logits = vec![0f32; n * experts];
-        moe.router.matmul(h, n, &mut logits);
-        let routes: Vec<Route> = logits
-            .chunks_exact(experts)
-            .map(|row| moe.choose.route(row))
-            .collect();
-        pass.routed.look_ahead(id, h, n);
         let latent = moe.down.rows();
         let mut z = vec![0f32; n * latent];
         moe.down.matmul(h, n, &mut z);
-        let mut routed = vec![0f32; n * latent];
-        let situ = pass.situ;
-        pass.routed
-            .run_with(id, &z, &routes, latent, Activation::Situ(situ), &mut routed)?;
+        // Routed on the hidden rows; the experts run in the latent space.
+        let input = ExpertInput {
+            rows: &z,
+            width: latent,
+            activation: Activation::Situ(pass.situ),
+        };
+        let mut routed = pass.routed.forward_on(id, h, n, input)?.routed;
         if let Some(norm) = &moe.norm {
             rms_norm_in_place(&mut routed, norm, eps);
         }
@@ -762,17 +691,18 @@ impl Layer {
 /// `[moe_intermediate, latent]`, `w2` (down) `[latent, moe_intermediate]`, MXFP4
 /// (`weight_packed` + `weight_scale`) or float (`weight`). Looked up by name, so their order
 /// in the shard does not matter.
-fn layer_experts(snapshot: &Snapshot, config: &Config, p: &str) -> Result<Vec<ExpertTensors>> {
-    let e0 = format!("{p}.block_sparse_moe.experts.0.w1");
-    let suffix = if snapshot.contains(&format!("{e0}.weight_packed")) {
+fn layer_experts(w: &Weights, config: &Config) -> Result<Vec<ExpertTensors>> {
+    let experts = w.at("block_sparse_moe.experts");
+    let suffix = if experts.contains("0.w1.weight_packed") {
         "weight_packed"
     } else {
         "weight"
     };
     (0..config.num_experts)
         .map(|e| {
-            let tensor = |w: &str| {
-                snapshot.tensor(&format!("{p}.block_sparse_moe.experts.{e}.{w}.{suffix}"))
+            let tensor = |part: &str| {
+                w.snapshot()
+                    .tensor(&experts.name(&format!("{e}.{part}.{suffix}")))
             };
             ExpertTensors {
                 gate: tensor("w1")?,
@@ -793,6 +723,8 @@ pub struct KimiK3 {
     lm_head: Matrix,
     layers: Vec<Layer>,
     routed: Mutex<RoutedExperts>,
+    /// Bytes of the weights above.
+    resident: usize,
     stop: Vec<u32>,
 }
 
@@ -802,65 +734,51 @@ impl KimiK3 {
         let stop = snapshot.stop_ids(&[])?;
         let prefix = tensor_prefix(snapshot)?;
         let (d, n_layers) = (config.hidden_size, config.num_hidden_layers);
-        let dense = options.dense_width;
-        let io_width = dense.for_embeddings();
-        let kda = config.kda_layers();
-        let mut layers = Vec::with_capacity(n_layers);
-        let mut expert_tensors = Vec::with_capacity(n_layers);
-        for (l, &is_kda) in kda.iter().enumerate() {
-            let p = format!("{prefix}model.layers.{l}");
-            layers.push(Layer::load(snapshot, &config, &p, l, is_kda, dense)?);
-            expert_tensors.push(if l < config.first_k_dense_replace {
-                Vec::new()
-            } else {
-                layer_experts(snapshot, &config, &p)?
-            });
-        }
+        let weights = Weights::new(snapshot, options.dense_width);
+        let root = weights.at(prefix.trim_end_matches('.'));
+        let model = root.at("model");
         // The dense layers do not route, and K3 has no MTP head in the row after the last.
         let mut telemetry = RouteTrace::new(NAME, n_layers, config.num_experts)?;
         for l in 0..config.first_k_dense_replace {
             telemetry.drop_row(l);
         }
         telemetry.drop_row(n_layers);
-        let embed_name = format!("{prefix}model.embed_tokens.weight");
-        let head_name = format!("{prefix}lm_head.weight");
-        let head_name =
-            if !snapshot.contains(&head_name) && config.tie_word_embeddings == Some(true) {
-                embed_name.clone()
-            } else {
-                head_name
-            };
-        let mut engine = KimiK3 {
+        let mut routed = RoutedExperts::unprovisioned(options.store.width, telemetry);
+        let mut layers = Vec::with_capacity(n_layers);
+        let mut expert_tensors = Vec::with_capacity(n_layers);
+        for (l, &is_kda) in config.kda_layers().iter().enumerate() {
+            let w = model.at(&format!("layers.{l}"));
+            let (layer, router) = Layer::load(&w, &config, l, is_kda)?;
+            layers.push(layer);
+            expert_tensors.push(match router {
+                Some(router) => {
+                    routed.set_router(l, router);
+                    layer_experts(&w, &config)?
+                }
+                None => Vec::new(),
+            });
+        }
+        let vocab = [config.vocab_size, d];
+        let embed_name = model.name("embed_tokens.weight");
+        let embed = weights.embedding(&embed_name, vocab)?;
+        let output_mix = ResMix::load(&model, "output_attn_res", d, config.rms_norm_eps)?;
+        let final_norm = model.vector("norm.weight", d)?;
+        let tied = config.tie_word_embeddings == Some(true);
+        let lm_head = weights.lm_head(&root.name("lm_head.weight"), &embed_name, tied, vocab)?;
+        let resident = weights.resident_bytes();
+        routed.provision(expert_tensors, &options.store, resident)?;
+        Ok(KimiK3 {
             situ: config.situ(),
-            embed: Matrix::load(
-                &snapshot.tensor_shaped(&embed_name, &[config.vocab_size, d])?,
-                io_width,
-            )?,
-            output_mix: ResMix::load(
-                snapshot,
-                &format!("{prefix}model.output_attn_res"),
-                d,
-                config.rms_norm_eps,
-            )?,
-            final_norm: load_vector(&snapshot.tensor(&format!("{prefix}model.norm.weight"))?, d)?,
-            lm_head: Matrix::load(
-                &snapshot.tensor_shaped(&head_name, &[config.vocab_size, d])?,
-                io_width,
-            )?,
+            embed,
+            output_mix,
+            final_norm,
+            lm_head,
             layers,
-            routed: Mutex::new(RoutedExperts::unprovisioned(options.store.width, telemetry)),
+            routed: Mutex::new(routed),
+            resident,
             stop,
             config,
-        };
-        let trunk = engine.resident_bytes();
-        let routed = engine.routed.get_mut().unwrap_or_else(|e| e.into_inner());
-        routed.provision(expert_tensors, &options.store, trunk)?;
-        for (l, layer) in engine.layers.iter().enumerate() {
-            if let Ffn::Moe(moe) = &layer.ffn {
-                routed.predict_with(l, Predictor::sigmoid(&moe.router, &moe.choose));
-            }
-        }
-        Ok(engine)
+        })
     }
 
     /// One chunk of each sequence of a batch through every layer: the final-normalised
@@ -1021,11 +939,7 @@ impl Engine for KimiK3 {
     }
 
     fn resident_bytes(&self) -> usize {
-        self.layers.iter().map(Layer::size_bytes).sum::<usize>()
-            + self.embed.size_bytes()
-            + self.lm_head.size_bytes()
-            + self.output_mix.size_bytes()
-            + 4 * self.final_norm.len()
+        self.resident
     }
 
     fn stop_tokens(&self) -> &[u32] {

@@ -9,10 +9,10 @@
 use anyhow::{bail, Result};
 
 use super::state::Rows;
+use super::weights::Weights;
 use crate::activation::{swiglu, Activation};
 use crate::profile::{self, Phase};
-use crate::quant::{matmul_shared_input, Matrix, Width};
-use crate::snapshot::Snapshot;
+use crate::quant::{matmul_shared_input, Matrix};
 
 /// The embedding rows of `tokens`, `tokens.len() x embed.cols()`: a forward's first step in
 /// every engine, refusing an empty forward and an id outside the config's `vocab`.
@@ -280,24 +280,13 @@ impl GatedMlp {
         }
     }
 
-    pub fn load(
-        snapshot: &Snapshot,
-        prefix: &str,
-        (hidden, inter): (usize, usize),
-        act: Activation,
-        width: Width,
-    ) -> Result<GatedMlp> {
-        let load = |name: &str, shape: [usize; 2]| -> Result<Matrix> {
-            Matrix::load(
-                &snapshot.tensor_shaped(&format!("{prefix}.{name}.weight"), &shape)?,
-                width,
-            )
-        };
+    /// `gate_proj`, `up_proj` and `down_proj` under `w`, at the dense width.
+    pub fn load(w: &Weights, (hidden, inter): (usize, usize), act: Activation) -> Result<GatedMlp> {
         Ok(GatedMlp {
             act,
-            gate: load("gate_proj", [inter, hidden])?,
-            up: load("up_proj", [inter, hidden])?,
-            down: load("down_proj", [hidden, inter])?,
+            gate: w.matrix("gate_proj.weight", [inter, hidden])?,
+            up: w.matrix("up_proj.weight", [inter, hidden])?,
+            down: w.matrix("down_proj.weight", [hidden, inter])?,
         })
     }
 
@@ -305,10 +294,6 @@ impl GatedMlp {
         glu_ffn(&self.gate, &self.up, &self.down, input, n, |g, u| {
             self.act.apply(g, u)
         })
-    }
-
-    pub fn size_bytes(&self) -> usize {
-        self.gate.size_bytes() + self.up.size_bytes() + self.down.size_bytes()
     }
 }
 

@@ -17,8 +17,8 @@ use rayon::prelude::*;
 use anyhow::Result;
 
 use super::layers::{dot, rms_norm, rms_norm_in_place, softmax};
-use crate::quant::{load_vector, Matrix, Width};
-use crate::snapshot::Snapshot;
+use super::weights::Weights;
+use crate::quant::Matrix;
 
 /// Sizes of one MLA layer. A query head is `[nope | rope]` wide; `kv_b` maps a latent to
 /// `heads x [nope key | v value]`.
@@ -85,21 +85,17 @@ pub struct Projected {
 }
 
 impl MlaProjections {
+    /// The projections under `w` (a layer's `self_attn`).
     pub fn load(
-        snapshot: &Snapshot,
-        prefix: &str,
+        w: &Weights,
         hidden: usize,
         q_lora: usize,
         shape: MlaShape,
-        width: Width,
     ) -> Result<MlaProjections> {
-        let matrix = |name: &str, rows: usize, cols: usize| -> Result<Matrix> {
-            let view = snapshot.tensor_shaped(&format!("{prefix}.{name}.weight"), &[rows, cols])?;
-            Matrix::load(&view, width)
+        let matrix = |name: &str, rows: usize, cols: usize| {
+            w.matrix(&format!("{name}.weight"), [rows, cols])
         };
-        let norm = |name: &str, len: usize| {
-            load_vector(&snapshot.tensor(&format!("{prefix}.{name}.weight"))?, len)
-        };
+        let norm = |name: &str, len: usize| w.vector(&format!("{name}.weight"), len);
         Ok(MlaProjections {
             q_a: matrix("q_a_proj", q_lora, hidden)?,
             q_a_norm: norm("q_a_layernorm", q_lora)?,
@@ -142,14 +138,6 @@ impl MlaProjections {
             latents,
             rope_keys,
         }
-    }
-
-    pub fn size_bytes(&self) -> usize {
-        [&self.q_a, &self.q_b, &self.kv_a, &self.kv_b]
-            .iter()
-            .map(|m| m.size_bytes())
-            .sum::<usize>()
-            + 4 * (self.q_a_norm.len() + self.kv_a_norm.len())
     }
 }
 

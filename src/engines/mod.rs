@@ -19,6 +19,7 @@ pub mod olmoe;
 pub mod short_conv;
 pub mod situ;
 pub mod state;
+pub mod weights;
 pub mod window_attention;
 
 use std::sync::{Mutex, MutexGuard, PoisonError};

@@ -1,9 +1,11 @@
-//! The routed mixture-of-experts block shared by the engines: routers that turn router
-//! logits into `(expert, gate)` choices per row, and the expert pass that runs every chosen
-//! expert once over the rows routed to it (on the CPU, or on the GPU for experts in the
-//! VRAM tier) and sums the gated outputs.
-
-use std::sync::Arc;
+//! The routed mixture-of-experts block shared by the engines: each MoE layer's router and
+//! its rule for choosing experts, and the one call ([`RoutedExperts::forward`]) that routes
+//! a layer's rows, reports them to the telemetry, looks ahead for the layers after it, and
+//! runs every chosen expert once over the rows routed to it (on the CPU, or on the GPU for
+//! experts in the VRAM tier), summing the gated outputs.
+//!
+//! An engine says only how its layers choose ([`Choice`]) and what it does around the
+//! routed sum (shared experts, a latent projection); it never calls the store itself.
 
 use anyhow::Result;
 use rayon::prelude::*;
@@ -97,28 +99,91 @@ impl SigmoidRouter {
     }
 }
 
-/// An engine's choice of experts from one row of router logits.
-pub type ChooseExperts = Box<dyn Fn(&[f32]) -> Route + Send + Sync>;
-
-/// A MoE layer's router as the lookahead applies it: its weight (shared with the layer)
-/// and the engine's own choice of experts from one row of its logits.
-pub struct Predictor {
-    pub router: Arc<Matrix>,
-    /// Experts a row routes to.
-    pub top_k: usize,
-    pub choose: ChooseExperts,
+/// How a MoE layer chooses its experts from one row of its router's logits.
+pub enum Choice {
+    /// Softmax over every expert, the top `top_k`, renormalised over them when `normalise`
+    /// (OLMoE).
+    Softmax { top_k: usize, normalise: bool },
+    /// Sigmoid scores with a score-correction bias (GLM-5.2, Kimi K3).
+    Sigmoid(SigmoidRouter),
+    /// Inkling's: the router's first `routed` logits score the routed experts, the rest the
+    /// shared ones. The top `top_k` routed experts by `sigmoid(logit) + bias` are chosen;
+    /// they and every shared expert are weighed by their unbiased sigmoid, normalised over
+    /// all of them together, times `scale`.
+    Sink {
+        routed: usize,
+        bias: Vec<f32>,
+        top_k: usize,
+        scale: f32,
+    },
 }
 
-impl Predictor {
-    /// A layer routed by a [`SigmoidRouter`] over `router`'s logits.
-    pub fn sigmoid(router: &Arc<Matrix>, choice: &SigmoidRouter) -> Predictor {
-        let choice = choice.clone();
-        Predictor {
-            router: Arc::clone(router),
-            top_k: choice.top_k,
-            choose: Box::new(move |row| choice.route(row)),
+impl Choice {
+    /// Experts a row routes to.
+    fn top_k(&self) -> usize {
+        match self {
+            Choice::Softmax { top_k, .. } | Choice::Sink { top_k, .. } => *top_k,
+            Choice::Sigmoid(router) => router.top_k,
         }
     }
+
+    /// The routed experts of one row of logits, and the weights of the shared experts the
+    /// router also scores (none but for [`Choice::Sink`]).
+    pub fn choose(&self, logits: &[f32]) -> (Route, Vec<f32>) {
+        match self {
+            Choice::Softmax { top_k, normalise } => {
+                (softmax_top_k(logits, *top_k, *normalise), Vec::new())
+            }
+            Choice::Sigmoid(router) => (router.route(logits), Vec::new()),
+            Choice::Sink {
+                routed,
+                bias,
+                top_k,
+                scale,
+            } => {
+                let sigmoid = |x: f32| 1.0 / (1.0 + (-x).exp());
+                let scores: Vec<f32> = logits.iter().map(|&x| sigmoid(x)).collect();
+                let ids = biased_top_k(&scores[..*routed], bias, *top_k, 1, 1);
+                let total: f32 = ids.iter().map(|&e| scores[e]).sum::<f32>()
+                    + scores[*routed..].iter().sum::<f32>();
+                let weight = |score: f32| score / total * scale;
+                let route = ids.into_iter().map(|e| (e, weight(scores[e]))).collect();
+                let shared = scores[*routed..].iter().map(|&s| weight(s)).collect();
+                (route, shared)
+            }
+        }
+    }
+}
+
+/// A MoE layer's router: its weight (f32, one row per expert it scores) and its choice.
+pub struct Router {
+    pub weight: Matrix,
+    pub choice: Choice,
+}
+
+impl Router {
+    /// The router's logits for `n` rows `h`.
+    fn logits(&self, h: &[f32], n: usize) -> Vec<f32> {
+        let mut logits = vec![0f32; n * self.weight.rows()];
+        self.weight.matmul(h, n, &mut logits);
+        logits
+    }
+}
+
+/// What the experts of one MoE call run on: the router's input itself (`width` = its row
+/// width, SwiGLU), or a projection of it (Kimi K3's latent, with its own activation).
+#[derive(Clone, Copy)]
+pub struct ExpertInput<'a> {
+    pub rows: &'a [f32],
+    pub width: usize,
+    pub activation: Activation,
+}
+
+/// One MoE call's result: the gated sum of the routed experts, per row, and the weights the
+/// router gives each row's shared experts (empty rows unless the router scores them).
+pub struct MoeOutput {
+    pub routed: Vec<f32>,
+    pub shared_weights: Vec<Vec<f32>>,
 }
 
 /// Rows of a forward above which the lookahead stays idle: a prompt's chunk already touches
@@ -126,16 +191,17 @@ impl Predictor {
 /// up to sixteen sequences (or four checking three drafts each) is below it.
 const LOOKAHEAD_ROWS: usize = 16;
 
-/// The routed half of a MoE model: the expert store, the experts resident on a GPU, the
-/// telemetry its routing feeds, and the routers the lookahead (`PILOT`) applies ahead.
+/// The routed half of a MoE model: every MoE layer's router, the expert store, the experts
+/// resident on a GPU, and the telemetry its routing feeds.
 pub struct RoutedExperts {
     pub store: ExpertStore,
     pub tier: ExpertTier,
     pub telemetry: RouteTrace,
     /// Expert lookups the VRAM tier answered.
     pub tier_hits: u64,
-    /// By MoE layer: its router, for the layers before it to predict with.
-    predictors: Vec<Option<Predictor>>,
+    /// By layer: its router, which routes its rows and, applied by the layers before it,
+    /// predicts them (`PILOT`); `None` for a dense layer.
+    routers: Vec<Option<Router>>,
     /// The experts other processes compute (the expert ranks of an MPI job).
     pub remote: Option<Box<dyn RemoteExperts>>,
 }
@@ -186,7 +252,8 @@ impl RoutedExperts {
     }
 
     /// The store for `experts` that `options` ask for, beside `trunk_bytes` of resident
-    /// weights (what [`ExpertStore::provision`] sizes the budget against).
+    /// weights (what [`ExpertStore::provision`] sizes the budget against), with room to
+    /// stage what the routers already set predict.
     pub fn provision(
         &mut self,
         experts: Vec<Vec<ExpertTensors>>,
@@ -194,6 +261,14 @@ impl RoutedExperts {
         trunk_bytes: usize,
     ) -> Result<()> {
         self.store = ExpertStore::provision(experts, options, trunk_bytes as u64)?;
+        let widest = self
+            .routers
+            .iter()
+            .flatten()
+            .map(|r| r.choice.top_k())
+            .max();
+        self.store
+            .set_stage(self.store.pilot() * widest.unwrap_or(0));
         Ok(())
     }
 
@@ -203,7 +278,7 @@ impl RoutedExperts {
             tier: ExpertTier::default(),
             telemetry,
             tier_hits: 0,
-            predictors: Vec::new(),
+            routers: Vec::new(),
             remote: None,
         }
     }
@@ -310,14 +385,53 @@ impl RoutedExperts {
         stats
     }
 
-    /// Register MoE layer `layer`'s router for the lookahead, and give the store room to
-    /// stage what a decode step predicts (`PILOT` layers of `top_k` experts).
-    pub fn predict_with(&mut self, layer: usize, predictor: Predictor) {
-        self.store.set_stage(self.store.pilot() * predictor.top_k);
-        if self.predictors.len() <= layer {
-            self.predictors.resize_with(layer + 1, || None);
+    /// MoE layer `layer` routes with `router`; the store gets room to stage what a decode
+    /// step predicts (`PILOT` layers of the router's `top_k` experts).
+    pub fn set_router(&mut self, layer: usize, router: Router) {
+        self.store
+            .set_stage(self.store.pilot() * router.choice.top_k());
+        if self.routers.len() <= layer {
+            self.routers.resize_with(layer + 1, || None);
         }
-        self.predictors[layer] = Some(predictor);
+        self.routers[layer] = Some(router);
+    }
+
+    /// MoE layer `layer` over `n` rows `h` (its normalised input), the experts running on
+    /// `h` itself with SwiGLU. See [`RoutedExperts::forward_on`].
+    pub fn forward(&mut self, layer: usize, h: &[f32], n: usize) -> Result<MoeOutput> {
+        let input = ExpertInput {
+            rows: h,
+            width: h.len() / n.max(1),
+            activation: Activation::SwiGlu,
+        };
+        self.forward_on(layer, h, n, input)
+    }
+
+    /// MoE layer `layer` over `n` rows `h`: its router chooses each row's experts, the
+    /// telemetry hears every row's choice, the lookahead applies the next layers' routers
+    /// to `h`, and each chosen expert runs once over `input`'s rows routed to it.
+    pub fn forward_on(
+        &mut self,
+        layer: usize,
+        h: &[f32],
+        n: usize,
+        input: ExpertInput,
+    ) -> Result<MoeOutput> {
+        let Some(Some(router)) = self.routers.get(layer) else {
+            anyhow::bail!("layer {layer} has no router: it is not a MoE layer");
+        };
+        let logits = router.logits(h, n);
+        let (routes, shared_weights): (Vec<Route>, Vec<Vec<f32>>) = logits
+            .chunks_exact(router.weight.rows())
+            .map(|row| router.choice.choose(row))
+            .unzip();
+        self.look_ahead(layer, h, n);
+        let mut routed = vec![0f32; n * input.width];
+        self.run(layer, &input, &routes, &mut routed)?;
+        Ok(MoeOutput {
+            routed,
+            shared_weights,
+        })
     }
 
     /// The router lookahead (`PILOT=N`), called by MoE layer `layer` with its router input
@@ -330,19 +444,16 @@ impl RoutedExperts {
             return;
         }
         for target in layer + 1..=layer + depth {
-            let Some(Some(predictor)) = self.predictors.get(target) else {
+            let Some(Some(router)) = self.routers.get(target) else {
                 continue;
             };
-            let width = predictor.router.cols();
-            if h.len() != n * width {
+            if h.len() != n * router.weight.cols() {
                 continue;
             }
-            let experts = predictor.router.rows();
-            let mut logits = vec![0f32; n * experts];
-            predictor.router.matmul(h, n, &mut logits);
+            let logits = router.logits(h, n);
             let mut ids: Vec<usize> = logits
-                .chunks_exact(experts)
-                .flat_map(|row| (predictor.choose)(row))
+                .chunks_exact(router.weight.rows())
+                .flat_map(|row| router.choice.choose(row).0)
                 .map(|(expert, _)| expert)
                 .collect();
             ids.sort_unstable();
@@ -357,19 +468,6 @@ impl RoutedExperts {
         }
     }
 
-    /// `out[row] = sum of gate * down(silu(gate_proj x) * up_proj x)` over each row's route.
-    /// See [`RoutedExperts::run_with`].
-    pub fn run(
-        &mut self,
-        layer: usize,
-        input: &[f32],
-        routes: &[Route],
-        hidden: usize,
-        out: &mut [f32],
-    ) -> Result<()> {
-        self.run_with(layer, input, routes, hidden, Activation::SwiGlu, out)
-    }
-
     /// `out[row] = sum of gate * down(act(gate_proj x, up_proj x))` over each row's route,
     /// for experts that map `width` inputs to `width` outputs (the hidden size, or a latent
     /// space narrower than it, as Kimi K3's).
@@ -380,15 +478,18 @@ impl RoutedExperts {
     /// run as one device group while the CPU runs the others, each from the store in
     /// ascending id order (the reference's expert loop); the two partial sums are added at
     /// the end. Without a tier the sum order is exactly the reference's.
-    pub fn run_with(
+    fn run(
         &mut self,
         layer: usize,
-        input: &[f32],
+        input: &ExpertInput,
         routes: &[Route],
-        width: usize,
-        activation: Activation,
         out: &mut [f32],
     ) -> Result<()> {
+        let ExpertInput {
+            rows: input,
+            width,
+            activation,
+        } = *input;
         {
             let mut call = self.telemetry.moe_call(layer);
             for (row, route) in routes.iter().enumerate() {
@@ -643,6 +744,25 @@ mod tests {
         assert_eq!(ids, vec![0, 2, 3]);
         // Without the limit expert 4 (0.6) would beat nothing in group {0,1} but is excluded.
         assert_eq!(biased_top_k(&scores, &[0.0; 6], 4, 3, 2), vec![0, 2, 3, 1]);
+    }
+
+    #[test]
+    fn shared_experts_share_the_normalisation() {
+        // Routed logits 2, 0, -1 with bias favouring expert 2; one shared expert at logit 1.
+        let logits = [2.0f32, 0.0, -1.0, 1.0];
+        let sink = Choice::Sink {
+            routed: 3,
+            bias: vec![0.0, 0.0, 0.5],
+            top_k: 2,
+            scale: 3.0,
+        };
+        let (route, shared) = sink.choose(&logits);
+        let s = |x: f32| 1.0 / (1.0 + (-x).exp());
+        let total = s(2.0) + s(-1.0) + s(1.0);
+        assert_eq!(route.iter().map(|r| r.0).collect::<Vec<_>>(), vec![0, 2]);
+        assert!((route[0].1 - 3.0 * s(2.0) / total).abs() < 1e-6);
+        assert!((route[1].1 - 3.0 * s(-1.0) / total).abs() < 1e-6);
+        assert!((shared[0] - 3.0 * s(1.0) / total).abs() < 1e-6);
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! whole q and k projections and rotate-half RoPE, then a softmax-routed top-k MoE of
 //! SwiGLU experts. No dense layers, no shared experts, no router bias.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 
 use anyhow::{bail, Result};
 use serde::Deserialize;
@@ -11,13 +11,14 @@ use super::layers::{
     embed_tokens, final_norm, lm_head, pre_norm_residual, rms_norm_in_place, AttentionShape, Rope,
     Sublayer,
 };
-use super::moe::{softmax_top_k, Predictor, Route, RoutedExperts};
+use super::moe::{Choice, RoutedExperts, Router};
 use super::state::{per_sequence, states_of, Rows, SequenceState, State, Step};
+use super::weights::Weights;
 use super::window_attention::{windowed_attention, WindowKvCache};
 use super::{lock, Engine, LoadOptions};
 use crate::experts::ExpertTensors;
 use crate::interrupt;
-use crate::quant::{load_vector, matmul_shared_input, Matrix, Width};
+use crate::quant::{matmul_shared_input, Matrix};
 use crate::route_trace::RouteTrace;
 use crate::snapshot::{Dtype, Snapshot, TensorView};
 use crate::text::PromptConvention;
@@ -156,7 +157,6 @@ struct Layer {
     input_norm: Vec<f32>,
     post_attention_norm: Vec<f32>,
     attention: Attention,
-    router: Arc<Matrix>,
 }
 
 pub struct Olmoe {
@@ -168,6 +168,8 @@ pub struct Olmoe {
     rope: Rope,
     shape: AttentionShape,
     routed: Mutex<RoutedExperts>,
+    /// Bytes of the weights above.
+    resident: usize,
     /// The ids that end a generation (`eos_token_id`).
     stop: Vec<u32>,
 }
@@ -191,69 +193,51 @@ impl Olmoe {
         super::check_positive("rope_theta", config.rope_theta())?;
         let (d, hd) = (config.hidden_size, config.head_dim());
         let (heads, kv_heads) = (config.num_attention_heads, config.kv_heads());
-        let dense = options.dense_width;
-        let matrix = |name: &str, shape: [usize; 2], width: Width| -> Result<Matrix> {
-            Matrix::load(&snapshot.tensor_shaped(name, &shape)?, width)
-        };
-        let vector = |name: &str, len: usize| load_vector(&snapshot.tensor(name)?, len);
-        let io_width = dense.for_embeddings();
+        let weights = Weights::new(snapshot, options.dense_width);
+        let mut telemetry = RouteTrace::new(NAME, config.num_hidden_layers, config.num_experts)?;
+        // Every layer routes; the row after the last layer (an MTP head in other models)
+        // does not exist here.
+        telemetry.drop_row(config.num_hidden_layers);
+        let mut routed = RoutedExperts::unprovisioned(options.store.width, telemetry);
 
         let mut layers = Vec::with_capacity(config.num_hidden_layers);
         let mut expert_tensors = Vec::with_capacity(config.num_hidden_layers);
         for l in 0..config.num_hidden_layers {
-            let p = format!("model.layers.{l}");
+            let w = weights.at(&format!("model.layers.{l}"));
+            let a = w.at("self_attn");
             layers.push(Layer {
-                input_norm: vector(&format!("{p}.input_layernorm.weight"), d)?,
-                post_attention_norm: vector(&format!("{p}.post_attention_layernorm.weight"), d)?,
+                input_norm: w.vector("input_layernorm.weight", d)?,
+                post_attention_norm: w.vector("post_attention_layernorm.weight", d)?,
                 attention: Attention {
-                    q_proj: matrix(
-                        &format!("{p}.self_attn.q_proj.weight"),
-                        [heads * hd, d],
-                        dense,
-                    )?,
-                    k_proj: matrix(
-                        &format!("{p}.self_attn.k_proj.weight"),
-                        [kv_heads * hd, d],
-                        dense,
-                    )?,
-                    v_proj: matrix(
-                        &format!("{p}.self_attn.v_proj.weight"),
-                        [kv_heads * hd, d],
-                        dense,
-                    )?,
-                    o_proj: matrix(
-                        &format!("{p}.self_attn.o_proj.weight"),
-                        [d, heads * hd],
-                        dense,
-                    )?,
-                    q_norm: vector(&format!("{p}.self_attn.q_norm.weight"), heads * hd)?,
-                    k_norm: vector(&format!("{p}.self_attn.k_norm.weight"), kv_heads * hd)?,
+                    q_proj: a.matrix("q_proj.weight", [heads * hd, d])?,
+                    k_proj: a.matrix("k_proj.weight", [kv_heads * hd, d])?,
+                    v_proj: a.matrix("v_proj.weight", [kv_heads * hd, d])?,
+                    o_proj: a.matrix("o_proj.weight", [d, heads * hd])?,
+                    q_norm: a.vector("q_norm.weight", heads * hd)?,
+                    k_norm: a.vector("k_norm.weight", kv_heads * hd)?,
                 },
-                router: Arc::new(matrix(
-                    &format!("{p}.mlp.gate.weight"),
-                    [config.num_experts, d],
-                    Width::F32,
-                )?),
             });
-            expert_tensors.push(layer_experts(snapshot, &config, l)?);
+            routed.set_router(
+                l,
+                Router {
+                    weight: w.matrix_f32("mlp.gate.weight", [config.num_experts, d])?,
+                    choice: Choice::Softmax {
+                        top_k: config.num_experts_per_tok,
+                        normalise: config.norm_topk_prob,
+                    },
+                },
+            );
+            expert_tensors.push(layer_experts(&w.at("mlp.experts"), &config)?);
         }
-        let embed = matrix(
-            "model.embed_tokens.weight",
-            [config.vocab_size, d],
-            io_width,
-        )?;
-        let lm_head = if snapshot.contains("lm_head.weight") || !config.tie_word_embeddings {
-            matrix("lm_head.weight", [config.vocab_size, d], io_width)?
-        } else {
-            matrix(
-                "model.embed_tokens.weight",
-                [config.vocab_size, d],
-                io_width,
-            )?
-        };
-        let final_norm = vector("model.norm.weight", d)?;
-
-        let mut olmoe = Olmoe {
+        let vocab = [config.vocab_size, d];
+        let embed = weights.embedding("model.embed_tokens.weight", vocab)?;
+        let tied = config.tie_word_embeddings;
+        let lm_head =
+            weights.lm_head("lm_head.weight", "model.embed_tokens.weight", tied, vocab)?;
+        let final_norm = weights.vector("model.norm.weight", d)?;
+        let resident = weights.resident_bytes();
+        routed.provision(expert_tensors, &options.store, resident)?;
+        Ok(Olmoe {
             stop,
             rope: Rope::new(hd, config.rope_theta()),
             shape: AttentionShape {
@@ -262,35 +246,14 @@ impl Olmoe {
                 head_dim: hd,
                 scale: (hd as f32).powf(-0.5),
             },
-            // Every layer routes; the row after the last layer (an MTP head in other
-            // models) does not exist here.
-            routed: Mutex::new(RoutedExperts::unprovisioned(options.store.width, {
-                let mut telemetry =
-                    RouteTrace::new(NAME, config.num_hidden_layers, config.num_experts)?;
-                telemetry.drop_row(config.num_hidden_layers);
-                telemetry
-            })),
+            routed: Mutex::new(routed),
+            resident,
             embed,
             final_norm,
             lm_head,
             layers,
             config,
-        };
-        let trunk = olmoe.resident_bytes();
-        let routed = olmoe.routed.get_mut().unwrap_or_else(|e| e.into_inner());
-        routed.provision(expert_tensors, &options.store, trunk)?;
-        let k = olmoe.config.num_experts_per_tok;
-        for (l, layer) in olmoe.layers.iter().enumerate() {
-            routed.predict_with(
-                l,
-                Predictor {
-                    router: Arc::clone(&layer.router),
-                    top_k: k,
-                    choose: Box::new(move |row| softmax_top_k(row, k, false)),
-                },
-            );
-        }
-        Ok(olmoe)
+        })
     }
 }
 
@@ -401,47 +364,32 @@ impl Layer {
 
     /// The routed experts of layer `id` for the normed rows `h`.
     fn ffn(&self, id: usize, pass: &mut Pass, h: &[f32]) -> Result<Vec<f32>> {
-        let (config, n) = (pass.config, pass.rows.len());
-        let d = config.hidden_size;
-        let mut logits = vec![0f32; n * config.num_experts];
-        self.router.matmul(h, n, &mut logits);
-        let routes: Vec<Route> = logits
-            .chunks_exact(config.num_experts)
-            .map(|row| softmax_top_k(row, config.num_experts_per_tok, config.norm_topk_prob))
-            .collect();
-        let mut out = vec![0f32; n * d];
-        pass.routed.look_ahead(id, h, n);
-        pass.routed.run(id, h, &routes, d, &mut out)?;
-        Ok(out)
+        Ok(pass.routed.forward(id, h, pass.rows.len())?.routed)
     }
 }
 
-/// The expert tensors of layer `l`: per-expert matrices as published, the fused
-/// `experts.gate_up_proj [E, 2I, D]` / `experts.down_proj [E, D, I]` of transformers 5, or
-/// colibri's merged int8 container.
-fn layer_experts(snapshot: &Snapshot, config: &Config, l: usize) -> Result<Vec<ExpertTensors>> {
+/// The expert tensors under `w` (a layer's `mlp.experts`): per-expert matrices as
+/// published, the fused `gate_up_proj [E, 2I, D]` / `down_proj [E, D, I]` of transformers 5,
+/// or colibri's merged int8 container.
+fn layer_experts(w: &Weights, config: &Config) -> Result<Vec<ExpertTensors>> {
     let (d, inter, n) = (
         config.hidden_size,
         config.intermediate_size,
         config.num_experts,
     );
-    let p = format!("model.layers.{l}.mlp.experts");
-    let fused = format!("{p}.gate_up_proj");
-    let published = snapshot.contains(&format!("{p}.0.gate_proj.weight"));
-    if !published && snapshot.contains(&fused) {
-        let gate_up = snapshot.tensor_shaped(&fused, &[n, 2 * inter, d])?;
-        let down = snapshot.tensor_shaped(&format!("{p}.down_proj"), &[n, d, inter])?;
+    if !w.contains("0.gate_proj.weight") && w.contains("gate_up_proj") {
+        let gate_up = w.view("gate_up_proj", &[n, 2 * inter, d])?;
+        let down = w.view("down_proj", &[n, d, inter])?;
         return (0..n)
             .map(|e| ExpertTensors::from_fused(&gate_up, &down, e)?.checked(d, inter))
             .collect();
     }
     (0..n)
         .map(|e| {
-            let merged = format!("{p}.{e}.merged_weight");
-            let tensors = if snapshot.contains(&merged) {
-                merged_expert(snapshot, &format!("{p}.{e}"), d, inter)?
+            let tensors = if w.contains(&format!("{e}.merged_weight")) {
+                merged_expert(w.snapshot(), &w.name(&e.to_string()), d, inter)?
             } else {
-                ExpertTensors::published(snapshot, &p, e)?
+                ExpertTensors::published(w.snapshot(), &w.name(""), e)?
             };
             tensors.checked(d, inter)
         })
@@ -556,32 +504,6 @@ impl Engine for Olmoe {
     }
 
     fn resident_bytes(&self) -> usize {
-        let vectors: usize = self
-            .layers
-            .iter()
-            .map(|l| {
-                4 * (l.input_norm.len()
-                    + l.post_attention_norm.len()
-                    + l.attention.q_norm.len()
-                    + l.attention.k_norm.len())
-            })
-            .sum();
-        let matrices: usize = self
-            .layers
-            .iter()
-            .map(|l| {
-                let a = &l.attention;
-                a.q_proj.size_bytes()
-                    + a.k_proj.size_bytes()
-                    + a.v_proj.size_bytes()
-                    + a.o_proj.size_bytes()
-                    + l.router.size_bytes()
-            })
-            .sum();
-        vectors
-            + matrices
-            + self.embed.size_bytes()
-            + self.lm_head.size_bytes()
-            + 4 * self.final_norm.len()
+        self.resident
     }
 }

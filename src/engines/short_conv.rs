@@ -8,8 +8,7 @@
 
 use anyhow::Result;
 
-use crate::quant::load_vector;
-use crate::snapshot::Snapshot;
+use super::weights::Weights;
 
 /// One depthwise convolution: `taps[c * kernel + j]` weighs input `t + j - (kernel - 1)` of
 /// channel `c` for output `t`, so the last tap lands on the current token.
@@ -39,19 +38,11 @@ impl ConvState {
 
 impl ShortConv {
     /// The `[channels, 1, kernel]` weight `name` (an `nn.Conv1d` depthwise weight).
-    pub fn load(
-        snapshot: &Snapshot,
-        name: &str,
-        channels: usize,
-        kernel: usize,
-    ) -> Result<ShortConv> {
-        let view = snapshot.tensor_shaped(name, &[channels, 1, kernel])?;
-        let mut flat = view.clone();
-        flat.shape = vec![channels * kernel];
+    pub fn load(w: &Weights, name: &str, channels: usize, kernel: usize) -> Result<ShortConv> {
         Ok(ShortConv {
             channels,
             kernel,
-            taps: load_vector(&flat, channels * kernel)?,
+            taps: w.flat(name, &[channels, 1, kernel])?,
         })
     }
 
@@ -60,10 +51,6 @@ impl ShortConv {
         ConvState {
             rows: vec![0.0; (self.kernel - 1) * self.channels],
         }
-    }
-
-    pub fn size_bytes(&self) -> usize {
-        4 * self.taps.len()
     }
 
     /// The convolution of `n` rows of `input` (`n x channels`), continuing from `state`,

@@ -191,12 +191,6 @@ impl Snapshot {
             stamp: None,
         })
     }
-
-    /// The tensor `name`, which must have exactly `shape`; a pre-quantised weight must
-    /// instead have the byte counts of a format for that shape, and its view takes `shape`.
-    pub fn tensor_shaped(&self, name: &str, shape: &[usize]) -> Result<TensorView> {
-        crate::quant::format::shaped(self.tensor(name)?, shape)
-    }
 }
 
 /// When `model.safetensors.index.json` exists, every shard it names must be present.

@@ -337,6 +337,111 @@ fn drafting_is_lossless_beyond_the_reference() {
     }
 }
 
+/// One round of speculative greedy decoding for each sequence of `states`: its draft head
+/// proposes up to `depth` tokens after its last token, one forward checks every sequence's
+/// drafts (`together`: all in one batch; else one forward each), each keeps the drafts its
+/// logits confirm and one more token, and drops the rest. Returns each check's logits.
+fn draft_round(
+    engine: &dyn engines::Engine,
+    states: &mut [engines::State],
+    tokens: &mut [Vec<u32>],
+    depth: usize,
+    together: bool,
+) -> Vec<Vec<f32>> {
+    let vocab = engine.vocab_size();
+    let feeds: Vec<Vec<u32>> = states
+        .iter_mut()
+        .zip(tokens.iter())
+        .map(|(state, tokens)| {
+            let next = *tokens.last().unwrap();
+            let mut feed = vec![next];
+            feed.extend(engine.propose(state, next, depth).unwrap());
+            feed
+        })
+        .collect();
+    let starts: Vec<usize> = states.iter().map(|s| s.position()).collect();
+    let logits: Vec<Vec<f32>> = if together {
+        let mut steps: Vec<engines::Step> = states
+            .iter_mut()
+            .zip(&feeds)
+            .map(|(state, feed)| engines::Step::new(state, feed, engines::Logits::All))
+            .collect();
+        engine.forward(&mut steps).unwrap()
+    } else {
+        states
+            .iter_mut()
+            .zip(&feeds)
+            .map(|(state, feed)| {
+                engine
+                    .forward_one(state, feed, engines::Logits::All)
+                    .unwrap()
+            })
+            .collect()
+    };
+    for (i, rows) in logits.iter().enumerate() {
+        let drafts = &feeds[i][1..];
+        let mut kept = 0;
+        for (j, row) in rows.chunks_exact(vocab).enumerate() {
+            let token = argmax(row);
+            tokens[i].push(token);
+            if drafts.get(j) != Some(&token) {
+                break;
+            }
+            kept += 1;
+        }
+        if kept < drafts.len() {
+            states[i].truncate(starts[i] + kept + 1).unwrap();
+        }
+    }
+    logits
+}
+
+#[test]
+fn drafting_sequences_in_one_batch_compute_what_each_computes_alone() {
+    // Sequences at different positions each propose and check their own drafts; checked
+    // together, every check's logits are those of the sequence alone, and every sequence
+    // decodes the tokens of plain greedy decoding.
+    let r = reference(MTP.name);
+    let baseline = load(MTP.name, 2, Some(0), false);
+    let prompts: Vec<Vec<u32>> = (0..3)
+        .map(|i| {
+            let mut ids = r.prompt_ids.clone();
+            ids.rotate_left(i);
+            ids.truncate(r.prompt_ids.len() - i);
+            ids
+        })
+        .collect();
+    for depth in [1, 2] {
+        let engine = load(MTP.name, 2, Some(depth), false);
+        let engine = engine.engine.as_ref();
+        let start = |prompt: &Vec<u32>| {
+            let mut state = engine.new_state();
+            let logits = engine
+                .forward_one(&mut state, prompt, engines::Logits::Last)
+                .unwrap();
+            (state, vec![argmax(&logits)])
+        };
+        let (mut alone, mut alone_tokens): (Vec<_>, Vec<_>) = prompts.iter().map(start).unzip();
+        let (mut batch, mut batch_tokens): (Vec<_>, Vec<_>) = prompts.iter().map(start).unzip();
+        for round in 0..12 {
+            let want = draft_round(engine, &mut alone, &mut alone_tokens, depth, false);
+            let got = draft_round(engine, &mut batch, &mut batch_tokens, depth, true);
+            for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert!(
+                    bits(w) == bits(g),
+                    "DRAFT={depth}, round {round}: sequence {i}'s check differs in a batch"
+                );
+            }
+        }
+        assert_eq!(alone_tokens, batch_tokens, "DRAFT={depth}");
+        for (prompt, tokens) in prompts.iter().zip(&batch_tokens) {
+            let plain = greedy(baseline.engine.as_ref(), prompt, tokens.len()).unwrap();
+            assert_eq!(&plain.tokens, tokens, "DRAFT={depth}");
+        }
+    }
+}
+
 #[test]
 fn truncation_keeps_what_the_draft_head_paired() {
     let r = reference(MTP.name);

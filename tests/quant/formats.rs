@@ -45,9 +45,9 @@ fn write_shard(dir: &Path, file: &str, tensors: &[Tensor], stamp: Option<&str>) 
 /// The format `Matrix::load` gives `name` read as `shape`, or the error message.
 fn load(dir: &Path, name: &str, shape: [usize; 2]) -> Result<Format, String> {
     let snapshot = Snapshot::open(dir).map_err(|e| format!("{e:#}"))?;
-    let view = snapshot
-        .tensor_shaped(name, &shape)
-        .map_err(|e| format!("{e:#}"))?;
+    let view =
+        coli::quant::format::shaped(snapshot.tensor(name).map_err(|e| format!("{e:#}"))?, &shape)
+            .map_err(|e| format!("{e:#}"))?;
     Matrix::load(&view, Width::F32)
         .map(|m| m.format())
         .map_err(|e| format!("{e:#}"))
@@ -332,7 +332,8 @@ fn published_fp8_and_mxfp4_layouts_load() {
         ("x.weight", Format::Fp8E4m3B128),
         ("y.weight_packed", Format::Mxfp4),
     ] {
-        let view = snapshot.tensor_shaped(name, &[rows, cols]).unwrap();
+        let view =
+            coli::quant::format::shaped(snapshot.tensor(name).unwrap(), &[rows, cols]).unwrap();
         let stored = Matrix::load(&view, Width::Int8Row).unwrap();
         assert_eq!(
             stored.format(),
