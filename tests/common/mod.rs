@@ -1,4 +1,5 @@
-//! Helpers shared by the integration tests: running the built binary and copying fixtures.
+//! Helpers shared by the integration tests: running the built binary (and the test binary
+//! itself, for a test that needs a process of its own) and copying fixtures.
 
 #![allow(dead_code)]
 
@@ -66,6 +67,41 @@ pub fn coli(args: &[&str], env: &[(&str, &str)]) -> Output {
     coli_command(args, env)
         .output()
         .expect("the coli binary runs")
+}
+
+/// The harness's name for test `name` of the module at `module` (`module_path!()` there):
+/// the path within the test binary, as `--exact` takes it.
+pub fn test_name(module: &str, name: &str) -> String {
+    match module.split_once("::") {
+        Some((_, within)) => format!("{within}::{name}"),
+        None => name.to_string(),
+    }
+}
+
+/// Names the test a child of [`in_own_process`] runs.
+const OWN_PROCESS: &str = "COLI_TEST_OWN_PROCESS";
+
+/// Whether to run the body of test `name` of the module at `module` here. In the harness's
+/// process this runs the test binary again for that test alone, asserts that it passed, and
+/// returns `false`; in that child it returns `true`. For a test of process-wide state (an
+/// installed device) that must not share its process with the other tests of its binary.
+pub fn in_own_process(module: &str, name: &str) -> bool {
+    let test = test_name(module, name);
+    if std::env::var_os(OWN_PROCESS).is_some_and(|running| running == test.as_str()) {
+        return true;
+    }
+    let out = Command::new(std::env::current_exe().expect("the test binary's path"))
+        .args(["--exact", &test, "--test-threads=1"])
+        .env(OWN_PROCESS, &test)
+        .output()
+        .expect("the test binary runs again");
+    assert!(
+        out.status.success() && stdout(&out).contains("1 passed"),
+        "{test} in a process of its own: {}{}",
+        stdout(&out),
+        stderr(&out)
+    );
+    false
 }
 
 pub fn stdout(output: &Output) -> String {

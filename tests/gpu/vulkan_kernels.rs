@@ -8,7 +8,7 @@
 //! `Σ|w x|` taken over the decoded weights in f64. The expert group carries that bound
 //! through the activation and the down product (see [`ExpertBound`]).
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 use std::sync::OnceLock;
@@ -19,7 +19,7 @@ use coli::backend::vulkan::VulkanDevice;
 use coli::backend::{Device, DeviceError, ExpertGroup, GroupExpert};
 use coli::engines::layers::{rms_norm, swiglu_ffn};
 use coli::quant::{Format, Isa, Matrix};
-use common::random;
+use common::{random, test_name};
 
 const UNIT: f64 = 1.0 / (1u64 << 24) as f64;
 
@@ -123,8 +123,14 @@ fn uploads_through_a_staging_copy_match_too() {
     let status = Command::new(std::env::current_exe().expect("test binary path"))
         .args([
             "--exact",
-            "matmul_matches_the_cpu_for_every_format_and_shape",
-            "thousands_of_small_weights_share_a_few_memory_blocks",
+            &test_name(
+                module_path!(),
+                "matmul_matches_the_cpu_for_every_format_and_shape",
+            ),
+            &test_name(
+                module_path!(),
+                "thousands_of_small_weights_share_a_few_memory_blocks",
+            ),
         ])
         .env("COLI_VK_STAGED", "1")
         .output()
@@ -479,7 +485,11 @@ fn a_device_of_its_own_opens_computes_and_drops() {
 #[test]
 fn open_names_a_missing_loader() {
     let output = Command::new(std::env::current_exe().expect("test binary path"))
-        .args(["--exact", "open_fails_without_the_loader", "--ignored"])
+        .args([
+            "--exact",
+            &test_name(module_path!(), "open_fails_without_the_loader"),
+            "--ignored",
+        ])
         .env("COLI_VK_LOADER", "/nonexistent/libvulkan.so.1")
         .output()
         .expect("running the test binary again");

@@ -1,13 +1,13 @@
 //! The CUDA kernels on the CPU: `kernels/cuda/coli.cu` compiled by the system C++ compiler
-//! against CPU stand-ins for the CUDA built-ins (`tests/cuda_emulation/harness.cpp`), and
+//! against CPU stand-ins for the CUDA built-ins (`tests/gpu/cuda_harness.cpp`), and
 //! fed what the device code stages and queues: the bytes and steps of
 //! [`MatmulPlan`] and [`GroupPlan`], at "device addresses" that are offsets into the
 //! harness's memory. Every kernel is checked against the CPU reference: the products of
 //! every format at odd shapes, RMSNorm, the activations, the combination of expert outputs,
-//! and whole expert groups. The same operations on a GPU are `tests/cuda_kernels.rs`.
+//! and whole expert groups. The same operations on a GPU are `cuda_kernels`.
 
-mod common;
-mod cuda_reference;
+use crate::common;
+use crate::cuda_reference;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -36,7 +36,7 @@ fn harness() -> &'static Path {
         let built = Command::new(&compiler)
             .args(["-std=c++20", "-O1", "-pthread", "-I"])
             .arg(root.join("kernels/cuda"))
-            .arg(root.join("tests/cuda_emulation/harness.cpp"))
+            .arg(root.join("tests/gpu/cuda_harness.cpp"))
             .arg("-o")
             .arg(&harness)
             .output()

@@ -17,7 +17,7 @@
 //! 4096-wide row (about 2.4e-4 of it) fails. Where the arithmetic is exact (small integer
 //! weights and inputs, power-of-two scales) the results must be equal, whatever the order.
 
-mod cuda_reference;
+use crate::cuda_reference;
 
 use std::sync::OnceLock;
 
