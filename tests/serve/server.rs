@@ -4,7 +4,7 @@
 //! turns served when the server is killed; SIGTERM drains and saves; a client that leaves
 //! mid-stream stops its generation; bad requests get OpenAI-style errors; API_KEY.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
