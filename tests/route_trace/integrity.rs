@@ -7,7 +7,7 @@
 //! Every binary run goes through [`run`] / [`try_run`], which kill the child after
 //! [`LIMIT`] so that a regression that blocks fails instead of hanging the suite.
 
-mod common;
+use crate::common;
 
 use std::ffi::CString;
 use std::fs;
