@@ -4,7 +4,7 @@
 //! byte for byte as it was, int8 activations (`ACT_BITS=8`) cost a measurable little and
 //! are refused on the exact path, and bad input is refused with exit 2 and no file touched.
 
-mod common;
+use crate::common;
 
 use std::fs;
 use std::path::Path;

@@ -2,7 +2,7 @@
 //! message naming the key or file and what was expected (or, where the input is usable,
 //! says what it did instead), and no panic.
 
-mod common;
+use crate::common;
 
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;

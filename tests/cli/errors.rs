@@ -1,7 +1,7 @@
 //! Bad input through the built binary: each case exits 2 with a message naming the problem,
 //! and leaves the files it was given untouched.
 
-mod common;
+use crate::common;
 
 use common::{coli, copy_fixture, fixture, stderr, stdout};
 

@@ -2,7 +2,7 @@
 //! safetensors header: whatever they hold, opening and loading returns a model or an error
 //! (exit 2 in the binary), never a panic or an abort.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 
