@@ -4,7 +4,7 @@
 //! fixture's margins allow; resumption, refusals, the on-disk layout; and FP8 and MXFP4
 //! inputs end to end.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 
