@@ -4,7 +4,7 @@
 //! stops it with the routing history saved.
 
 use crate::common;
-use crate::text_support;
+use crate::support;
 
 use std::io::Read;
 use std::path::Path;
@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use coli::text::TextModel;
 
 use common::{coli, copy_fixture, stderr, stdout};
-use text_support::{
+use support::{
     generated_ids, load_engine, snap, streamed_text, summary, text_fixture, tokenizer, Run,
     FIXTURES,
 };
@@ -315,7 +315,7 @@ fn chat_wraps_the_prompt_in_a_template() {
 #[test]
 fn bad_text_input_exits_2_and_leaves_no_history() {
     let missing = copy_fixture("olmoe_tiny");
-    for file in text_support::TOKENIZER_FILES {
+    for file in support::TOKENIZER_FILES {
         let _ = std::fs::remove_file(missing.path().join(file));
     }
     let corrupt = text_fixture("olmoe_tiny", "olmoe_128");

@@ -3,7 +3,7 @@
 //! characters, chat templates, each engine's prompt convention and the stop set.
 
 use crate::common;
-use crate::text_support;
+use crate::support;
 
 use std::path::Path;
 
@@ -12,7 +12,7 @@ use proptest::prelude::*;
 use serde::Deserialize;
 
 use common::copy_fixture;
-use text_support::{load_engine, text_fixture, tokenizer, tokenizer_dir, FIXTURES};
+use support::{load_engine, text_fixture, tokenizer, tokenizer_dir, FIXTURES};
 
 const TOKENIZERS: &[&str] = &["olmoe_128", "glm_moe_dsa_128", "inkling_250", "inkling_197"];
 
