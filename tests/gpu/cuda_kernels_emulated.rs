@@ -19,7 +19,7 @@ use coli::backend::cuda::{Arg, GroupBuffers, GroupPlan, Layout, MatmulPlan, Plac
 use coli::backend::{ExpertGroup, GroupExpert, RawMatrix, RawScales};
 use coli::engines::layers;
 use coli::quant::{Format, Isa, Matrix};
-use common::random;
+use common::{kernel_formats, random};
 use cuda_reference::{cpu_group, expert_matrices, magnitudes, routes_batched, routes_single};
 
 /// Device allocations start on this boundary, as `cuMemAlloc`'s do.
@@ -189,17 +189,7 @@ impl Emulation {
 
 #[test]
 fn every_format_matches_the_cpu_reference() {
-    let formats = [
-        Format::F32,
-        Format::Bf16,
-        Format::F16,
-        Format::Int8Row,
-        Format::Int4Row,
-        Format::Int4Grouped { group: 32 },
-        Format::Int4Grouped { group: 64 },
-        Format::Fp8E4m3B128,
-        Format::Mxfp4,
-    ];
+    let formats = kernel_formats(&[32, 64]);
     // Partial 16-byte units, odd nibble rows, partial groups, two FP8 row blocks, rows not
     // a multiple of a block's 8; n = 9 is a whole and a partial tile of matmul_8.
     let shapes = [(37, 70), (9, 300), (130, 257), (3, 7)];

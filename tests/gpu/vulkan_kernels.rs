@@ -19,21 +19,9 @@ use coli::backend::vulkan::VulkanDevice;
 use coli::backend::{Device, DeviceError, ExpertGroup, GroupExpert};
 use coli::engines::layers::{rms_norm, swiglu_ffn};
 use coli::quant::{Format, Isa, Matrix};
-use common::{random, test_name};
+use common::{kernel_formats, random, test_name};
 
 const UNIT: f64 = 1.0 / (1u64 << 24) as f64;
-
-const FORMATS: [Format; 9] = [
-    Format::F32,
-    Format::Bf16,
-    Format::F16,
-    Format::Int8Row,
-    Format::Int4Row,
-    Format::Int4Grouped { group: 32 },
-    Format::Int4Grouped { group: 64 },
-    Format::Mxfp4,
-    Format::Fp8E4m3B128,
-];
 
 /// Square, odd columns (a partial last word and partial groups), and several FP8 blocks.
 const SHAPES: [(usize, usize); 3] = [(64, 64), (100, 37), (257, 130)];
@@ -93,7 +81,7 @@ fn assert_matmul_matches_on(device: &VulkanDevice, matrix: &Matrix, id: u64, n: 
 
 #[test]
 fn matmul_matches_the_cpu_for_every_format_and_shape() {
-    for (f, &format) in FORMATS.iter().enumerate() {
+    for (f, format) in kernel_formats(&[32, 64]).into_iter().enumerate() {
         for (s, &(rows, cols)) in SHAPES.iter().enumerate() {
             let seed = (f * 10 + s) as u64;
             let matrix = Matrix::from_f32_as(rows, cols, &random(rows * cols, seed), format)
