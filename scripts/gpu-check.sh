@@ -40,7 +40,7 @@ if [[ "${1:-}" == --prebuild ]]; then
     mkdir -p "$out"
     cargo build --release --quiet
     cp "${CARGO_TARGET_DIR:-target}/release/coli" "$out/coli"
-    cp "$(built_executable test --release --test cuda_kernels)" "$out/cuda_kernels"
+    cp "$(built_executable test --release --test gpu)" "$out/gpu"
     cp "$(built_executable bench --bench decode)" "$out/decode"
     strip "$out"/* 2>/dev/null || true
     ls -l "$out"
@@ -94,18 +94,18 @@ prebuilt="${COLI_PREBUILT:-}"
 if [[ -n "$prebuilt" ]]; then
     prebuilt="$(realpath "$prebuilt")"
     coli="$prebuilt/coli"
-    kernel_tests=("$prebuilt/cuda_kernels")
+    kernel_tests=("$prebuilt/gpu" cuda_kernels::)
     decode_bench=("$prebuilt/decode" --bench)
     log "prebuilt binaries from $prebuilt"
 else
     section "build"
     run_logged 240 cargo build --release --quiet
-    run_logged 240 cargo test --release --quiet --test cuda_kernels --no-run
+    run_logged 240 cargo test --release --quiet --test gpu --no-run
     coli=target/release/coli
     if [[ -n "${CARGO_TARGET_DIR:-}" ]]; then
         coli="$CARGO_TARGET_DIR/release/coli"
     fi
-    kernel_tests=(cargo test --release --test cuda_kernels --)
+    kernel_tests=(cargo test --release --test gpu -- cuda_kernels::)
     decode_bench=(cargo bench --quiet --bench decode --)
 fi
 

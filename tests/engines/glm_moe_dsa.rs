@@ -16,7 +16,7 @@ use coli::engines::{self, LoadOptions};
 use coli::generate::{argmax, greedy};
 use coli::route_trace::{EngineId, ReadOutcome, SaveOptions};
 use coli::snapshot::Snapshot;
-use common::{coli, copy_fixture, fixture, stderr, stdout};
+use common::{coli, copy_fixture, fixture, fixture_with_config, read_json, stderr, stdout};
 
 struct Fixture {
     name: &'static str,
@@ -163,13 +163,7 @@ fn dsa_force_matches_the_dense_reference() {
 
 /// A copy of the fixture whose indexer keeps more keys than any sequence has: dense MLA.
 fn without_selection(name: &str) -> tempfile::TempDir {
-    let dir = copy_fixture(name);
-    let path = dir.path().join("config.json");
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    config["index_topk"] = 1_000_000.into();
-    std::fs::write(&path, config.to_string()).unwrap();
-    dir
+    fixture_with_config(name, |config| config["index_topk"] = 1_000_000.into())
 }
 
 #[test]
@@ -597,10 +591,10 @@ fn history_round_trips_with_the_engine_identity() {
 fn config_problems_are_named() {
     let dir = copy_fixture(TINY.name);
     let path = dir.path().join("config.json");
-    let original = std::fs::read_to_string(&path).unwrap();
+    let original = read_json(&path);
     let snap = format!("SNAP={}", dir.path().display());
     let edit = |change: &dyn Fn(&mut serde_json::Value)| {
-        let mut config: serde_json::Value = serde_json::from_str(&original).unwrap();
+        let mut config = original.clone();
         change(&mut config);
         std::fs::write(&path, config.to_string()).unwrap();
     };

@@ -16,7 +16,7 @@ use coli::engines::{self, LoadOptions};
 use coli::generate::argmax;
 use coli::route_trace::{ReadOutcome, SaveOptions};
 use coli::snapshot::Snapshot;
-use common::{coli, copy_fixture, fixture, stderr};
+use common::{coli, fixture, fixture_with_config, stderr};
 
 struct Fixture {
     name: &'static str,
@@ -159,12 +159,9 @@ fn model_flag_and_config_errors_are_named() {
         stderr(&out)
     );
 
-    let dir = copy_fixture("inkling_tiny");
-    let config_path = dir.path().join("config.json");
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
-    config["layer_types"][2] = "full_attention".into();
-    std::fs::write(&config_path, config.to_string()).unwrap();
+    let dir = fixture_with_config("inkling_tiny", |config| {
+        config["layer_types"][2] = "full_attention".into()
+    });
     let snap = format!("SNAP={}", dir.path().display());
     let out = coli(&[&snap, "64", "16", "16"], &[]);
     assert_eq!(out.status.code(), Some(2));

@@ -23,7 +23,9 @@ use coli::engines::kimi_k3::PREFILL_CHUNK;
 use coli::engines::{self, LoadOptions};
 use coli::generate::argmax;
 use coli::snapshot::Snapshot;
-use common::{coli, copy_fixture, fixture, stderr, stdout};
+use common::{
+    coli, copy_fixture, fixture, fixture_with_config, read_json, rewrite_shard, stderr, stdout,
+};
 
 struct Fixture {
     name: &'static str,
@@ -49,10 +51,6 @@ const FIXTURES: &[Fixture] = &[
         dense: 2,
     },
 ];
-
-fn json(path: &std::path::Path) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
-}
 
 fn load(name: &str, cap: usize) -> Conversation {
     let snapshot = Snapshot::open(&fixture(name)).unwrap();
@@ -86,7 +84,7 @@ fn the_prompts_cross_a_prefill_chunk() {
 #[test]
 fn kda_step_matches_the_transformers_recurrence() {
     for f in FIXTURES {
-        kda_step_matches(&json(&fixture(f.name).join("kda_recurrence.json")));
+        kda_step_matches(&read_json(&fixture(f.name).join("kda_recurrence.json")));
     }
 }
 
@@ -151,7 +149,7 @@ fn route_trace_covers_every_moe_layer_and_no_dense_one() {
         engine.engine.routed().telemetry.flush_trace().unwrap();
 
         let text = std::fs::read_to_string(&path).unwrap();
-        let config = json(&fixture(f.name).join("config.json"));
+        let config = read_json(&fixture(f.name).join("config.json"));
         let text_config = config.get("text_config").unwrap_or(&config);
         let scale = text_config["routed_scaling_factor"].as_f64().unwrap() as f32;
         let moe = f.dense..f.layers;
@@ -203,11 +201,7 @@ fn model_flag_and_config_errors_are_named() {
     );
 
     let edit = |change: &dyn Fn(&mut serde_json::Value)| -> String {
-        let dir = copy_fixture("kimi_k3_tiny");
-        let path = dir.path().join("config.json");
-        let mut config = json(&path);
-        change(&mut config);
-        std::fs::write(&path, config.to_string()).unwrap();
+        let dir = fixture_with_config("kimi_k3_tiny", change);
         let snap = format!("SNAP={}", dir.path().display());
         let out = coli(&[&snap, "64", "16", "16"], &[]);
         assert_eq!(out.status.code(), Some(2), "{}", stdout(&out));
@@ -272,24 +266,13 @@ fn a_log_must_be_per_head_with_zero_padding() {
 
 /// Rewrite a copy of a fixture's shard with tensor `name` replaced by `shape` and `bytes`.
 fn replace_tensor(dir: &std::path::Path, name: &str, shape: Vec<usize>, bytes: Vec<u8>) {
-    use safetensors::tensor::TensorView;
-    let path = dir.join("model.safetensors");
-    let data = std::fs::read(&path).unwrap();
-    let file = safetensors::SafeTensors::deserialize(&data).unwrap();
-    let tensors: Vec<(String, TensorView)> = file
-        .tensors()
-        .into_iter()
-        .map(|(key, view)| {
-            if key == name {
-                let view = TensorView::new(view.dtype(), shape.clone(), &bytes).unwrap();
-                (key, view)
-            } else {
-                (key, view)
-            }
-        })
-        .collect();
-    let out = safetensors::serialize(tensors, None).unwrap();
-    std::fs::write(&path, out).unwrap();
+    rewrite_shard(dir, |tensors| {
+        let tensor = tensors
+            .iter_mut()
+            .find(|tensor| tensor.0 == name)
+            .expect("the tensor is in the shard");
+        (tensor.2, tensor.3) = (shape, bytes);
+    });
 }
 
 #[test]

@@ -17,8 +17,7 @@ pub struct Reference {
 
 /// `file` of fixture `name` (`ref.json`, or e.g. `ref_dense.json`).
 pub fn reference_in(name: &str, file: &str) -> Reference {
-    let text = std::fs::read_to_string(common::fixture(name).join(file)).unwrap();
-    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let json = common::read_json(&common::fixture(name).join(file));
     let ids = |key: &str| -> Vec<u32> {
         json[key]
             .as_array()

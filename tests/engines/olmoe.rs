@@ -4,14 +4,13 @@
 
 use crate::common;
 
-use common::{coli, fixture, stderr, stdout};
+use common::{coli, edit_json, fixture, read_json, stderr, stdout};
 
 #[test]
 fn strict_mode_fails_on_a_wrong_reference() {
     let dir = common::copy_fixture("olmoe_tiny");
     let path = dir.path().join("ref.json");
-    let mut reference: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let mut reference = read_json(&path);
     let last = reference["full_ids"].as_array().unwrap().len() - 1;
     let wrong = (reference["full_ids"][last].as_u64().unwrap() + 1) % 128;
     reference["full_ids"][last] = wrong.into();
@@ -39,8 +38,7 @@ fn strict_mode_fails_on_a_wrong_reference() {
 
 #[test]
 fn ids_mode_continues_the_reference() {
-    let text = std::fs::read_to_string(fixture("olmoe_tiny").join("ref.json")).unwrap();
-    let reference: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let reference = read_json(&fixture("olmoe_tiny").join("ref.json"));
     let ids = |key: &str| -> Vec<String> {
         reference[key]
             .as_array()
@@ -74,8 +72,7 @@ fn ids_mode_continues_the_reference() {
 #[test]
 fn ids_mode_ends_at_a_stop_id_of_the_model() {
     let dir = common::copy_fixture("olmoe_tiny");
-    let text = std::fs::read_to_string(dir.path().join("ref.json")).unwrap();
-    let reference: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let reference = read_json(&dir.path().join("ref.json"));
     let full: Vec<u64> = reference["full_ids"]
         .as_array()
         .unwrap()
@@ -87,11 +84,9 @@ fn ids_mode_ends_at_a_stop_id_of_the_model() {
     // the two before it, or the generation would stop sooner.
     let stop = full[prompt_len + 2];
     assert!(!full[prompt_len..prompt_len + 2].contains(&stop));
-    let path = dir.path().join("config.json");
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    config["eos_token_id"] = stop.into();
-    std::fs::write(&path, config.to_string()).unwrap();
+    edit_json(&dir.path().join("config.json"), |config| {
+        config["eos_token_id"] = stop.into()
+    });
     let prompt: Vec<String> = full[..prompt_len].iter().map(u64::to_string).collect();
     let out = coli(
         &[
@@ -124,9 +119,6 @@ fn ids_mode_ends_at_a_stop_id_of_the_model() {
 #[test]
 fn a_config_without_eos_takes_the_transformers_default_and_null_means_none() {
     let dir = common::copy_fixture("olmoe_tiny");
-    let path = dir.path().join("config.json");
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     let snap = format!("SNAP={}", dir.path().display());
     let args = [
         snap.as_str(),
@@ -142,8 +134,9 @@ fn a_config_without_eos_takes_the_transformers_default_and_null_means_none() {
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(!stderr(&out).contains("[stop]"), "{}", stderr(&out));
     // Without the key, OlmoeConfig's default.
-    config.as_object_mut().unwrap().remove("eos_token_id");
-    std::fs::write(&path, config.to_string()).unwrap();
+    edit_json(&dir.path().join("config.json"), |config| {
+        config.as_object_mut().unwrap().remove("eos_token_id");
+    });
     let out = coli(&args, &[]);
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(

@@ -11,11 +11,8 @@ use std::path::Path;
 
 use coli::quant::{self, Format, Matrix, Width};
 use coli::snapshot::Snapshot;
-use common::{coli, copy_fixture, stderr, stdout};
+use common::{coli, copy_fixture, read_shard, rewrite_shard, stderr, stdout, write_shard, Tensor};
 use safetensors::Dtype;
-
-/// A tensor to write: name, dtype, shape, bytes.
-type Tensor = (String, Dtype, Vec<usize>, Vec<u8>);
 
 fn tensor(name: &str, dtype: Dtype, shape: &[usize], bytes: Vec<u8>) -> Tensor {
     (name.to_string(), dtype, shape.to_vec(), bytes)
@@ -27,19 +24,10 @@ fn f32_bytes(values: &[f32]) -> Vec<u8> {
 
 /// Write `tensors` as a shard `file` of `dir` (with an optional `colibri.fmt` stamp), and a
 /// minimal config.json.
-fn write_shard(dir: &Path, file: &str, tensors: &[Tensor], stamp: Option<&str>) {
+fn write_container(dir: &Path, file: &str, tensors: &[Tensor], stamp: Option<&str>) {
     std::fs::write(dir.join("config.json"), "{}").unwrap();
-    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
-        .iter()
-        .map(|(name, dtype, shape, data)| {
-            (
-                name.clone(),
-                safetensors::tensor::TensorView::new(*dtype, shape.clone(), data).unwrap(),
-            )
-        })
-        .collect();
     let metadata = stamp.map(|s| HashMap::from([("colibri.fmt".to_string(), s.to_string())]));
-    safetensors::serialize_to_file(views, metadata, &dir.join(file)).unwrap();
+    write_shard(&dir.join(file), tensors, metadata);
 }
 
 /// The format `Matrix::load` gives `name` read as `shape`, or the error message.
@@ -74,7 +62,7 @@ fn infer(
 ) -> Result<Format, String> {
     let dir = tempfile::tempdir().unwrap();
     let stamp = stamp.map(|s| format!("{{\"w\": \"{s}\"}}"));
-    write_shard(
+    write_container(
         dir.path(),
         "model.safetensors",
         &pair("w", weight_bytes, scales),
@@ -223,7 +211,7 @@ fn stamps_are_verified() {
     // A float tensor stamped f32 agrees whatever its float dtype; stamped int8 it does not.
     let dir = tempfile::tempdir().unwrap();
     let half: Vec<u8> = vec![0; 4 * 8 * 2];
-    write_shard(
+    write_container(
         dir.path(),
         "model.safetensors",
         &[
@@ -239,7 +227,7 @@ fn stamps_are_verified() {
     // Malformed stamps are refused when the snapshot opens, naming the shard.
     for malformed in ["not json", "[1, 2]", r#"{"w": 3}"#] {
         let dir = tempfile::tempdir().unwrap();
-        write_shard(
+        write_container(
             dir.path(),
             "model.safetensors",
             &pair("w", 640, 16),
@@ -255,20 +243,20 @@ fn stamps_are_verified() {
     // Two shards that claim different formats for one tensor are refused; agreeing
     // claims collapse.
     let dir = tempfile::tempdir().unwrap();
-    write_shard(
+    write_container(
         dir.path(),
         "a.safetensors",
         &pair("w", 640, 16),
         Some(r#"{"w": "int8-row"}"#),
     );
-    write_shard(
+    write_container(
         dir.path(),
         "b.safetensors",
         &pair("v", 640, 16),
         Some(r#"{"w": "int8-row", "v": "int8-row"}"#),
     );
     assert_eq!(load(dir.path(), "w", [16, 40]), Ok(Format::Int8Row));
-    write_shard(
+    write_container(
         dir.path(),
         "b.safetensors",
         &pair("v", 640, 16),
@@ -306,7 +294,7 @@ fn published_fp8_and_mxfp4_layouts_load() {
     let (codes, block_scales) = quant::quantize_fp8_blocks(&w, cols);
     // MXFP4 (compressed-tensors): U8 `y.weight_packed` [O, I/2] with U8 `y.weight_scale` [O, I/32].
     let (packed, exponents) = quant::quantize_mxfp4(&w, cols);
-    write_shard(
+    write_container(
         dir.path(),
         "model.safetensors",
         &[
@@ -464,33 +452,7 @@ fn colibri_merged_olmoe_experts_run_as_int8_rows() {
 /// `edit`'s tensors.
 fn damaged_fixture(edit: impl FnOnce(&mut Vec<Tensor>)) -> tempfile::TempDir {
     let dir = copy_fixture("olmoe_tiny");
-    let path = dir.path().join("model.safetensors");
-    let bytes = std::fs::read(&path).unwrap();
-    let parsed = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mut tensors: Vec<Tensor> = parsed
-        .tensors()
-        .into_iter()
-        .map(|(name, view)| {
-            (
-                name,
-                view.dtype(),
-                view.shape().to_vec(),
-                view.data().to_vec(),
-            )
-        })
-        .collect();
-    edit(&mut tensors);
-    std::fs::remove_file(&path).unwrap();
-    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
-        .iter()
-        .map(|(name, dtype, shape, data)| {
-            (
-                name.clone(),
-                safetensors::tensor::TensorView::new(*dtype, shape.clone(), data).unwrap(),
-            )
-        })
-        .collect();
-    safetensors::serialize_to_file(views, None, &path).unwrap();
+    rewrite_shard(dir.path(), edit);
     dir
 }
 
@@ -528,17 +490,11 @@ fn bad_containers_exit_2_with_a_clear_message() {
         tensors.extend(pair(name, 32 * 64, 32));
     });
     let path = dir.path().join("model.safetensors");
-    let bytes = std::fs::read(&path).unwrap();
-    let parsed = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let views: Vec<(String, safetensors::tensor::TensorView)> = parsed.tensors();
     let stamp = HashMap::from([(
         "colibri.fmt".to_string(),
         format!(r#"{{"{name}": "int5-spiral"}}"#),
     )]);
-    let stamped = dir.path().join("stamped.safetensors");
-    safetensors::serialize_to_file(views, Some(stamp), &stamped).unwrap();
-    drop(bytes);
-    std::fs::rename(&stamped, &path).unwrap();
+    write_shard(&path, &read_shard(&path), Some(stamp));
     refused_with_exit_2(dir.path(), &[name, "unknown format", "int5-spiral"]);
 
     // A truncated shard of a converted container.

@@ -3,21 +3,14 @@
 //! rows, and odd and tail shapes (columns not a multiple of 8 or of the group, odd columns
 //! for the nibble formats, rows not a multiple of the 4-row blocks).
 
+use crate::common;
+
 use coli::quant::{Format, Isa, Matrix, Width};
 
-const FORMATS: [Format; 11] = [
-    Format::F32,
-    Format::Bf16,
-    Format::F16,
-    Format::Int8Row,
-    Format::Int4Row,
-    Format::Int4Grouped { group: 16 },
-    Format::Int4Grouped { group: 64 },
-    Format::Int4Grouped { group: 96 },
-    Format::Int4Grouped { group: 256 },
-    Format::Fp8E4m3B128,
-    Format::Mxfp4,
-];
+/// Every format with kernels, int4-grouped at four group sizes.
+fn formats() -> Vec<Format> {
+    common::kernel_formats(&[16, 64, 96, 256])
+}
 
 /// `[rows, cols]` covering single elements, partial 8-lane chunks, partial groups, odd
 /// nibble rows, 4-row blocks with remainders, several FP8 128-row blocks, and rows long
@@ -65,7 +58,7 @@ fn label(format: Format) -> String {
 
 #[test]
 fn round_trips_stay_within_each_formats_bound() {
-    for format in FORMATS {
+    for format in formats() {
         for (rows, cols) in SHAPES {
             let w = values(rows * cols, (rows * 1000 + cols) as u64);
             let matrix = Matrix::from_f32_as(rows, cols, &w, format).unwrap();
@@ -124,7 +117,7 @@ fn round_trips_stay_within_each_formats_bound() {
 #[test]
 fn every_simd_path_matches_the_scalar_reference_bit_for_bit() {
     let isas = Isa::available();
-    for format in FORMATS {
+    for format in formats() {
         for (rows, cols) in SHAPES {
             let matrix =
                 Matrix::from_f32_as(rows, cols, &values(rows * cols, cols as u64), format).unwrap();
@@ -172,7 +165,7 @@ fn batch_and_rows(matrix: &Matrix, x: &[f32], n: usize) -> (Vec<f32>, Vec<Vec<f3
 
 #[test]
 fn a_batch_computes_what_single_rows_compute() {
-    for format in FORMATS {
+    for format in formats() {
         for (rows, cols) in SHAPES {
             let matrix = Matrix::from_f32_as(rows, cols, &values(rows * cols, 3), format).unwrap();
             // A few inputs, tiled in registers (3 and 4; 7, 10 and 16 without group scales
@@ -232,7 +225,7 @@ fn a_long_batch_in_groups_of_inputs_computes_what_single_rows_compute() {
 
 #[test]
 fn kernels_compute_the_dequantised_matrix_product() {
-    for format in FORMATS {
+    for format in formats() {
         for (rows, cols) in SHAPES {
             let matrix = Matrix::from_f32_as(rows, cols, &values(rows * cols, 5), format).unwrap();
             let dequantised = matrix.to_f32();

@@ -2,7 +2,7 @@
 //! `while (fscanf(f, "%d %d %u", ...) == 3)` loop with an `l >= 0` guard, compiled with the
 //! system C compiler. Also the trace's `%.4f` against glibc's printf.
 
-use crate::route_trace_support;
+use crate::support;
 
 use std::io::Write as _;
 use std::process::{Command, Stdio};
@@ -12,7 +12,7 @@ use coli::route_trace::save::render;
 use coli::route_trace::scan::{scan, Field};
 use coli::route_trace::{fixed, push_fixed_f32, Counters, EngineId};
 use proptest::prelude::*;
-use route_trace_support::{c_program, every_record_has_three_fields, old_read};
+use support::{c_program, every_record_has_three_fields, old_read};
 
 /// What glibc's `%d` stores: `(int)strtol(...)`, strtol saturating at the i64 range.
 fn glibc_int(f: Field) -> i32 {

@@ -2,7 +2,7 @@
 //! (`rt_init("glm_moe_dsa", 5, 8)`), the refusal texts, IKU1, trust, decay, `USAGE_SAVE`,
 //! merge-on-save and the never-overwrite rule.
 
-use crate::route_trace_support;
+use crate::support;
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -12,7 +12,7 @@ use coli::route_trace::save;
 use coli::route_trace::{
     Counters, Decay, EngineId, ReadOutcome, Refusal, RouteTrace, SaveOptions, SaveOutcome,
 };
-use route_trace_support::every_record_has_three_fields;
+use support::every_record_has_three_fields;
 
 const ENGINE: &str = "glm_moe_dsa";
 

@@ -2,8 +2,7 @@
 
 #[path = "../common/mod.rs"]
 mod common;
-#[path = "../text_support/mod.rs"]
-mod text_support;
+mod support;
 
 mod mode;
 mod tokenizer;

@@ -4,7 +4,7 @@
 //! stops it with the routing history saved.
 
 use crate::common;
-use crate::text_support;
+use crate::support;
 
 use std::io::Read;
 use std::path::Path;
@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use coli::text::TextModel;
 
-use common::{coli, copy_fixture, stderr, stdout};
-use text_support::{
+use common::{coli, copy_fixture, edit_json, read_json, stderr, stdout};
+use support::{
     generated_ids, load_engine, snap, streamed_text, summary, text_fixture, tokenizer, Run,
     FIXTURES,
 };
@@ -44,15 +44,6 @@ fn run_ok(args: &[&str]) -> Run {
         stdout: stdout(&out),
         stderr: stderr(&out),
     }
-}
-
-fn edit_json(path: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
-    let mut json: serde_json::Value = match std::fs::read_to_string(path) {
-        Ok(text) => serde_json::from_str(&text).unwrap(),
-        Err(_) => serde_json::json!({}),
-    };
-    edit(&mut json);
-    std::fs::write(path, json.to_string()).unwrap();
 }
 
 #[test]
@@ -228,10 +219,7 @@ fn an_eos_id_from_any_source_stops_generation() {
     check(generation.path(), "generation_config.json");
 
     let tokenizer_config = text_fixture("inkling_tiny", "inkling_250");
-    let vocab: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(tokenizer_config.path().join("tokenizer.json")).unwrap(),
-    )
-    .unwrap();
+    let vocab = read_json(&tokenizer_config.path().join("tokenizer.json"));
     let token = vocab["model"]["vocab"]
         .as_object()
         .unwrap()
@@ -315,7 +303,7 @@ fn chat_wraps_the_prompt_in_a_template() {
 #[test]
 fn bad_text_input_exits_2_and_leaves_no_history() {
     let missing = copy_fixture("olmoe_tiny");
-    for file in text_support::TOKENIZER_FILES {
+    for file in support::TOKENIZER_FILES {
         let _ = std::fs::remove_file(missing.path().join(file));
     }
     let corrupt = text_fixture("olmoe_tiny", "olmoe_128");

@@ -3,7 +3,7 @@
 //! characters, chat templates, each engine's prompt convention and the stop set.
 
 use crate::common;
-use crate::text_support;
+use crate::support;
 
 use std::path::Path;
 
@@ -11,8 +11,8 @@ use coli::text::{ChatMessage, ChatTemplate, TextModel, TextTokenizer};
 use proptest::prelude::*;
 use serde::Deserialize;
 
-use common::copy_fixture;
-use text_support::{load_engine, text_fixture, tokenizer, tokenizer_dir, FIXTURES};
+use common::{copy_fixture, edit_json, read_json};
+use support::{load_engine, text_fixture, tokenizer, tokenizer_dir, FIXTURES};
 
 const TOKENIZERS: &[&str] = &["olmoe_128", "glm_moe_dsa_128", "inkling_250", "inkling_197"];
 
@@ -23,8 +23,7 @@ struct Probe {
 }
 
 fn probes(name: &str) -> Vec<Probe> {
-    let path = tokenizer_dir(name).join("encodings.json");
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+    serde_json::from_value(read_json(&tokenizer_dir(name).join("encodings.json"))).unwrap()
 }
 
 /// The concatenated output of a stream over `ids`, and whether any chunk before the final
@@ -222,12 +221,10 @@ fn olmoe_and_inkling_prompts_are_the_plain_encoding_unless_bos_is_asked_for() {
             "{fixture}"
         );
         // add_bos_token in tokenizer_config.json asks for the BOS token.
-        let config = dir.path().join("tokenizer_config.json");
-        let mut json: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
-        json["add_bos_token"] = true.into();
-        json["bos_token"] = "<|endoftext|>".into();
-        std::fs::write(&config, json.to_string()).unwrap();
+        edit_json(&dir.path().join("tokenizer_config.json"), |json| {
+            json["add_bos_token"] = true.into();
+            json["bos_token"] = "<|endoftext|>".into();
+        });
         let bos = tokenizer.token_id("<|endoftext|>").unwrap();
         assert_eq!(
             prompt(dir.path(), "Hello there", false).ids,
@@ -240,11 +237,9 @@ fn olmoe_and_inkling_prompts_are_the_plain_encoding_unless_bos_is_asked_for() {
 #[test]
 fn the_model_directory_template_wins_and_python_methods_work() {
     let dir = text_fixture("olmoe_tiny", "olmoe_128");
-    let config = dir.path().join("tokenizer_config.json");
-    let mut json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
-    json["chat_template"] = "{% for m in messages %}[{{ m['role'].upper() }}] {{ m['content'].strip() }}{% endfor %}{% if add_generation_prompt %}{{ eos_token }}>{% endif %}".into();
-    std::fs::write(&config, json.to_string()).unwrap();
+    edit_json(&dir.path().join("tokenizer_config.json"), |json| {
+        json["chat_template"] = "{% for m in messages %}[{{ m['role'].upper() }}] {{ m['content'].strip() }}{% endfor %}{% if add_generation_prompt %}{{ eos_token }}>{% endif %}".into();
+    });
     let rendered = prompt(dir.path(), "  Hello  ", true);
     assert_eq!(rendered.text, "[USER] Hello<|endoftext|>>");
     assert!(rendered
@@ -322,11 +317,9 @@ fn the_stop_set_joins_every_source() {
     };
     // Inkling stops on EOS ids only: the tokenizer's eos_token here.
     assert_eq!(stops(dir.path()), vec![end_message]);
-    let config_path = dir.path().join("config.json");
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
-    config["eos_token_id"] = 40.into();
-    std::fs::write(&config_path, config.to_string()).unwrap();
+    edit_json(&dir.path().join("config.json"), |config| {
+        config["eos_token_id"] = 40.into()
+    });
     std::fs::write(
         dir.path().join("generation_config.json"),
         "{\"eos_token_id\": [41, 40]}",

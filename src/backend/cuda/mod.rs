@@ -19,7 +19,7 @@
 //! methods); `plan`, what an operation stages and queues, decided by pure code apart from
 //! the driver ([`MatmulPlan`] and [`GroupPlan`] write the staged bytes for buffers at given
 //! device addresses and list the [`Step`]s to queue; the CPU emulation of the kernels,
-//! `tests/cuda_kernels_emulated.rs`, runs the same bytes and steps); `compile`, the kernel
+//! `tests/gpu/cuda_kernels_emulated.rs`, runs the same bytes and steps); `compile`, the kernel
 //! source and its NVRTC compilation and PTX cache.
 
 mod compile;

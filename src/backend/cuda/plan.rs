@@ -2,7 +2,7 @@
 //! the layout of an uploaded weight, [`MatmulPlan`] and [`GroupPlan`] (which write the
 //! staged bytes, input rows, jobs and combine tables, for buffers at given device addresses)
 //! and the [`Step`]s to queue. The CPU emulation of the kernels
-//! (`tests/cuda_kernels_emulated.rs`) runs the same bytes and steps.
+//! (`tests/gpu/cuda_kernels_emulated.rs`) runs the same bytes and steps.
 
 use super::super::group::GroupRouting;
 use super::super::{Activation, DeviceError, ExpertGroup, RawMatrix, RawScales, WeightId};

@@ -5,11 +5,12 @@
 //! Hand-built bytes go through a real shard, the snapshot's sidecar lookup and
 //! `Matrix::load`, and are checked value by value and through the matrix product.
 
+use crate::common::write_shard;
+
 use std::path::Path;
 
 use coli::quant::{Format, Matrix, Width};
 use coli::snapshot::Snapshot;
-use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 
 /// The e2m1 magnitudes and signs by code.
@@ -29,17 +30,21 @@ fn pack(codes: &[u8], cols: usize) -> Vec<u8> {
 /// stored shapes.
 fn shard(dir: &Path, packed: (&[u8], Vec<usize>), scales: (&[u8], Vec<usize>)) -> Snapshot {
     std::fs::write(dir.join("config.json"), "{}").unwrap();
-    let tensors = vec![
+    let tensors = [
         (
-            "w.weight_packed",
-            TensorView::new(Dtype::U8, packed.1, packed.0).unwrap(),
+            "w.weight_packed".to_string(),
+            Dtype::U8,
+            packed.1,
+            packed.0.to_vec(),
         ),
         (
-            "w.weight_scale",
-            TensorView::new(Dtype::U8, scales.1, scales.0).unwrap(),
+            "w.weight_scale".to_string(),
+            Dtype::U8,
+            scales.1,
+            scales.0.to_vec(),
         ),
     ];
-    safetensors::serialize_to_file(tensors, None, &dir.join("model.safetensors")).unwrap();
+    write_shard(&dir.join("model.safetensors"), &tensors, None);
     Snapshot::open(dir).unwrap()
 }
 

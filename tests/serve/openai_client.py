@@ -1,8 +1,8 @@
 """`coli serve` through the official `openai` Python client.
 
-Usage: python tests/serve_openai.py http://127.0.0.1:PORT/v1
+Usage: python tests/serve/openai_client.py http://127.0.0.1:PORT/v1
 
-Run by tests/serve_openai.rs against a server on the olmoe_trained fixture; prints OK, or
+Run by tests/serve/openai.rs against a server on the olmoe_trained fixture; prints OK, or
 exits non-zero saying what failed.
 """
 
@@ -13,12 +13,12 @@ import openai
 
 def check(condition, message):
     if not condition:
-        sys.exit(f"serve_openai.py: FAILED: {message}")
+        sys.exit(f"openai_client.py: FAILED: {message}")
 
 
 def main():
     if len(sys.argv) != 2:
-        sys.exit("usage: serve_openai.py http://127.0.0.1:PORT/v1")
+        sys.exit("usage: openai_client.py http://127.0.0.1:PORT/v1")
     client = openai.OpenAI(base_url=sys.argv[1], api_key="unused", max_retries=0, timeout=60)
 
     models = client.models.list().data

@@ -4,13 +4,13 @@
 //! fixture's margins allow; resumption, refusals, the on-disk layout; and FP8 and MXFP4
 //! inputs end to end.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 
 use coli::quant::{self, Format, Matrix, Width};
 use coli::snapshot::Snapshot;
-use common::{coli, fixture, stderr, stdout};
+use common::{coli, fixture, fixture_with_config, read_shard, stderr, stdout, write_shard, Tensor};
 use safetensors::Dtype;
 
 /// Fixture directories with a reference whose engine this build runs.
@@ -324,39 +324,24 @@ fn an_interrupted_conversion_resumes_and_a_foreign_one_is_refused() {
 }
 
 /// The OLMoE fixture's tensors, with `edit` deciding each tensor's replacement(s).
-fn rewrite_fixture(
-    dst: &Path,
-    edit: impl Fn(&str, &[usize], Vec<f32>) -> Vec<(String, Dtype, Vec<usize>, Vec<u8>)>,
-) {
+fn rewrite_fixture(dst: &Path, edit: impl Fn(&str, &[usize], Vec<f32>) -> Vec<Tensor>) {
     let src = fixture("olmoe_tiny");
     std::fs::create_dir_all(dst).unwrap();
     for side in ["config.json", "generation_config.json", "ref.json"] {
         std::fs::copy(src.join(side), dst.join(side)).unwrap();
     }
-    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
-    let parsed = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let mut tensors = Vec::new();
-    for (name, view) in parsed.tensors() {
-        let values: Vec<f32> = view
-            .data()
+    for (name, _, shape, bytes) in read_shard(&src.join("model.safetensors")) {
+        let values: Vec<f32> = bytes
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
             .collect();
-        tensors.extend(edit(&name, view.shape(), values));
+        tensors.extend(edit(&name, &shape, values));
     }
-    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
-        .iter()
-        .map(|(n, d, s, b)| {
-            (
-                n.clone(),
-                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
-            )
-        })
-        .collect();
-    safetensors::serialize_to_file(views, None, &dst.join("model.safetensors")).unwrap();
+    write_shard(&dst.join("model.safetensors"), &tensors, None);
 }
 
-fn f32_tensor(name: &str, shape: &[usize], values: &[f32]) -> (String, Dtype, Vec<usize>, Vec<u8>) {
+fn f32_tensor(name: &str, shape: &[usize], values: &[f32]) -> Tensor {
     (
         name.to_string(),
         Dtype::F32,
@@ -527,12 +512,9 @@ fn fp8_and_mxfp4_containers_compute_what_their_encoding_of_the_source_computes()
 
 #[test]
 fn the_engine_declares_what_stays_f32_and_convert_asks_it() {
-    let src = common::copy_fixture("glm_moe_dsa_tiny");
-    let config_path = src.path().join("config.json");
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
-    config.as_object_mut().unwrap().remove("model_type");
-    std::fs::write(&config_path, config.to_string()).unwrap();
+    let src = fixture_with_config("glm_moe_dsa_tiny", |config| {
+        config.as_object_mut().unwrap().remove("model_type");
+    });
     let out_dir = tempfile::tempdir().unwrap();
     let dst = out_dir.path().join("int4");
     let argv = |extra: &[&'static str]| {

@@ -3,7 +3,7 @@
 // there is no GPU.
 //
 // The device is an arena: a "device address" is an offset into it (0 is the null
-// pointer), and the host side (tests/cuda_kernels_emulated.rs) lays out buffers, jobs and
+// pointer), and the host side (tests/gpu/cuda_kernels_emulated.rs) lays out buffers, jobs and
 // tables in it exactly as src/backend/cuda/plan.rs does on a GPU. The threads of a block are
 // fibers taking turns on one OS thread: a fiber runs until it waits at a barrier (a warp
 // shuffle, or __syncthreads), then the next one runs. Blocks run on a few OS threads at

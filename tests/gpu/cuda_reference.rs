@@ -1,5 +1,5 @@
-//! The CPU side of the CUDA kernel tests (`cuda_kernels.rs` on a GPU, `cuda_kernels_emulated.rs`
-//! on the CPU): the reference results and the magnitudes their tolerances scale with.
+//! The CPU side of the CUDA kernel tests (`cuda_kernels` on a GPU, `cuda_kernels_emulated` on
+//! the CPU): the reference results and the magnitudes their tolerances scale with.
 
 #![allow(dead_code)]
 

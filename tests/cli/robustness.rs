@@ -2,12 +2,14 @@
 //! message naming the key or file and what was expected (or, where the input is usable,
 //! says what it did instead), and no panic.
 
-mod common;
+use crate::common;
 
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 
-use common::{coli, coli_command, copy_fixture, fixture, stderr, stdout};
+use common::{
+    coli, coli_command, copy_fixture, fixture, fixture_with_config, stderr, stdout, text_config,
+};
 
 fn snap_arg(path: &std::path::Path) -> String {
     format!("SNAP={}", path.display())
@@ -169,17 +171,8 @@ fn a_named_pipe_where_a_shard_should_be_is_refused_without_waiting() {
 }
 
 /// A copy of `name` whose config (its `text_config` when it has one) `edit` changes.
-fn with_config(name: &str, edit: impl Fn(&mut serde_json::Value)) -> tempfile::TempDir {
-    let dir = copy_fixture(name);
-    let path = dir.path().join("config.json");
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    match config.get_mut("text_config") {
-        Some(text) => edit(text),
-        None => edit(&mut config),
-    }
-    std::fs::write(&path, config.to_string()).unwrap();
-    dir
+fn with_config(name: &str, edit: impl FnOnce(&mut serde_json::Value)) -> tempfile::TempDir {
+    fixture_with_config(name, |config| edit(text_config(config)))
 }
 
 #[test]

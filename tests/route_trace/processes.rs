@@ -5,6 +5,8 @@
 //! Child processes are this test binary re-run with `COLI_RT_CHILD=<role>` selecting
 //! [`child_entry`], which does nothing in a normal run.
 
+use crate::common;
+
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -23,11 +25,16 @@ const SAVES_PER_CHILD: usize = 40;
 
 fn child(role: &str, path: &Path) -> Command {
     let mut c = Command::new(std::env::current_exe().expect("test binary"));
-    c.args(["child_entry", "--exact", "--nocapture", "--test-threads=1"])
-        .env(ROLE, role)
-        .env(PATH, path)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
+    c.args([
+        &common::test_name(module_path!(), "child_entry"),
+        "--exact",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env(ROLE, role)
+    .env(PATH, path)
+    .stdout(Stdio::null())
+    .stderr(Stdio::piped());
     c
 }
 

@@ -3,9 +3,10 @@
 //! resident experts are recomputed on the CPU, the device is switched off for the rest of
 //! the process, and the tokens are those of a CPU-only run.
 //!
-//! One test in its own process: the installed device is process-wide.
+//! The test runs in a process of its own ([`common::in_own_process`]): the installed device
+//! is process-wide.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -59,6 +60,12 @@ impl Device for FailingDevice {
 
 #[test]
 fn a_failed_device_leaves_the_tokens_of_the_cpu() {
+    if !common::in_own_process(
+        module_path!(),
+        "a_failed_device_leaves_the_tokens_of_the_cpu",
+    ) {
+        return;
+    }
     let snapshot = Snapshot::open(&common::fixture("olmoe_tiny")).unwrap();
     let prompt = [3, 11, 29, 7];
     let engine = engines::load("olmoe", &snapshot, LoadOptions::exact(2)).unwrap();

@@ -1,9 +1,9 @@
 //! Bad input through the built binary: each case exits 2 with a message naming the problem,
 //! and leaves the files it was given untouched.
 
-mod common;
+use crate::common;
 
-use common::{coli, copy_fixture, fixture, stderr, stdout};
+use common::{coli, copy_fixture, fixture, read_json, rewrite_shard, stderr, stdout};
 
 fn snap_arg(path: &std::path::Path) -> String {
     format!("SNAP={}", path.display())
@@ -125,8 +125,8 @@ fn truncated_shard_names_the_file_and_sizes() {
 fn config_errors_name_the_key() {
     let dir = copy_fixture("olmoe_tiny");
     let path = dir.path().join("config.json");
-    let original = std::fs::read_to_string(&path).unwrap();
-    let mut config: serde_json::Value = serde_json::from_str(&original).unwrap();
+    let original = read_json(&path);
+    let mut config = original.clone();
 
     config.as_object_mut().unwrap().remove("num_experts");
     std::fs::write(&path, config.to_string()).unwrap();
@@ -136,7 +136,7 @@ fn config_errors_name_the_key() {
         &["config.json", "num_experts"],
     );
 
-    let mut config: serde_json::Value = serde_json::from_str(&original).unwrap();
+    let mut config = original.clone();
     config["hidden_size"] = "wide".into();
     std::fs::write(&path, config.to_string()).unwrap();
     assert_refused(
@@ -146,7 +146,7 @@ fn config_errors_name_the_key() {
     );
 
     // A shape that disagrees with the weights names the tensor and both shapes.
-    let mut config: serde_json::Value = serde_json::from_str(&original).unwrap();
+    let mut config = original;
     config["intermediate_size"] = 16.into();
     std::fs::write(&path, config.to_string()).unwrap();
     assert_refused(
@@ -202,39 +202,6 @@ fn settings_subcommand_lists_every_key() {
     for key in coli::settings::KEYS {
         assert!(text.contains(key.name), "{} missing from {text}", key.name);
     }
-}
-
-/// Rewrite the fixture's shard with `edit` applied to its tensor list.
-fn rewrite_shard(
-    dir: &std::path::Path,
-    edit: impl FnOnce(&mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>),
-) {
-    let path = dir.join("model.safetensors");
-    let bytes = std::fs::read(&path).unwrap();
-    let parsed = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mut tensors: Vec<_> = parsed
-        .tensors()
-        .into_iter()
-        .map(|(name, view)| {
-            (
-                name,
-                view.dtype(),
-                view.shape().to_vec(),
-                view.data().to_vec(),
-            )
-        })
-        .collect();
-    edit(&mut tensors);
-    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
-        .iter()
-        .map(|(name, dtype, shape, data)| {
-            (
-                name.clone(),
-                safetensors::tensor::TensorView::new(*dtype, shape.clone(), data).unwrap(),
-            )
-        })
-        .collect();
-    safetensors::serialize_to_file(views, None, &path).unwrap();
 }
 
 #[test]

@@ -8,7 +8,7 @@
 //! `Σ|w x|` taken over the decoded weights in f64. The expert group carries that bound
 //! through the activation and the down product (see [`ExpertBound`]).
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 use std::sync::OnceLock;
@@ -19,21 +19,9 @@ use coli::backend::vulkan::VulkanDevice;
 use coli::backend::{Device, DeviceError, ExpertGroup, GroupExpert};
 use coli::engines::layers::{rms_norm, swiglu_ffn};
 use coli::quant::{Format, Isa, Matrix};
-use common::random;
+use common::{kernel_formats, random, test_name};
 
 const UNIT: f64 = 1.0 / (1u64 << 24) as f64;
-
-const FORMATS: [Format; 9] = [
-    Format::F32,
-    Format::Bf16,
-    Format::F16,
-    Format::Int8Row,
-    Format::Int4Row,
-    Format::Int4Grouped { group: 32 },
-    Format::Int4Grouped { group: 64 },
-    Format::Mxfp4,
-    Format::Fp8E4m3B128,
-];
 
 /// Square, odd columns (a partial last word and partial groups), and several FP8 blocks.
 const SHAPES: [(usize, usize); 3] = [(64, 64), (100, 37), (257, 130)];
@@ -93,7 +81,7 @@ fn assert_matmul_matches_on(device: &VulkanDevice, matrix: &Matrix, id: u64, n: 
 
 #[test]
 fn matmul_matches_the_cpu_for_every_format_and_shape() {
-    for (f, &format) in FORMATS.iter().enumerate() {
+    for (f, format) in kernel_formats(&[32, 64]).into_iter().enumerate() {
         for (s, &(rows, cols)) in SHAPES.iter().enumerate() {
             let seed = (f * 10 + s) as u64;
             let matrix = Matrix::from_f32_as(rows, cols, &random(rows * cols, seed), format)
@@ -123,8 +111,14 @@ fn uploads_through_a_staging_copy_match_too() {
     let status = Command::new(std::env::current_exe().expect("test binary path"))
         .args([
             "--exact",
-            "matmul_matches_the_cpu_for_every_format_and_shape",
-            "thousands_of_small_weights_share_a_few_memory_blocks",
+            &test_name(
+                module_path!(),
+                "matmul_matches_the_cpu_for_every_format_and_shape",
+            ),
+            &test_name(
+                module_path!(),
+                "thousands_of_small_weights_share_a_few_memory_blocks",
+            ),
         ])
         .env("COLI_VK_STAGED", "1")
         .output()
@@ -479,7 +473,11 @@ fn a_device_of_its_own_opens_computes_and_drops() {
 #[test]
 fn open_names_a_missing_loader() {
     let output = Command::new(std::env::current_exe().expect("test binary path"))
-        .args(["--exact", "open_fails_without_the_loader", "--ignored"])
+        .args([
+            "--exact",
+            &test_name(module_path!(), "open_fails_without_the_loader"),
+            "--ignored",
+        ])
         .env("COLI_VK_LOADER", "/nonexistent/libvulkan.so.1")
         .output()
         .expect("running the test binary again");

@@ -4,7 +4,7 @@
 //! the VRAM expert tier empty and holding every expert; free generation gives the CPU's
 //! tokens; and a backend that cannot start stops the run with the reason.
 
-mod common;
+use crate::common;
 
 use common::{coli, copy_fixture, fixture, stderr, stdout};
 

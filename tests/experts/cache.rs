@@ -1,6 +1,6 @@
 //! The expert store on a real snapshot: LRU eviction order and the hit/miss/byte counters.
 
-mod common;
+use crate::common;
 
 use coli::experts::ExpertStore;
 use coli::quant::Width;

@@ -3,7 +3,7 @@
 //! are those of a mapped one (and of `coli trace simulate`); REPLAY and PROFILE report;
 //! a budget that cannot hold one expert per layer, or a truncated shard, is refused.
 
-mod common;
+use crate::common;
 
 use common::{coli, fixture, stderr, stdout};
 

@@ -7,7 +7,7 @@
 //! Every binary run goes through [`run`] / [`try_run`], which kill the child after
 //! [`LIMIT`] so that a regression that blocks fails instead of hanging the suite.
 
-mod common;
+use crate::common;
 
 use std::ffi::CString;
 use std::fs;
@@ -25,7 +25,7 @@ use coli::route_trace::history::{self, Trust};
 use coli::route_trace::save::render;
 use coli::route_trace::{Counters, EngineId, ReadReport};
 
-use common::{coli_command, copy_fixture, fixture, stderr, stdout};
+use common::{coli_command, copy_fixture, fixture, read_json, stderr, stdout};
 
 const PROMPT: &str = "IDS=3 11 29 7 41 19";
 const OLMOE_ID: u32 = 3841822045;
@@ -117,8 +117,7 @@ fn stats_to(err: &str, path: &Path) -> Option<i64> {
 
 /// A zeroed table of `olmoe_tiny`'s shape, read from the fixture's config.json.
 fn olmoe_table() -> Counters {
-    let text = fs::read_to_string(fixture("olmoe_tiny").join("config.json")).unwrap();
-    let config: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let config = read_json(&fixture("olmoe_tiny").join("config.json"));
     let layers = config["num_hidden_layers"].as_u64().unwrap() as usize;
     let experts = config["num_experts"].as_u64().unwrap() as usize;
     Counters::new(layers, experts).unwrap()

@@ -1,13 +1,13 @@
 //! The CUDA kernels on the CPU: `kernels/cuda/coli.cu` compiled by the system C++ compiler
-//! against CPU stand-ins for the CUDA built-ins (`tests/cuda_emulation/harness.cpp`), and
+//! against CPU stand-ins for the CUDA built-ins (`tests/gpu/cuda_harness.cpp`), and
 //! fed what the device code stages and queues: the bytes and steps of
 //! [`MatmulPlan`] and [`GroupPlan`], at "device addresses" that are offsets into the
 //! harness's memory. Every kernel is checked against the CPU reference: the products of
 //! every format at odd shapes, RMSNorm, the activations, the combination of expert outputs,
-//! and whole expert groups. The same operations on a GPU are `tests/cuda_kernels.rs`.
+//! and whole expert groups. The same operations on a GPU are `cuda_kernels`.
 
-mod common;
-mod cuda_reference;
+use crate::common;
+use crate::cuda_reference;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -19,7 +19,7 @@ use coli::backend::cuda::{Arg, GroupBuffers, GroupPlan, Layout, MatmulPlan, Plac
 use coli::backend::{ExpertGroup, GroupExpert, RawMatrix, RawScales};
 use coli::engines::layers;
 use coli::quant::{Format, Isa, Matrix};
-use common::random;
+use common::{kernel_formats, random};
 use cuda_reference::{cpu_group, expert_matrices, magnitudes, routes_batched, routes_single};
 
 /// Device allocations start on this boundary, as `cuMemAlloc`'s do.
@@ -36,7 +36,7 @@ fn harness() -> &'static Path {
         let built = Command::new(&compiler)
             .args(["-std=c++20", "-O1", "-pthread", "-I"])
             .arg(root.join("kernels/cuda"))
-            .arg(root.join("tests/cuda_emulation/harness.cpp"))
+            .arg(root.join("tests/gpu/cuda_harness.cpp"))
             .arg("-o")
             .arg(&harness)
             .output()
@@ -189,17 +189,7 @@ impl Emulation {
 
 #[test]
 fn every_format_matches_the_cpu_reference() {
-    let formats = [
-        Format::F32,
-        Format::Bf16,
-        Format::F16,
-        Format::Int8Row,
-        Format::Int4Row,
-        Format::Int4Grouped { group: 32 },
-        Format::Int4Grouped { group: 64 },
-        Format::Fp8E4m3B128,
-        Format::Mxfp4,
-    ];
+    let formats = kernel_formats(&[32, 64]);
     // Partial 16-byte units, odd nibble rows, partial groups, two FP8 row blocks, rows not
     // a multiple of a block's 8; n = 9 is a whole and a partial tile of matmul_8.
     let shapes = [(37, 70), (9, 300), (130, 257), (3, 7)];

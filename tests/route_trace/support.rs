@@ -1,6 +1,6 @@
-//! Helpers shared by the `route_trace_*` test files: the C programs in `tests/c`, compiled
-//! with the system C compiler at test time, and small file utilities.
-#![allow(dead_code)] // each test file uses a different subset
+//! Helpers shared by the routing telemetry's test modules: the C programs in `tests/c`,
+//! compiled with the system C compiler at test time, and small file utilities.
+#![allow(dead_code)] // each test module uses a different subset
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

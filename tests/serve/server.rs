@@ -4,7 +4,7 @@
 //! turns served when the server is killed; SIGTERM drains and saves; a client that leaves
 //! mid-stream stops its generation; bad requests get OpenAI-style errors; API_KEY.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -18,7 +18,7 @@ use coli::engines::{self, LoadOptions};
 use coli::generate::{generate_after, generate_with, Flow, Policy};
 use coli::sampling::Sampler;
 use coli::snapshot::Snapshot;
-use common::{coli, coli_command, fixture, stderr};
+use common::{coli, coli_command, copy_fixture_to, fixture, stderr};
 use serde_json::{json, Value};
 
 /// A running `coli serve`, killed when dropped.
@@ -148,14 +148,7 @@ impl Drop for Server {
 /// The trained fixture copied where the server may write its history.
 fn snapshot_copy(dir: &Path) -> PathBuf {
     let snap = dir.join("olmoe_trained");
-    std::fs::create_dir_all(&snap).unwrap();
-    for entry in std::fs::read_dir(fixture("olmoe_trained")).unwrap() {
-        let entry = entry.unwrap();
-        let name = entry.file_name();
-        if !name.to_string_lossy().starts_with('.') {
-            std::fs::copy(entry.path(), snap.join(name)).unwrap();
-        }
-    }
+    copy_fixture_to("olmoe_trained", &snap);
     snap
 }
 

@@ -1,7 +1,7 @@
-//! Helpers shared by the `text_*` test files: committed fixtures paired with their
+//! Helpers shared by the text mode's test modules: committed fixtures paired with their
 //! tokenizers (from `fixtures/tokenizers/`, copied into a private directory), the engines
 //! loaded from them, and the parts of a text run's output.
-#![allow(dead_code)] // each test file uses a different subset
+#![allow(dead_code)] // each test module uses a different subset
 
 use std::path::{Path, PathBuf};
 

@@ -2,13 +2,13 @@
 //! safetensors header: whatever they hold, opening and loading returns a model or an error
 //! (exit 2 in the binary), never a panic or an abort.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 
 use coli::engines::{self, LoadOptions};
 use coli::snapshot::Snapshot;
-use common::{copy_fixture, fixture};
+use common::{copy_fixture, fixture, fixture_with_config, text_config};
 use proptest::prelude::*;
 use serde_json::Value;
 
@@ -59,18 +59,12 @@ proptest! {
         value in arb_value(),
     ) {
         let name = ["olmoe_tiny", "inkling_tiny", "glm_moe_dsa_tiny", "kimi_k3_tiny"][fixture_index];
-        let dir = copy_fixture(name);
-        let path = dir.path().join("config.json");
-        let mut config: Value =
-            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-        let object = match config.get_mut("text_config") {
-            Some(text) => text.as_object_mut().unwrap(),
-            None => config.as_object_mut().unwrap(),
-        };
-        let keys: Vec<String> = object.keys().cloned().collect();
-        let key = key_index.get(&keys).clone();
-        object.insert(key, value);
-        std::fs::write(&path, config.to_string()).unwrap();
+        let dir = fixture_with_config(name, |config| {
+            let object = text_config(config).as_object_mut().unwrap();
+            let keys: Vec<String> = object.keys().cloned().collect();
+            let key = key_index.get(&keys).clone();
+            object.insert(key, value);
+        });
         open_and_load(dir.path());
     }
 

@@ -1,10 +1,10 @@
-//! `coli serve` as the official `openai` Python client sees it: tests/serve_openai.py lists
-//! the model, asks for chat and text completions whole and streamed (greedy, so both give
-//! the same text and token counts) and checks that errors arrive as the client's exception
-//! types. The interpreter is `COLI_TEST_PYTHON`, else `python3`; it must have `openai`
-//! (.ci/run installs it), and the test fails, not skips, when it has not.
+//! `coli serve` as the official `openai` Python client sees it: tests/serve/openai_client.py
+//! lists the model, asks for chat and text completions whole and streamed (greedy, so both
+//! give the same text and token counts) and checks that errors arrive as the client's
+//! exception types. The interpreter is `COLI_TEST_PYTHON`, else `python3`; it must have
+//! `openai` (.ci/run installs it), and the test fails, not skips, when it has not.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
@@ -165,17 +165,18 @@ fn the_openai_python_client_talks_to_coli_serve() {
     let server = Server::start(dir.path());
     let script = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests")
-        .join("serve_openai.py");
+        .join("serve")
+        .join("openai_client.py");
     let mut command = Command::new(&python);
     command.arg(&script).arg(&server.url);
-    let out = run_limited(command, SCRIPT_LIMIT, "tests/serve_openai.py");
+    let out = run_limited(command, SCRIPT_LIMIT, "tests/serve/openai_client.py");
     let (stdout, stderr) = (
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr),
     );
     assert!(
         out.status.success() && stdout.lines().any(|line| line == "OK"),
-        "`{python} tests/serve_openai.py {}`: {}\nstdout:\n{stdout}\nstderr:\n{stderr}\nserver stderr:\n{}",
+        "`{python} tests/serve/openai_client.py {}`: {}\nstdout:\n{stdout}\nstderr:\n{stderr}\nserver stderr:\n{}",
         server.url,
         out.status,
         server.stderr.lock().unwrap()

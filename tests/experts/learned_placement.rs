@@ -3,7 +3,7 @@
 //! predicts from the run's trace, and a history of the same domain beats LRU at the small
 //! cache sizes a model several times larger than memory runs with.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 

@@ -4,12 +4,12 @@
 //! byte for byte as it was, int8 activations (`ACT_BITS=8`) cost a measurable little and
 //! are refused on the exact path, and bad input is refused with exit 2 and no file touched.
 
-mod common;
+use crate::common;
 
 use std::fs;
 use std::path::Path;
 
-use common::{coli, fixture, stderr, stdout};
+use common::{coli, fixture, read_json, stderr, stdout};
 
 /// The number after `key` in `text` (up to the next space, comma or parenthesis).
 fn number_after(text: &str, key: &str) -> f64 {
@@ -25,8 +25,7 @@ fn number_after(text: &str, key: &str) -> f64 {
 }
 
 fn reference() -> serde_json::Value {
-    let text = fs::read_to_string(fixture("olmoe_trained").join("ref.json")).unwrap();
-    serde_json::from_str(&text).unwrap()
+    read_json(&fixture("olmoe_trained").join("ref.json"))
 }
 
 fn ids_of(value: &serde_json::Value) -> String {

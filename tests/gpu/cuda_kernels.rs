@@ -17,7 +17,8 @@
 //! 4096-wide row (about 2.4e-4 of it) fails. Where the arithmetic is exact (small integer
 //! weights and inputs, power-of-two scales) the results must be equal, whatever the order.
 
-mod cuda_reference;
+use crate::common;
+use crate::cuda_reference;
 
 use std::sync::OnceLock;
 
@@ -29,18 +30,10 @@ use coli::engines::layers;
 use coli::quant::{Format, Isa, Matrix};
 use cuda_reference::{cpu_group, expert_matrices, magnitudes, routes_batched, routes_single};
 
-const FORMATS: [Format; 10] = [
-    Format::F32,
-    Format::Bf16,
-    Format::F16,
-    Format::Int8Row,
-    Format::Int4Row,
-    Format::Int4Grouped { group: 16 },
-    Format::Int4Grouped { group: 48 },
-    Format::Int4Grouped { group: 64 },
-    Format::Fp8E4m3B128,
-    Format::Mxfp4,
-];
+/// Every format with kernels, int4-grouped at three group sizes.
+fn formats() -> Vec<Format> {
+    common::kernel_formats(&[16, 48, 64])
+}
 
 /// `[rows, cols]`: OLMoE's expert shapes, a 4096-wide row, and odd shapes (one column,
 /// partial 16-byte units, odd nibble rows, partial groups, several FP8 row blocks, rows not
@@ -179,7 +172,7 @@ fn the_kernels_compile_for_every_architecture() {
 #[test]
 #[ignore = "needs an NVIDIA GPU with a CUDA driver; run scripts/gpu-check.sh"]
 fn every_format_matches_the_cpu_within_the_summation_bound() {
-    for (f, format) in FORMATS.into_iter().enumerate() {
+    for (f, format) in formats().into_iter().enumerate() {
         for (s, &(rows, cols)) in SHAPES.iter().enumerate() {
             let seed = (f * 100 + s) as u64;
             let matrix = Matrix::from_f32_as(rows, cols, &values(rows * cols, seed), format)
@@ -239,7 +232,7 @@ fn exact_weights(format: Format, rows: usize, cols: usize, seed: u64) -> Vec<f32
 #[test]
 #[ignore = "needs an NVIDIA GPU with a CUDA driver; run scripts/gpu-check.sh"]
 fn exact_arithmetic_gives_equal_results() {
-    for (f, format) in FORMATS.into_iter().enumerate() {
+    for (f, format) in formats().into_iter().enumerate() {
         for &(rows, cols) in &[(130, 300), (64, 4096), (3, 7)] {
             let seed = 1000 + f as u64;
             let weights = exact_weights(format, rows, cols, seed);
