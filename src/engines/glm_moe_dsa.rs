@@ -28,10 +28,10 @@ use super::state::{per_sequence, states_of, Logits, Rows, SequenceState, State, 
 use super::{lock, Engine, LoadOptions};
 use crate::activation::Activation;
 use crate::experts::ExpertTensors;
-use crate::generate::argmax;
 use crate::interrupt;
 use crate::quant::{load_vector, Matrix, Width};
 use crate::route_trace::RouteTrace;
+use crate::sampling::argmax;
 use crate::snapshot::Snapshot;
 use crate::text::PromptConvention;
 
