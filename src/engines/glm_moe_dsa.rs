@@ -24,6 +24,7 @@ use super::mla::{
     attend_absorbed, attend_plain, Keys, LatentCache, MlaProjections, MlaShape, Projected,
 };
 use super::moe::{Predictor, Route, RoutedExperts, SigmoidRouter};
+use super::prompt::PromptConvention;
 use super::state::{per_sequence, states_of, Logits, Rows, SequenceState, State, Step};
 use super::{lock, Engine, LoadOptions};
 use crate::activation::Activation;
@@ -33,7 +34,6 @@ use crate::quant::{load_vector, Matrix, Width};
 use crate::route_trace::RouteTrace;
 use crate::sampling::argmax;
 use crate::snapshot::Snapshot;
-use crate::text::PromptConvention;
 
 pub const NAME: &str = "glm_moe_dsa";
 

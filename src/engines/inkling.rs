@@ -18,6 +18,7 @@ use super::layers::{
     AttentionShape, GatedMlp, Sublayer,
 };
 use super::moe::{biased_top_k, Predictor, Route, RoutedExperts};
+use super::prompt::PromptConvention;
 use super::short_conv::{ConvState, ShortConv};
 use super::state::{per_sequence, states_of, Rows, SequenceState, State, Step};
 use super::window_attention::{windowed_attention, DistanceBias, WindowKvCache};
@@ -28,7 +29,6 @@ use crate::interrupt;
 use crate::quant::{load_vector, Matrix, Width};
 use crate::route_trace::RouteTrace;
 use crate::snapshot::Snapshot;
-use crate::text::PromptConvention;
 
 pub const NAME: &str = "inkling";
 

@@ -16,6 +16,7 @@ pub mod layers;
 pub mod mla;
 pub mod moe;
 pub mod olmoe;
+pub mod prompt;
 pub mod short_conv;
 pub mod situ;
 pub mod state;
@@ -28,8 +29,8 @@ use anyhow::{bail, Result};
 use crate::experts::{CacheStats, StoreOptions};
 use crate::quant::Width;
 use crate::snapshot::Snapshot;
-use crate::text::PromptConvention;
 use moe::RoutedExperts;
+pub use prompt::PromptConvention;
 pub use state::{Logits, State, Step};
 
 /// How to build an engine from a snapshot.

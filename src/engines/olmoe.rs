@@ -12,6 +12,7 @@ use super::layers::{
     Sublayer,
 };
 use super::moe::{softmax_top_k, Predictor, Route, RoutedExperts};
+use super::prompt::PromptConvention;
 use super::state::{per_sequence, states_of, Rows, SequenceState, State, Step};
 use super::window_attention::{windowed_attention, WindowKvCache};
 use super::{lock, Engine, LoadOptions};
@@ -20,7 +21,6 @@ use crate::interrupt;
 use crate::quant::{load_vector, matmul_shared_input, Matrix, Width};
 use crate::route_trace::RouteTrace;
 use crate::snapshot::{Dtype, Snapshot, TensorView};
-use crate::text::PromptConvention;
 
 pub const NAME: &str = "olmoe";
 
