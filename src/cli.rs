@@ -7,8 +7,8 @@ use std::process::ExitCode;
 use anyhow::{bail, Result};
 use clap::{Parser, Subcommand};
 
-use crate::run::{self, Positionals};
 use crate::settings::{self, Settings};
+use crate::startup::{self, Positionals};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -207,10 +207,10 @@ pub fn run(argv: impl IntoIterator<Item = OsString>) -> Result<ExitCode> {
         return served;
     }
     #[cfg(not(feature = "mpi"))]
-    if run::launched_by_mpirun() {
+    if startup::launched_by_mpirun() {
         bail!("this coli was built without MPI, so each of mpirun's ranks would run the whole model and write the same history: build it with `cargo build --release --features mpi`, or run it without mpirun");
     }
-    let result = run::main_job(cli.model.as_deref(), &settings, positionals);
+    let result = crate::run::main_job(cli.model.as_deref(), &settings, positionals);
     #[cfg(feature = "mpi")]
     if let Some(job) = &job {
         // A rank that stopped answering would hold up MPI's orderly end: end them all, also
@@ -234,7 +234,7 @@ pub fn run(argv: impl IntoIterator<Item = OsString>) -> Result<ExitCode> {
 /// `what` runs as one process: under `mpirun` every rank would serve the same port and
 /// history.
 fn refuse_mpirun(what: &str) -> Result<()> {
-    if run::launched_by_mpirun() {
+    if startup::launched_by_mpirun() {
         bail!("{what} runs as one process, not under mpirun; an MPI job runs the main job (`mpirun -np N coli SNAP=...`)");
     }
     Ok(())

@@ -21,11 +21,11 @@ use super::api::{ApiError, Finish, Input, Routed, Usage};
 use super::metrics::{Metrics, Turn};
 use crate::engines::{Engine, State};
 use crate::generate::{generate_after, Ending, Flow, Policy};
-use crate::run::{self, Loaded, Positionals};
 use crate::sampling::Sampler;
 use crate::session::{RunKind, Session};
 use crate::settings::Settings;
 use crate::snapshot::Snapshot;
+use crate::startup::{self, Positionals};
 use crate::text::{TextModel, TextTokenizer};
 
 /// One generation asked for.
@@ -77,24 +77,13 @@ pub fn run(
     ready: std::sync::mpsc::Sender<Result<ModelInfo>>,
 ) -> ExitCode {
     let loaded = (|| -> Result<_> {
-        let (snapshot, name) = run::open(model.as_deref(), &settings)?;
+        let (snapshot, name) = startup::open(model.as_deref(), &settings)?;
         let tokenizer = TextTokenizer::load(snapshot.dir())?;
-        let Loaded {
-            engine,
-            budget,
-            banner,
-        } = run::load(&settings, positionals, &snapshot, name)?;
-        for line in banner {
-            eprintln!("{line}");
-        }
-        let session = Session::start(
-            &settings,
-            snapshot.dir(),
-            engine.as_ref(),
-            RunKind::Generating,
-        )?;
-        session.place(&settings, snapshot.dir(), engine.as_ref(), budget)?;
-        Ok((snapshot, name, tokenizer, engine, session))
+        let loaded = startup::load(&settings, positionals, &snapshot, name)?;
+        loaded.print_banner(true);
+        let session =
+            loaded.start_session(&settings, &snapshot, RunKind::Generating, |_| Ok(()))?;
+        Ok((snapshot, name, tokenizer, loaded.engine, session))
     })();
     let (snapshot, name, tokenizer, engine, mut session) = match loaded {
         Ok(parts) => parts,
