@@ -71,16 +71,24 @@ pub fn open(model: Option<&str>, settings: &Settings) -> Result<(Snapshot, &'sta
     Ok((snapshot, name))
 }
 
-/// config.json's `max_position_embeddings`: the positions a run may use, unless
-/// `LONG_CONTEXT=1` allows more (`None`: no limit).
+/// The model's text config: `config.json`'s `text_config` object where the release nests
+/// the language model's keys there (Inkling's multimodal release config, Kimi K3), else the
+/// top level.
+pub fn text_config(snapshot: &Snapshot) -> &serde_json::Value {
+    let config = snapshot.config_json();
+    config
+        .get("text_config")
+        .filter(|text| text.is_object())
+        .unwrap_or(config)
+}
+
+/// `max_position_embeddings` of the [`text_config`]: the positions a run or a server request
+/// may use, unless `LONG_CONTEXT=1` allows more (`None`: no limit).
 pub fn context_limit(snapshot: &Snapshot, settings: &Settings) -> Option<usize> {
     if settings.long_context {
         return None;
     }
-    let config = snapshot.config_json();
-    config
-        .get("text_config")
-        .unwrap_or(config)
+    text_config(snapshot)
         .get("max_position_embeddings")
         .and_then(serde_json::Value::as_u64)
         .map(|limit| limit as usize)

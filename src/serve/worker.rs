@@ -62,7 +62,8 @@ pub struct ModelInfo {
     /// The id requests name: the model directory's name.
     pub id: String,
     pub engine: &'static str,
-    /// `max_position_embeddings` from config.json, when it says.
+    /// The positions a request may use: `max_position_embeddings` of the text config, unless
+    /// `LONG_CONTEXT=1` ([`startup::context_limit`]).
     pub context: Option<usize>,
 }
 
@@ -95,11 +96,7 @@ pub fn run(
     let info = ModelInfo {
         id: model_id(snapshot.dir()),
         engine: name,
-        context: snapshot
-            .config_json()
-            .get("max_position_embeddings")
-            .and_then(serde_json::Value::as_u64)
-            .map(|n| n as usize),
+        context: startup::context_limit(&snapshot, &settings),
     };
     if ready.send(Ok(info.clone())).is_err() {
         return ExitCode::from(2);
@@ -233,7 +230,7 @@ impl Worker<'_> {
             .map_or(usize::MAX, |c| c.saturating_sub(prompt.len()));
         if room == 0 {
             return Err(Failure::Request(context_error(format!(
-                "the prompt takes {} tokens, the model's whole context of {}",
+                "the prompt takes {} tokens, the model's whole context of {} (max_position_embeddings in config.json)",
                 prompt.len(),
                 self.info.context.unwrap_or(0)
             ))));
@@ -241,7 +238,7 @@ impl Worker<'_> {
         let count = match job.max_tokens {
             Some(n) if n > room => {
                 return Err(Failure::Request(context_error(format!(
-                    "max_tokens {n}: the prompt takes {} of the model's {} positions, so at most {room} tokens can follow",
+                    "max_tokens {n}: the prompt takes {} of the model's {} positions (max_position_embeddings in config.json), so at most {room} tokens can follow",
                     prompt.len(),
                     self.info.context.unwrap_or(0)
                 ))))
