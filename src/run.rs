@@ -1,7 +1,9 @@
-//! One run of the main job: resolve the snapshot and engine from the settings, load, then
-//! run the mode the settings ask for (oracle comparison, generation from ids, or text from
-//! a prompt) and report.
+//! One run of the main job: the mode the settings ask for ([`Mode`]: perplexity, text from
+//! a prompt, a replay or a generation from ids, or the oracle comparison), resolved once
+//! before the weights load; the model opened and loaded by `startup`; then that mode run
+//! and reported.
 
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -15,6 +17,7 @@ use crate::oracle::{self, Reference};
 use crate::perplexity;
 use crate::session::{RunKind, Session};
 use crate::settings::Settings;
+use crate::snapshot::Snapshot;
 use crate::startup::{self, Loaded, Positionals};
 use crate::text::TextMode;
 
@@ -28,75 +31,187 @@ pub fn main_job(
     Ok(interrupt::exit_status().map_or(code, ExitCode::from))
 }
 
+/// What the main job does, resolved once from the settings before the weights load.
+enum Mode<'s> {
+    /// `PPL=1`: score the perplexity of windows of `CTX` tokens.
+    Perplexity(perplexity::Job),
+    /// `PROMPT=`: text after a prompt, sampled (or greedy) and streamed.
+    Text(Box<TextMode>),
+    /// `REPLAY=1` with `IDS=`: the fixed-workload decode benchmark.
+    Replay(&'s [u32]),
+    /// `IDS=`: greedy token ids after these.
+    Ids(&'s [u32]),
+    /// None of those: the comparison with the reference, greedy or teacher-forced (`TF=1`);
+    /// `strict` (`ORACLE_STRICT=1`) makes a mismatch exit 1.
+    Oracle { teacher_forced: bool, strict: bool },
+}
+
+impl<'s> Mode<'s> {
+    /// The mode the settings ask for, with the files it reads before the weights are mapped
+    /// (text mode's tokenizer, a perplexity run's text and base) checked.
+    fn resolve(settings: &'s Settings, dir: &Path) -> Result<Mode<'s>> {
+        let text = TextMode::from_settings(settings, dir)?;
+        if let Some(job) = perplexity::Job::from_settings(settings, dir)? {
+            return Ok(Mode::Perplexity(job));
+        }
+        if let Some(text) = text {
+            return Ok(Mode::Text(Box::new(text)));
+        }
+        Ok(match (settings.ids.as_deref(), settings.replay) {
+            (Some(ids), true) => Mode::Replay(ids),
+            (Some(ids), false) => Mode::Ids(ids),
+            (None, true) => {
+                bail!("REPLAY=1 decodes the ids given with IDS=\"...\"; IDS is not set")
+            }
+            (None, false) => Mode::Oracle {
+                teacher_forced: settings.tf,
+                strict: settings.oracle_strict,
+            },
+        })
+    }
+}
+
 fn job(model: Option<&str>, settings: &Settings, positionals: Positionals) -> Result<ExitCode> {
     let (snapshot, name) = startup::open(model, settings)?;
-    // Text mode's tokenizer and settings are checked before the weights are mapped.
-    let text = TextMode::from_settings(settings, snapshot.dir())?;
-    let perplexity = perplexity::Job::from_settings(settings, snapshot.dir())?;
-    let loaded: Loaded = startup::load(settings, positionals, &snapshot, name)?;
+    let mode = Mode::resolve(settings, snapshot.dir())?;
+    let loaded = startup::load(settings, positionals, &snapshot, name)?;
     // Text mode's stdout is the generated text alone; its report lines go to stderr.
-    loaded.print_banner(text.is_some());
-    let engine = &loaded.engine;
-
-    let mut text_job = match &text {
-        Some(mode) => Some(mode.prepare(&snapshot, engine.as_ref())?),
-        None => None,
+    loaded.print_banner(matches!(mode, Mode::Text(_)));
+    let run = Run {
+        settings,
+        snapshot: &snapshot,
+        loaded: &loaded,
     };
+    match mode {
+        Mode::Perplexity(job) => run.perplexity(job),
+        Mode::Text(text) => run.text(&text),
+        Mode::Replay(ids) => run.replay(ids),
+        Mode::Ids(ids) => run.ids(ids),
+        Mode::Oracle {
+            teacher_forced,
+            strict,
+        } => run.oracle(teacher_forced, strict),
+    }
+}
 
-    let limit = startup::context_limit(&snapshot, settings);
-    let mut ngen = settings.ngen;
-    let prompt = if perplexity.is_some() {
-        Some(("a CTX window", settings.ctx))
-    } else if let Some(job) = &text_job {
-        Some(("the prompt", job.prompt_tokens()))
-    } else {
-        settings.ids.as_ref().map(|ids| ("IDS", ids.len()))
-    };
-    if let (Some(limit), Some((what, positions))) = (limit, prompt) {
-        if positions > limit {
-            bail!("{what} takes {positions} positions, beyond the model's max_position_embeddings ({limit}) in config.json: shorten it, or pass LONG_CONTEXT=1 to run positions it was not trained on");
-        }
-        if ngen > limit - positions && perplexity.is_none() && !settings.replay {
-            eprintln!(
-                "[context] NGEN={ngen}: generation stops at the model's {limit} positions ({} tokens after this prompt); LONG_CONTEXT=1 goes on",
-                limit - positions
-            );
-            ngen = limit - positions;
-        }
+/// A loaded model and the settings of its run: what every mode starts from.
+struct Run<'a> {
+    settings: &'a Settings,
+    snapshot: &'a Snapshot,
+    loaded: &'a Loaded,
+}
+
+/// The prompt a mode runs, for the context check.
+struct Prompt<'a> {
+    /// How a message names it.
+    what: &'a str,
+    positions: usize,
+    /// `NGEN` tokens follow it, cut to what the context leaves.
+    then_ngen: bool,
+}
+
+/// A run under way: its telemetry, `NGEN` within the context, and when it began.
+struct Begun {
+    session: Session,
+    ngen: usize,
+    started: Instant,
+}
+
+impl Run<'_> {
+    fn engine(&self) -> &dyn Engine {
+        self.loaded.engine.as_ref()
     }
 
-    interrupt::install();
-    let run_started = Instant::now();
-    // Only generation folds its routing into the history; an oracle run scores.
-    let kind = if perplexity.is_none() && (text.is_some() || settings.ids.is_some()) {
-        RunKind::Generating
-    } else {
-        RunKind::Scoring
-    };
-    let mut session = loaded.start_session(settings, &snapshot, kind, |engine| {
-        spread_experts(engine, settings)
-    })?;
-
-    let ref_path = settings
-        .reference
-        .clone()
-        .unwrap_or_else(|| snapshot.dir().join("ref.json"));
-    if let Some(job) = perplexity {
-        job.run(engine.as_ref(), &ref_path)?;
-        println!("{}", report_line(engine.as_ref(), 0.0));
-        println!("{}", profile_line(engine.as_ref(), &run_started));
-        return Ok(session.finish(engine.as_ref(), RunKind::Scoring));
+    /// `REF`, else the snapshot's `ref.json`.
+    fn reference_path(&self) -> PathBuf {
+        self.settings
+            .reference
+            .clone()
+            .unwrap_or_else(|| self.snapshot.dir().join("ref.json"))
     }
 
-    if let Some(job) = text_job.as_mut() {
+    /// What every mode does before its first forward: its prompt checked against the
+    /// model's context (refused beyond it; `NGEN` cut to what is left), the signal handlers
+    /// installed and the session started. Only generation folds its routing into the
+    /// history (`kind`); an oracle or perplexity run scores.
+    fn begin(&self, kind: RunKind, prompt: Option<Prompt>) -> Result<Begun> {
+        let settings = self.settings;
+        let mut ngen = settings.ngen;
+        let limit = startup::context_limit(self.snapshot, settings);
+        if let (Some(limit), Some(prompt)) = (limit, prompt) {
+            let Prompt {
+                what,
+                positions,
+                then_ngen,
+            } = prompt;
+            if positions > limit {
+                bail!("{what} takes {positions} positions, beyond the model's max_position_embeddings ({limit}) in config.json: shorten it, or pass LONG_CONTEXT=1 to run positions it was not trained on");
+            }
+            if then_ngen && ngen > limit - positions {
+                eprintln!(
+                    "[context] NGEN={ngen}: generation stops at the model's {limit} positions ({} tokens after this prompt); LONG_CONTEXT=1 goes on",
+                    limit - positions
+                );
+                ngen = limit - positions;
+            }
+        }
+        interrupt::install();
+        let started = Instant::now();
+        let session = self
+            .loaded
+            .start_session(settings, self.snapshot, kind, |engine| {
+                spread_experts(engine, settings)
+            })?;
+        Ok(Begun {
+            session,
+            ngen,
+            started,
+        })
+    }
+
+    /// `IDS=` as given, within the vocabulary.
+    fn check_ids(&self, ids: &[u32]) -> Result<()> {
+        let vocab = self.engine().vocab_size();
+        if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+            bail!("IDS: token id {bad} is outside the vocabulary (vocab_size {vocab})");
+        }
+        Ok(())
+    }
+
+    fn perplexity(&self, job: perplexity::Job) -> Result<ExitCode> {
+        let engine = self.engine();
+        let prompt = Prompt {
+            what: "a CTX window",
+            positions: self.settings.ctx,
+            then_ngen: false,
+        };
+        let Begun {
+            mut session,
+            started,
+            ..
+        } = self.begin(RunKind::Scoring, Some(prompt))?;
+        job.run(engine, &self.reference_path())?;
+        println!("{}", report_line(engine, 0.0));
+        println!("{}", profile_line(engine, &started));
+        Ok(session.finish(engine, RunKind::Scoring))
+    }
+
+    fn text(&self, text: &TextMode) -> Result<ExitCode> {
+        let engine = self.engine();
+        let mut job = text.prepare(self.snapshot, engine)?;
+        let prompt = Prompt {
+            what: "the prompt",
+            positions: job.prompt_tokens(),
+            then_ngen: true,
+        };
+        let Begun {
+            mut session,
+            ngen,
+            started,
+        } = self.begin(RunKind::Generating, Some(prompt))?;
         let mut on_tokens =
             |engine: &dyn Engine, emitted: u64| session.after_tokens(engine, emitted);
-        let generation = job.run(
-            engine.as_ref(),
-            ngen,
-            &mut on_tokens,
-            &mut std::io::stdout(),
-        )?;
+        let generation = job.run(engine, ngen, &mut on_tokens, &mut std::io::stdout())?;
         if generation.non_finite {
             eprintln!("[text] non-finite logits during generation");
         }
@@ -106,37 +221,51 @@ fn job(model: Option<&str>, settings: &Settings, positionals: Positionals) -> Re
         eprintln!("{}", job.summary(&generation));
         eprintln!(
             "{}",
-            report_line(engine.as_ref(), generation.decode_tokens_per_second())
+            report_line(engine, generation.decode_tokens_per_second())
         );
-        eprintln!("{}", profile_line(engine.as_ref(), &run_started));
-        return Ok(session.finish(engine.as_ref(), RunKind::Generating));
+        eprintln!("{}", profile_line(engine, &started));
+        Ok(session.finish(engine, RunKind::Generating))
     }
 
-    if let Some(ids) = &settings.ids {
-        let vocab = engine.vocab_size();
-        if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
-            bail!("IDS: token id {bad} is outside the vocabulary (vocab_size {vocab})");
-        }
-        if settings.replay {
-            let line = replay(engine.as_ref(), ids, settings.batch, &mut session)?;
-            println!("{line}");
-            println!("{}", report_line(engine.as_ref(), 0.0));
-            println!("{}", profile_line(engine.as_ref(), &run_started));
-            return Ok(session.finish(engine.as_ref(), RunKind::Generating));
-        }
+    fn replay(&self, ids: &[u32]) -> Result<ExitCode> {
+        let engine = self.engine();
+        let prompt = Prompt {
+            what: "IDS",
+            positions: ids.len(),
+            then_ngen: false,
+        };
+        let Begun {
+            mut session,
+            started,
+            ..
+        } = self.begin(RunKind::Generating, Some(prompt))?;
+        self.check_ids(ids)?;
+        let line = replay(engine, ids, self.settings.batch, &mut session)?;
+        println!("{line}");
+        println!("{}", report_line(engine, 0.0));
+        println!("{}", profile_line(engine, &started));
+        Ok(session.finish(engine, RunKind::Generating))
+    }
+
+    fn ids(&self, ids: &[u32]) -> Result<ExitCode> {
+        let engine = self.engine();
+        let prompt = Prompt {
+            what: "IDS",
+            positions: ids.len(),
+            then_ngen: true,
+        };
+        let Begun {
+            mut session,
+            ngen,
+            started,
+        } = self.begin(RunKind::Generating, Some(prompt))?;
+        self.check_ids(ids)?;
         let mut on_tokens =
             |engine: &dyn Engine, emitted: u64| session.after_tokens(engine, emitted);
         // A generation ends where the model says it ends, as in text mode.
         let stops = engine.stop_tokens().to_vec();
         let mut state = engine.new_state();
-        let generation = greedy_with(
-            engine.as_ref(),
-            &mut state,
-            ids,
-            ngen,
-            &stops,
-            &mut on_tokens,
-        )?;
+        let generation = greedy_with(engine, &mut state, ids, ngen, &stops, &mut on_tokens)?;
         if generation.stopped_in_prefill() {
             eprintln!(
                 "[coli] stopped during the prefill of {} tokens: nothing generated",
@@ -155,38 +284,39 @@ fn job(model: Option<&str>, settings: &Settings, positionals: Positionals) -> Re
         }
         println!(
             "{}",
-            report_line(engine.as_ref(), generation.decode_tokens_per_second())
+            report_line(engine, generation.decode_tokens_per_second())
         );
-        println!("{}", profile_line(engine.as_ref(), &run_started));
-        return Ok(session.finish(engine.as_ref(), RunKind::Generating));
-    }
-    if settings.replay {
-        bail!("REPLAY=1 decodes the ids given with IDS=\"...\"; IDS is not set");
+        println!("{}", profile_line(engine, &started));
+        Ok(session.finish(engine, RunKind::Generating))
     }
 
-    let reference = Reference::load(&ref_path, engine.vocab_size())?;
-    let outcome = if settings.tf {
-        oracle::compare_teacher_forced(engine.as_ref(), &reference)?
-    } else {
-        oracle::compare_greedy(engine.as_ref(), &reference)?
-    };
-    println!("{}", report_line(engine.as_ref(), outcome.rate));
-    // An oracle run scores the reference's tokens: its routing is traced but not learned.
-    let finished = session.finish(engine.as_ref(), RunKind::Scoring);
-    if settings.oracle_strict && !outcome.passed() {
-        eprintln!(
-            "ORACLE_STRICT: {}/{} matching{}",
-            outcome.matching,
-            outcome.compared,
-            if outcome.non_finite {
-                ", non-finite logits"
-            } else {
-                ""
-            }
-        );
-        return Ok(ExitCode::from(1));
+    fn oracle(&self, teacher_forced: bool, strict: bool) -> Result<ExitCode> {
+        let engine = self.engine();
+        let Begun { mut session, .. } = self.begin(RunKind::Scoring, None)?;
+        let reference = Reference::load(&self.reference_path(), engine.vocab_size())?;
+        let outcome = if teacher_forced {
+            oracle::compare_teacher_forced(engine, &reference)?
+        } else {
+            oracle::compare_greedy(engine, &reference)?
+        };
+        println!("{}", report_line(engine, outcome.rate));
+        // An oracle run scores the reference's tokens: its routing is traced but not learned.
+        let finished = session.finish(engine, RunKind::Scoring);
+        if strict && !outcome.passed() {
+            eprintln!(
+                "ORACLE_STRICT: {}/{} matching{}",
+                outcome.matching,
+                outcome.compared,
+                if outcome.non_finite {
+                    ", non-finite logits"
+                } else {
+                    ""
+                }
+            );
+            return Ok(ExitCode::from(1));
+        }
+        Ok(finished)
     }
-    Ok(finished)
 }
 
 /// In an MPI job, the trunk's routed experts spread over the expert ranks: after the history
