@@ -164,7 +164,7 @@ pub fn load_for(
     let dense_width = Width::from_bits(positionals.dense_bits).context("DBITS")?;
     crate::quant::select_simd(settings.simd);
     crate::quant::act8::select(int8_activations(settings, &positionals)?);
-    backend::start(settings.backend, settings.gpu_dense)?;
+    backend::start(settings.backend, settings.gpu_dense, &settings.vulkan)?;
     let options = LoadOptions {
         store: StoreOptions {
             cap,
