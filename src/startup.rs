@@ -94,12 +94,13 @@ pub fn context_limit(snapshot: &Snapshot, settings: &Settings) -> Option<usize> 
         .map(|limit| limit as usize)
 }
 
-/// A loaded engine, the RAM budget its store was sized from, and the two banner lines
-/// (`== coli ... ==`, `loaded in ...`) for the caller to print where its mode prints them.
+/// A loaded engine, the RAM budget its store was sized from (which placement divides), and
+/// the two banner lines (`== coli ... ==`, `loaded in ...`) for the caller to print where
+/// its mode prints them.
 pub struct Loaded {
     pub engine: Box<dyn Engine>,
-    pub budget: u64,
-    pub banner: [String; 2],
+    budget: u64,
+    banner: [String; 2],
 }
 
 impl Loaded {
