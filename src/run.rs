@@ -1,4 +1,4 @@
-//! One run of the main job: the mode the settings ask for ([`Mode`]: perplexity, text from
+//! One run of the main job: the mode the settings ask for (`Mode`: perplexity, text from
 //! a prompt, a replay or a generation from ids, or the oracle comparison), resolved once
 //! before the weights load; the model opened and loaded by `startup`; then that mode run
 //! and reported.
