@@ -1,16 +1,27 @@
 //! Matrix-vector products on the Vulkan device (`cargo bench --bench gpu_matvec`): one f32
 //! input row against a resident 2048x2048 matrix per format, the time per product and the
 //! weight bytes read per second. On Mesa's CPU driver (lavapipe) this is a record of what
-//! the software path costs, not a target; on a GPU it is the kernel's streaming rate.
+//! the software path costs, not a target; on a GPU it is the kernel's streaming rate. The
+//! device is the one the `COLI_VK_*` settings name.
 
 use std::time::Instant;
 
 use coli::backend::vulkan::VulkanDevice;
 use coli::backend::Device;
 use coli::quant::{Format, Matrix};
+use coli::settings::Settings;
 
 fn main() {
-    let device = match VulkanDevice::open() {
+    // The device the settings name (`COLI_VK_DEVICE`, `COLI_VK_LOADER`, `COLI_VK_STAGED` from
+    // the environment), as for a run.
+    let options = match Settings::from_process(&[]) {
+        Ok(settings) => settings.vulkan,
+        Err(error) => {
+            eprintln!("{error:#}");
+            std::process::exit(2);
+        }
+    };
+    let device = match VulkanDevice::open(&options) {
         Ok(device) => device,
         Err(error) => {
             eprintln!("no Vulkan device: {error:#}");

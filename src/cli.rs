@@ -7,8 +7,8 @@ use std::process::ExitCode;
 use anyhow::{bail, Result};
 use clap::{Parser, Subcommand};
 
-use crate::run::{self, Positionals};
 use crate::settings::{self, Settings};
+use crate::startup::{self, Positionals};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -129,77 +129,94 @@ pub fn run(argv: impl IntoIterator<Item = OsString>) -> Result<ExitCode> {
             return Ok(ExitCode::from(code));
         }
     };
-    if let Some(Command::Convert(args)) = &cli.command {
-        if !(args.shard_gb.is_finite() && args.shard_gb > 0.0) {
-            bail!(
-                "--shard-gb {}: the largest shard must be a positive number of GB (default 4)",
-                args.shard_gb
-            );
+    match &cli.command {
+        Some(Command::Convert(args)) => convert(args),
+        Some(Command::Usage(cmd)) => {
+            crate::tools::run_usage(cmd)?;
+            Ok(ExitCode::SUCCESS)
         }
-        let dense_bits = args.dense_bits.unwrap_or(args.bits);
-        let options = crate::convert::Options {
-            expert_bits: args.expert_bits.unwrap_or(args.bits),
-            dense_bits,
-            io_bits: args.io_bits.unwrap_or(dense_bits.for_io()),
-            group_size: args.group_size,
-            shard_bytes: (args.shard_gb * 1e9) as u64,
-            model: args.model.clone(),
-        };
-        let summary = crate::convert::convert(&args.src, &args.dst, &options).map_err(|err| {
-            if args.dst.join(".coli-convert.json").is_file() {
-                err.context(format!(
-                    "{}: the conversion stopped; rerun the same command to resume from its complete shards (the .partial files are removed then)",
-                    args.dst.display()
-                ))
-            } else {
-                err
-            }
-        })?;
-        println!("{}", crate::convert::report(&summary, &args.dst));
-        return Ok(ExitCode::SUCCESS);
+        Some(Command::Trace(cmd)) => {
+            crate::tools::run_trace(cmd)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Some(Command::Serve(args)) => {
+            refuse_mpirun("coli serve")?;
+            let (settings, positionals) = resolve(&args.args)?;
+            crate::serve::run(
+                cli.model.as_deref(),
+                settings,
+                positionals,
+                &args.host,
+                args.port,
+            )
+        }
+        Some(Command::Chat(args)) => {
+            refuse_mpirun("coli chat")?;
+            let (settings, positionals) = resolve(&args.args)?;
+            crate::serve::chat::run(cli.model.as_deref(), settings, positionals)
+        }
+        Some(Command::Settings) => {
+            print!("{}", settings::table());
+            Ok(ExitCode::SUCCESS)
+        }
+        None => {
+            let (settings, positionals) = resolve(&cli.args)?;
+            main_job(cli.model.as_deref(), &settings, positionals)
+        }
     }
-    if let Some(Command::Usage(cmd)) = &cli.command {
-        crate::tools::run_usage(cmd)?;
-        return Ok(ExitCode::SUCCESS);
-    }
-    if let Some(Command::Trace(cmd)) = &cli.command {
-        crate::tools::run_trace(cmd)?;
-        return Ok(ExitCode::SUCCESS);
-    }
-    if let Some(Command::Serve(args)) = &cli.command {
-        refuse_mpirun("coli serve")?;
-        let (pairs, numbers) = split_args(&args.args)?;
-        let settings = Settings::from_process(&pairs)?;
-        return crate::serve::run(
-            cli.model.as_deref(),
-            settings,
-            Positionals::from_numbers(&numbers),
-            &args.host,
-            args.port,
-        );
-    }
-    if let Some(Command::Chat(args)) = &cli.command {
-        refuse_mpirun("coli chat")?;
-        let (pairs, numbers) = split_args(&args.args)?;
-        let settings = Settings::from_process(&pairs)?;
-        return crate::serve::chat::run(
-            cli.model.as_deref(),
-            settings,
-            Positionals::from_numbers(&numbers),
-        );
-    }
-    if let Some(Command::Settings) = cli.command {
-        print!("{}", settings::table());
-        return Ok(ExitCode::SUCCESS);
-    }
-    let (pairs, numbers) = split_args(&cli.args)?;
+}
+
+/// The settings and positionals of `args`: `KEY=VALUE` over the environment, then the
+/// numbers.
+fn resolve(args: &[String]) -> Result<(Settings, Positionals)> {
+    let (pairs, numbers) = split_args(args)?;
     let settings = Settings::from_process(&pairs)?;
-    let positionals = Positionals::from_numbers(&numbers);
+    Ok((settings, Positionals::from_numbers(&numbers)))
+}
+
+/// `coli convert`.
+fn convert(args: &ConvertArgs) -> Result<ExitCode> {
+    if !(args.shard_gb.is_finite() && args.shard_gb > 0.0) {
+        bail!(
+            "--shard-gb {}: the largest shard must be a positive number of GB (default 4)",
+            args.shard_gb
+        );
+    }
+    let dense_bits = args.dense_bits.unwrap_or(args.bits);
+    let options = crate::convert::Options {
+        expert_bits: args.expert_bits.unwrap_or(args.bits),
+        dense_bits,
+        io_bits: args.io_bits.unwrap_or(dense_bits.for_io()),
+        group_size: args.group_size,
+        shard_bytes: (args.shard_gb * 1e9) as u64,
+        model: args.model.clone(),
+    };
+    let summary = crate::convert::convert(&args.src, &args.dst, &options).map_err(|err| {
+        if args.dst.join(".coli-convert.json").is_file() {
+            err.context(format!(
+                "{}: the conversion stopped; rerun the same command to resume from its complete shards (the .partial files are removed then)",
+                args.dst.display()
+            ))
+        } else {
+            err
+        }
+    })?;
+    println!("{}", crate::convert::report(&summary, &args.dst));
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The main job, as one process or as an MPI job's rank (the trunk runs the job; every
+/// other rank serves its experts).
+fn main_job(
+    model: Option<&str>,
+    settings: &Settings,
+    positionals: Positionals,
+) -> Result<ExitCode> {
     #[cfg(feature = "mpi")]
     let job = crate::cluster::start()?;
     #[cfg(feature = "mpi")]
     if let Some(job) = job.as_ref().filter(|job| job.rank > 0) {
-        let served = crate::cluster::serve(cli.model.as_deref(), &settings, positionals, job);
+        let served = crate::cluster::serve(model, settings, positionals, job);
         if let Err(err) = &served {
             eprintln!("error: rank {}: {err:#}", job.rank);
             job.abort(2);
@@ -207,10 +224,10 @@ pub fn run(argv: impl IntoIterator<Item = OsString>) -> Result<ExitCode> {
         return served;
     }
     #[cfg(not(feature = "mpi"))]
-    if run::launched_by_mpirun() {
+    if startup::launched_by_mpirun() {
         bail!("this coli was built without MPI, so each of mpirun's ranks would run the whole model and write the same history: build it with `cargo build --release --features mpi`, or run it without mpirun");
     }
-    let result = run::main_job(cli.model.as_deref(), &settings, positionals);
+    let result = crate::run::main_job(model, settings, positionals);
     #[cfg(feature = "mpi")]
     if let Some(job) = &job {
         // A rank that stopped answering would hold up MPI's orderly end: end them all, also
@@ -234,7 +251,7 @@ pub fn run(argv: impl IntoIterator<Item = OsString>) -> Result<ExitCode> {
 /// `what` runs as one process: under `mpirun` every rank would serve the same port and
 /// history.
 fn refuse_mpirun(what: &str) -> Result<()> {
-    if run::launched_by_mpirun() {
+    if startup::launched_by_mpirun() {
         bail!("{what} runs as one process, not under mpirun; an MPI job runs the main job (`mpirun -np N coli SNAP=...`)");
     }
     Ok(())

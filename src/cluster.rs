@@ -36,8 +36,8 @@ use crate::engines::Engine;
 use crate::experts::{CacheStats, ExpertStore, Sharding};
 use crate::profile::{self, Phase};
 use crate::quant::Width;
-use crate::run::{self, Positionals};
 use crate::settings::Settings;
+use crate::startup::{self, Positionals};
 
 const TAG_REQUEST: i32 = 1;
 const TAG_INPUT: i32 = 2;
@@ -83,7 +83,7 @@ pub fn exchanges() -> u64 {
 /// Join the MPI job when `mpirun` started this process; `None` for a plain run or a job of
 /// one rank.
 pub fn start() -> Result<Option<Job>> {
-    if !run::launched_by_mpirun() {
+    if !startup::launched_by_mpirun() {
         return Ok(None);
     }
     let Some((universe, threading)) = mpi::initialize_with_threading(Threading::Serialized) else {
@@ -604,8 +604,8 @@ pub fn serve(
     // A Ctrl-C or SIGTERM reaches every rank; only the trunk acts on it (it ends the run
     // between tokens and saves), and this rank answers until the trunk says stop.
     crate::interrupt::install();
-    let (snapshot, name) = run::open(model, settings)?;
-    let engine = run::load_for(settings, positionals, &snapshot, name, false)?.engine;
+    let (snapshot, name) = startup::open(model, settings)?;
+    let engine = startup::load_for(settings, positionals, &snapshot, name, false)?.engine;
     // Only the store answers requests: the trunk's weights go before any expert is read,
     // and the store's budget was sized without them.
     let placeholder = ExpertStore::new(Vec::new(), 1, Width::F32);

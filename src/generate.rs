@@ -351,29 +351,3 @@ fn speculate(
         ending,
     })
 }
-
-/// Index of the first maximum, skipping NaN; 0 when every value is NaN.
-pub fn argmax(values: &[f32]) -> u32 {
-    let mut best: Option<(usize, f32)> = None;
-    for (i, &v) in values.iter().enumerate() {
-        if v.is_nan() {
-            continue;
-        }
-        if best.is_none_or(|(_, b)| v > b) {
-            best = Some((i, v));
-        }
-    }
-    best.map_or(0, |(i, _)| i as u32)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::argmax;
-
-    #[test]
-    fn argmax_takes_first_maximum_and_skips_nan() {
-        assert_eq!(argmax(&[1.0, 3.0, 3.0]), 1);
-        assert_eq!(argmax(&[f32::NAN, -1.0, -2.0]), 1);
-        assert_eq!(argmax(&[f32::NAN, f32::NAN]), 0);
-    }
-}

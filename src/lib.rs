@@ -4,10 +4,10 @@
 //! How a run flows through the crate:
 //! - [`cli`] parses `coli [--model ENGINE] [KEY=VALUE ...] [CAP [EBITS [DBITS]]]`;
 //!   [`settings`] resolves every `KEY` (argument, environment, default);
-//! - [`run`] opens the model directory with [`snapshot`] (config + mapped shards) and builds
-//!   the engine from [`engines`], whose weights are [`quant`] matrices and whose routed
-//!   experts live in the [`experts`] store; [`backend`] decides whether products run on
-//!   the CPU or a GPU;
+//! - [`startup`] opens the model directory with [`snapshot`] (config + mapped shards) and
+//!   builds the engine from [`engines`], for [`run`] (the main job), [`serve`] and the MPI
+//!   ranks; the engine's weights are [`quant`] matrices, its routed experts live in the
+//!   [`experts`] store, and [`backend`] decides whether products run on the CPU or a GPU;
 //! - [`convert`] (`coli convert`) turns a float or FP8 checkpoint into a quantised container;
 //! - [`generate`] runs prefill and decode; [`oracle`] compares against a reference;
 //! - [`text`] turns a prompt into ids and streams the generated text, [`sampling`] picking
@@ -37,5 +37,6 @@ pub mod serve;
 pub mod session;
 pub mod settings;
 pub mod snapshot;
+pub mod startup;
 pub mod text;
 pub mod tools;

@@ -11,7 +11,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 
 use crate::engines::{Engine, Logits};
-use crate::generate::{argmax, greedy};
+use crate::generate::greedy;
+use crate::sampling::argmax;
 
 /// A parsed, validated `ref.json`.
 #[derive(Debug, Clone, PartialEq, Eq)]

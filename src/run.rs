@@ -1,53 +1,25 @@
-//! One run of the main job: resolve the snapshot and engine from the settings, load, then
-//! run the mode the settings ask for (oracle comparison, generation from ids, or text from
-//! a prompt) and report.
+//! One run of the main job: the mode the settings ask for (`Mode`: perplexity, text from
+//! a prompt, a replay or a generation from ids, or the oracle comparison), resolved once
+//! before the weights load; the model opened and loaded by `startup`; then that mode run
+//! and reported.
 
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use anyhow::{bail, Result};
 
-use crate::backend;
-use crate::engines::{self, Engine, LoadOptions, Logits, State, Step};
+use crate::engines::{Engine, Logits, State, Step};
 use crate::experts::budget::proc_field;
-use crate::experts::{Budget, StoreOptions};
 use crate::generate::{greedy_with, Ending};
 use crate::interrupt;
 use crate::oracle::{self, Reference};
 use crate::perplexity;
-use crate::quant::Width;
 use crate::session::{RunKind, Session};
 use crate::settings::Settings;
 use crate::snapshot::Snapshot;
+use crate::startup::{self, Loaded, Positionals};
 use crate::text::TextMode;
-
-/// The numeric positionals `CAP [EBITS [DBITS]]`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Positionals {
-    pub cap: Option<u32>,
-    pub expert_bits: u32,
-    pub dense_bits: u32,
-}
-
-impl Positionals {
-    /// EBITS defaults to 8 and DBITS to EBITS, as colibri's positionals do.
-    pub fn from_numbers(numbers: &[u32]) -> Positionals {
-        let expert_bits = numbers.get(1).copied().unwrap_or(8);
-        Positionals {
-            cap: numbers.first().copied(),
-            expert_bits,
-            dense_bits: numbers.get(2).copied().unwrap_or(expert_bits),
-        }
-    }
-}
-
-/// Whether the process manager of an MPI launch (Open MPI, MPICH, PMIx) started this process.
-pub fn launched_by_mpirun() -> bool {
-    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
-        .iter()
-        .any(|key| std::env::var_os(key).is_some())
-}
 
 /// The main job; a run that a signal stopped exits `128 + signal` once it has saved.
 pub fn main_job(
@@ -59,89 +31,187 @@ pub fn main_job(
     Ok(interrupt::exit_status().map_or(code, ExitCode::from))
 }
 
+/// What the main job does, resolved once from the settings before the weights load.
+enum Mode<'s> {
+    /// `PPL=1`: score the perplexity of windows of `CTX` tokens.
+    Perplexity(perplexity::Job),
+    /// `PROMPT=`: text after a prompt, sampled (or greedy) and streamed.
+    Text(Box<TextMode>),
+    /// `REPLAY=1` with `IDS=`: the fixed-workload decode benchmark.
+    Replay(&'s [u32]),
+    /// `IDS=`: greedy token ids after these.
+    Ids(&'s [u32]),
+    /// None of those: the comparison with the reference, greedy or teacher-forced (`TF=1`);
+    /// `strict` (`ORACLE_STRICT=1`) makes a mismatch exit 1.
+    Oracle { teacher_forced: bool, strict: bool },
+}
+
+impl<'s> Mode<'s> {
+    /// The mode the settings ask for, with the files it reads before the weights are mapped
+    /// (text mode's tokenizer, a perplexity run's text and base) checked.
+    fn resolve(settings: &'s Settings, dir: &Path) -> Result<Mode<'s>> {
+        let text = TextMode::from_settings(settings, dir)?;
+        if let Some(job) = perplexity::Job::from_settings(settings, dir)? {
+            return Ok(Mode::Perplexity(job));
+        }
+        if let Some(text) = text {
+            return Ok(Mode::Text(Box::new(text)));
+        }
+        Ok(match (settings.ids.as_deref(), settings.replay) {
+            (Some(ids), true) => Mode::Replay(ids),
+            (Some(ids), false) => Mode::Ids(ids),
+            (None, true) => {
+                bail!("REPLAY=1 decodes the ids given with IDS=\"...\"; IDS is not set")
+            }
+            (None, false) => Mode::Oracle {
+                teacher_forced: settings.tf,
+                strict: settings.oracle_strict,
+            },
+        })
+    }
+}
+
 fn job(model: Option<&str>, settings: &Settings, positionals: Positionals) -> Result<ExitCode> {
-    let (snapshot, name) = open(model, settings)?;
-    // Text mode's tokenizer and settings are checked before the weights are mapped.
-    let text = TextMode::from_settings(settings, snapshot.dir())?;
-    let perplexity = perplexity::Job::from_settings(settings, snapshot.dir())?;
-    let Loaded {
-        engine,
-        budget,
-        banner,
-    } = load(settings, positionals, &snapshot, name)?;
+    let (snapshot, name) = startup::open(model, settings)?;
+    let mode = Mode::resolve(settings, snapshot.dir())?;
+    let loaded = startup::load(settings, positionals, &snapshot, name)?;
     // Text mode's stdout is the generated text alone; its report lines go to stderr.
-    for line in banner {
-        if text.is_some() {
-            eprintln!("{line}");
-        } else {
-            println!("{line}");
-        }
-    }
-
-    let mut text_job = match &text {
-        Some(mode) => Some(mode.prepare(&snapshot, engine.as_ref())?),
-        None => None,
+    loaded.print_banner(matches!(mode, Mode::Text(_)));
+    let run = Run {
+        settings,
+        snapshot: &snapshot,
+        loaded: &loaded,
     };
+    match mode {
+        Mode::Perplexity(job) => run.perplexity(job),
+        Mode::Text(text) => run.text(&text),
+        Mode::Replay(ids) => run.replay(ids),
+        Mode::Ids(ids) => run.ids(ids),
+        Mode::Oracle {
+            teacher_forced,
+            strict,
+        } => run.oracle(teacher_forced, strict),
+    }
+}
 
-    let limit = context_limit(&snapshot, settings);
-    let mut ngen = settings.ngen;
-    let prompt = if perplexity.is_some() {
-        Some(("a CTX window", settings.ctx))
-    } else if let Some(job) = &text_job {
-        Some(("the prompt", job.prompt_tokens()))
-    } else {
-        settings.ids.as_ref().map(|ids| ("IDS", ids.len()))
-    };
-    if let (Some(limit), Some((what, positions))) = (limit, prompt) {
-        if positions > limit {
-            bail!("{what} takes {positions} positions, beyond the model's max_position_embeddings ({limit}) in config.json: shorten it, or pass LONG_CONTEXT=1 to run positions it was not trained on");
+/// A loaded model and the settings of its run: what every mode starts from.
+struct Run<'a> {
+    settings: &'a Settings,
+    snapshot: &'a Snapshot,
+    loaded: &'a Loaded,
+}
+
+/// The prompt a mode runs, for the context check.
+struct Prompt<'a> {
+    /// How a message names it.
+    what: &'a str,
+    positions: usize,
+    /// `NGEN` tokens follow it, cut to what the context leaves.
+    then_ngen: bool,
+}
+
+/// A run under way: its telemetry, `NGEN` within the context, and when it began.
+struct Begun {
+    session: Session,
+    ngen: usize,
+    started: Instant,
+}
+
+impl Run<'_> {
+    fn engine(&self) -> &dyn Engine {
+        self.loaded.engine.as_ref()
+    }
+
+    /// `REF`, else the snapshot's `ref.json`.
+    fn reference_path(&self) -> PathBuf {
+        self.settings
+            .reference
+            .clone()
+            .unwrap_or_else(|| self.snapshot.dir().join("ref.json"))
+    }
+
+    /// What every mode does before its first forward: its prompt checked against the
+    /// model's context (refused beyond it; `NGEN` cut to what is left), the signal handlers
+    /// installed and the session started. Only generation folds its routing into the
+    /// history (`kind`); an oracle or perplexity run scores.
+    fn begin(&self, kind: RunKind, prompt: Option<Prompt>) -> Result<Begun> {
+        let settings = self.settings;
+        let mut ngen = settings.ngen;
+        let limit = startup::context_limit(self.snapshot, settings);
+        if let (Some(limit), Some(prompt)) = (limit, prompt) {
+            let Prompt {
+                what,
+                positions,
+                then_ngen,
+            } = prompt;
+            if positions > limit {
+                bail!("{what} takes {positions} positions, beyond the model's max_position_embeddings ({limit}) in config.json: shorten it, or pass LONG_CONTEXT=1 to run positions it was not trained on");
+            }
+            if then_ngen && ngen > limit - positions {
+                eprintln!(
+                    "[context] NGEN={ngen}: generation stops at the model's {limit} positions ({} tokens after this prompt); LONG_CONTEXT=1 goes on",
+                    limit - positions
+                );
+                ngen = limit - positions;
+            }
         }
-        if ngen > limit - positions && perplexity.is_none() && !settings.replay {
-            eprintln!(
-                "[context] NGEN={ngen}: generation stops at the model's {limit} positions ({} tokens after this prompt); LONG_CONTEXT=1 goes on",
-                limit - positions
-            );
-            ngen = limit - positions;
+        interrupt::install();
+        let started = Instant::now();
+        let session = self
+            .loaded
+            .start_session(settings, self.snapshot, kind, |engine| {
+                spread_experts(engine, settings)
+            })?;
+        Ok(Begun {
+            session,
+            ngen,
+            started,
+        })
+    }
+
+    /// `IDS=` as given, within the vocabulary.
+    fn check_ids(&self, ids: &[u32]) -> Result<()> {
+        let vocab = self.engine().vocab_size();
+        if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+            bail!("IDS: token id {bad} is outside the vocabulary (vocab_size {vocab})");
         }
+        Ok(())
     }
 
-    interrupt::install();
-    let run_started = Instant::now();
-    // Only generation folds its routing into the history; an oracle run scores.
-    let kind = if perplexity.is_none() && (text.is_some() || settings.ids.is_some()) {
-        RunKind::Generating
-    } else {
-        RunKind::Scoring
-    };
-    let mut session = Session::start(settings, snapshot.dir(), engine.as_ref(), kind)?;
-    #[cfg(feature = "mpi")]
-    if crate::cluster::world_size() > 1 {
-        // Placed after the history loaded, so that its heat balances the ranks, and before
-        // the pins, which go to the ranks that own them.
-        crate::cluster::Trunk::attach(engine.as_ref(), settings, crate::cluster::world_size())?;
-    }
-    session.place(settings, snapshot.dir(), engine.as_ref(), budget)?;
-
-    let ref_path = settings
-        .reference
-        .clone()
-        .unwrap_or_else(|| snapshot.dir().join("ref.json"));
-    if let Some(job) = perplexity {
-        job.run(engine.as_ref(), &ref_path)?;
-        println!("{}", report_line(engine.as_ref(), 0.0));
-        println!("{}", profile_line(engine.as_ref(), &run_started));
-        return Ok(session.finish(engine.as_ref(), RunKind::Scoring));
+    fn perplexity(&self, job: perplexity::Job) -> Result<ExitCode> {
+        let engine = self.engine();
+        let prompt = Prompt {
+            what: "a CTX window",
+            positions: self.settings.ctx,
+            then_ngen: false,
+        };
+        let Begun {
+            mut session,
+            started,
+            ..
+        } = self.begin(RunKind::Scoring, Some(prompt))?;
+        job.run(engine, &self.reference_path())?;
+        println!("{}", report_line(engine, 0.0));
+        println!("{}", profile_line(engine, &started));
+        Ok(session.finish(engine, RunKind::Scoring))
     }
 
-    if let Some(job) = text_job.as_mut() {
+    fn text(&self, text: &TextMode) -> Result<ExitCode> {
+        let engine = self.engine();
+        let mut job = text.prepare(self.snapshot, engine)?;
+        let prompt = Prompt {
+            what: "the prompt",
+            positions: job.prompt_tokens(),
+            then_ngen: true,
+        };
+        let Begun {
+            mut session,
+            ngen,
+            started,
+        } = self.begin(RunKind::Generating, Some(prompt))?;
         let mut on_tokens =
             |engine: &dyn Engine, emitted: u64| session.after_tokens(engine, emitted);
-        let generation = job.run(
-            engine.as_ref(),
-            ngen,
-            &mut on_tokens,
-            &mut std::io::stdout(),
-        )?;
+        let generation = job.run(engine, ngen, &mut on_tokens, &mut std::io::stdout())?;
         if generation.non_finite {
             eprintln!("[text] non-finite logits during generation");
         }
@@ -151,37 +221,51 @@ fn job(model: Option<&str>, settings: &Settings, positionals: Positionals) -> Re
         eprintln!("{}", job.summary(&generation));
         eprintln!(
             "{}",
-            report_line(engine.as_ref(), generation.decode_tokens_per_second())
+            report_line(engine, generation.decode_tokens_per_second())
         );
-        eprintln!("{}", profile_line(engine.as_ref(), &run_started));
-        return Ok(session.finish(engine.as_ref(), RunKind::Generating));
+        eprintln!("{}", profile_line(engine, &started));
+        Ok(session.finish(engine, RunKind::Generating))
     }
 
-    if let Some(ids) = &settings.ids {
-        let vocab = engine.vocab_size();
-        if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
-            bail!("IDS: token id {bad} is outside the vocabulary (vocab_size {vocab})");
-        }
-        if settings.replay {
-            let line = replay(engine.as_ref(), ids, settings.batch, &mut session)?;
-            println!("{line}");
-            println!("{}", report_line(engine.as_ref(), 0.0));
-            println!("{}", profile_line(engine.as_ref(), &run_started));
-            return Ok(session.finish(engine.as_ref(), RunKind::Generating));
-        }
+    fn replay(&self, ids: &[u32]) -> Result<ExitCode> {
+        let engine = self.engine();
+        let prompt = Prompt {
+            what: "IDS",
+            positions: ids.len(),
+            then_ngen: false,
+        };
+        let Begun {
+            mut session,
+            started,
+            ..
+        } = self.begin(RunKind::Generating, Some(prompt))?;
+        self.check_ids(ids)?;
+        let line = replay(engine, ids, self.settings.batch, &mut session)?;
+        println!("{line}");
+        println!("{}", report_line(engine, 0.0));
+        println!("{}", profile_line(engine, &started));
+        Ok(session.finish(engine, RunKind::Generating))
+    }
+
+    fn ids(&self, ids: &[u32]) -> Result<ExitCode> {
+        let engine = self.engine();
+        let prompt = Prompt {
+            what: "IDS",
+            positions: ids.len(),
+            then_ngen: true,
+        };
+        let Begun {
+            mut session,
+            ngen,
+            started,
+        } = self.begin(RunKind::Generating, Some(prompt))?;
+        self.check_ids(ids)?;
         let mut on_tokens =
             |engine: &dyn Engine, emitted: u64| session.after_tokens(engine, emitted);
         // A generation ends where the model says it ends, as in text mode.
         let stops = engine.stop_tokens().to_vec();
         let mut state = engine.new_state();
-        let generation = greedy_with(
-            engine.as_ref(),
-            &mut state,
-            ids,
-            ngen,
-            &stops,
-            &mut on_tokens,
-        )?;
+        let generation = greedy_with(engine, &mut state, ids, ngen, &stops, &mut on_tokens)?;
         if generation.stopped_in_prefill() {
             eprintln!(
                 "[coli] stopped during the prefill of {} tokens: nothing generated",
@@ -200,173 +284,51 @@ fn job(model: Option<&str>, settings: &Settings, positionals: Positionals) -> Re
         }
         println!(
             "{}",
-            report_line(engine.as_ref(), generation.decode_tokens_per_second())
+            report_line(engine, generation.decode_tokens_per_second())
         );
-        println!("{}", profile_line(engine.as_ref(), &run_started));
-        return Ok(session.finish(engine.as_ref(), RunKind::Generating));
-    }
-    if settings.replay {
-        bail!("REPLAY=1 decodes the ids given with IDS=\"...\"; IDS is not set");
+        println!("{}", profile_line(engine, &started));
+        Ok(session.finish(engine, RunKind::Generating))
     }
 
-    let reference = Reference::load(&ref_path, engine.vocab_size())?;
-    let outcome = if settings.tf {
-        oracle::compare_teacher_forced(engine.as_ref(), &reference)?
-    } else {
-        oracle::compare_greedy(engine.as_ref(), &reference)?
-    };
-    println!("{}", report_line(engine.as_ref(), outcome.rate));
-    // An oracle run scores the reference's tokens: its routing is traced but not learned.
-    let finished = session.finish(engine.as_ref(), RunKind::Scoring);
-    if settings.oracle_strict && !outcome.passed() {
-        eprintln!(
-            "ORACLE_STRICT: {}/{} matching{}",
-            outcome.matching,
-            outcome.compared,
-            if outcome.non_finite {
-                ", non-finite logits"
-            } else {
-                ""
-            }
-        );
-        return Ok(ExitCode::from(1));
+    fn oracle(&self, teacher_forced: bool, strict: bool) -> Result<ExitCode> {
+        let engine = self.engine();
+        let Begun { mut session, .. } = self.begin(RunKind::Scoring, None)?;
+        let reference = Reference::load(&self.reference_path(), engine.vocab_size())?;
+        let outcome = if teacher_forced {
+            oracle::compare_teacher_forced(engine, &reference)?
+        } else {
+            oracle::compare_greedy(engine, &reference)?
+        };
+        println!("{}", report_line(engine, outcome.rate));
+        // An oracle run scores the reference's tokens: its routing is traced but not learned.
+        let finished = session.finish(engine, RunKind::Scoring);
+        if strict && !outcome.passed() {
+            eprintln!(
+                "ORACLE_STRICT: {}/{} matching{}",
+                outcome.matching,
+                outcome.compared,
+                if outcome.non_finite {
+                    ", non-finite logits"
+                } else {
+                    ""
+                }
+            );
+            return Ok(ExitCode::from(1));
+        }
+        Ok(finished)
     }
-    Ok(finished)
 }
 
-/// The snapshot `SNAP` names and the engine that runs it, checked (with the files the run
-/// will write) before anything is loaded; the thread pool sized by `THREADS`.
-pub fn open(model: Option<&str>, settings: &Settings) -> Result<(Snapshot, &'static str)> {
-    let Some(snap) = &settings.snap else {
-        bail!("SNAP is not set: pass SNAP=<model directory>, e.g. `coli SNAP=fixtures/olmoe_tiny 64 16 16`");
-    };
-    let mut threads = settings.threads;
-    let available = std::thread::available_parallelism().map_or(1, usize::from);
-    if threads > available {
-        eprintln!(
-            "[threads] THREADS={threads} is more than the {available} CPUs this process may use; using {available}"
-        );
-        threads = available;
+/// In an MPI job, the trunk's routed experts spread over the expert ranks: after the history
+/// loaded, so that its heat balances the ranks, and before the pins, which go to the ranks
+/// that own them. A job of one process has nothing to spread.
+fn spread_experts(engine: &dyn Engine, settings: &Settings) -> Result<()> {
+    #[cfg(feature = "mpi")]
+    if crate::cluster::world_size() > 1 {
+        return crate::cluster::Trunk::attach(engine, settings, crate::cluster::world_size());
     }
-    if threads > 0 {
-        // Fails only if a pool already exists, which cannot happen before the first job.
-        let _ = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build_global();
-    }
-    let snapshot = Snapshot::open(snap)?;
-    let name = engines::resolve(model, &snapshot)?;
-    Session::preflight(settings, snapshot.dir(), name)?;
-    Ok((snapshot, name))
-}
-
-/// config.json's `max_position_embeddings`: the positions a run may use, unless
-/// `LONG_CONTEXT=1` allows more (`None`: no limit).
-fn context_limit(snapshot: &Snapshot, settings: &Settings) -> Option<usize> {
-    if settings.long_context {
-        return None;
-    }
-    let config = snapshot.config_json();
-    config
-        .get("text_config")
-        .unwrap_or(config)
-        .get("max_position_embeddings")
-        .and_then(serde_json::Value::as_u64)
-        .map(|limit| limit as usize)
-}
-
-/// A loaded engine, the RAM budget its store was sized from, and the two banner lines
-/// (`== coli ... ==`, `loaded in ...`) for the caller to print where its mode prints them.
-pub struct Loaded {
-    pub engine: Box<dyn Engine>,
-    pub budget: u64,
-    pub banner: [String; 2],
-}
-
-/// Load `name` from `snapshot` as the settings and positionals ask: widths, kernels,
-/// backend, expert store. The store's summary, the engine's notes and its stop tokens go
-/// to stderr.
-pub fn load(
-    settings: &Settings,
-    positionals: Positionals,
-    snapshot: &Snapshot,
-    name: &'static str,
-) -> Result<Loaded> {
-    load_for(settings, positionals, snapshot, name, true)
-}
-
-/// [`load`], for a caller that keeps the trunk's weights (`keeps_trunk`) or drops them once
-/// loaded and keeps only the expert store (an MPI expert rank), whose budget then holds
-/// experts alone.
-pub fn load_for(
-    settings: &Settings,
-    positionals: Positionals,
-    snapshot: &Snapshot,
-    name: &'static str,
-    keeps_trunk: bool,
-) -> Result<Loaded> {
-    let cap = match positionals.cap {
-        Some(cap) if cap > 0 => cap as usize,
-        _ => settings.cap,
-    };
-    let expert_width = Width::from_bits(positionals.expert_bits).context("EBITS")?;
-    let dense_width = Width::from_bits(positionals.dense_bits).context("DBITS")?;
-    crate::quant::select_simd(settings.simd);
-    crate::quant::act8::select(int8_activations(settings, &positionals)?);
-    backend::start(settings.backend, settings.gpu_dense)?;
-    let options = LoadOptions {
-        store: StoreOptions {
-            cap,
-            width: expert_width,
-            budget: Budget::detect(settings.ram_gb),
-            io: settings.expert_io,
-            direct: settings.direct,
-            io_threads: settings.io_threads,
-            policy: settings.policy,
-            pilot: settings.pilot,
-            keeps_trunk,
-        },
-        dense_width,
-        draft: settings.draft,
-        dsa_force: settings.dsa_force,
-    };
-
-    let started = Instant::now();
-    let loading = loading_spinner(name);
-    let budget = options.store.budget.bytes;
-    let loaded = engines::load(name, snapshot, options);
-    loading.finish_and_clear();
-    let engine = loaded?;
-    let banner = [
-        format!(
-            "== coli {name} | cache={} experts/layer | experts@{}-bit dense@{}-bit ==",
-            engine.cache_capacity(),
-            expert_width.bits(),
-            dense_width.bits()
-        ),
-        format!(
-            "loaded in {:.2}s | resident dense: {:.2} MB",
-            started.elapsed().as_secs_f64(),
-            engine.resident_bytes() as f64 / 1e6
-        ),
-    ];
-    eprintln!("{}", engine.routed().store.summary());
-    for note in engine.notes() {
-        eprintln!("{note}");
-    }
-    let stops = engine.stop_tokens();
-    if !stops.is_empty() {
-        eprintln!(
-            "[stop] {} stop tokens: {}",
-            stops.len(),
-            oracle::join(stops)
-        );
-    }
-    Ok(Loaded {
-        engine,
-        budget,
-        banner,
-    })
+    let _ = (engine, settings);
+    Ok(())
 }
 
 /// `Expert cache hit rate: ...`, the line every mode ends with.
@@ -386,18 +348,6 @@ fn report_line(engine: &dyn Engine, tokens_per_second: f64) -> String {
         resident_set_bytes() as f64 / 1e9,
         tokens_per_second
     )
-}
-
-/// A spinner on stderr while the engine maps and prepares its weights; drawn only when
-/// stderr is a terminal.
-fn loading_spinner(name: &str) -> ProgressBar {
-    let spinner = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
-    if let Ok(style) = ProgressStyle::with_template("{spinner} loading {msg} ({elapsed})") {
-        spinner.set_style(style);
-    }
-    spinner.set_message(name.to_string());
-    spinner.enable_steady_tick(Duration::from_millis(120));
-    spinner
 }
 
 /// `REPLAY=1`: decode `ids` one token at a time (a short untimed warm-up over the first
@@ -463,17 +413,6 @@ fn replay(engine: &dyn Engine, ids: &[u32], batch: usize, session: &mut Session)
     ))
 }
 
-/// `ACT_BITS=8`, refused where every matrix is float (the exact path: there is nothing to
-/// quantise against).
-fn int8_activations(settings: &Settings, positionals: &Positionals) -> Result<bool> {
-    if settings.int8_activations && positionals.expert_bits >= 16 && positionals.dense_bits >= 16 {
-        bail!(
-            "ACT_BITS=8 quantises activations for int8, int4 and MXFP4 weights; EBITS and DBITS >= 16 is the exact f32 path: lower EBITS or DBITS (e.g. `64 4 8`), or drop ACT_BITS"
-        );
-    }
-    Ok(settings.int8_activations)
-}
-
 /// Tokens decoded before REPLAY's timed pass, to fault in the trunk and start the threads.
 const REPLAY_WARMUP: usize = 4;
 
@@ -530,23 +469,4 @@ fn process_read_bytes() -> Option<u64> {
 
 fn resident_set_bytes() -> u64 {
     proc_field("/proc/self/status", "VmRSS:").map_or(0, |kib| kib * 1024)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn positionals_default_like_colibri() {
-        assert_eq!(
-            Positionals::from_numbers(&[]),
-            Positionals {
-                cap: None,
-                expert_bits: 8,
-                dense_bits: 8
-            }
-        );
-        assert_eq!(Positionals::from_numbers(&[64, 16]).dense_bits, 16);
-        assert_eq!(Positionals::from_numbers(&[64, 4, 16]).dense_bits, 16);
-    }
 }

@@ -7,11 +7,24 @@
 
 use thiserror::Error;
 
-use crate::generate::argmax;
-
 /// Temperatures below this are treated as this when sampling (colibri's floor), so a tiny
 /// positive `TEMP` is near-greedy rather than a division by zero.
 const MIN_TEMPERATURE: f64 = 1e-4;
+
+/// Index of the first maximum, skipping NaN; 0 when every value is NaN (the first maximum
+/// wins, as `torch.argmax`).
+pub fn argmax(values: &[f32]) -> u32 {
+    let mut best: Option<(usize, f32)> = None;
+    for (i, &v) in values.iter().enumerate() {
+        if v.is_nan() {
+            continue;
+        }
+        if best.is_none_or(|(_, b)| v > b) {
+            best = Some((i, v));
+        }
+    }
+    best.map_or(0, |(i, _)| i as u32)
+}
 
 #[derive(Debug, Error, PartialEq)]
 pub enum SamplingError {
@@ -182,6 +195,13 @@ impl XorShift {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn argmax_takes_first_maximum_and_skips_nan() {
+        assert_eq!(argmax(&[1.0, 3.0, 3.0]), 1);
+        assert_eq!(argmax(&[f32::NAN, -1.0, -2.0]), 1);
+        assert_eq!(argmax(&[f32::NAN, f32::NAN]), 0);
+    }
 
     #[test]
     fn zero_temperature_is_argmax() {

@@ -18,6 +18,7 @@ use anyhow::{bail, Result};
 use thiserror::Error;
 
 use crate::backend;
+use crate::backend::vulkan::VulkanOptions;
 use crate::experts::{ExpertIo, Policy, Sharding};
 use crate::quant::Isa;
 use crate::route_trace::placement::{PinGb, PinRank, PinSetting};
@@ -358,6 +359,24 @@ pub const KEYS: &[Key] = &[
         default: "0",
         doc: "GB of routed experts kept on the GPU, hottest first from the PIN plan; 0 = none",
     },
+    Key {
+        name: "COLI_VK_DEVICE",
+        kind: Kind::Count,
+        default: "",
+        doc: "Vulkan (BACKEND=vulkan or auto): the device by its index in the loader's list; unset = discrete first, then integrated, virtual, other and CPU devices",
+    },
+    Key {
+        name: "COLI_VK_LOADER",
+        kind: Kind::Path,
+        default: "",
+        doc: "Vulkan: the loader library to open; unset = the system's libvulkan.so.1",
+    },
+    Key {
+        name: "COLI_VK_STAGED",
+        kind: Kind::Bool,
+        default: "0",
+        doc: "Vulkan: upload weights through a staging copy even where device memory is host-visible",
+    },
 ];
 
 /// A setting's parsed value.
@@ -552,6 +571,8 @@ pub struct Settings {
     pub backend: backend::Choice,
     pub gpu_dense: bool,
     pub gpu_expert_gb: f64,
+    /// `COLI_VK_DEVICE`, `COLI_VK_LOADER`, `COLI_VK_STAGED`.
+    pub vulkan: VulkanOptions,
     // The expert store.
     pub ram_gb: f64,
     pub expert_io: ExpertIo,
@@ -646,6 +667,11 @@ impl Settings {
             backend: backend::Choice::from_setting(&r.text_or_default("BACKEND"))?,
             gpu_dense: r.flag("GPU_DENSE"),
             gpu_expert_gb: r.number("GPU_EXPERT_GB"),
+            vulkan: VulkanOptions {
+                device: r.count_if_set("COLI_VK_DEVICE"),
+                loader: r.path("COLI_VK_LOADER"),
+                staged: r.flag("COLI_VK_STAGED"),
+            },
             ram_gb: r.number("RAM_GB"),
             expert_io: ExpertIo::from_setting(&r.text_or_default("EXPERT_IO"))?,
             direct: r.flag_if_set("DIRECT"),
@@ -841,6 +867,36 @@ mod tests {
         assert!(settings.usage_save && settings.autopin && settings.pin_abstain);
         assert!(!settings.int8_activations);
         assert!(settings.snap.is_none() && settings.seed.is_none());
+        assert_eq!(settings.vulkan, VulkanOptions::default());
+    }
+
+    #[test]
+    fn the_vulkan_settings_come_from_their_environment_variables() {
+        let env = |name: &str| match name {
+            "COLI_VK_DEVICE" => Some("1".to_string()),
+            "COLI_VK_LOADER" => Some("/opt/vulkan/libvulkan.so.1".to_string()),
+            "COLI_VK_STAGED" => Some("1".to_string()),
+            _ => None,
+        };
+        let settings = Settings::resolve(&[], env).unwrap();
+        assert_eq!(
+            settings.vulkan,
+            VulkanOptions {
+                device: Some(1),
+                loader: Some(PathBuf::from("/opt/vulkan/libvulkan.so.1")),
+                staged: true,
+            }
+        );
+        let err = Settings::resolve(&pairs(&[("COLI_VK_DEVICE", "first")]), no_env)
+            .err()
+            .unwrap();
+        assert!(matches!(
+            err.downcast_ref::<SettingsError>(),
+            Some(SettingsError::BadValue {
+                key: "COLI_VK_DEVICE",
+                ..
+            })
+        ));
     }
 
     #[test]

@@ -151,12 +151,12 @@ impl Choice {
 /// Open and install the device `BACKEND` names, saying on stderr which one computes. A
 /// named GPU that cannot start is an error with the reason; `auto` tries CUDA, then Vulkan
 /// (passing over a software driver such as lavapipe), then settles on the CPU and says why. With `dense` false (`GPU_DENSE=0`) only the expert
-/// tier uses the device.
-pub fn start(choice: Choice, dense: bool) -> Result<()> {
+/// tier uses the device; `vulkan` says how a Vulkan device is opened.
+pub fn start(choice: Choice, dense: bool, vulkan: &vulkan::VulkanOptions) -> Result<()> {
     let device: Arc<dyn Device> = match choice {
         Choice::Cpu => return Ok(()),
         Choice::Vulkan => Arc::new(
-            vulkan::VulkanDevice::open()
+            vulkan::VulkanDevice::open(vulkan)
                 .context("BACKEND=vulkan cannot start (BACKEND=cpu runs without a GPU)")?,
         ),
         Choice::Cuda => Arc::new(
@@ -165,7 +165,7 @@ pub fn start(choice: Choice, dense: bool) -> Result<()> {
         ),
         Choice::Auto => match cuda::CudaDevice::open() {
             Ok(device) => Arc::new(device),
-            Err(cuda) => match vulkan::VulkanDevice::open().and_then(|device| {
+            Err(cuda) => match vulkan::VulkanDevice::open(vulkan).and_then(|device| {
                 if device.is_software() {
                     bail!(
                         "{} is a driver that computes on the CPU, slower than BACKEND=cpu \

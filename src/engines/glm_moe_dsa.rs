@@ -24,17 +24,17 @@ use super::mla::{
     attend_absorbed, attend_plain, Keys, LatentCache, MlaProjections, MlaShape, Projected,
 };
 use super::moe::{Choice, RoutedExperts, Router, SigmoidRouter};
+use super::prompt::PromptConvention;
 use super::state::{per_sequence, states_of, Logits, Rows, SequenceState, State, Step};
 use super::weights::Weights;
 use super::{lock, Engine, LoadOptions};
 use crate::activation::Activation;
 use crate::experts::ExpertTensors;
-use crate::generate::argmax;
 use crate::interrupt;
 use crate::quant::Matrix;
 use crate::route_trace::RouteTrace;
+use crate::sampling::argmax;
 use crate::snapshot::Snapshot;
-use crate::text::PromptConvention;
 
 pub const NAME: &str = "glm_moe_dsa";
 

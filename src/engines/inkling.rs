@@ -18,6 +18,7 @@ use super::layers::{
     AttentionShape, GatedMlp, Sublayer,
 };
 use super::moe::{Choice, RoutedExperts, Router};
+use super::prompt::PromptConvention;
 use super::short_conv::{ConvState, ShortConv};
 use super::state::{per_sequence, states_of, Rows, SequenceState, State, Step};
 use super::weights::Weights;
@@ -29,7 +30,6 @@ use crate::interrupt;
 use crate::quant::Matrix;
 use crate::route_trace::RouteTrace;
 use crate::snapshot::Snapshot;
-use crate::text::PromptConvention;
 
 pub const NAME: &str = "inkling";
 

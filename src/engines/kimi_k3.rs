@@ -29,6 +29,7 @@ use super::kda::{Kda, KdaShape, KdaState};
 use super::layers::{embed_tokens, final_norm, lm_head, rms_norm, rms_norm_in_place, GatedMlp};
 use super::mla::{attend_absorbed, attend_plain, Keys, LatentCache, MlaProjections, MlaShape};
 use super::moe::{Choice, ExpertInput, RoutedExperts, Router, SigmoidRouter};
+use super::prompt::PromptConvention;
 use super::state::{per_sequence, Logits, Rows, SequenceState, State, Step};
 use super::weights::Weights;
 use super::{lock, Engine, LoadOptions};
@@ -39,7 +40,6 @@ use crate::profile::{self, Phase};
 use crate::quant::Matrix;
 use crate::route_trace::RouteTrace;
 use crate::snapshot::Snapshot;
-use crate::text::PromptConvention;
 
 pub const NAME: &str = "kimi_k3";
 

@@ -12,6 +12,7 @@ use super::layers::{
     Sublayer,
 };
 use super::moe::{Choice, RoutedExperts, Router};
+use super::prompt::PromptConvention;
 use super::state::{per_sequence, states_of, Rows, SequenceState, State, Step};
 use super::weights::Weights;
 use super::window_attention::{windowed_attention, WindowKvCache};
@@ -21,7 +22,6 @@ use crate::interrupt;
 use crate::quant::{matmul_shared_input, Matrix};
 use crate::route_trace::RouteTrace;
 use crate::snapshot::{Dtype, Snapshot, TensorView};
-use crate::text::PromptConvention;
 
 pub const NAME: &str = "olmoe";
 

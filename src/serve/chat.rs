@@ -17,9 +17,9 @@ use super::api::{Finish, Input};
 use super::metrics::Metrics;
 use super::worker::{self, Event, Job};
 use crate::interrupt;
-use crate::run::Positionals;
 use crate::sampling::Sampler;
 use crate::settings::Settings;
+use crate::startup::Positionals;
 use crate::text::ChatMessage;
 
 pub fn run(model: Option<&str>, settings: Settings, positionals: Positionals) -> Result<ExitCode> {

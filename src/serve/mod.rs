@@ -28,8 +28,8 @@ use axum::{Json, Router};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use crate::run::Positionals;
 use crate::settings::Settings;
+use crate::startup::Positionals;
 use api::{ApiError, Endpoint, Identity, Request};
 use metrics::Metrics;
 use worker::{Event, Job, ModelInfo};

@@ -21,11 +21,11 @@ use super::api::{ApiError, Finish, Input, Routed, Usage};
 use super::metrics::{Metrics, Turn};
 use crate::engines::{Engine, State};
 use crate::generate::{generate_after, Ending, Flow, Policy};
-use crate::run::{self, Loaded, Positionals};
 use crate::sampling::Sampler;
 use crate::session::{RunKind, Session};
 use crate::settings::Settings;
 use crate::snapshot::Snapshot;
+use crate::startup::{self, Positionals};
 use crate::text::{TextModel, TextTokenizer};
 
 /// One generation asked for.
@@ -62,7 +62,8 @@ pub struct ModelInfo {
     /// The id requests name: the model directory's name.
     pub id: String,
     pub engine: &'static str,
-    /// `max_position_embeddings` from config.json, when it says.
+    /// The positions a request may use: `max_position_embeddings` of the text config, unless
+    /// `LONG_CONTEXT=1` ([`startup::context_limit`]).
     pub context: Option<usize>,
 }
 
@@ -77,24 +78,13 @@ pub fn run(
     ready: std::sync::mpsc::Sender<Result<ModelInfo>>,
 ) -> ExitCode {
     let loaded = (|| -> Result<_> {
-        let (snapshot, name) = run::open(model.as_deref(), &settings)?;
+        let (snapshot, name) = startup::open(model.as_deref(), &settings)?;
         let tokenizer = TextTokenizer::load(snapshot.dir())?;
-        let Loaded {
-            engine,
-            budget,
-            banner,
-        } = run::load(&settings, positionals, &snapshot, name)?;
-        for line in banner {
-            eprintln!("{line}");
-        }
-        let session = Session::start(
-            &settings,
-            snapshot.dir(),
-            engine.as_ref(),
-            RunKind::Generating,
-        )?;
-        session.place(&settings, snapshot.dir(), engine.as_ref(), budget)?;
-        Ok((snapshot, name, tokenizer, engine, session))
+        let loaded = startup::load(&settings, positionals, &snapshot, name)?;
+        loaded.print_banner(true);
+        let session =
+            loaded.start_session(&settings, &snapshot, RunKind::Generating, |_| Ok(()))?;
+        Ok((snapshot, name, tokenizer, loaded.engine, session))
     })();
     let (snapshot, name, tokenizer, engine, mut session) = match loaded {
         Ok(parts) => parts,
@@ -106,11 +96,7 @@ pub fn run(
     let info = ModelInfo {
         id: model_id(snapshot.dir()),
         engine: name,
-        context: snapshot
-            .config_json()
-            .get("max_position_embeddings")
-            .and_then(serde_json::Value::as_u64)
-            .map(|n| n as usize),
+        context: startup::context_limit(&snapshot, &settings),
     };
     if ready.send(Ok(info.clone())).is_err() {
         return ExitCode::from(2);
@@ -244,7 +230,7 @@ impl Worker<'_> {
             .map_or(usize::MAX, |c| c.saturating_sub(prompt.len()));
         if room == 0 {
             return Err(Failure::Request(context_error(format!(
-                "the prompt takes {} tokens, the model's whole context of {}",
+                "the prompt takes {} tokens, the model's whole context of {} (max_position_embeddings in config.json)",
                 prompt.len(),
                 self.info.context.unwrap_or(0)
             ))));
@@ -252,7 +238,7 @@ impl Worker<'_> {
         let count = match job.max_tokens {
             Some(n) if n > room => {
                 return Err(Failure::Request(context_error(format!(
-                    "max_tokens {n}: the prompt takes {} of the model's {} positions, so at most {room} tokens can follow",
+                    "max_tokens {n}: the prompt takes {} of the model's {} positions (max_position_embeddings in config.json), so at most {room} tokens can follow",
                     prompt.len(),
                     self.info.context.unwrap_or(0)
                 ))))

@@ -1,6 +1,6 @@
 //! Text mode (`PROMPT=`): from a prompt to streamed text. The tokenizer and its special
-//! tokens ([`tokenizer`]), chat templates ([`chat`]), each engine's prompt convention
-//! ([`PromptConvention`]), the stop set, and the run itself: sampled (or greedy) tokens
+//! tokens ([`tokenizer`]), chat templates ([`chat`]), prompts through each engine's
+//! [`PromptConvention`], the stop set, and the run itself: sampled (or greedy) tokens
 //! decoded and printed as they come.
 //!
 //! Oracle and `IDS=` modes never come here and need no tokenizer.
@@ -15,7 +15,7 @@ use std::path::Path;
 use anyhow::{bail, Result};
 use serde_json::Value;
 
-use crate::engines::Engine;
+use crate::engines::{Engine, PromptConvention};
 use crate::generate::{generate_with, Ending, Flow, Generation, OnTokens, Policy};
 use crate::sampling::Sampler;
 use crate::settings::Settings;
@@ -23,34 +23,6 @@ use crate::snapshot::{model_stop_ids, token_ids, Snapshot};
 
 pub use chat::{ChatMessage, ChatTemplate};
 pub use tokenizer::{TextStream, TextTokenizer};
-
-/// How an engine's model turns a text prompt into ids and when its generation ends. Each
-/// engine states its own through [`Engine::prompt_convention`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PromptConvention {
-    /// Prepend the BOS token (`bos_token_id` in `config.json`, else `tokenizer_config.json`'s
-    /// `bos_token`). `add_bos_token: true` in `tokenizer_config.json` asks for it too.
-    pub bos: bool,
-    /// Tokens, by their text in `tokenizer.json`, that start every prompt after the BOS
-    /// (GLM's `[gMASK]<sop>`).
-    pub prefix: &'static [&'static str],
-    /// The Jinja chat template `CHAT=1` uses when the model directory ships none.
-    pub chat_template: Option<&'static str>,
-    /// Every added token marked special ends a generation (colibri's stop set); otherwise
-    /// only the EOS ids do, for models that emit special tokens inside an answer.
-    pub stop_on_special: bool,
-}
-
-impl PromptConvention {
-    /// The convention of an engine that states none: the tokenizer's own encoding, no
-    /// built-in chat template, every special token stops.
-    pub const PLAIN: PromptConvention = PromptConvention {
-        bos: false,
-        prefix: &[],
-        chat_template: None,
-        stop_on_special: true,
-    };
-}
 
 /// A prompt ready for the model.
 #[derive(Debug, Clone, PartialEq, Eq)]

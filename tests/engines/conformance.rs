@@ -26,8 +26,8 @@ use crate::common::{self, fixture};
 use crate::reference;
 use coli::engines::{self, Engine, LoadOptions, Logits, State, Step};
 use coli::experts::{ExpertIo, StoreOptions};
-use coli::generate::argmax;
 use coli::quant::Width;
+use coli::sampling::argmax;
 use coli::snapshot::Snapshot;
 
 struct Case {

@@ -13,8 +13,9 @@ use crate::{reference, reference_in};
 use std::collections::BTreeSet;
 
 use coli::engines::{self, LoadOptions};
-use coli::generate::{argmax, greedy};
+use coli::generate::greedy;
 use coli::route_trace::{EngineId, ReadOutcome, SaveOptions};
+use coli::sampling::argmax;
 use coli::snapshot::Snapshot;
 use common::{coli, copy_fixture, fixture, fixture_with_config, read_json, stderr, stdout};
 

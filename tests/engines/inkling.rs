@@ -13,8 +13,8 @@ use crate::common::Conversation;
 use crate::reference;
 
 use coli::engines::{self, LoadOptions};
-use coli::generate::argmax;
 use coli::route_trace::{ReadOutcome, SaveOptions};
+use coli::sampling::argmax;
 use coli::snapshot::Snapshot;
 use common::{coli, fixture, fixture_with_config, stderr};
 

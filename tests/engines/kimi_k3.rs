@@ -21,7 +21,7 @@ use std::collections::BTreeSet;
 use coli::engines::kda::delta_rule;
 use coli::engines::kimi_k3::PREFILL_CHUNK;
 use coli::engines::{self, LoadOptions};
-use coli::generate::argmax;
+use coli::sampling::argmax;
 use coli::snapshot::Snapshot;
 use common::{
     coli, copy_fixture, fixture, fixture_with_config, read_json, rewrite_shard, stderr, stdout,

@@ -134,18 +134,27 @@ fn the_tier_is_filled_from_the_pin_plan_first() {
 #[test]
 fn a_backend_that_cannot_start_is_an_error() {
     let snap = format!("SNAP={}", fixture("olmoe_tiny").display());
-    let out = coli(
-        &[&snap, "BACKEND=vulkan", "2", "16", "16"],
-        &[("COLI_VK_LOADER", "/nonexistent/libvulkan.so.1")],
-    );
-    assert_eq!(out.status.code(), Some(2));
-    let errors = stderr(&out);
-    assert!(
-        errors.contains("BACKEND=vulkan cannot start")
-            && errors.contains("/nonexistent/libvulkan.so.1"),
-        "{errors}"
-    );
-    assert!(!errors.contains("panicked"), "{errors}");
+    // COLI_VK_LOADER is a setting: from the environment or as an argument.
+    let loader = "COLI_VK_LOADER=/nonexistent/libvulkan.so.1";
+    for (argument, env) in [
+        (
+            None,
+            vec![("COLI_VK_LOADER", "/nonexistent/libvulkan.so.1")],
+        ),
+        (Some(loader), Vec::new()),
+    ] {
+        let mut args = vec![snap.as_str(), "BACKEND=vulkan", "2", "16", "16"];
+        args.extend(argument);
+        let out = coli(&args, &env);
+        assert_eq!(out.status.code(), Some(2));
+        let errors = stderr(&out);
+        assert!(
+            errors.contains("BACKEND=vulkan cannot start")
+                && errors.contains("/nonexistent/libvulkan.so.1"),
+            "{errors}"
+        );
+        assert!(!errors.contains("panicked"), "{errors}");
+    }
 
     let out = coli(
         &[

@@ -10,16 +10,15 @@
 
 use crate::common;
 
-use std::process::Command;
 use std::sync::OnceLock;
 
 use coli::activation::Activation;
 use coli::activation::Situ;
-use coli::backend::vulkan::VulkanDevice;
+use coli::backend::vulkan::{VulkanDevice, VulkanOptions};
 use coli::backend::{Device, DeviceError, ExpertGroup, GroupExpert};
 use coli::engines::layers::{rms_norm, swiglu_ffn};
 use coli::quant::{Format, Isa, Matrix};
-use common::{kernel_formats, random, test_name};
+use common::{kernel_formats, random};
 
 const UNIT: f64 = 1.0 / (1u64 << 24) as f64;
 
@@ -29,7 +28,7 @@ const SHAPES: [(usize, usize); 3] = [(64, 64), (100, 37), (257, 130)];
 fn device() -> &'static VulkanDevice {
     static DEVICE: OnceLock<VulkanDevice> = OnceLock::new();
     DEVICE.get_or_init(|| {
-        VulkanDevice::open()
+        VulkanDevice::open(&VulkanOptions::default())
             .unwrap_or_else(|error| panic!("the Vulkan device did not open: {error:#}"))
     })
 }
@@ -81,16 +80,20 @@ fn assert_matmul_matches_on(device: &VulkanDevice, matrix: &Matrix, id: u64, n: 
 
 #[test]
 fn matmul_matches_the_cpu_for_every_format_and_shape() {
+    matmul_matches_on(device());
+}
+
+fn matmul_matches_on(device: &VulkanDevice) {
     for (f, format) in kernel_formats(&[32, 64]).into_iter().enumerate() {
         for (s, &(rows, cols)) in SHAPES.iter().enumerate() {
             let seed = (f * 10 + s) as u64;
             let matrix = Matrix::from_f32_as(rows, cols, &random(rows * cols, seed), format)
                 .expect("encodable");
-            let id = device().upload(&matrix.raw()).expect("upload");
+            let id = device.upload(&matrix.raw()).expect("upload");
             for n in [1, 3, 17] {
-                assert_matmul_matches(&matrix, id, n, seed + n as u64);
+                assert_matmul_matches_on(device, &matrix, id, n, seed + n as u64);
             }
-            device().release(id);
+            device.release(id);
         }
     }
 }
@@ -108,27 +111,16 @@ fn a_matrix_larger_than_one_buffer_is_split_into_row_parts() {
 
 #[test]
 fn uploads_through_a_staging_copy_match_too() {
-    let status = Command::new(std::env::current_exe().expect("test binary path"))
-        .args([
-            "--exact",
-            &test_name(
-                module_path!(),
-                "matmul_matches_the_cpu_for_every_format_and_shape",
-            ),
-            &test_name(
-                module_path!(),
-                "thousands_of_small_weights_share_a_few_memory_blocks",
-            ),
-        ])
-        .env("COLI_VK_STAGED", "1")
-        .output()
-        .expect("running the test binary again");
-    let text = String::from_utf8_lossy(&status.stdout);
-    assert!(
-        status.status.success() && text.contains("2 passed"),
-        "staged uploads: {text}{}",
-        String::from_utf8_lossy(&status.stderr)
-    );
+    let staged = VulkanOptions {
+        staged: true,
+        ..VulkanOptions::default()
+    };
+    matmul_matches_on(&open(&staged));
+    thousands_of_small_weights_on(&open(&staged));
+}
+
+fn open(options: &VulkanOptions) -> VulkanDevice {
+    VulkanDevice::open(options).unwrap_or_else(|e| panic!("the Vulkan device did not open: {e:#}"))
 }
 
 /// More weights than the 4096 memory allocations many drivers allow: they share a few
@@ -136,10 +128,12 @@ fn uploads_through_a_staging_copy_match_too() {
 /// ones, checked after the last is written), and released room serves the next uploads.
 #[test]
 fn thousands_of_small_weights_share_a_few_memory_blocks() {
-    const COUNT: usize = 5000;
     // A device of its own, so that other tests' weights do not change its block count.
-    let own =
-        VulkanDevice::open().unwrap_or_else(|e| panic!("the Vulkan device did not open: {e:#}"));
+    thousands_of_small_weights_on(&open(&VulkanOptions::default()));
+}
+
+fn thousands_of_small_weights_on(own: &VulkanDevice) {
+    const COUNT: usize = 5000;
     let wave = |seed: u64| -> Vec<(Matrix, u64)> {
         (0..COUNT)
             .map(|i| {
@@ -155,7 +149,7 @@ fn thousands_of_small_weights_share_a_few_memory_blocks() {
     let check = |weights: &[(Matrix, u64)]| {
         for i in (0..COUNT).step_by(499).chain([1, COUNT - 1]) {
             let (matrix, id) = &weights[i];
-            assert_matmul_matches_on(&own, matrix, *id, 2, 50_000 + i as u64);
+            assert_matmul_matches_on(own, matrix, *id, 2, 50_000 + i as u64);
         }
     };
     let first = wave(10_000);
@@ -460,8 +454,7 @@ fn released_weights_are_gone_and_uploads_go_on() {
 
 #[test]
 fn a_device_of_its_own_opens_computes_and_drops() {
-    let own =
-        VulkanDevice::open().unwrap_or_else(|e| panic!("the Vulkan device did not open: {e:#}"));
+    let own = open(&VulkanOptions::default());
     let matrix = Matrix::from_f32_as(8, 8, &random(64, 11), Format::F32).expect("f32");
     let id = own.upload(&matrix.raw()).expect("upload");
     let mut out = vec![0f32; 8];
@@ -472,31 +465,33 @@ fn a_device_of_its_own_opens_computes_and_drops() {
 
 #[test]
 fn open_names_a_missing_loader() {
-    let output = Command::new(std::env::current_exe().expect("test binary path"))
-        .args([
-            "--exact",
-            &test_name(module_path!(), "open_fails_without_the_loader"),
-            "--ignored",
-        ])
-        .env("COLI_VK_LOADER", "/nonexistent/libvulkan.so.1")
-        .output()
-        .expect("running the test binary again");
-    let text = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success() && text.contains("1 passed"),
-        "missing loader: {text}{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-}
-
-/// Run by [`open_names_a_missing_loader`] in a child process with `COLI_VK_LOADER` set.
-#[test]
-#[ignore = "needs COLI_VK_LOADER pointing nowhere; open_names_a_missing_loader runs it"]
-fn open_fails_without_the_loader() {
-    let error = match VulkanDevice::open() {
+    let options = VulkanOptions {
+        loader: Some("/nonexistent/libvulkan.so.1".into()),
+        ..VulkanOptions::default()
+    };
+    let error = match VulkanDevice::open(&options) {
         Ok(_) => panic!("opened a device without a loader"),
         Err(error) => format!("{error:#}"),
     };
-    assert!(error.contains("/nonexistent/libvulkan.so.1"), "{error}");
+    assert!(
+        error.contains("COLI_VK_LOADER=/nonexistent/libvulkan.so.1"),
+        "{error}"
+    );
     assert!(error.contains("no Vulkan loader"), "{error}");
+}
+
+#[test]
+fn a_device_index_beyond_the_list_is_refused_by_name() {
+    let options = VulkanOptions {
+        device: Some(1000),
+        ..VulkanOptions::default()
+    };
+    let error = match VulkanDevice::open(&options) {
+        Ok(_) => panic!("opened device 1000"),
+        Err(error) => format!("{error:#}"),
+    };
+    assert!(
+        error.contains("COLI_VK_DEVICE=1000: there are only"),
+        "{error}"
+    );
 }

@@ -504,6 +504,48 @@ fn bad_requests_get_openai_errors_and_the_server_goes_on() {
     assert!(body["choices"][0]["message"]["content"].is_string());
 }
 
+/// A model whose `max_position_embeddings` is in config.json's `text_config` alone (Inkling's
+/// multimodal release, Kimi K3): the server holds requests to that limit, naming it, and
+/// `LONG_CONTEXT=1` lifts it, as for a run.
+#[test]
+fn a_limit_in_text_config_holds_requests_unless_long_context() {
+    let ids = |count: u32| -> Vec<u32> { (3..3 + count).collect() };
+    for name in ["inkling_tiny_b", "kimi_k3_tiny"] {
+        let dir = common::copy_fixture(name);
+        let path = dir.path().join("config.json");
+        let mut config: Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert!(
+            config.get("max_position_embeddings").is_none(),
+            "{name}: the limit is meant to be in text_config alone"
+        );
+        config["text_config"]["max_position_embeddings"] = json!(8);
+        std::fs::write(&path, config.to_string()).unwrap();
+
+        let server = Server::start(dir.path(), &["64", "16", "16", "USAGE_SAVE=0"], &[]);
+        // max_tokens beyond what the prompt leaves, then a prompt that fills the context.
+        for (prompt, max_tokens) in [(4, 6), (8, 1)] {
+            let (status, body) =
+                server.post("/v1/completions", &completion(&ids(prompt), max_tokens));
+            assert_eq!(status, 400, "{name}: {body}");
+            assert_eq!(body["error"]["code"], "context_length_exceeded", "{body}");
+            let message = body["error"]["message"].as_str().unwrap();
+            assert!(message.contains("max_position_embeddings"), "{message}");
+        }
+        let (status, body) = server.post("/v1/completions", &completion(&ids(4), 4));
+        assert_eq!(status, 200, "{name}: {body}");
+        drop(server);
+
+        let server = Server::start(
+            dir.path(),
+            &["64", "16", "16", "USAGE_SAVE=0", "LONG_CONTEXT=1"],
+            &[],
+        );
+        let (status, body) = server.post("/v1/completions", &completion(&ids(8), 6));
+        assert_eq!(status, 200, "{name} with LONG_CONTEXT=1: {body}");
+    }
+}
+
 #[test]
 fn api_key_is_required_beyond_loopback_and_checked_when_set() {
     let temp = tempfile::tempdir().unwrap();

@@ -17,14 +17,16 @@
 //!
 //! Weights go straight into memory that is both device-local and host-visible when such a
 //! heap is large enough (integrated GPUs, resizable BAR, the CPU driver), else through the
-//! staging buffer with a copy; `COLI_VK_STAGED=1` forces the copy. `COLI_VK_LOADER=<path>`
-//! names the loader library, `COLI_VK_DEVICE=<index>` the physical device.
+//! staging buffer with a copy; [`VulkanOptions`] (the settings `COLI_VK_STAGED`,
+//! `COLI_VK_LOADER` and `COLI_VK_DEVICE`) force the copy, name the loader library and pick
+//! the physical device. This module reads no environment: the settings registry does.
 
 mod blocks;
 mod packing;
 mod setup;
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
@@ -76,6 +78,18 @@ const MATMUL_SPV: [&[u8]; 7] = [
 const RMS_NORM_SPV: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/rms_norm.spv"));
 const GLU_SPV: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/glu.spv"));
 const EXPERT_SUM_SPV: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/expert_sum.spv"));
+
+/// How to open the Vulkan device; the default takes the system's loader and the best device.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct VulkanOptions {
+    /// `COLI_VK_LOADER`: the loader library to open instead of the system's `libvulkan.so.1`.
+    pub loader: Option<PathBuf>,
+    /// `COLI_VK_DEVICE`: the physical device, by its index in the loader's list.
+    pub device: Option<usize>,
+    /// `COLI_VK_STAGED`: upload weights through the staging buffer even where device memory
+    /// is host-visible.
+    pub staged: bool,
+}
 
 /// A GPU (or the CPU driver) through Vulkan.
 pub struct VulkanDevice {
@@ -162,12 +176,12 @@ unsafe impl Send for Mapped {}
 impl VulkanDevice {
     /// Load the Vulkan loader, pick a device and build the pipelines. The error names what
     /// is missing: the loader library, any device, Vulkan 1.2 or a compute queue.
-    pub fn open() -> Result<VulkanDevice> {
-        let entry = load_entry()?;
+    pub fn open(options: &VulkanOptions) -> Result<VulkanDevice> {
+        let entry = load_entry(options.loader.as_deref())?;
         // SAFETY: the entry points come from a loaded Vulkan loader; the instance is destroyed
         // by `Drop` or below.
         let instance = unsafe { create_instance(&entry)? };
-        let chosen = match unsafe { choose_physical_device(&instance) } {
+        let chosen = match unsafe { choose_physical_device(&instance, options.device) } {
             Ok(chosen) => chosen,
             Err(error) => {
                 unsafe { instance.destroy_instance(None) };
@@ -182,12 +196,11 @@ impl VulkanDevice {
             }
         };
         let memory_types = unsafe { instance.get_physical_device_memory_properties(chosen.handle) };
-        let staged = std::env::var("COLI_VK_STAGED").is_ok_and(|v| v == "1");
         let mut vulkan = VulkanDevice {
             description: chosen.description.clone(),
             software: chosen.software,
             max_binding: u64::from(chosen.max_storage_buffer_range),
-            direct_upload: !staged && has_large_mappable_device_memory(&memory_types),
+            direct_upload: !options.staged && has_large_mappable_device_memory(&memory_types),
             memory_budget: chosen.memory_budget,
             heap: largest_device_local_heap(&memory_types),
             memory_types,

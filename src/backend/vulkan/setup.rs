@@ -4,6 +4,7 @@
 
 use std::ffi::CStr;
 use std::io::Cursor;
+use std::path::Path;
 
 use anyhow::{anyhow, bail, Context, Result};
 use ash::vk;
@@ -35,13 +36,14 @@ pub(super) unsafe fn pipeline_of(
     }
 }
 
-pub(super) fn load_entry() -> Result<ash::Entry> {
+/// The Vulkan loader: `loader` (`COLI_VK_LOADER`) when given, else the system's.
+pub(super) fn load_entry(loader: Option<&Path>) -> Result<ash::Entry> {
     // SAFETY: loading the Vulkan loader runs its initialisers, which is what it is for.
-    match std::env::var_os("COLI_VK_LOADER") {
-        Some(path) => unsafe { ash::Entry::load_from(&path) }.map_err(|error| {
+    match loader {
+        Some(path) => unsafe { ash::Entry::load_from(path) }.map_err(|error| {
             anyhow!(
                 "no Vulkan loader at COLI_VK_LOADER={} ({error}): point it at libvulkan.so.1, or unset it",
-                path.to_string_lossy()
+                path.display()
             )
         }),
         None => unsafe { ash::Entry::load() }.map_err(|error| {
@@ -160,26 +162,24 @@ pub(super) unsafe fn inspect(
     })
 }
 
-/// Discrete first, then integrated, virtual, other and CPU devices; `COLI_VK_DEVICE=<index>`
-/// picks one by its index in the loader's list.
-pub(super) unsafe fn choose_physical_device(instance: &ash::Instance) -> Result<Chosen> {
+/// Discrete first, then integrated, virtual, other and CPU devices; `wanted`
+/// (`COLI_VK_DEVICE`) picks one by its index in the loader's list.
+pub(super) unsafe fn choose_physical_device(
+    instance: &ash::Instance,
+    wanted: Option<usize>,
+) -> Result<Chosen> {
     let handles = instance
         .enumerate_physical_devices()
         .context("listing Vulkan devices")?;
     if handles.is_empty() {
         bail!("the Vulkan loader found no device: install your GPU driver's Vulkan ICD, or mesa-vulkan-drivers for the CPU driver");
     }
-    if let Ok(wanted) = std::env::var("COLI_VK_DEVICE") {
-        let index: usize = wanted.parse().map_err(|_| {
-            anyhow!(
-                "COLI_VK_DEVICE={wanted}: expected a device index from 0 to {}",
-                handles.len() - 1
-            )
-        })?;
+    if let Some(index) = wanted {
         let Some(&handle) = handles.get(index) else {
             bail!(
-                "COLI_VK_DEVICE={index}: there are only {} Vulkan devices",
-                handles.len()
+                "COLI_VK_DEVICE={index}: there are only {} Vulkan devices (indices 0 to {})",
+                handles.len(),
+                handles.len() - 1
             );
         };
         return inspect(instance, handle).map_err(|why| anyhow!("COLI_VK_DEVICE={index}: {why}"));

@@ -1,0 +1,33 @@
+//! How a model wants its text prompts: the convention each engine declares for its model
+//! (BOS, a fixed prefix, a built-in chat template, which special tokens end an answer).
+//! Declared beside the engines that state it; it holds data only: applying it to a tokenizer
+//! is `text`'s job, and nothing here imports `text`.
+
+/// How an engine's model turns a text prompt into ids and when its generation ends. Each
+/// engine states its own through
+/// [`Engine::prompt_convention`](super::Engine::prompt_convention).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PromptConvention {
+    /// Prepend the BOS token (`bos_token_id` in `config.json`, else `tokenizer_config.json`'s
+    /// `bos_token`). `add_bos_token: true` in `tokenizer_config.json` asks for it too.
+    pub bos: bool,
+    /// Tokens, by their text in `tokenizer.json`, that start every prompt after the BOS
+    /// (GLM's `[gMASK]<sop>`).
+    pub prefix: &'static [&'static str],
+    /// The Jinja chat template `CHAT=1` uses when the model directory ships none.
+    pub chat_template: Option<&'static str>,
+    /// Every added token marked special ends a generation (colibri's stop set); otherwise
+    /// only the EOS ids do, for models that emit special tokens inside an answer.
+    pub stop_on_special: bool,
+}
+
+impl PromptConvention {
+    /// The convention of an engine that states none: the tokenizer's own encoding, no
+    /// built-in chat template, every special token stops.
+    pub const PLAIN: PromptConvention = PromptConvention {
+        bos: false,
+        prefix: &[],
+        chat_template: None,
+        stop_on_special: true,
+    };
+}
