@@ -170,6 +170,19 @@ impl Run<'_> {
     }
 
     /// `IDS=` as given, within the vocabulary.
+    /// [`Run::begin`] of a generating run over `IDS` (then `NGEN` more when `then_ngen`),
+    /// every id checked against the vocabulary.
+    fn begin_ids(&self, ids: &[u32], then_ngen: bool) -> Result<Begun> {
+        let prompt = Prompt {
+            what: "IDS",
+            positions: ids.len(),
+            then_ngen,
+        };
+        let begun = self.begin(RunKind::Generating, Some(prompt))?;
+        self.check_ids(ids)?;
+        Ok(begun)
+    }
+
     fn check_ids(&self, ids: &[u32]) -> Result<()> {
         let vocab = self.engine().vocab_size();
         if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
@@ -229,17 +242,11 @@ impl Run<'_> {
 
     fn replay(&self, ids: &[u32]) -> Result<ExitCode> {
         let engine = self.engine();
-        let prompt = Prompt {
-            what: "IDS",
-            positions: ids.len(),
-            then_ngen: false,
-        };
         let Begun {
             mut session,
             started,
             ..
-        } = self.begin(RunKind::Generating, Some(prompt))?;
-        self.check_ids(ids)?;
+        } = self.begin_ids(ids, false)?;
         let line = replay(engine, ids, self.settings.batch, &mut session)?;
         println!("{line}");
         println!("{}", report_line(engine, 0.0));
@@ -249,17 +256,11 @@ impl Run<'_> {
 
     fn ids(&self, ids: &[u32]) -> Result<ExitCode> {
         let engine = self.engine();
-        let prompt = Prompt {
-            what: "IDS",
-            positions: ids.len(),
-            then_ngen: true,
-        };
         let Begun {
             mut session,
             ngen,
             started,
-        } = self.begin(RunKind::Generating, Some(prompt))?;
-        self.check_ids(ids)?;
+        } = self.begin_ids(ids, true)?;
         let mut on_tokens =
             |engine: &dyn Engine, emitted: u64| session.after_tokens(engine, emitted);
         // A generation ends where the model says it ends, as in text mode.

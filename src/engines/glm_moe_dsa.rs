@@ -746,13 +746,7 @@ impl GlmMoeDsa {
             };
             let (layer, router) = Layer::load(&w, &config, sparse[l], selection)?;
             layers.push(layer);
-            expert_tensors.push(match router {
-                Some(router) => {
-                    routed.set_router(l, router);
-                    layer_experts(&w, &config)?
-                }
-                None => Vec::new(),
-            });
+            expert_tensors.push(routed.add_layer(l, router, || layer_experts(&w, &config))?);
         }
         let mtp = if mtp_present(snapshot, &config, n_layers) {
             let w = layer_weights(n_layers);

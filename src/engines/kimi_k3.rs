@@ -750,13 +750,7 @@ impl KimiK3 {
             let w = model.at(&format!("layers.{l}"));
             let (layer, router) = Layer::load(&w, &config, l, is_kda)?;
             layers.push(layer);
-            expert_tensors.push(match router {
-                Some(router) => {
-                    routed.set_router(l, router);
-                    layer_experts(&w, &config)?
-                }
-                None => Vec::new(),
-            });
+            expert_tensors.push(routed.add_layer(l, router, || layer_experts(&w, &config))?);
         }
         let vocab = [config.vocab_size, d];
         let embed_name = model.name("embed_tokens.weight");

@@ -396,6 +396,23 @@ impl RoutedExperts {
         self.routers[layer] = Some(router);
     }
 
+    /// Layer `layer` as loaded: where it routes (`router`), the router is set and its
+    /// experts (`experts`) are returned for the store; a dense layer has none.
+    pub fn add_layer(
+        &mut self,
+        layer: usize,
+        router: Option<Router>,
+        experts: impl FnOnce() -> Result<Vec<ExpertTensors>>,
+    ) -> Result<Vec<ExpertTensors>> {
+        match router {
+            Some(router) => {
+                self.set_router(layer, router);
+                experts()
+            }
+            None => Ok(Vec::new()),
+        }
+    }
+
     /// MoE layer `layer` over `n` rows `h` (its normalised input), the experts running on
     /// `h` itself with SwiGLU. See [`RoutedExperts::forward_on`].
     pub fn forward(&mut self, layer: usize, h: &[f32], n: usize) -> Result<MoeOutput> {
