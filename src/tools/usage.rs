@@ -524,6 +524,12 @@ fn merged_identity(hs: &[History], force: bool, notes: &mut Vec<String>) -> Resu
         .filter(|h| h.declared.writer.is_some() || h.declared.writer_invalid)
         .collect();
     let Some(first) = named.iter().find_map(|h| h.declared.writer) else {
+        if named.is_empty() && hs.iter().all(|h| h.counts.total() == 0) {
+            bail!(
+                "{} hold no records: there is nothing to merge; nothing was written",
+                list(hs)
+            );
+        }
         bail!(
             "none of {} names its engine (no valid -2 record): the merge could not say whose \
              history it is",
