@@ -425,6 +425,10 @@ impl SequenceState for GlmState {
     /// Latent and index-key caches go back to any position. With a draft head, the MTP's
     /// pair for position `mtp_done - 1` was made with the token after it, so a cut must
     /// keep that token (or go back to nothing).
+    fn can_truncate(&self, len: usize) -> bool {
+        len == 0 || self.drafting == 0 || len > self.mtp_done
+    }
+
     fn truncate(&mut self, len: usize) -> Result<()> {
         if len == 0 {
             self.layers.iter_mut().for_each(|c| c.truncate(0));
@@ -434,7 +438,7 @@ impl SequenceState for GlmState {
             self.mtp_done = 0;
             return Ok(());
         }
-        if self.drafting > 0 && len <= self.mtp_done {
+        if !self.can_truncate(len) {
             bail!(
                 "{NAME}: cannot go back to position {len}: the draft head has already paired position {} with the token after it (keep more than {} positions)",
                 self.mtp_done - 1,

@@ -588,6 +588,10 @@ impl SequenceState for InklingState {
 
     /// The short convolutions carry only their last inputs, so only an empty state is
     /// exact short of the whole one.
+    fn can_truncate(&self, len: usize) -> bool {
+        len == 0
+    }
+
     fn truncate(&mut self, len: usize) -> Result<()> {
         if len > 0 {
             bail!("{NAME} cannot go back to position {len} of {}: its short convolutions keep only their last inputs (start a new state, or fork one at the position wanted)", self.position);

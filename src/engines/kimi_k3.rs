@@ -473,6 +473,10 @@ impl SequenceState for KimiState {
 
     /// The KDA state is a running sum over every position, so only an empty state is exact
     /// short of the whole one.
+    fn can_truncate(&self, len: usize) -> bool {
+        len == 0
+    }
+
     fn truncate(&mut self, len: usize) -> Result<()> {
         if len > 0 {
             bail!("{NAME} cannot go back to position {len} of {}: its KDA layers keep a recurrent state, not the positions (start a new state, or fork one at the position wanted)", self.position);

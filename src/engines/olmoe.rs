@@ -272,6 +272,10 @@ impl SequenceState for OlmoeState {
         self.caches.iter().map(WindowKvCache::size_bytes).sum()
     }
 
+    fn can_truncate(&self, len: usize) -> bool {
+        self.caches.iter().all(|c| c.can_truncate(len))
+    }
+
     fn truncate(&mut self, len: usize) -> Result<()> {
         self.caches.iter_mut().try_for_each(|c| c.truncate(len))
     }

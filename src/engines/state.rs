@@ -20,6 +20,9 @@ pub trait SequenceState: Clone + Send + Sync + 'static {
     /// Bytes the state holds (caches, recurrent states, pending draft rows).
     fn size_bytes(&self) -> usize;
 
+    /// Whether [`SequenceState::truncate`] to `len` (at most the position) would succeed.
+    fn can_truncate(&self, len: usize) -> bool;
+
     /// Keep the first `len` positions, exactly as if the later ones had never been fed, or
     /// refuse with the reason when the model cannot (a recurrent state keeps no earlier
     /// positions). `len` is at most [`SequenceState::position`].
@@ -30,6 +33,7 @@ pub trait SequenceState: Clone + Send + Sync + 'static {
 trait AnyState: Send + Sync {
     fn position(&self) -> usize;
     fn size_bytes(&self) -> usize;
+    fn can_truncate(&self, len: usize) -> bool;
     fn truncate(&mut self, len: usize) -> Result<()>;
     fn fork(&self) -> Box<dyn AnyState>;
     fn as_any_mut(&mut self) -> &mut dyn Any;
@@ -42,6 +46,10 @@ impl<S: SequenceState> AnyState for S {
 
     fn size_bytes(&self) -> usize {
         SequenceState::size_bytes(self)
+    }
+
+    fn can_truncate(&self, len: usize) -> bool {
+        SequenceState::can_truncate(self, len)
     }
 
     fn truncate(&mut self, len: usize) -> Result<()> {
@@ -104,6 +112,12 @@ impl State {
             return Ok(());
         }
         self.inner.truncate(len)
+    }
+
+    /// Whether [`State::truncate`] to `len` would succeed.
+    pub fn can_truncate(&self, len: usize) -> bool {
+        let position = self.position();
+        len == position || len == 0 || (len < position && self.inner.can_truncate(len))
     }
 
     /// The engine's own state type, or an error when the state belongs to another engine.
@@ -323,6 +337,9 @@ mod tests {
         }
         fn size_bytes(&self) -> usize {
             8
+        }
+        fn can_truncate(&self, _len: usize) -> bool {
+            true
         }
         fn truncate(&mut self, len: usize) -> Result<()> {
             self.0 = len;

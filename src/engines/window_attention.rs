@@ -61,6 +61,12 @@ impl WindowKvCache {
             .sum::<usize>()
     }
 
+    /// Whether every key a query after position `len` may read is still held.
+    pub fn can_truncate(&self, len: usize) -> bool {
+        let needed = self.window.map_or(0, |w| len.saturating_sub(w - 1));
+        len == 0 || len >= self.positions() || needed >= self.first
+    }
+
     /// Keep the first `len` positions, where every key the next query may read is still
     /// held; otherwise the error says how far back this cache can go.
     pub fn truncate(&mut self, len: usize) -> anyhow::Result<()> {
@@ -68,8 +74,7 @@ impl WindowKvCache {
             self.clear();
             return Ok(());
         }
-        let needed = self.window.map_or(0, |w| len.saturating_sub(w - 1));
-        if len < self.positions() && needed < self.first {
+        if !self.can_truncate(len) {
             anyhow::bail!(
                 "a sliding-window cache that forgot the positions before {} cannot go back to {len}",
                 self.first
