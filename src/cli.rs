@@ -52,8 +52,9 @@ pub enum Command {
     #[command(subcommand)]
     Trace(crate::tools::TraceCommand),
     /// Serve the model over HTTP with OpenAI's API (chat and text completions, streamed or
-    /// not), /health and Prometheus /metrics; KV reused across a conversation's turns, the
-    /// history saved after every turn. Settings as for a run (SNAP=..., CAP EBITS DBITS).
+    /// not), /health and Prometheus /metrics; several generations batched a step, prompts
+    /// starting from the kept conversation state sharing their longest prefix, the history
+    /// saved after every turn. Settings as for a run (SNAP=..., CAP EBITS DBITS).
     Serve(ServeArgs),
     /// Chat with the model in the terminal: multi-turn, through its chat template, the KV
     /// cache reused across turns and the history saved after each. Settings as for a run.
@@ -75,6 +76,21 @@ pub struct ServeArgs {
     /// Port to listen on (0 = any free port, printed at start).
     #[arg(long, default_value_t = 8080)]
     pub port: u16,
+    /// Generations running at once, batched into one forward a step.
+    #[arg(long, default_value_t = 4, value_name = "N")]
+    pub parallel: usize,
+    /// The most prompt tokens one step feeds: a long prompt holds the running generations up
+    /// by one chunk at a time.
+    #[arg(long, default_value_t = crate::serve::DEFAULT_PREFILL_CHUNK, value_name = "TOKENS")]
+    pub prefill_chunk: usize,
+    /// Requests that may wait for a free generation; beyond them the answer is 429 with
+    /// Retry-After.
+    #[arg(long, default_value_t = 64, value_name = "N")]
+    pub queue: usize,
+    /// MB of conversation states kept for prefix reuse (least recently used go first);
+    /// default: half of what the expert store leaves for the rest of the run.
+    #[arg(long, value_name = "MB")]
+    pub cache_mb: Option<f64>,
     /// KEY=VALUE settings, then up to three numbers: CAP EBITS DBITS, as for a run.
     #[arg(value_name = "KEY=VALUE | CAP [EBITS [DBITS]]")]
     pub args: Vec<String>,
@@ -142,12 +158,26 @@ pub fn run(argv: impl IntoIterator<Item = OsString>) -> Result<ExitCode> {
         Some(Command::Serve(args)) => {
             refuse_mpirun("coli serve")?;
             let (settings, positionals) = resolve(&args.args)?;
+            let cache_bytes = match args.cache_mb {
+                Some(mb) if !(mb >= 0.0 && mb.is_finite()) => {
+                    bail!("--cache-mb {mb}: expected a number of megabytes, 0 or more")
+                }
+                Some(mb) => Some((mb * 1e6) as u64),
+                None => None,
+            };
+            let serving = crate::serve::Serving {
+                parallel: args.parallel,
+                prefill_chunk: args.prefill_chunk,
+                cache_bytes,
+            };
             crate::serve::run(
                 cli.model.as_deref(),
                 settings,
                 positionals,
                 &args.host,
                 args.port,
+                serving,
+                args.queue,
             )
         }
         Some(Command::Chat(args)) => {

@@ -31,7 +31,9 @@ pub mod save;
 pub mod scan;
 mod trace_stream;
 
+use std::collections::BTreeMap;
 use std::io;
+use std::ops::Range;
 use std::path::Path;
 
 pub use cfmt::{fixed, push_fixed, push_fixed_f32};
@@ -70,72 +72,27 @@ pub struct RouteTrace {
     /// experts of the MoE call in progress.
     guard: Option<guard::PlacementGuard>,
     call_experts: Vec<usize>,
-    /// The last forward's routing, while [`RouteTrace::keep_routes`] is on.
-    routes: Option<LastRoutes>,
+    /// The rows of the forward in progress that sequences own ([`RouteTrace::own_rows`]).
+    owners: Owners,
 }
 
-/// The routing of the last forward: per MoE call in order, its layer and batch rows'
-/// selected ids. A call whose layer is not above the previous call's starts a new forward.
-/// The first [`LastRoutes::KEPT_ROWS`] rows and the last one are kept (a verifying
-/// forward's rows, and a prefill's last), so a long prompt costs no memory per row.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct LastRoutes {
-    /// Forwards seen since the routes were first kept.
-    pub forward: u64,
-    calls: Vec<CallRoutes>,
-}
-
+/// A sequence's rows in the forward in progress (`coli serve`'s batches): their
+/// selections are held apart, per sequence, until its turn ends ([`RouteTrace::end_turn`]),
+/// so that a history saved while other turns run holds exactly the turns that finished.
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct CallRoutes {
-    layer: usize,
-    first: Vec<Vec<u32>>,
-    /// The highest row routed beyond the first ones, and its ids.
-    last: Option<(usize, Vec<u32>)>,
+pub struct RowOwner {
+    pub rows: Range<usize>,
+    pub sequence: u64,
 }
 
-impl LastRoutes {
-    pub const KEPT_ROWS: usize = 16;
-
-    /// Each call's selection for batch row `row` (empty where the call routed no such row
-    /// or did not keep it).
-    pub fn row(&self, row: usize) -> Vec<Vec<u32>> {
-        self.calls
-            .iter()
-            .map(|call| match (call.first.get(row), &call.last) {
-                (Some(ids), _) => ids.clone(),
-                (None, Some((last, ids))) if *last == row => ids.clone(),
-                _ => Vec::new(),
-            })
-            .collect()
-    }
-
-    /// Rows of the last forward.
-    pub fn rows(&self) -> usize {
-        self.calls
-            .iter()
-            .map(|call| {
-                call.last
-                    .as_ref()
-                    .map_or(call.first.len(), |(row, _)| row + 1)
-            })
-            .max()
-            .unwrap_or(0)
-    }
-
-    fn record(&mut self, row: usize, ids: &[usize]) {
-        let Some(call) = self.calls.last_mut() else {
-            return;
-        };
-        let ids: Vec<u32> = ids.iter().map(|&id| id as u32).collect();
-        if row < Self::KEPT_ROWS {
-            if call.first.len() <= row {
-                call.first.resize(row + 1, Vec::new());
-            }
-            call.first[row] = ids;
-        } else if call.last.as_ref().is_none_or(|(last, _)| row >= *last) {
-            call.last = Some((row, ids));
-        }
-    }
+/// Who owns the rows of the forward in progress, and the rows whose routing is kept.
+#[derive(Debug, Default)]
+struct Owners {
+    owners: Vec<RowOwner>,
+    /// Selections of sequences whose turns have not ended.
+    held: Vec<(u64, Counters)>,
+    /// Per kept row: each MoE call's selected ids, in call order.
+    kept: BTreeMap<usize, Vec<Vec<u32>>>,
 }
 
 impl RouteTrace {
@@ -152,19 +109,42 @@ impl RouteTrace {
             trace: None,
             guard: None,
             call_experts: Vec::new(),
-            routes: None,
+            owners: Owners::default(),
         })
     }
 
-    /// Keep (or stop keeping) each forward's per-row routing for [`RouteTrace::last_routes`]
-    /// (`coli serve`'s `return_routed_experts`).
-    pub fn keep_routes(&mut self, on: bool) {
-        self.routes = on.then(LastRoutes::default);
+    /// The next forwards' rows `owners[i].rows` belong to sequence `owners[i].sequence`
+    /// until the next call: their selections are held for the sequence (see
+    /// [`RouteTrace::end_turn`]) and, for the rows in `keep`, their routing kept for
+    /// [`RouteTrace::row_routes`]. Rows no owner names are counted at once, as in a run.
+    pub fn own_rows(&mut self, owners: Vec<RowOwner>, keep: &[usize]) {
+        for owner in &owners {
+            if !self.owners.held.iter().any(|(s, _)| *s == owner.sequence) {
+                let empty = self.counts.zeroed_like();
+                self.owners.held.push((owner.sequence, empty));
+            }
+        }
+        self.owners.owners = owners;
+        self.owners.kept = keep.iter().map(|&row| (row, Vec::new())).collect();
     }
 
-    /// The last forward's routing, when kept.
-    pub fn last_routes(&self) -> Option<&LastRoutes> {
-        self.routes.as_ref()
+    /// Each MoE call's selected ids for row `row` of the last forward, when
+    /// [`RouteTrace::own_rows`] asked to keep it.
+    pub fn row_routes(&self, row: usize) -> Option<&[Vec<u32>]> {
+        self.owners.kept.get(&row).map(Vec::as_slice)
+    }
+
+    /// The turn of `sequence` ended: its held selections join the counts (and the next
+    /// save) when it `finished`, and are dropped when it failed part-way.
+    pub fn end_turn(&mut self, sequence: u64, finished: bool) {
+        let held = &mut self.owners.held;
+        if let Some(at) = held.iter().position(|(s, _)| *s == sequence) {
+            let (_, counts) = held.swap_remove(at);
+            if finished {
+                self.counts.absorb(&counts);
+            }
+        }
+        self.owners.owners.retain(|o| o.sequence != sequence);
     }
 
     /// The engine name given at construction.
@@ -255,17 +235,6 @@ impl RouteTrace {
     /// [`MoeCall`]; dropping it ends the invocation, which advances the trace's `call`
     /// number (also when no row was routed, e.g. a device-side router).
     pub fn moe_call(&mut self, layer: usize) -> MoeCall<'_> {
-        if let Some(routes) = self.routes.as_mut() {
-            if routes.calls.last().is_none_or(|call| layer <= call.layer) {
-                routes.forward += 1;
-                routes.calls.clear();
-            }
-            routes.calls.push(CallRoutes {
-                layer,
-                first: Vec::new(),
-                last: None,
-            });
-        }
         MoeCall { rt: self, layer }
     }
 
@@ -383,7 +352,16 @@ impl MoeCall<'_> {
         assert_eq!(ids.len(), gates.len(), "one gate per routed expert");
         let rt = &mut *self.rt;
         if rt.counts.routes(self.layer) {
-            rt.counts.count(self.layer, ids);
+            let owners = &mut rt.owners;
+            let owner = owners.owners.iter().find(|o| o.rows.contains(&row));
+            let held = owner.and_then(|o| {
+                let sequence = o.sequence;
+                owners.held.iter_mut().find(|(s, _)| *s == sequence)
+            });
+            match held {
+                Some((_, counts)) => counts.count(self.layer, ids),
+                None => rt.counts.count(self.layer, ids),
+            }
             rt.heat.record(self.layer, ids);
         }
         if let Some(t) = rt.trace.as_mut() {
@@ -392,8 +370,8 @@ impl MoeCall<'_> {
         if rt.guard.is_some() {
             rt.call_experts.extend_from_slice(ids);
         }
-        if let Some(routes) = rt.routes.as_mut() {
-            routes.record(row, ids);
+        if let Some(kept) = rt.owners.kept.get_mut(&row) {
+            kept.push(ids.iter().map(|&id| id as u32).collect());
         }
     }
 }

@@ -32,6 +32,7 @@ pub fn run(model: Option<&str>, settings: Settings, positionals: Positionals) ->
         model.map(str::to_string),
         settings,
         positionals,
+        worker::Serving::one(),
         queue,
         Arc::new(Metrics::default()),
     )?;

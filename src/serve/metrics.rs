@@ -1,6 +1,6 @@
 //! `GET /metrics`: the server's counters and histograms, and the expert cache's figures as
 //! of the last turn, in the Prometheus text format (version 0.0.4). The HTTP side counts
-//! requests; the engine thread records turns and the cache.
+//! requests; the engine thread records turns, steps, kept states and the cache.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -12,6 +12,12 @@ use crate::experts::CacheStats;
 const TTFT_BUCKETS: [f64; 10] = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
 /// Upper bounds of the decode-rate histogram, in tokens per second.
 const RATE_BUCKETS: [f64; 10] = [1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0];
+/// Upper bounds of the queue-wait histogram, in seconds.
+const WAIT_BUCKETS: [f64; 10] = [0.001, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0];
+/// Upper bounds of the step-time histogram, in seconds.
+const STEP_BUCKETS: [f64; 10] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0];
+/// Upper bounds of the sequences-per-step histogram.
+const BATCH_BUCKETS: [f64; 8] = [1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0];
 
 #[derive(Default)]
 struct Histogram {
@@ -60,6 +66,28 @@ struct Inner {
     pinned: usize,
     running: usize,
     waiting: usize,
+    queue_wait: Histogram,
+    batch: Histogram,
+    step_time: Histogram,
+    steps: u64,
+    step_rows: u64,
+    step_experts_taken: u64,
+    step_experts_read: u64,
+    kept_states: usize,
+    kept_bytes: u64,
+}
+
+/// One step of the scheduler: one batched forward.
+pub struct StepFigures {
+    /// Sequences in the forward.
+    pub sequences: usize,
+    /// Token rows in the forward.
+    pub rows: usize,
+    /// Distinct experts its MoE layers took, from memory or read.
+    pub experts_taken: u64,
+    /// Of those, read from the shards (the store's misses).
+    pub experts_read: u64,
+    pub seconds: f64,
 }
 
 /// Shared between the HTTP handlers and the engine thread.
@@ -102,6 +130,30 @@ impl Metrics {
     /// (running, waiting) generations.
     pub fn load(&self) -> (usize, usize) {
         self.with(|m| (m.running, m.waiting))
+    }
+
+    /// A request left the queue for the engine after `seconds` in it.
+    pub fn waited(&self, seconds: f64) {
+        self.with(|m| m.queue_wait.observe(&WAIT_BUCKETS, seconds));
+    }
+
+    pub fn step(&self, step: StepFigures) {
+        self.with(|m| {
+            m.batch.observe(&BATCH_BUCKETS, step.sequences as f64);
+            m.step_time.observe(&STEP_BUCKETS, step.seconds);
+            m.steps += 1;
+            m.step_rows += step.rows as u64;
+            m.step_experts_taken += step.experts_taken;
+            m.step_experts_read += step.experts_read;
+        });
+    }
+
+    /// The kept conversation states now: how many, and their bytes.
+    pub fn kept(&self, (states, bytes): (usize, u64)) {
+        self.with(|m| {
+            m.kept_states = states;
+            m.kept_bytes = bytes;
+        });
     }
 
     pub fn turn(&self, turn: &Turn, cache: CacheStats, pinned: usize) {
@@ -152,13 +204,13 @@ impl Metrics {
                 (
                     "coli_requests_running",
                     "gauge",
-                    "Generations running (one at a time).",
+                    "Generations running (up to --parallel, batched in each step).",
                     m.running as f64,
                 ),
                 (
                     "coli_requests_waiting",
                     "gauge",
-                    "Generations queued behind the running one, served first come first served.",
+                    "Generations waiting for a free sequence, served first come first served.",
                     m.waiting as f64,
                 ),
                 (
@@ -170,7 +222,7 @@ impl Metrics {
                 (
                     "coli_prompt_tokens_cached_total",
                     "counter",
-                    "Prompt tokens whose KV cache came from the previous turn (not prefilled).",
+                    "Prompt tokens a kept conversation state held (not computed).",
                     m.cached_prompt_tokens as f64,
                 ),
                 (
@@ -184,6 +236,42 @@ impl Metrics {
                     "counter",
                     "Generations stopped because the client disconnected.",
                     m.abandoned as f64,
+                ),
+                (
+                    "coli_steps_total",
+                    "counter",
+                    "Batched forwards the scheduler ran.",
+                    m.steps as f64,
+                ),
+                (
+                    "coli_step_rows_total",
+                    "counter",
+                    "Token rows those forwards computed (decoded tokens, drafts and prompt chunks).",
+                    m.step_rows as f64,
+                ),
+                (
+                    "coli_step_experts_taken_total",
+                    "counter",
+                    "Distinct routed experts the steps' MoE layers took: one take serves every row routed to the expert in its step.",
+                    m.step_experts_taken as f64,
+                ),
+                (
+                    "coli_step_experts_read_total",
+                    "counter",
+                    "Of those, experts read from the shards.",
+                    m.step_experts_read as f64,
+                ),
+                (
+                    "coli_kept_states",
+                    "gauge",
+                    "Conversation states kept for prefix reuse.",
+                    m.kept_states as f64,
+                ),
+                (
+                    "coli_kept_state_bytes",
+                    "gauge",
+                    "Bytes of the kept conversation states (bounded by --cache-mb).",
+                    m.kept_bytes as f64,
                 ),
             ];
             for (name, kind, help, value) in single {
@@ -235,6 +323,24 @@ impl Metrics {
                 "Decode rate of each turn after its first token.",
                 &RATE_BUCKETS,
             );
+            m.queue_wait.render(
+                &mut out,
+                "coli_queue_wait_seconds",
+                "From a request's arrival to its start on the engine.",
+                &WAIT_BUCKETS,
+            );
+            m.batch.render(
+                &mut out,
+                "coli_step_sequences",
+                "Sequences in each batched forward.",
+                &BATCH_BUCKETS,
+            );
+            m.step_time.render(
+                &mut out,
+                "coli_step_seconds",
+                "Time of each batched forward.",
+                &STEP_BUCKETS,
+            );
             out
         })
     }
@@ -264,7 +370,24 @@ mod tests {
             ..CacheStats::default()
         };
         metrics.turn(&turn, cache, 2);
+        for sequences in [1, 3] {
+            metrics.step(StepFigures {
+                sequences,
+                rows: 2 * sequences,
+                experts_taken: 5,
+                experts_read: 1,
+                seconds: 0.1,
+            });
+        }
+        metrics.waited(0.02);
+        metrics.kept((2, 4096));
         let text = metrics.render();
+        assert!(text.contains("coli_step_sequences_bucket{le=\"2\"} 1\n"));
+        assert!(text.contains("coli_step_sequences_bucket{le=\"3\"} 2\n"));
+        assert!(text.contains("coli_step_rows_total 8\n"));
+        assert!(text.contains("coli_step_experts_taken_total 10\n"));
+        assert!(text.contains("coli_queue_wait_seconds_bucket{le=\"0.05\"} 1\n"));
+        assert!(text.contains("coli_kept_state_bytes 4096\n"));
         assert!(text.contains("coli_requests_total{endpoint=\"chat\",status=\"200\"} 2\n"));
         assert!(text.contains("coli_requests_total{endpoint=\"completions\",status=\"400\"} 1\n"));
         assert!(text.contains("coli_prompt_tokens_cached_total 4\n"));

@@ -1,13 +1,16 @@
 //! `coli serve`: an OpenAI-compatible HTTP server (axum on tokio) in front of one engine;
 //! and `coli chat` ([`chat`]), the same engine thread behind a terminal.
-//! This module owns the HTTP side: binding, authentication, body limits, the routes, and
-//! server-sent events. The engine runs on a thread of its own ([`worker`]), one generation
-//! at a time, and the handlers only queue jobs and relay their events; nothing here touches
-//! the engine or the telemetry.
+//! This module owns the HTTP side: binding, authentication, body limits, the routes, the
+//! bounded queue (429 when full), and server-sent events. The engine runs on a thread of
+//! its own ([`worker`]), whose [`scheduler`] batches up to `--parallel` generations a step;
+//! the handlers only queue jobs and relay their events; nothing here touches the engine or
+//! the telemetry.
 
 mod api;
 pub mod chat;
 mod metrics;
+mod pool;
+mod scheduler;
 mod worker;
 
 use std::convert::Infallible;
@@ -33,11 +36,10 @@ use crate::startup::Positionals;
 use api::{ApiError, Endpoint, Identity, Request};
 use metrics::Metrics;
 use worker::{Event, Job, ModelInfo};
+pub use worker::{Serving, DEFAULT_PREFILL_CHUNK};
 
 /// The largest request body accepted.
 const BODY_LIMIT: usize = 4 << 20;
-/// Requests waiting behind the running one before new ones are turned away (503).
-const QUEUE: usize = 64;
 
 struct App {
     jobs: mpsc::Sender<Job>,
@@ -48,6 +50,8 @@ struct App {
     settings: Settings,
     /// `TEMP`, for requests that give no temperature (checked at start).
     temperature: f64,
+    /// Requests that may wait for a free sequence before new ones get 429.
+    queue: usize,
 }
 
 /// Serve the model the settings name on `host:port` until SIGINT or SIGTERM; then the
@@ -59,7 +63,12 @@ pub fn run(
     positionals: Positionals,
     host: &str,
     port: u16,
+    serving: Serving,
+    queue: usize,
 ) -> Result<ExitCode> {
+    if serving.parallel == 0 || serving.prefill_chunk == 0 || queue == 0 {
+        bail!("--parallel, --prefill-chunk and --queue take a count of at least 1");
+    }
     let ip: IpAddr = match host {
         "localhost" => IpAddr::from([127, 0, 0, 1]),
         _ => host.parse().with_context(|| {
@@ -87,12 +96,14 @@ pub fn run(
     let address = listener.local_addr()?;
 
     let metrics = Arc::new(Metrics::default());
-    let (jobs, queue) = mpsc::channel(QUEUE);
+    let (jobs, waiting) = mpsc::channel(queue);
+    let parallel = serving.parallel;
     let (engine_thread, info) = worker::spawn(
         model.map(str::to_string),
         settings.clone(),
         positionals,
-        queue,
+        serving,
+        waiting,
         metrics.clone(),
     )?;
     let info_id = info.id.clone();
@@ -104,6 +115,7 @@ pub fn run(
         next_id: AtomicU64::new(1),
         settings,
         temperature,
+        queue,
     });
     let router = Router::new()
         .route("/health", get(health))
@@ -126,7 +138,7 @@ pub fn run(
         let listener = tokio::net::TcpListener::from_std(listener)?;
         // The line clients and scripts wait for.
         eprintln!(
-            "[serve] {id} on http://{address}/v1 (one generation at a time; SIGINT/SIGTERM drain and save)"
+            "[serve] {id} on http://{address}/v1 (up to {parallel} generations at once; SIGINT/SIGTERM drain and save)"
         );
         axum::serve(listener, router)
             .with_graceful_shutdown(shutdown())
@@ -178,7 +190,14 @@ async fn shutdown() {
 
 fn error_response(err: &ApiError) -> Response {
     let status = StatusCode::from_u16(err.status).unwrap_or(StatusCode::BAD_REQUEST);
-    (status, Json(err.body())).into_response()
+    let mut response = (status, Json(err.body())).into_response();
+    if status == StatusCode::TOO_MANY_REQUESTS {
+        // Clients (the OpenAI and Anthropic SDKs among them) wait this long and retry.
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+    }
+    response
 }
 
 /// `Err` when the request lacks the bearer token `API_KEY` asks for.
@@ -218,7 +237,7 @@ async fn health(State(app): State<Arc<App>>) -> Response {
         "model": app.model.id,
         "engine": app.model.engine,
         "generations": { "running": running, "waiting": waiting },
-        "concurrency": "one generation at a time; requests are served first come, first served",
+        "queue": app.queue,
     }))
     .into_response()
 }
@@ -350,10 +369,15 @@ async fn answer(
         Ok(()) => {}
         Err(mpsc::error::TrySendError::Full(_)) => {
             app.metrics.queue(-1, 0);
-            return Err(ApiError::server(
-                503,
-                format!("{QUEUE} requests are already waiting; retry later"),
-            ));
+            return Err(ApiError {
+                status: 429,
+                kind: "rate_limit_error",
+                code: Some("queue_full"),
+                message: format!(
+                    "{} requests are already waiting for a free sequence (--queue); retry after a second",
+                    app.queue
+                ),
+            });
         }
         Err(mpsc::error::TrySendError::Closed(_)) => {
             app.metrics.queue(-1, 0);

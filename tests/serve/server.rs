@@ -185,17 +185,19 @@ fn history_selections(path: &Path) -> u64 {
 }
 
 #[test]
-fn a_next_turn_reuses_the_cache_and_answers_as_a_fresh_run() {
+fn prompts_start_from_the_longest_kept_prefix_and_answer_as_a_fresh_run() {
     let temp = tempfile::tempdir().unwrap();
     let snap = snapshot_copy(temp.path());
     let server = Server::start(&snap, &["64", "16", "16", "USAGE_SAVE=0"], &[]);
+    let fresh = Server::start(
+        &snap,
+        &["--cache-mb", "0", "64", "16", "16", "USAGE_SAVE=0"],
+        &[],
+    );
     let first = heldout_ids(24);
-    let (status, one) = server.post("/v1/completions", &completion(&first, 6));
-    assert_eq!(status, 200, "{one}");
-    assert_eq!(usage(&one, "completion_tokens"), 6);
-    // The next turn: the first prompt, its answer's ids (the same greedy run in this
-    // process) and new ids. The cache holds the prompt and the five answer tokens fed
-    // back (the sixth was never fed).
+    // The next turn: the first prompt, the first six of its answer's eight ids (the same
+    // greedy run in this process) and new ids. The kept state holds the prompt and seven
+    // answer tokens (the eighth was never fed), six of them shared.
     let snapshot = Snapshot::open(&snap).unwrap();
     let engine = engines::load("olmoe", &snapshot, LoadOptions::exact(64)).unwrap();
     let answer = coli::generate::greedy(engine.as_ref(), &first, 6)
@@ -204,21 +206,40 @@ fn a_next_turn_reuses_the_cache_and_answers_as_a_fresh_run() {
     let mut second = first.clone();
     second.extend_from_slice(&answer);
     second.extend(heldout_ids(40)[24..].iter());
-    let (_, reused) = server.post("/v1/completions", &completion(&second, 8));
-    assert_eq!(usage(&reused, "prompt_tokens"), 46);
+    let mut edited = second[..40].to_vec();
+    edited.extend(heldout_ids(60)[50..].iter());
+    let cases: [(&str, &[u32], u64); 6] = [
+        ("a first turn", &first, 0),
+        ("the next turn", &second, 30),
+        // Everything but the last token, whose logits are computed again.
+        ("the same request again", &second, 45),
+        ("an edited last message", &edited, 40),
+        ("an unrelated prompt", &heldout_ids(3)[1..], 0),
+        ("the first prompt after all that", &first, 23),
+    ];
+    let mut reused_total = 0;
+    for (what, prompt, cached) in cases {
+        let (status, reused) = server.post("/v1/completions", &completion(prompt, 8));
+        assert_eq!(status, 200, "{what}: {reused}");
+        assert_eq!(
+            reused["usage"]["prompt_tokens_details"]["cached_tokens"], cached,
+            "{what}: {reused}"
+        );
+        assert_eq!(usage(&reused, "prompt_tokens"), prompt.len() as u64);
+        let (_, alone) = fresh.post("/v1/completions", &completion(prompt, 8));
+        assert_eq!(alone["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+        assert_eq!(
+            reused["choices"][0]["text"], alone["choices"][0]["text"],
+            "{what}: reused {reused} fresh {alone}"
+        );
+        reused_total += cached;
+    }
     assert_eq!(
-        reused["usage"]["prompt_tokens_details"]["cached_tokens"], 29,
-        "{reused}"
+        server.metric("coli_prompt_tokens_cached_total"),
+        reused_total as f64
     );
-    // An unrelated prompt empties the cache; then the second prompt runs fresh.
-    server.post("/v1/completions", &completion(&heldout_ids(3)[1..], 2));
-    let (_, fresh) = server.post("/v1/completions", &completion(&second, 8));
-    assert_eq!(fresh["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
-    assert_eq!(
-        reused["choices"][0]["text"], fresh["choices"][0]["text"],
-        "reused {reused} fresh {fresh}"
-    );
-    assert_eq!(server.metric("coli_prompt_tokens_cached_total"), 29.0);
+    assert!(server.metric("coli_kept_states") >= 3.0);
+    assert_eq!(fresh.metric("coli_kept_states"), 0.0);
 }
 
 #[test]

@@ -1,0 +1,672 @@
+//! The scheduler on the engine thread of `coli serve` and `coli chat`: up to `parallel`
+//! sequences are active; each step is one batched forward over every decoding sequence's
+//! next token (with its drafts, on an engine that drafts) and one chunk of at most
+//! `prefill_chunk` tokens of one prompt being filled, so a long prompt holds the others up
+//! by one chunk at a time. Requests join at the next step and leave (finished, stopped,
+//! disconnected) at the end of the step that ended them; each samples with its own
+//! settings and seed. A sequence computes the bits it computes alone ([`Engine::forward`]).
+//!
+//! A prompt starts from the kept state sharing its longest prefix ([`Pool`]); a finished
+//! turn's state is kept. A turn's expert selections are held apart until it ends
+//! ([`RouteTrace::own_rows`](crate::route_trace::RouteTrace::own_rows)), and the history is
+//! saved after every finished turn, so that it holds exactly the turns that finished.
+//!
+//! Owns the sequences, the steps and the pool; the HTTP side only sends jobs and reads
+//! their events.
+
+use std::time::Instant;
+
+use anyhow::Result;
+
+use super::api::{ApiError, Finish, Input, Routed, Usage};
+use super::metrics::{Metrics, StepFigures, Turn};
+use super::pool::Pool;
+use super::worker::{Event, Job, Serving, StopScan};
+use crate::engines::{Engine, Logits, State, Step};
+use crate::experts::CacheStats;
+use crate::interrupt;
+use crate::route_trace::RowOwner;
+use crate::sampling::Sampler;
+use crate::session::Session;
+use crate::snapshot::Snapshot;
+use crate::text::{TextModel, TextStream, TextTokenizer};
+
+/// What a sequence feeds next.
+enum Next {
+    /// The prompt from this position on, a chunk a step.
+    Prompt(usize),
+    /// The logits after the whole prompt, which a kept state held: nothing to feed.
+    Kept(Vec<f32>),
+    /// The last token chosen, then the drafts proposed after it.
+    Tokens(Vec<u32>),
+}
+
+/// One request being answered.
+struct Sequence<'t> {
+    id: u64,
+    job: Job,
+    prompt: Vec<u32>,
+    state: State,
+    next: Next,
+    /// Prompt tokens a kept state held.
+    cached: usize,
+    /// At most this many tokens.
+    count: usize,
+    sampler: Sampler,
+    tokens: Vec<u32>,
+    text: StopScan,
+    stream: Option<TextStream<'t>>,
+    /// Per generated token, when asked: the experts each MoE layer chose for it.
+    routed: Option<Routed>,
+    first_token: Option<f64>,
+    decode_started: Option<Instant>,
+}
+
+/// Why a sequence ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum End {
+    Limit,
+    StopToken,
+    /// A stop string (the text after it is not sent).
+    StopString,
+    /// A Ctrl-C (`coli chat`).
+    Interrupted,
+    /// The client went away.
+    Abandoned,
+}
+
+/// What a step did with a sequence's part.
+#[derive(Debug, PartialEq, Eq)]
+enum Part {
+    Decode,
+    Prefill(usize),
+}
+
+pub struct Scheduler<'a> {
+    engine: &'a dyn Engine,
+    tokenizer: &'a TextTokenizer,
+    snapshot: &'a Snapshot,
+    /// The positions a request may use.
+    context: Option<usize>,
+    metrics: &'a Metrics,
+    /// `max_tokens` when a request gives none: `NGEN`.
+    default_tokens: usize,
+    parallel: usize,
+    prefill_chunk: usize,
+    /// Ids that end an answer.
+    stops: Vec<u32>,
+    pool: Pool,
+    active: Vec<Sequence<'a>>,
+    next_id: u64,
+}
+
+impl<'a> Scheduler<'a> {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        engine: &'a dyn Engine,
+        tokenizer: &'a TextTokenizer,
+        snapshot: &'a Snapshot,
+        context: Option<usize>,
+        metrics: &'a Metrics,
+        default_tokens: usize,
+        serving: &Serving,
+        cache_bytes: u64,
+    ) -> Result<Scheduler<'a>> {
+        let stops = TextModel::new(tokenizer, snapshot, engine).stop_ids(engine.stop_tokens())?;
+        Ok(Scheduler {
+            engine,
+            tokenizer,
+            snapshot,
+            context,
+            metrics,
+            default_tokens,
+            parallel: serving.parallel.max(1),
+            prefill_chunk: serving.prefill_chunk.max(1),
+            pool: Pool::new(cache_bytes),
+            stops,
+            active: Vec::new(),
+            next_id: 1,
+        })
+    }
+
+    /// Serve `jobs` until the queue closes and every active sequence has ended.
+    pub fn serve(&mut self, jobs: &mut tokio::sync::mpsc::Receiver<Job>, session: &mut Session) {
+        let mut open = true;
+        loop {
+            while open && self.active.len() < self.parallel {
+                let job = if self.active.is_empty() {
+                    jobs.blocking_recv()
+                } else {
+                    match jobs.try_recv() {
+                        Ok(job) => Some(job),
+                        Err(tokio::sync::mpsc::error::TryRecvError::Empty) => break,
+                        Err(tokio::sync::mpsc::error::TryRecvError::Disconnected) => None,
+                    }
+                };
+                match job {
+                    Some(job) => {
+                        self.metrics.queue(-1, 1);
+                        self.metrics.waited(job.received.elapsed().as_secs_f64());
+                        self.admit(job, session);
+                    }
+                    None => open = false,
+                }
+            }
+            if self.active.is_empty() {
+                if open {
+                    continue;
+                }
+                return;
+            }
+            // A panic in a step answers its sequences and leaves the server serving.
+            let stepped =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.step(session)));
+            if let Err(message) = stepped.map_err(|_| "the generation failed".to_string()) {
+                self.fail_all(&message);
+            }
+        }
+    }
+
+    /// Start `job`: its prompt checked, its start found in the pool. A request that cannot
+    /// be served is answered here.
+    fn admit(&mut self, job: Job, session: &mut Session) {
+        let checked = self.check(&job);
+        let (prompt, count, sampler) = match checked {
+            Ok(parts) => parts,
+            Err(err) => {
+                let _ = job.events.send(Event::Failed(err));
+                self.metrics.queue(0, -1);
+                return;
+            }
+        };
+        let engine = self.engine;
+        // A whole-prompt match has no routing to report for the first token's row.
+        let start = self
+            .pool
+            .start(&prompt, !job.routed_experts, || engine.new_state());
+        let id = self.next_id;
+        self.next_id += 1;
+        let next = match start.logits {
+            Some(logits) => Next::Kept(logits),
+            None => Next::Prompt(start.cached),
+        };
+        let sequence = Sequence {
+            id,
+            routed: job.routed_experts.then(Vec::new),
+            text: StopScan::new(job.stop.clone()),
+            job,
+            prompt,
+            state: start.state,
+            next,
+            cached: start.cached,
+            count,
+            sampler,
+            tokens: Vec::new(),
+            stream: Some(self.tokenizer.stream()),
+            first_token: None,
+            decode_started: None,
+        };
+        if sequence.job.events.send(Event::Started).is_err() {
+            // The client left while queued: nothing was computed.
+            self.retire(sequence, End::Abandoned, session);
+            return;
+        }
+        self.active.push(sequence);
+    }
+
+    /// The prompt's ids, the token count and the sampler of `job`, or why it cannot be
+    /// served (HTTP 400).
+    fn check(&self, job: &Job) -> Result<(Vec<u32>, usize, Sampler), ApiError> {
+        let engine = self.engine;
+        let model = TextModel::new(self.tokenizer, self.snapshot, engine);
+        let prompt = match &job.input {
+            Input::Chat(messages) => model.chat_prompt(messages).map(|p| p.ids),
+            Input::Text(text) => model.prompt(text, false).map(|p| p.ids),
+            Input::Ids(ids) => Ok(ids.clone()),
+        }
+        .map_err(|err| ApiError::invalid(format!("{err:#}")))?;
+        let vocab = engine.vocab_size();
+        if let Some(bad) = prompt.iter().find(|&&id| id as usize >= vocab) {
+            return Err(ApiError::invalid(format!(
+                "prompt token id {bad} is outside the model's vocabulary (vocab_size {vocab})"
+            )));
+        }
+        if prompt.is_empty() {
+            return Err(ApiError::invalid(
+                "the prompt encodes to no tokens; give some text",
+            ));
+        }
+        let context = self.context;
+        let room = context.map_or(usize::MAX, |c| c.saturating_sub(prompt.len()));
+        if room == 0 {
+            return Err(context_error(format!(
+                "the prompt takes {} tokens, the model's whole context of {} (max_position_embeddings in config.json)",
+                prompt.len(),
+                context.unwrap_or(0)
+            )));
+        }
+        let count = match job.max_tokens {
+            Some(n) if n > room => {
+                return Err(context_error(format!(
+                    "max_tokens {n}: the prompt takes {} of the model's {} positions (max_position_embeddings in config.json), so at most {room} tokens can follow",
+                    prompt.len(),
+                    context.unwrap_or(0)
+                )))
+            }
+            Some(n) => n,
+            None => self.default_tokens.min(room),
+        };
+        let sampler = Sampler::new(job.temperature, job.top_p, job.seed)
+            .map_err(|err| ApiError::invalid(err.to_string()))?;
+        Ok((prompt, count, sampler))
+    }
+
+    /// One step: sequences whose client left or that a Ctrl-C stopped end; those holding
+    /// a kept prompt's logits choose their first token; then one forward over every
+    /// decoding sequence's tokens and a chunk of the first prompt being filled.
+    fn step(&mut self, session: &mut Session) {
+        let stop_all = interrupt::requested();
+        let mut i = 0;
+        while i < self.active.len() {
+            let sequence = &self.active[i];
+            let end = if sequence.job.events.is_closed() {
+                Some(End::Abandoned)
+            } else if stop_all {
+                Some(End::Interrupted)
+            } else {
+                None
+            };
+            match end {
+                Some(end) => {
+                    let sequence = self.active.swap_remove(i);
+                    self.retire(sequence, end, session);
+                }
+                None => i += 1,
+            }
+        }
+        let mut ended = Vec::new();
+        for (i, sequence) in self.active.iter_mut().enumerate() {
+            if let Next::Kept(logits) = &sequence.next {
+                let logits = logits.clone();
+                sequence.decode_started = Some(Instant::now());
+                if let Some(end) = choose(sequence, &self.stops, &[logits], None, &[]) {
+                    ended.push((i, end));
+                }
+            }
+        }
+        self.retire_all(ended, session);
+        if self.active.is_empty() {
+            return;
+        }
+        if let Err(err) = self.forward(session) {
+            self.fail_all(&format!("generation failed: {err:#}"));
+        }
+    }
+
+    /// The batched forward of a step and what each sequence does with its logits.
+    fn forward(&mut self, session: &mut Session) -> Result<()> {
+        let engine = self.engine;
+        let chunk = self.prefill_chunk;
+        let filling = self
+            .active
+            .iter()
+            .position(|s| matches!(s.next, Next::Prompt(_)));
+        let mut parts: Vec<(usize, Part)> = Vec::new();
+        let mut owners = Vec::new();
+        let mut keep = Vec::new();
+        let mut steps = Vec::new();
+        let mut rows = 0;
+        for (i, sequence) in self.active.iter_mut().enumerate() {
+            let Sequence {
+                state,
+                next,
+                prompt,
+                id,
+                routed,
+                ..
+            } = sequence;
+            let (tokens, logits, part) = match next {
+                Next::Tokens(tokens) => {
+                    let logits = if tokens.len() > 1 {
+                        Logits::All
+                    } else {
+                        Logits::Last
+                    };
+                    (&tokens[..], logits, Part::Decode)
+                }
+                Next::Prompt(fed) if Some(i) == filling => {
+                    let end = (*fed + chunk).min(prompt.len());
+                    (&prompt[*fed..end], Logits::Last, Part::Prefill(end))
+                }
+                _ => continue,
+            };
+            let span = rows..rows + tokens.len();
+            rows = span.end;
+            if routed.is_some() {
+                match part {
+                    Part::Decode => keep.extend(span.clone()),
+                    Part::Prefill(end) if end == prompt.len() => keep.push(span.end - 1),
+                    Part::Prefill(_) => {}
+                }
+            }
+            owners.push(RowOwner {
+                rows: span,
+                sequence: *id,
+            });
+            parts.push((i, part));
+            steps.push(Step::new(state, tokens, logits));
+        }
+        let before = engine.cache_stats();
+        engine.routed().telemetry.own_rows(owners, &keep);
+        let started = Instant::now();
+        let outputs = engine.forward(&mut steps)?;
+        let seconds = started.elapsed().as_secs_f64();
+        drop(steps);
+        let (experts_taken, experts_read) = experts_taken(&before, &engine.cache_stats());
+        self.metrics.step(StepFigures {
+            sequences: parts.len(),
+            rows,
+            experts_taken,
+            experts_read,
+            seconds,
+        });
+
+        let mut ended = Vec::new();
+        let mut emitted = 0u64;
+        let mut row = 0;
+        let depth = engine.draft_depth();
+        for ((i, part), logits) in parts.into_iter().zip(outputs) {
+            let sequence = &mut self.active[i];
+            match part {
+                Part::Prefill(end) => {
+                    row += end - fed_before(sequence);
+                    if end < sequence.prompt.len() {
+                        sequence.next = Next::Prompt(end);
+                        continue;
+                    }
+                    keep_checkpoint(&mut self.pool, sequence, &logits);
+                    sequence.decode_started = Some(Instant::now());
+                    let routes = route_rows(engine, &[row - 1]);
+                    let before = sequence.tokens.len();
+                    let end = choose(sequence, &self.stops, &[logits], Some(routes), &[]);
+                    emitted += (sequence.tokens.len() - before) as u64;
+                    if let Some(end) = end {
+                        ended.push((i, end));
+                    }
+                }
+                Part::Decode => {
+                    let Next::Tokens(fed) = &sequence.next else {
+                        unreachable!("a decoding part feeds tokens")
+                    };
+                    let fed = fed.clone();
+                    let vocab = engine.vocab_size();
+                    let rows_of: Vec<Vec<f32>> =
+                        logits.chunks_exact(vocab).map(<[f32]>::to_vec).collect();
+                    let routes = route_rows(engine, &(row..row + fed.len()).collect::<Vec<_>>());
+                    row += fed.len();
+                    let start = sequence.state.position() - fed.len();
+                    let before = sequence.tokens.len();
+                    let end = choose(sequence, &self.stops, &rows_of, Some(routes), &fed[1..]);
+                    let accepted = sequence.tokens.len() - before;
+                    emitted += accepted as u64;
+                    // Rejected drafts leave the cache: it holds the fed token and the drafts
+                    // kept, each of which is a token chosen.
+                    let keep_positions = start + accepted.max(1);
+                    if sequence.state.position() > keep_positions {
+                        sequence.state.truncate(keep_positions)?;
+                    }
+                    if let Some(end) = end {
+                        ended.push((i, end));
+                    }
+                }
+            }
+        }
+        // The drafts for the next step, on the sequences that go on.
+        if depth > 0 {
+            let ending: Vec<usize> = ended.iter().map(|&(i, _)| i).collect();
+            for (i, sequence) in self.active.iter_mut().enumerate() {
+                let Next::Tokens(fed) = &sequence.next else {
+                    continue;
+                };
+                if ending.contains(&i) || fed.len() != 1 {
+                    continue;
+                }
+                let left = sequence.count - sequence.tokens.len();
+                if left <= 1 {
+                    continue;
+                }
+                let next = fed[0];
+                engine.routed().telemetry.own_rows(
+                    vec![RowOwner {
+                        rows: 0..usize::MAX,
+                        sequence: sequence.id,
+                    }],
+                    &[],
+                );
+                let drafts = engine.propose(&mut sequence.state, next, depth.min(left - 1))?;
+                let mut feed = vec![next];
+                feed.extend(drafts);
+                sequence.next = Next::Tokens(feed);
+            }
+        }
+        if emitted > 0 {
+            if let Err(err) = session.after_tokens(engine, emitted) {
+                eprintln!("[serve] placement after a step failed: {err:#}");
+            }
+        }
+        self.retire_all(ended, session);
+        Ok(())
+    }
+
+    /// End the sequences at `ended` (indices into the active ones).
+    fn retire_all(&mut self, mut ended: Vec<(usize, End)>, session: &mut Session) {
+        // Highest index first, so that each removal leaves the others' indices alone.
+        ended.sort_by_key(|&(i, _)| std::cmp::Reverse(i));
+        for (i, end) in ended {
+            let sequence = self.active.swap_remove(i);
+            self.retire(sequence, end, session);
+        }
+    }
+
+    /// A sequence's end: the rest of its text and `Done` to its client, its selections into
+    /// the history (saved), its state kept.
+    fn retire(&mut self, mut sequence: Sequence, end: End, session: &mut Session) {
+        let engine = self.engine;
+        if end != End::Abandoned && end != End::StopString {
+            let rest = sequence
+                .stream
+                .take()
+                .map_or(Ok(String::new()), TextStream::finish);
+            match rest {
+                Ok(rest) => {
+                    let (ready, stopped) = sequence.text.push(&rest);
+                    let tail = if stopped {
+                        ready
+                    } else {
+                        ready + &sequence.text.flush()
+                    };
+                    if !tail.is_empty() {
+                        let _ = sequence.job.events.send(Event::Text(tail));
+                    }
+                }
+                Err(err) => eprintln!("[serve] the answer's last text cannot be decoded: {err:#}"),
+            }
+        }
+        let finish = if end == End::Limit {
+            Finish::Length
+        } else {
+            Finish::Stop
+        };
+        let usage = Usage {
+            prompt: sequence.prompt.len(),
+            completion: sequence.tokens.len(),
+            cached: sequence.cached,
+        };
+        let _ = sequence.job.events.send(Event::Done {
+            finish,
+            usage,
+            routed: sequence.routed.take(),
+        });
+        engine.routed().telemetry.end_turn(sequence.id, true);
+        // A turn that routed nothing (its client left while it waited) saves nothing, so
+        // it cannot decay the history.
+        if engine.routed().telemetry.unsaved_selections() > 0 {
+            session.save_turn(engine);
+        }
+        let decode_seconds = sequence
+            .decode_started
+            .map_or(0.0, |t| t.elapsed().as_secs_f64());
+        let decoded = sequence.tokens.len().saturating_sub(1);
+        let turn = Turn {
+            prompt_tokens: usage.prompt,
+            cached_tokens: usage.cached,
+            completion_tokens: usage.completion,
+            first_token_seconds: sequence.first_token,
+            decode_rate: (decoded > 0 && decode_seconds > 0.0)
+                .then(|| decoded as f64 / decode_seconds),
+            abandoned: end == End::Abandoned,
+        };
+        let pinned = engine.routed().pinned().iter().map(Vec::len).sum();
+        self.metrics.turn(&turn, engine.cache_stats(), pinned);
+        self.metrics.queue(0, -1);
+        // What the state holds: the prompt and the generated tokens fed so far.
+        let mut held = sequence.prompt;
+        held.extend_from_slice(&sequence.tokens);
+        let position = sequence.state.position();
+        if position <= held.len() {
+            held.truncate(position);
+            self.pool.put(held, sequence.state, None);
+        }
+        self.metrics.kept(self.pool.size());
+    }
+
+    /// Answer every active sequence with a server error; their states are unknown now and
+    /// their selections of the turn are dropped.
+    fn fail_all(&mut self, message: &str) {
+        eprintln!("[serve] {message}");
+        let engine = self.engine;
+        for sequence in self.active.drain(..) {
+            engine.routed().telemetry.end_turn(sequence.id, false);
+            let _ = sequence.job.events.send(Event::Failed(ApiError::server(
+                500,
+                format!("{message} (the request's cache was dropped)"),
+            )));
+            self.metrics.queue(0, -1);
+        }
+    }
+}
+
+/// The prompt position a prefilling sequence's chunk starts at.
+fn fed_before(sequence: &Sequence) -> usize {
+    match sequence.next {
+        Next::Prompt(fed) => fed,
+        _ => sequence.prompt.len(),
+    }
+}
+
+/// A state that cannot go back to earlier positions is kept at the end of its prompt,
+/// with the prompt's last logits: the same prompt again (a regenerated answer) then
+/// computes nothing, and a prompt that extends it starts there.
+fn keep_checkpoint(pool: &mut Pool, sequence: &Sequence, logits: &[f32]) {
+    let position = sequence.state.position();
+    if position < 2 || sequence.state.can_truncate(position - 1) {
+        return;
+    }
+    pool.put(
+        sequence.prompt.clone(),
+        sequence.state.clone(),
+        Some(logits.to_vec()),
+    );
+}
+
+/// The kept routing of `rows` of the last forward (empty where none was kept).
+fn route_rows(engine: &dyn Engine, rows: &[usize]) -> Vec<Vec<Vec<u32>>> {
+    let routed = engine.routed();
+    rows.iter()
+        .map(|&row| {
+            routed
+                .telemetry
+                .row_routes(row)
+                .map_or_else(Vec::new, <[Vec<u32>]>::to_vec)
+        })
+        .collect()
+}
+
+/// Choose tokens from `rows` of logits, in order (one row, or a verifying forward's rows
+/// after the drafts `drafts`): each chosen token is handed out; the next row is used while
+/// the token equals its draft. Returns why the sequence ends, if it does; otherwise it
+/// feeds the last token chosen next.
+fn choose(
+    sequence: &mut Sequence,
+    stops: &[u32],
+    rows: &[Vec<f32>],
+    routes: Option<Vec<Vec<Vec<u32>>>>,
+    drafts: &[u32],
+) -> Option<End> {
+    for (j, logits) in rows.iter().enumerate() {
+        let token = sequence.sampler.pick(logits);
+        if stops.contains(&token) {
+            return Some(End::StopToken);
+        }
+        sequence.tokens.push(token);
+        if let (Some(routed), Some(routes)) = (sequence.routed.as_mut(), routes.as_ref()) {
+            routed.push(routes.get(j).cloned().unwrap_or_default());
+        }
+        if let Some(end) = hand_out(sequence, token) {
+            return Some(end);
+        }
+        if sequence.tokens.len() >= sequence.count {
+            return Some(End::Limit);
+        }
+        if drafts.get(j) != Some(&token) {
+            sequence.next = Next::Tokens(vec![token]);
+            return None;
+        }
+    }
+    // Every draft was kept: the last row's token was chosen above and is fed next.
+    let last = *sequence.tokens.last().expect("a row chose a token");
+    sequence.next = Next::Tokens(vec![last]);
+    None
+}
+
+/// Hand `token`'s text to the client; why the sequence ends, if it does (a stop string,
+/// a client gone).
+fn hand_out(sequence: &mut Sequence, token: u32) -> Option<End> {
+    sequence
+        .first_token
+        .get_or_insert_with(|| sequence.job.received.elapsed().as_secs_f64());
+    if sequence.job.events.is_closed() {
+        return Some(End::Abandoned);
+    }
+    let stream = sequence.stream.as_mut()?;
+    let piece = match stream.step(token) {
+        Ok(Some(piece)) => piece,
+        Ok(None) => return None,
+        Err(err) => {
+            eprintln!("[serve] a generated token cannot be decoded: {err:#}");
+            return Some(End::StopString);
+        }
+    };
+    let (ready, stopped) = sequence.text.push(&piece);
+    if !ready.is_empty() && sequence.job.events.send(Event::Text(ready)).is_err() {
+        return Some(End::Abandoned);
+    }
+    stopped.then_some(End::StopString)
+}
+
+/// Distinct experts the step's MoE calls took (from memory or read), from the store's
+/// figures before and after.
+fn experts_taken(before: &CacheStats, after: &CacheStats) -> (u64, u64) {
+    let lookups = |s: &CacheStats| s.pin_hits + s.lru_hits + s.vram_hits + s.misses;
+    (
+        lookups(after).saturating_sub(lookups(before)),
+        after.misses.saturating_sub(before.misses),
+    )
+}
+
+fn context_error(message: String) -> ApiError {
+    ApiError {
+        code: Some("context_length_exceeded"),
+        ..ApiError::invalid(message)
+    }
+}
