@@ -7,11 +7,14 @@
 //! `max(0, qpos - window + 1) ..= qpos`, softmaxed in f32, as the transformers eager
 //! attention adds a `position_bias` and a sliding-window mask to the scaled products.
 
+use std::io::{self, Read, Write};
 use std::ops::Range;
 
+use anyhow::{bail, Result};
 use rayon::prelude::*;
 
 use super::layers::{dot, softmax, AttentionShape};
+use super::state_io::{self, expect};
 #[cfg(target_arch = "x86_64")]
 use crate::quant::{selected_simd, Isa};
 
@@ -117,6 +120,66 @@ impl WindowKvCache {
                 }
             }
         }
+    }
+
+    /// Writes the head width, the window (0 for none), the first stored position, then each
+    /// kv head's keys and each one's values ([`state_io`]).
+    pub fn save(&self, out: &mut dyn Write) -> io::Result<()> {
+        state_io::write_len(out, self.head_dim)?;
+        state_io::write_len(out, self.window.unwrap_or(0))?;
+        state_io::write_len(out, self.first)?;
+        state_io::write_len(out, self.keys.len())?;
+        for head in self.keys.iter().chain(&self.values) {
+            state_io::write_f32s(out, head)?;
+        }
+        Ok(())
+    }
+
+    /// Reads what [`WindowKvCache::save`] wrote, refused unless its head width, window and
+    /// kv heads are this cache's and every head holds the same whole rows.
+    pub fn restore(&mut self, input: &mut dyn Read) -> Result<()> {
+        let head_dim = state_io::read_len(input, "the head width")?;
+        expect("head width", head_dim, self.head_dim)?;
+        let window = state_io::read_len(input, "the window")?;
+        let name = |w: usize| match w {
+            0 => "none".to_string(),
+            w => format!("{w} positions"),
+        };
+        expect(
+            "sliding window",
+            name(window),
+            name(self.window.unwrap_or(0)),
+        )?;
+        let first = state_io::read_position(input, "the first stored position")?;
+        if self.window.is_none() && first != 0 {
+            bail!("a cache without a window that forgot {first} positions");
+        }
+        let heads = state_io::read_len(input, "the number of kv heads")?;
+        expect("kv heads", heads, self.keys.len())?;
+        let mut read = |kind: &str| -> Result<Vec<Vec<f32>>> {
+            (0..heads)
+                .map(|h| state_io::read_f32s(input, &format!("kv head {h}'s {kind}")))
+                .collect()
+        };
+        let (keys, values) = (read("keys")?, read("values")?);
+        let len = keys[0].len();
+        let stored = state_io::rows("keys", len, self.head_dim)?;
+        if let Some(h) = keys.iter().chain(&values).position(|v| v.len() != len) {
+            let (kind, head) = if h < heads {
+                ("keys", h)
+            } else {
+                ("values", h - heads)
+            };
+            bail!("kv head {head}'s {kind} hold a different number of positions than kv head 0's keys");
+        }
+        if first.saturating_add(stored) > state_io::MAX_POSITION {
+            bail!(
+                "{first} forgotten and {stored} stored positions are beyond any context (at most {})",
+                state_io::MAX_POSITION
+            );
+        }
+        (self.first, self.keys, self.values) = (first, keys, values);
+        Ok(())
     }
 
     /// Head `kv_head`'s keys (`values == false`) or values at `positions`, side by side.
