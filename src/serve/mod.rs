@@ -7,6 +7,7 @@
 
 mod api;
 pub mod chat;
+pub mod kv_dir;
 mod metrics;
 mod worker;
 
