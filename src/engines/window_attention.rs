@@ -151,9 +151,6 @@ impl WindowKvCache {
             name(self.window.unwrap_or(0)),
         )?;
         let first = state_io::read_position(input, "the first stored position")?;
-        if self.window.is_none() && first != 0 {
-            bail!("a cache without a window that forgot {first} positions");
-        }
         let heads = state_io::read_len(input, "the number of kv heads")?;
         expect("kv heads", heads, self.keys.len())?;
         let mut read = |kind: &str| -> Result<Vec<Vec<f32>>> {
@@ -171,6 +168,15 @@ impl WindowKvCache {
                 ("values", h - heads)
             };
             bail!("kv head {head}'s {kind} hold a different number of positions than kv head 0's keys");
+        }
+        // Forgetting keeps the `window - 1` keys the next query reads (see `push` and
+        // `can_truncate`); a cache that forgot more could not be attended over.
+        match self.window {
+            None if first > 0 => bail!("a cache without a window that forgot {first} positions"),
+            Some(window) if first > 0 && stored + 1 < window => bail!(
+                "a {window}-position window that forgot {first} positions and keeps only {stored}"
+            ),
+            _ => {}
         }
         if first.saturating_add(stored) > state_io::MAX_POSITION {
             bail!(
@@ -668,5 +674,46 @@ mod tests {
             assert_eq!(a, b);
         }
         assert!(windowed.stored() < 2 * window + 2);
+    }
+
+    #[test]
+    fn a_saved_window_comes_back_and_one_that_forgot_too_much_is_refused() {
+        let mut cache = WindowKvCache::new(2, 3, Some(4));
+        for step in 0..11 {
+            cache.push(&values(6, step as f32 + 0.5), &values(6, step as f32 - 0.5));
+        }
+        assert!(cache.first > 0);
+        let mut bytes = Vec::new();
+        cache.save(&mut bytes).unwrap();
+        let mut back = WindowKvCache::new(2, 3, Some(4));
+        back.restore(&mut &bytes[..]).unwrap();
+        assert_eq!(
+            (back.first, back.positions()),
+            (cache.first, cache.positions())
+        );
+        assert_eq!((&back.keys, &back.values), (&cache.keys, &cache.values));
+
+        let err = |cache: &mut WindowKvCache, bytes: &[u8]| {
+            cache.restore(&mut &bytes[..]).unwrap_err().to_string()
+        };
+        let mut wider = WindowKvCache::new(2, 3, Some(5));
+        assert_eq!(
+            err(&mut wider, &bytes),
+            "sliding window: the saved state has 4 positions, this model's has 5 positions"
+        );
+        // Two positions kept after forgetting some: the next query needs three.
+        let mut short = WindowKvCache::new(2, 3, Some(4));
+        short.first = 9;
+        short
+            .keys
+            .iter_mut()
+            .chain(short.values.iter_mut())
+            .for_each(|h| h.resize(6, 0.0));
+        let mut bytes = Vec::new();
+        short.save(&mut bytes).unwrap();
+        assert_eq!(
+            err(&mut back, &bytes),
+            "a 4-position window that forgot 9 positions and keeps only 2"
+        );
     }
 }

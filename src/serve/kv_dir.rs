@@ -288,11 +288,26 @@ impl<R: Read> Read for Checksummed<R> {
     }
 }
 
-/// Bytes [`State::save`] writes for `state`, counted without keeping them.
+/// A writer that only counts what it is given.
+struct Counted(u64);
+
+impl Write for Counted {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.0 += buf.len() as u64;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Bytes [`State::save`] writes for `state`, counted without keeping them, so that the
+/// limit is checked and the length written before the state is.
 fn state_bytes(state: &State) -> Result<u64> {
-    let mut counter = Checksummed::new(io::sink());
+    let mut counter = Counted(0);
     state.save(&mut counter)?;
-    Ok(counter.bytes)
+    Ok(counter.0)
 }
 
 /// Writes a whole state file: header, tokens, the state (`bytes` long), checksum.
@@ -466,7 +481,7 @@ impl KvDir {
         let known = self.entries.iter().position(|e| e.path == path);
         if known.is_none() && fs::symlink_metadata(&path).is_ok() {
             bail!(
-                "{}: not written: the file there is not one of this model's states; left as it is",
+                "{}: not written: the file there was not one of this model's usable states at start; left as it is",
                 path.display()
             );
         }
