@@ -5,7 +5,7 @@
 //!
 //! This module owns the shape of a batch; it computes nothing and knows no model. An
 //! engine's own state type lives in its file and implements [`SequenceState`], writing and
-//! reading its fields with [`state_io`](super::state_io).
+//! reading its fields with [`state_io`].
 
 use std::any::Any;
 use std::io::{self, Read, Write};
