@@ -9,12 +9,14 @@
 //! first `rope` dimensions of each q head and of k. A row that sees at most `top_k`
 //! positions reads them all, as a top-k over the masked scores keeps them all.
 
+use std::io::{self, Read, Write};
 use std::ops::Range;
 
 use anyhow::Result;
 use rayon::prelude::*;
 
 use super::layers::{layer_norm, top_k, Rope};
+use super::state_io::{self, expect};
 use super::weights::Weights;
 use crate::quant::Matrix;
 
@@ -51,6 +53,23 @@ impl IndexKeys {
     /// Keep the first `len` positions.
     pub fn truncate(&mut self, len: usize) {
         self.keys.truncate(len * self.dim);
+    }
+
+    /// Writes the key width, then the keys ([`state_io`]).
+    pub fn save(&self, out: &mut dyn Write) -> io::Result<()> {
+        state_io::write_len(out, self.dim)?;
+        state_io::write_f32s(out, &self.keys)
+    }
+
+    /// Reads what [`IndexKeys::save`] wrote, refused unless its key width is this one's and
+    /// it holds whole keys.
+    pub fn restore(&mut self, input: &mut dyn Read) -> Result<()> {
+        let dim = state_io::read_len(input, "the indexer key width")?;
+        expect("indexer key width (index_head_dim)", dim, self.dim)?;
+        let keys = state_io::read_f32s(input, "the indexer keys")?;
+        state_io::rows("indexer keys", keys.len(), self.dim)?;
+        self.keys = keys;
+        Ok(())
     }
 
     fn key(&self, pos: usize) -> &[f32] {

@@ -10,6 +10,7 @@
 //! decoding: `eh_proj [enorm(embed(next)); hnorm(h)]` through one more MLA + MoE layer with
 //! its own latent cache, then `shared_head.norm` and the main LM head.
 
+use std::io::{self, Read, Write};
 use std::sync::{Mutex, MutexGuard};
 
 use anyhow::{anyhow, bail, Result};
@@ -26,6 +27,7 @@ use super::mla::{
 use super::moe::{Choice, RoutedExperts, Router, SigmoidRouter};
 use super::prompt::PromptConvention;
 use super::state::{per_sequence, states_of, Logits, Rows, SequenceState, State, Step};
+use super::state_io::{self, expect, part};
 use super::weights::Weights;
 use super::{lock, Engine, LoadOptions};
 use crate::activation::Activation;
@@ -390,6 +392,42 @@ impl LayerCache {
     fn size_bytes(&self) -> usize {
         self.latents.size_bytes() + self.index_keys.as_ref().map_or(0, IndexKeys::size_bytes)
     }
+
+    /// The latent cache, then 1 and the indexer keys, or 0 for a layer without them.
+    fn save(&self, out: &mut dyn Write) -> io::Result<()> {
+        self.latents.save(out)?;
+        state_io::write_len(out, usize::from(self.index_keys.is_some()))?;
+        match &self.index_keys {
+            Some(keys) => keys.save(out),
+            None => Ok(()),
+        }
+    }
+
+    /// What [`LayerCache::save`] wrote, refused unless it has indexer keys exactly where
+    /// this layer has them, as many as latents.
+    fn restore(&mut self, input: &mut dyn Read) -> Result<()> {
+        self.latents.restore(input)?;
+        let indexed = state_io::read_len(input, "whether the layer has indexer keys")?;
+        let says = |flag: usize| match flag {
+            0 => "no indexer keys".to_string(),
+            1 => "indexer keys".to_string(),
+            _ => format!("an unknown indexer flag {flag}"),
+        };
+        expect(
+            "indexer",
+            says(indexed),
+            says(usize::from(self.index_keys.is_some())),
+        )?;
+        if let Some(keys) = &mut self.index_keys {
+            keys.restore(input)?;
+            expect(
+                "indexer keys for the latents",
+                keys.len(),
+                self.latents.len(),
+            )?;
+        }
+        Ok(())
+    }
 }
 
 /// A conversation's state: each layer's caches, the tokens fed, and the MTP head's window.
@@ -448,6 +486,73 @@ impl SequenceState for GlmState {
         self.layers.iter_mut().for_each(|c| c.truncate(len));
         self.tokens.truncate(len);
         self.pending.truncate((len - self.mtp_done) * self.drafting);
+        Ok(())
+    }
+
+    /// The number of layers and each layer's caches, the tokens, the MTP window (the
+    /// drafting width, the MTP cache, `mtp_done`, the pending hidden states).
+    fn save(&self, out: &mut dyn Write) -> io::Result<()> {
+        state_io::write_len(out, self.layers.len())?;
+        self.layers.iter().try_for_each(|c| c.save(out))?;
+        state_io::write_u32s(out, &self.tokens)?;
+        state_io::write_len(out, self.drafting)?;
+        self.mtp_cache.save(out)?;
+        state_io::write_len(out, self.mtp_done)?;
+        state_io::write_f32s(out, &self.pending)
+    }
+
+    /// Refused unless every layer holds a latent per token and the MTP window is one this
+    /// engine's forwards and drafts could have left: drafting as this engine does, at most
+    /// every position paired, the hidden state of every other one pending.
+    fn restore(&mut self, input: &mut dyn Read) -> Result<()> {
+        let layers = state_io::read_len(input, "the number of layers")?;
+        expect("layers", layers, self.layers.len())?;
+        for (l, cache) in self.layers.iter_mut().enumerate() {
+            part(format_args!("layer {l}"), cache.restore(input))?;
+        }
+        self.tokens = state_io::read_u32s(input, "the tokens")?;
+        if let Some(l) = self
+            .layers
+            .iter()
+            .position(|c| c.latents.len() != self.tokens.len())
+        {
+            bail!(
+                "layer {l} holds {} positions for {} tokens",
+                self.layers[l].latents.len(),
+                self.tokens.len()
+            );
+        }
+        let drafting = state_io::read_len(input, "the drafting width")?;
+        let says = |width: usize| match width {
+            0 => "drafting off".to_string(),
+            d => format!("drafting with {d}-wide hidden states"),
+        };
+        expect("MTP head", says(drafting), says(self.drafting))?;
+        part("MTP cache", self.mtp_cache.restore(input))?;
+        self.mtp_done = state_io::read_len(input, "the MTP positions paired")?;
+        self.pending = state_io::read_f32s(input, "the pending hidden states")?;
+        let waiting = self.tokens.len().checked_sub(self.mtp_done);
+        let Some(waiting) = waiting.filter(|_| self.mtp_cache.latents.len() >= self.mtp_done)
+        else {
+            bail!(
+                "the MTP head paired {} positions of {} tokens, with {} in its cache",
+                self.mtp_done,
+                self.tokens.len(),
+                self.mtp_cache.latents.len()
+            );
+        };
+        expect(
+            "pending hidden-state values",
+            self.pending.len(),
+            waiting * self.drafting,
+        )?;
+        if self.drafting == 0 && (self.mtp_done > 0 || !self.mtp_cache.latents.is_empty()) {
+            bail!(
+                "an MTP window ({} positions paired, {} cached) without drafting",
+                self.mtp_done,
+                self.mtp_cache.latents.len()
+            );
+        }
         Ok(())
     }
 }

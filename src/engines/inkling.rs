@@ -8,6 +8,7 @@
 //! with them (the "shared-expert sink"). The final hidden state is divided by the muP width
 //! multiplier before the head, whose logits are cut to the unpadded vocabulary.
 
+use std::io::{self, Read, Write};
 use std::sync::{Mutex, MutexGuard};
 
 use anyhow::{anyhow, bail, Result};
@@ -21,6 +22,7 @@ use super::moe::{Choice, RoutedExperts, Router};
 use super::prompt::PromptConvention;
 use super::short_conv::{ConvState, ShortConv};
 use super::state::{per_sequence, states_of, Rows, SequenceState, State, Step};
+use super::state_io::{self, expect, part};
 use super::weights::Weights;
 use super::window_attention::{windowed_attention, DistanceBias, WindowKvCache};
 use super::{lock, Engine, LoadOptions};
@@ -605,6 +607,48 @@ impl SequenceState for InklingState {
         }
         self.position = 0;
         Ok(())
+    }
+
+    /// The position and the number of layers, then each layer's KV cache and its k, v,
+    /// attention and MLP convolutions' inputs.
+    fn save(&self, out: &mut dyn Write) -> io::Result<()> {
+        state_io::write_len(out, self.position)?;
+        state_io::write_len(out, self.layers.len())?;
+        for layer in &self.layers {
+            layer.kv.save(out)?;
+            for conv in [
+                &layer.k_conv,
+                &layer.v_conv,
+                &layer.attn_conv,
+                &layer.mlp_conv,
+            ] {
+                conv.save(out)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn restore(&mut self, input: &mut dyn Read) -> Result<()> {
+        let position = state_io::read_position(input, "the position")?;
+        let layers = state_io::read_len(input, "the number of layers")?;
+        expect("layers", layers, self.layers.len())?;
+        for (l, layer) in self.layers.iter_mut().enumerate() {
+            part(format_args!("layer {l}"), layer.restore(input, position))?;
+        }
+        self.position = position;
+        Ok(())
+    }
+}
+
+impl LayerState {
+    /// What [`InklingState::save`] wrote for one layer of a state at `position`.
+    fn restore(&mut self, input: &mut dyn Read, position: usize) -> Result<()> {
+        part("KV cache", self.kv.restore(input))?;
+        expect("positions in the KV cache", self.kv.positions(), position)?;
+        part("k convolution", self.k_conv.restore(input))?;
+        part("v convolution", self.v_conv.restore(input))?;
+        part("attention convolution", self.attn_conv.restore(input))?;
+        part("MLP convolution", self.mlp_conv.restore(input))
     }
 }
 

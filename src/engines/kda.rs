@@ -20,12 +20,15 @@
 //! vendor code reads `A_log[:heads]` as one decay rate per head; that reading is only safe when
 //! the remaining entries are exactly zero padding, so loading checks it.
 
+use std::io::{self, Read, Write};
+
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
 use super::gated_norm::rms_norm_sigmoid_gated;
 use super::short_conv::{ConvState, ShortConv};
 use super::state::{per_sequence, Rows};
+use super::state_io::{self, part};
 use super::weights::Weights;
 use crate::activation::silu;
 use crate::quant::Matrix;
@@ -73,6 +76,25 @@ impl KdaState {
             + self.q_conv.size_bytes()
             + self.k_conv.size_bytes()
             + self.v_conv.size_bytes()
+    }
+
+    /// Writes the per-head state, then the q, k and v convolutions' inputs ([`state_io`]).
+    pub fn save(&self, out: &mut dyn Write) -> io::Result<()> {
+        state_io::write_f32s(out, &self.recurrent)?;
+        for conv in [&self.q_conv, &self.k_conv, &self.v_conv] {
+            conv.save(out)?;
+        }
+        Ok(())
+    }
+
+    /// Reads what [`KdaState::save`] wrote, refused unless every part has this layer's size
+    /// (`heads x head_dim x head_dim` for the recurrent state).
+    pub fn restore(&mut self, input: &mut dyn Read) -> Result<()> {
+        let len = self.recurrent.len();
+        self.recurrent = state_io::read_f32s_exact(input, len, "the recurrent state")?;
+        part("q convolution", self.q_conv.restore(input))?;
+        part("k convolution", self.k_conv.restore(input))?;
+        part("v convolution", self.v_conv.restore(input))
     }
 }
 

@@ -18,6 +18,7 @@
 //! batched and its experts deduplicated, while the KDA recurrence and the MLA cache carry
 //! across chunks, so any split of a sequence computes the same tokens.
 
+use std::io::{self, Read, Write};
 use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
 
@@ -31,6 +32,7 @@ use super::mla::{attend_absorbed, attend_plain, Keys, LatentCache, MlaProjection
 use super::moe::{Choice, ExpertInput, RoutedExperts, Router, SigmoidRouter};
 use super::prompt::PromptConvention;
 use super::state::{per_sequence, Logits, Rows, SequenceState, State, Step};
+use super::state_io::{self, expect, part};
 use super::weights::Weights;
 use super::{lock, Engine, LoadOptions};
 use crate::activation::{Activation, Situ};
@@ -489,6 +491,60 @@ impl SequenceState for KimiState {
         }
         self.position = 0;
         Ok(())
+    }
+
+    /// The position and the number of layers, then each layer's kind (0 KDA, 1 MLA) and
+    /// its recurrent state or latent cache.
+    fn save(&self, out: &mut dyn Write) -> io::Result<()> {
+        state_io::write_len(out, self.position)?;
+        state_io::write_len(out, self.layers.len())?;
+        for layer in &self.layers {
+            match layer {
+                MixerState::Kda(state) => {
+                    state_io::write_len(out, 0)?;
+                    state.save(out)?;
+                }
+                MixerState::Mla(cache) => {
+                    state_io::write_len(out, 1)?;
+                    cache.save(out)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn restore(&mut self, input: &mut dyn Read) -> Result<()> {
+        let position = state_io::read_position(input, "the position")?;
+        let layers = state_io::read_len(input, "the number of layers")?;
+        expect("layers", layers, self.layers.len())?;
+        for (l, layer) in self.layers.iter_mut().enumerate() {
+            part(format_args!("layer {l}"), layer.restore(input, position))?;
+        }
+        self.position = position;
+        Ok(())
+    }
+}
+
+impl MixerState {
+    /// What [`KimiState::save`] wrote for one layer of a state at `position`.
+    fn restore(&mut self, input: &mut dyn Read, position: usize) -> Result<()> {
+        let kind = |tag: usize| match tag {
+            0 => "a KDA layer".to_string(),
+            1 => "an MLA layer".to_string(),
+            _ => format!("a layer of unknown kind {tag}"),
+        };
+        let tag = state_io::read_len(input, "the layer's kind")?;
+        match self {
+            MixerState::Kda(state) => {
+                expect("kind", kind(tag), kind(0))?;
+                state.restore(input)
+            }
+            MixerState::Mla(cache) => {
+                expect("kind", kind(tag), kind(1))?;
+                cache.restore(input)?;
+                expect("positions in the latent cache", cache.len(), position)
+            }
+        }
     }
 }
 

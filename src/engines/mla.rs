@@ -12,11 +12,14 @@
 //!
 //! Both read the positions a [`Keys`] names, so a sparse selection (DSA) plugs into either.
 
+use std::io::{self, Read, Write};
+
 use rayon::prelude::*;
 
 use anyhow::Result;
 
 use super::layers::{dot, rms_norm, rms_norm_in_place, softmax};
+use super::state_io::{self, expect};
 use super::weights::Weights;
 use crate::quant::Matrix;
 
@@ -187,6 +190,34 @@ impl LatentCache {
     pub fn push(&mut self, latents: &[f32], rope_keys: &[f32]) {
         self.latents.extend_from_slice(latents);
         self.rope_keys.extend_from_slice(rope_keys);
+    }
+
+    /// Writes the latent and rope widths, then the latents and the rope keys
+    /// ([`state_io`]).
+    pub fn save(&self, out: &mut dyn Write) -> io::Result<()> {
+        state_io::write_len(out, self.kv_lora)?;
+        state_io::write_len(out, self.rope)?;
+        state_io::write_f32s(out, &self.latents)?;
+        state_io::write_f32s(out, &self.rope_keys)
+    }
+
+    /// Reads what [`LatentCache::save`] wrote, refused unless its widths are this cache's
+    /// and the latents and rope keys hold the same number of positions.
+    pub fn restore(&mut self, input: &mut dyn Read) -> Result<()> {
+        let kv_lora = state_io::read_len(input, "the latent width")?;
+        expect("latent width (kv_lora_rank)", kv_lora, self.kv_lora)?;
+        let rope = state_io::read_len(input, "the rope key width")?;
+        expect("rope key width (qk_rope_head_dim)", rope, self.rope)?;
+        let latents = state_io::read_f32s(input, "the latents")?;
+        let positions = state_io::rows("latents", latents.len(), self.kv_lora)?;
+        let rope_keys = state_io::read_f32s(input, "the rope keys")?;
+        expect(
+            "rope key values for the latents' positions",
+            rope_keys.len(),
+            positions * self.rope,
+        )?;
+        (self.latents, self.rope_keys) = (latents, rope_keys);
+        Ok(())
     }
 
     fn latent(&self, pos: usize) -> &[f32] {

@@ -23,6 +23,7 @@ pub mod registry;
 pub mod short_conv;
 pub mod situ;
 pub mod state;
+pub mod state_io;
 pub mod weights;
 pub mod window_attention;
 

@@ -2,6 +2,7 @@
 //! whole q and k projections and rotate-half RoPE, then a softmax-routed top-k MoE of
 //! SwiGLU experts. No dense layers, no shared experts, no router bias.
 
+use std::io::{self, Read, Write};
 use std::sync::{Mutex, MutexGuard};
 
 use anyhow::{bail, Result};
@@ -14,6 +15,7 @@ use super::layers::{
 use super::moe::{Choice, RoutedExperts, Router};
 use super::prompt::PromptConvention;
 use super::state::{per_sequence, states_of, Rows, SequenceState, State, Step};
+use super::state_io::{self, expect, part};
 use super::weights::Weights;
 use super::window_attention::{windowed_attention, WindowKvCache};
 use super::{lock, Engine, LoadOptions};
@@ -278,6 +280,28 @@ impl SequenceState for OlmoeState {
 
     fn truncate(&mut self, len: usize) -> Result<()> {
         self.caches.iter_mut().try_for_each(|c| c.truncate(len))
+    }
+
+    /// The number of layers, then each layer's cache.
+    fn save(&self, out: &mut dyn Write) -> io::Result<()> {
+        state_io::write_len(out, self.caches.len())?;
+        self.caches.iter().try_for_each(|c| c.save(out))
+    }
+
+    fn restore(&mut self, input: &mut dyn Read) -> Result<()> {
+        let layers = state_io::read_len(input, "the number of layers")?;
+        expect("layers", layers, self.caches.len())?;
+        for (l, cache) in self.caches.iter_mut().enumerate() {
+            part(format_args!("layer {l}"), cache.restore(input))?;
+        }
+        let position = self.position();
+        if let Some(l) = self.caches.iter().position(|c| c.positions() != position) {
+            bail!(
+                "layer {l} holds {} positions, layer 0 holds {position}",
+                self.caches[l].positions()
+            );
+        }
+        Ok(())
     }
 }
 

@@ -6,8 +6,11 @@
 //! The convolution has no bias and no activation; a model adds its own residual or
 //! activation around it.
 
+use std::io::{self, Read, Write};
+
 use anyhow::Result;
 
+use super::state_io;
 use super::weights::Weights;
 
 /// One depthwise convolution: `taps[c * kernel + j]` weighs input `t + j - (kernel - 1)` of
@@ -33,6 +36,18 @@ impl ConvState {
 
     pub fn size_bytes(&self) -> usize {
         4 * self.rows.len()
+    }
+
+    /// Writes the inputs kept ([`state_io`]).
+    pub fn save(&self, out: &mut dyn Write) -> io::Result<()> {
+        state_io::write_f32s(out, &self.rows)
+    }
+
+    /// Reads what [`ConvState::save`] wrote, refused unless it holds as many inputs as this
+    /// convolution keeps (`kernel - 1` rows of its channels).
+    pub fn restore(&mut self, input: &mut dyn Read) -> anyhow::Result<()> {
+        self.rows = state_io::read_f32s_exact(input, self.rows.len(), "the inputs kept")?;
+        Ok(())
     }
 }
 

@@ -4,12 +4,16 @@
 //! ([`Rows`]) that every engine reads them through.
 //!
 //! This module owns the shape of a batch; it computes nothing and knows no model. An
-//! engine's own state type lives in its file and implements [`SequenceState`].
+//! engine's own state type lives in its file and implements [`SequenceState`], writing and
+//! reading its fields with [`state_io`].
 
 use std::any::Any;
+use std::io::{self, Read, Write};
 use std::ops::Range;
 
-use anyhow::{bail, Result};
+use anyhow::{anyhow, bail, Result};
+
+use super::state_io;
 
 /// One engine's per-sequence state. Implemented by each engine's state type; callers see
 /// it only through [`State`], whose clone is the type's.
@@ -27,6 +31,18 @@ pub trait SequenceState: Clone + Send + Sync + 'static {
     /// refuse with the reason when the model cannot (a recurrent state keeps no earlier
     /// positions). `len` is at most [`SequenceState::position`].
     fn truncate(&mut self, len: usize) -> Result<()>;
+
+    /// Writes every field the state holds (caches, recurrent states, position, draft
+    /// window), with [`state_io`]'s lengths and exact bits, so that
+    /// [`SequenceState::restore`] gives back a state that continues bit for bit as this one.
+    fn save(&self, out: &mut dyn Write) -> io::Result<()>;
+
+    /// Reads what [`SequenceState::save`] wrote into this state, a fresh one of the engine
+    /// that wrote it, checking every count and dimension against this state's own shape;
+    /// refuses, naming what did not match, and never allocates for a length the stream does
+    /// not hold. On an error the state is left partly read: [`State::restore`] keeps it
+    /// from being seen.
+    fn restore(&mut self, input: &mut dyn Read) -> Result<()>;
 }
 
 /// A [`SequenceState`] of any engine, behind one pointer.
@@ -35,6 +51,8 @@ trait AnyState: Send + Sync {
     fn size_bytes(&self) -> usize;
     fn can_truncate(&self, len: usize) -> bool;
     fn truncate(&mut self, len: usize) -> Result<()>;
+    fn save(&self, out: &mut dyn Write) -> io::Result<()>;
+    fn restore(&mut self, input: &mut dyn Read) -> Result<()>;
     fn fork(&self) -> Box<dyn AnyState>;
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }
@@ -54,6 +72,14 @@ impl<S: SequenceState> AnyState for S {
 
     fn truncate(&mut self, len: usize) -> Result<()> {
         SequenceState::truncate(self, len)
+    }
+
+    fn save(&self, out: &mut dyn Write) -> io::Result<()> {
+        SequenceState::save(self, out)
+    }
+
+    fn restore(&mut self, input: &mut dyn Read) -> Result<()> {
+        SequenceState::restore(self, input)
     }
 
     fn fork(&self) -> Box<dyn AnyState> {
@@ -118,6 +144,42 @@ impl State {
     pub fn can_truncate(&self, len: usize) -> bool {
         let position = self.position();
         len == position || len == 0 || (len < position && self.inner.can_truncate(len))
+    }
+
+    /// Writes the engine's name, then every field of the state ([`SequenceState::save`]).
+    pub fn save(&self, out: &mut dyn Write) -> io::Result<()> {
+        state_io::write_len(out, self.engine.len())?;
+        out.write_all(self.engine.as_bytes())?;
+        self.inner.save(out)
+    }
+
+    /// Reads what [`State::save`] wrote into this state, a fresh one from the engine's
+    /// `new_state`. A state another engine wrote, or one whose counts or dimensions differ
+    /// from this state's shape, is refused with what did not match; on any error this state
+    /// is unchanged.
+    pub fn restore(&mut self, input: &mut dyn Read) -> Result<()> {
+        let refused =
+            |e: anyhow::Error| anyhow!("cannot restore a saved {} state: {e:#}", self.engine);
+        let len = state_io::read_len(input, "the engine's name").map_err(refused)?;
+        // The longest engine name is far shorter; more is a corrupt length, not a name.
+        if len > 64 {
+            return Err(refused(anyhow!("an engine name of {len} bytes")));
+        }
+        let mut name = vec![0u8; len];
+        input
+            .read_exact(&mut name)
+            .map_err(|_| refused(anyhow!("the saved state ends inside the engine's name")))?;
+        if name != self.engine.as_bytes() {
+            bail!(
+                "a saved {} state cannot be restored into a {} state",
+                String::from_utf8_lossy(&name),
+                self.engine
+            );
+        }
+        let mut inner = self.inner.fork();
+        inner.restore(input).map_err(refused)?;
+        self.inner = inner;
+        Ok(())
     }
 
     /// The engine's own state type, or an error when the state belongs to another engine.
@@ -345,6 +407,13 @@ mod tests {
             self.0 = len;
             Ok(())
         }
+        fn save(&self, out: &mut dyn Write) -> io::Result<()> {
+            state_io::write_len(out, self.0)
+        }
+        fn restore(&mut self, input: &mut dyn Read) -> Result<()> {
+            self.0 = state_io::read_position(input, "the position")?;
+            Ok(())
+        }
     }
 
     #[test]
@@ -374,6 +443,37 @@ mod tests {
         let mut fork = state.clone();
         fork.truncate(1).unwrap();
         assert_eq!((state.position(), fork.position()), (3, 1));
+    }
+
+    #[test]
+    fn a_saved_state_comes_back_into_its_own_engine_only() {
+        let mut bytes = Vec::new();
+        State::new("t", Counter(7)).save(&mut bytes).unwrap();
+        let mut back = State::new("t", Counter(0));
+        back.restore(&mut &bytes[..]).unwrap();
+        assert_eq!(back.position(), 7);
+
+        let mut other = State::new("u", Counter(0));
+        let err = other.restore(&mut &bytes[..]).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "a saved t state cannot be restored into a u state"
+        );
+        // Every cut refuses, and leaves the state as it was.
+        for cut in 0..bytes.len() {
+            let mut state = State::new("t", Counter(3));
+            let err = state.restore(&mut &bytes[..cut]).unwrap_err();
+            assert!(
+                err.to_string()
+                    .starts_with("cannot restore a saved t state: "),
+                "{err}"
+            );
+            assert_eq!(state.position(), 3);
+        }
+        let mut huge = Vec::new();
+        state_io::write_u64(&mut huge, u64::MAX).unwrap();
+        let err = back.restore(&mut &huge[..]).unwrap_err();
+        assert!(err.to_string().contains("engine name of"), "{err}");
     }
 
     #[test]

@@ -7,11 +7,14 @@
 //! `max(0, qpos - window + 1) ..= qpos`, softmaxed in f32, as the transformers eager
 //! attention adds a `position_bias` and a sliding-window mask to the scaled products.
 
+use std::io::{self, Read, Write};
 use std::ops::Range;
 
+use anyhow::{bail, Result};
 use rayon::prelude::*;
 
 use super::layers::{dot, softmax, AttentionShape};
+use super::state_io::{self, expect};
 #[cfg(target_arch = "x86_64")]
 use crate::quant::{selected_simd, Isa};
 
@@ -117,6 +120,72 @@ impl WindowKvCache {
                 }
             }
         }
+    }
+
+    /// Writes the head width, the window (0 for none), the first stored position, then each
+    /// kv head's keys and each one's values ([`state_io`]).
+    pub fn save(&self, out: &mut dyn Write) -> io::Result<()> {
+        state_io::write_len(out, self.head_dim)?;
+        state_io::write_len(out, self.window.unwrap_or(0))?;
+        state_io::write_len(out, self.first)?;
+        state_io::write_len(out, self.keys.len())?;
+        for head in self.keys.iter().chain(&self.values) {
+            state_io::write_f32s(out, head)?;
+        }
+        Ok(())
+    }
+
+    /// Reads what [`WindowKvCache::save`] wrote, refused unless its head width, window and
+    /// kv heads are this cache's and every head holds the same whole rows.
+    pub fn restore(&mut self, input: &mut dyn Read) -> Result<()> {
+        let head_dim = state_io::read_len(input, "the head width")?;
+        expect("head width", head_dim, self.head_dim)?;
+        let window = state_io::read_len(input, "the window")?;
+        let name = |w: usize| match w {
+            0 => "none".to_string(),
+            w => format!("{w} positions"),
+        };
+        expect(
+            "sliding window",
+            name(window),
+            name(self.window.unwrap_or(0)),
+        )?;
+        let first = state_io::read_position(input, "the first stored position")?;
+        let heads = state_io::read_len(input, "the number of kv heads")?;
+        expect("kv heads", heads, self.keys.len())?;
+        let mut read = |kind: &str| -> Result<Vec<Vec<f32>>> {
+            (0..heads)
+                .map(|h| state_io::read_f32s(input, &format!("kv head {h}'s {kind}")))
+                .collect()
+        };
+        let (keys, values) = (read("keys")?, read("values")?);
+        let len = keys[0].len();
+        let stored = state_io::rows("keys", len, self.head_dim)?;
+        if let Some(h) = keys.iter().chain(&values).position(|v| v.len() != len) {
+            let (kind, head) = if h < heads {
+                ("keys", h)
+            } else {
+                ("values", h - heads)
+            };
+            bail!("kv head {head}'s {kind} hold a different number of positions than kv head 0's keys");
+        }
+        // Forgetting keeps the `window - 1` keys the next query reads (see `push` and
+        // `can_truncate`); a cache that forgot more could not be attended over.
+        match self.window {
+            None if first > 0 => bail!("a cache without a window that forgot {first} positions"),
+            Some(window) if first > 0 && stored + 1 < window => bail!(
+                "a {window}-position window that forgot {first} positions and keeps only {stored}"
+            ),
+            _ => {}
+        }
+        if first.saturating_add(stored) > state_io::MAX_POSITION {
+            bail!(
+                "{first} forgotten and {stored} stored positions are beyond any context (at most {})",
+                state_io::MAX_POSITION
+            );
+        }
+        (self.first, self.keys, self.values) = (first, keys, values);
+        Ok(())
     }
 
     /// Head `kv_head`'s keys (`values == false`) or values at `positions`, side by side.
@@ -605,5 +674,46 @@ mod tests {
             assert_eq!(a, b);
         }
         assert!(windowed.stored() < 2 * window + 2);
+    }
+
+    #[test]
+    fn a_saved_window_comes_back_and_one_that_forgot_too_much_is_refused() {
+        let mut cache = WindowKvCache::new(2, 3, Some(4));
+        for step in 0..11 {
+            cache.push(&values(6, step as f32 + 0.5), &values(6, step as f32 - 0.5));
+        }
+        assert!(cache.first > 0);
+        let mut bytes = Vec::new();
+        cache.save(&mut bytes).unwrap();
+        let mut back = WindowKvCache::new(2, 3, Some(4));
+        back.restore(&mut &bytes[..]).unwrap();
+        assert_eq!(
+            (back.first, back.positions()),
+            (cache.first, cache.positions())
+        );
+        assert_eq!((&back.keys, &back.values), (&cache.keys, &cache.values));
+
+        let err = |cache: &mut WindowKvCache, bytes: &[u8]| {
+            cache.restore(&mut &bytes[..]).unwrap_err().to_string()
+        };
+        let mut wider = WindowKvCache::new(2, 3, Some(5));
+        assert_eq!(
+            err(&mut wider, &bytes),
+            "sliding window: the saved state has 4 positions, this model's has 5 positions"
+        );
+        // Two positions kept after forgetting some: the next query needs three.
+        let mut short = WindowKvCache::new(2, 3, Some(4));
+        short.first = 9;
+        short
+            .keys
+            .iter_mut()
+            .chain(short.values.iter_mut())
+            .for_each(|h| h.resize(6, 0.0));
+        let mut bytes = Vec::new();
+        short.save(&mut bytes).unwrap();
+        assert_eq!(
+            err(&mut back, &bytes),
+            "a 4-position window that forgot 9 positions and keeps only 2"
+        );
     }
 }

@@ -8,6 +8,7 @@
 
 mod api;
 pub mod chat;
+pub mod kv_dir;
 mod metrics;
 mod pool;
 mod scheduler;

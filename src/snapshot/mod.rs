@@ -108,6 +108,13 @@ impl Snapshot {
         self.tensors.keys().map(String::as_str)
     }
 
+    /// Every shard's path and size in bytes, in path order.
+    pub fn shard_files(&self) -> impl Iterator<Item = (&Path, u64)> {
+        self.shards
+            .iter()
+            .map(|shard| (shard.path(), shard.mapping().len() as u64))
+    }
+
     pub fn dir(&self) -> &Path {
         &self.dir
     }

@@ -44,3 +44,4 @@ mod glm_moe_dsa;
 mod inkling;
 mod kimi_k3;
 mod olmoe;
+mod saved_state;

@@ -4,5 +4,6 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod kv_dir;
 mod openai;
 mod server;
