@@ -4,6 +4,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod batching;
 mod kv_dir;
 mod openai;
 mod server;

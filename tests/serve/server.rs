@@ -22,14 +22,14 @@ use common::{coli, coli_command, copy_fixture_to, fixture, stderr};
 use serde_json::{json, Value};
 
 /// A running `coli serve`, killed when dropped.
-struct Server {
+pub(crate) struct Server {
     child: Child,
-    port: u16,
+    pub(crate) port: u16,
     log: Arc<Mutex<String>>,
 }
 
 impl Server {
-    fn start(snap: &Path, extra: &[&str], env: &[(&str, &str)]) -> Server {
+    pub(crate) fn start(snap: &Path, extra: &[&str], env: &[(&str, &str)]) -> Server {
         let snap_arg = format!("SNAP={}", snap.display());
         let mut args = vec!["serve", "--port", "0", snap_arg.as_str(), "TEMP=0"];
         args.extend_from_slice(extra);
@@ -63,12 +63,12 @@ impl Server {
         Server { child, port, log }
     }
 
-    fn url(&self, path: &str) -> String {
+    pub(crate) fn url(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}{path}", self.port)
     }
 
     /// `(HTTP status, body)` of a request through curl.
-    fn curl(&self, path: &str, body: Option<&str>, headers: &[&str]) -> (u16, String) {
+    pub(crate) fn curl(&self, path: &str, body: Option<&str>, headers: &[&str]) -> (u16, String) {
         let mut command = Command::new("curl");
         command.args(["-s", "-N", "-w", "\n%{http_code}", &self.url(path)]);
         for header in headers {
@@ -101,14 +101,14 @@ impl Server {
         (status.trim().parse().unwrap(), body.to_string())
     }
 
-    fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+    pub(crate) fn post(&self, path: &str, body: &Value) -> (u16, Value) {
         let (status, text) = self.curl(path, Some(&body.to_string()), &[]);
         let value = serde_json::from_str(&text)
             .unwrap_or_else(|e| panic!("{path} answered {status} {text:?}: {e}"));
         (status, value)
     }
 
-    fn metric(&self, name: &str) -> f64 {
+    pub(crate) fn metric(&self, name: &str) -> f64 {
         let (_, text) = self.curl("/metrics", None, &[]);
         text.lines()
             .find_map(|line| line.strip_prefix(&format!("{name} ")))
@@ -117,7 +117,7 @@ impl Server {
             .unwrap()
     }
 
-    fn signal(&self, signal: &str) {
+    pub(crate) fn signal(&self, signal: &str) {
         let status = Command::new("kill")
             .args([&format!("-{signal}"), &self.child.id().to_string()])
             .status()
@@ -126,7 +126,7 @@ impl Server {
     }
 
     /// Wait for the server to exit; its exit code.
-    fn wait(&mut self) -> Option<i32> {
+    pub(crate) fn wait(&mut self) -> Option<i32> {
         let deadline = Instant::now() + Duration::from_secs(60);
         while Instant::now() < deadline {
             if let Some(status) = self.child.try_wait().unwrap() {
@@ -146,13 +146,13 @@ impl Drop for Server {
 }
 
 /// The trained fixture copied where the server may write its history.
-fn snapshot_copy(dir: &Path) -> PathBuf {
+pub(crate) fn snapshot_copy(dir: &Path) -> PathBuf {
     let snap = dir.join("olmoe_trained");
     copy_fixture_to("olmoe_trained", &snap);
     snap
 }
 
-fn heldout_ids(count: usize) -> Vec<u32> {
+pub(crate) fn heldout_ids(count: usize) -> Vec<u32> {
     std::fs::read_to_string(fixture("olmoe_trained").join("heldout_prose.ids"))
         .unwrap()
         .split(|c: char| c.is_whitespace() || c == ',')
@@ -162,18 +162,18 @@ fn heldout_ids(count: usize) -> Vec<u32> {
         .collect()
 }
 
-fn completion(prompt: &[u32], max_tokens: usize) -> Value {
+pub(crate) fn completion(prompt: &[u32], max_tokens: usize) -> Value {
     json!({ "prompt": prompt, "max_tokens": max_tokens, "temperature": 0 })
 }
 
-fn usage(body: &Value, key: &str) -> u64 {
+pub(crate) fn usage(body: &Value, key: &str) -> u64 {
     body["usage"][key]
         .as_u64()
         .unwrap_or_else(|| panic!("usage.{key} in {body}"))
 }
 
 /// Selections the history holds, from `coli usage show`.
-fn history_selections(path: &Path) -> u64 {
+pub(crate) fn history_selections(path: &Path) -> u64 {
     let out = coli(&["usage", "show", path.to_str().unwrap()], &[]);
     let text = common::stdout(&out);
     text.lines()

@@ -1,0 +1,248 @@
+//! `coli serve` with several clients at once: every engine's greedy answers are the same
+//! batched as alone, prompts filled a chunk a step between others' tokens; a full queue
+//! answers 429 with Retry-After and a client that leaves frees its sequence; a killed
+//! server's history holds exactly the turns that finished, none of a turn in flight.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::common::fixture;
+use crate::server::{completion, heldout_ids, history_selections, snapshot_copy, usage, Server};
+
+/// A completion streamed through curl: its text, put together from the chunks.
+fn streamed_text(server: &Server, body: &Value) -> String {
+    let mut body = body.clone();
+    body["stream"] = json!(true);
+    let (status, text) = server.curl("/v1/completions", Some(&body.to_string()), &[]);
+    assert_eq!(status, 200, "{text}");
+    let mut out = String::new();
+    let mut done = false;
+    for data in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        if data == "[DONE]" {
+            done = true;
+            continue;
+        }
+        let chunk: Value = serde_json::from_str(data).unwrap();
+        out.push_str(chunk["choices"][0]["text"].as_str().unwrap_or(""));
+    }
+    assert!(done, "the stream ended without [DONE]: {text}");
+    out
+}
+
+fn answer_text(server: &Server, body: &Value, streamed: bool) -> String {
+    if streamed {
+        return streamed_text(server, body);
+    }
+    let (status, reply) = server.post("/v1/completions", body);
+    assert_eq!(status, 200, "{reply}");
+    reply["choices"][0]["text"].as_str().unwrap().to_string()
+}
+
+#[test]
+fn every_engine_answers_each_of_eight_clients_as_it_answers_one_alone() {
+    let fixtures = [
+        ("olmoe_tiny", 128),
+        ("olmoe_trained", 4096),
+        ("inkling_tiny", 250),
+        ("kimi_k3_tiny", 192),
+        ("glm_moe_dsa_tiny", 128),
+        ("glm_moe_dsa_tiny_mtp", 128),
+    ];
+    for (name, vocab) in fixtures {
+        // Prompts of 3 to 38 tokens, one of them far longer than a chunk: it is filled four
+        // tokens a step while the others decode.
+        let prompts: Vec<Vec<u32>> = (0..8u32)
+            .map(|client| {
+                let len = if client == 5 { 38 } else { 3 + client };
+                (0..len)
+                    .map(|i| (i * 37 + 5 + client * 13) % vocab)
+                    .collect()
+            })
+            .collect();
+        let body = |prompt: &Vec<u32>| completion(prompt, 7);
+        let server = Arc::new(Server::start(
+            &fixture(name),
+            &[
+                "--parallel",
+                "8",
+                "--prefill-chunk",
+                "4",
+                "--cache-mb",
+                "0",
+                "64",
+                "16",
+                "16",
+                "USAGE_SAVE=0",
+            ],
+            &[],
+        ));
+        let alone: Vec<String> = prompts
+            .iter()
+            .map(|p| answer_text(&server, &body(p), false))
+            .collect();
+        let clients: Vec<_> = prompts
+            .iter()
+            .enumerate()
+            .map(|(client, prompt)| {
+                let server = server.clone();
+                let body = body(prompt);
+                std::thread::spawn(move || answer_text(&server, &body, client % 2 == 1))
+            })
+            .collect();
+        let together: Vec<String> = clients.into_iter().map(|c| c.join().unwrap()).collect();
+        assert_eq!(together, alone, "{name}");
+        // The clients were batched: some step ran more than one sequence.
+        let steps = server.metric("coli_steps_total");
+        let rows = server.metric("coli_step_rows_total");
+        let sequences_alone = server.metric("coli_step_sequences_bucket{le=\"1\"}");
+        assert!(
+            sequences_alone < steps,
+            "{name}: {steps} steps, none batched"
+        );
+        assert!(rows > steps, "{name}");
+    }
+}
+
+/// Send a streamed request on a raw connection and read its response head.
+fn open_stream(port: u16, prompt: &[u32], max_tokens: usize) -> TcpStream {
+    let body =
+        json!({ "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": true })
+            .to_string();
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(
+        stream,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut head = [0u8; 512];
+    let read = stream.read(&mut head).unwrap();
+    assert!(String::from_utf8_lossy(&head[..read]).contains("200 OK"));
+    stream
+}
+
+fn wait_for(server: &Server, metric: &str, value: f64, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while server.metric(metric) < value {
+        assert!(Instant::now() < deadline, "{what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_full_queue_answers_429_and_a_client_that_leaves_frees_its_sequence() {
+    let temp = tempfile::tempdir().unwrap();
+    let snap = snapshot_copy(temp.path());
+    let server = Arc::new(Server::start(
+        &snap,
+        &[
+            "--parallel",
+            "1",
+            "--queue",
+            "1",
+            "64",
+            "16",
+            "16",
+            "USAGE_SAVE=0",
+        ],
+        &[],
+    ));
+    // The one sequence, busy for a long time.
+    let long = open_stream(server.port, &heldout_ids(6), 4000);
+    // One request waits for it.
+    let waiting = {
+        let server = server.clone();
+        std::thread::spawn(move || server.post("/v1/completions", &completion(&heldout_ids(5), 3)))
+    };
+    wait_for(
+        &server,
+        "coli_requests_waiting",
+        1.0,
+        "the second request never queued",
+    );
+    // The next one finds the queue full.
+    let out = Command::new("curl")
+        .args([
+            "-s",
+            "-i",
+            "-H",
+            "Content-Type: application/json",
+            "--data-binary",
+            "@-",
+        ])
+        .arg(server.url("/v1/completions"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .and_then(|mut child| {
+            child
+                .stdin
+                .take()
+                .unwrap()
+                .write_all(completion(&heldout_ids(4), 2).to_string().as_bytes())?;
+            child.wait_with_output()
+        })
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_lowercase();
+    assert!(text.starts_with("http/1.1 429"), "{text}");
+    assert!(text.contains("retry-after: 1"), "{text}");
+    assert!(text.contains("queue_full"), "{text}");
+    // The long stream's client leaves: its sequence is freed and the waiting one runs.
+    drop(long);
+    let (status, body) = waiting.join().unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(usage(&body, "completion_tokens"), 3);
+    assert_eq!(server.metric("coli_generations_abandoned_total"), 1.0);
+}
+
+#[test]
+fn a_killed_server_s_history_holds_the_finished_turns_and_nothing_of_one_in_flight() {
+    let temp = tempfile::tempdir().unwrap();
+    let snap = snapshot_copy(temp.path());
+    let history = temp.path().join("usage.coli_usage");
+    let history_arg = format!("COLI_USAGE={}", history.display());
+    let server = Arc::new(Server::start(
+        &snap,
+        &["--cache-mb", "0", "64", "16", "16", &history_arg],
+        &[],
+    ));
+    // A turn that runs beside all the others and never finishes.
+    let mut long = open_stream(server.port, &heldout_ids(7), 4000);
+    let clients: Vec<_> = (0..3)
+        .map(|client| {
+            let server = server.clone();
+            std::thread::spawn(move || {
+                let prompt = heldout_ids(9 + client)[client..].to_vec();
+                let (status, body) = server.post("/v1/completions", &completion(&prompt, 5));
+                assert_eq!(status, 200, "{body}");
+                body
+            })
+        })
+        .collect();
+    let answers: Vec<Value> = clients.into_iter().map(|c| c.join().unwrap()).collect();
+    // Each finished turn fed its prompt and all but its last token, through 4 layers x
+    // top-4 routing.
+    let fed: u64 = answers
+        .iter()
+        .map(|body| usage(body, "prompt_tokens") + usage(body, "completion_tokens") - 1)
+        .sum();
+    // Their answers go out before their saves; the metrics count them after.
+    wait_for(
+        &server,
+        "coli_completion_tokens_total",
+        15.0,
+        "3 turns were not all counted",
+    );
+    // The long turn is still streaming.
+    let mut more = [0u8; 256];
+    assert!(long.read(&mut more).unwrap() > 0);
+    let mut server = Arc::try_unwrap(server).ok().unwrap();
+    server.signal("KILL");
+    server.wait();
+    assert_eq!(history_selections(&history), fed * 16);
+}
