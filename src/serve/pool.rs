@@ -207,6 +207,12 @@ mod tests {
             self.position = len;
             Ok(())
         }
+        fn save(&self, _out: &mut dyn std::io::Write) -> std::io::Result<()> {
+            unreachable!("the pool never saves")
+        }
+        fn restore(&mut self, _input: &mut dyn std::io::Read) -> anyhow::Result<()> {
+            unreachable!("the pool never restores")
+        }
     }
 
     fn toy(position: usize, recurrent: bool) -> State {
