@@ -91,6 +91,14 @@ pub struct ServeArgs {
     /// default: half of what the expert store leaves for the rest of the run.
     #[arg(long, value_name = "MB")]
     pub cache_mb: Option<f64>,
+    /// Directory where kept conversation states are written when evicted and at shutdown,
+    /// and read back when a prompt shares their prefix (after a restart too); files of
+    /// another model, engine, config or width are refused by name and left alone.
+    #[arg(long, value_name = "DIR")]
+    pub kv_dir: Option<std::path::PathBuf>,
+    /// MB the --kv-dir files of this model may take (least recently used go first).
+    #[arg(long, default_value_t = 4000.0, value_name = "MB")]
+    pub kv_dir_mb: f64,
     /// KEY=VALUE settings, then up to three numbers: CAP EBITS DBITS, as for a run.
     #[arg(value_name = "KEY=VALUE | CAP [EBITS [DBITS]]")]
     pub args: Vec<String>,
@@ -165,10 +173,20 @@ pub fn run(argv: impl IntoIterator<Item = OsString>) -> Result<ExitCode> {
                 Some(mb) => Some((mb * 1e6) as u64),
                 None => None,
             };
+            if !(args.kv_dir_mb >= 0.0 && args.kv_dir_mb.is_finite()) {
+                bail!(
+                    "--kv-dir-mb {}: expected a number of megabytes, 0 or more",
+                    args.kv_dir_mb
+                );
+            }
             let serving = crate::serve::Serving {
                 parallel: args.parallel,
                 prefill_chunk: args.prefill_chunk,
                 cache_bytes,
+                kv_dir: args
+                    .kv_dir
+                    .clone()
+                    .map(|dir| (dir, (args.kv_dir_mb * 1e6) as u64)),
             };
             crate::serve::run(
                 cli.model.as_deref(),

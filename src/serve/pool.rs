@@ -4,10 +4,15 @@
 //! request again, a regenerated or edited last message, another client with the same
 //! system prompt — cut back to that prefix where the model allows it exactly.
 //!
+//! With `--kv-dir`, a state evicted, and every state at shutdown, is written to the
+//! directory ([`KvDir`]), and a prompt that shares more with a state there than with any
+//! in memory starts from it: an agent's preamble survives a restart.
+//!
 //! Owns the choice of a state and the byte bound; it runs no forward and knows no engine
 //! beyond [`State`]'s own answers (its size, whether it can go back to a position).
 
-use crate::engines::State;
+use super::kv_dir::{KvDir, Saved};
+use crate::engines::{Engine, State};
 
 /// A state kept after a turn.
 struct Kept {
@@ -42,15 +47,71 @@ pub struct Pool {
     kept: Vec<Kept>,
     limit: u64,
     clock: u64,
+    /// `--kv-dir`: where evicted states go, and are found again.
+    disk: Option<KvDir>,
 }
 
 impl Pool {
-    pub fn new(limit: u64) -> Pool {
+    pub fn new(limit: u64, disk: Option<KvDir>) -> Pool {
         Pool {
             kept: Vec::new(),
             limit,
             clock: 0,
+            disk,
         }
+    }
+
+    /// Write every kept state to the directory, when there is one (at shutdown).
+    pub fn persist(&mut self) {
+        for kept in std::mem::take(&mut self.kept) {
+            self.write(kept);
+        }
+    }
+
+    fn write(&mut self, kept: Kept) {
+        let Some(disk) = self.disk.as_mut() else {
+            return;
+        };
+        // A checkpoint's logits are not part of a state file; the state after its
+        // prompt still serves the prompts that extend it.
+        match disk.save(&kept.tokens, &kept.state) {
+            Ok(Saved::Written { .. }) => {}
+            Ok(Saved::TooLarge { bytes, limit }) => eprintln!(
+                "[serve] a kept state of {bytes} bytes is larger than --kv-dir-mb ({limit} bytes): not written"
+            ),
+            Err(err) => eprintln!("[serve] a kept state was not written: {err:#}"),
+        }
+    }
+
+    /// The state on disk sharing more than `usable` tokens with `prompt`, cut back to its
+    /// usable prefix, if there is one.
+    fn start_on_disk(
+        &mut self,
+        prompt: &[u32],
+        usable: usize,
+        engine: &dyn Engine,
+    ) -> Option<Start> {
+        let disk = self.disk.as_mut()?;
+        let (entry, common) = disk.best(prompt)?;
+        let wanted = common.min(prompt.len() - 1);
+        if wanted <= usable {
+            return None;
+        }
+        let (_, mut state) = match disk.load(entry, engine) {
+            Ok(found) => found,
+            Err(err) => {
+                eprintln!("[serve] a kept state on disk was not used: {err:#}");
+                return None;
+            }
+        };
+        if !state.can_truncate(wanted) || state.truncate(wanted).is_err() {
+            return None;
+        }
+        Some(Start {
+            state,
+            cached: wanted,
+            logits: None,
+        })
     }
 
     /// States kept and their bytes.
@@ -62,7 +123,17 @@ impl Pool {
     /// taken out when the prompt extends all of it and forked otherwise, so that the kept
     /// one still serves the prompts it shares less with; `fresh` when none shares anything.
     /// A whole-prompt match with kept logits is used only when `whole` allows it.
-    pub fn start(&mut self, prompt: &[u32], whole: bool, fresh: impl FnOnce() -> State) -> Start {
+    pub fn start(&mut self, prompt: &[u32], whole: bool, engine: &dyn Engine) -> Start {
+        let memory = self.best(prompt, whole);
+        let usable = memory.map_or(0, |(_, usable)| usable);
+        if let Some(start) = self.start_on_disk(prompt, usable, engine) {
+            return start;
+        }
+        self.start_from(memory, prompt, || engine.new_state())
+    }
+
+    /// The kept state in memory with the longest usable prefix of `prompt`, and its length.
+    fn best(&self, prompt: &[u32], whole: bool) -> Option<(usize, usize)> {
         let mut best: Option<(usize, usize)> = None;
         for (i, kept) in self.kept.iter().enumerate() {
             let usable = usable_prefix(kept, prompt, whole);
@@ -74,6 +145,16 @@ impl Pool {
                 best = Some((i, usable));
             }
         }
+        best
+    }
+
+    /// The start from `best` ([`Pool::best`]), or `fresh` without one.
+    fn start_from(
+        &mut self,
+        best: Option<(usize, usize)>,
+        prompt: &[u32],
+        fresh: impl FnOnce() -> State,
+    ) -> Start {
         let Some((i, usable)) = best else {
             return Start {
                 state: fresh(),
@@ -146,7 +227,9 @@ impl Pool {
             let Some(oldest) = (0..self.kept.len()).min_by_key(|&i| self.kept[i].used) else {
                 break;
             };
-            total -= self.kept.swap_remove(oldest).bytes();
+            let evicted = self.kept.swap_remove(oldest);
+            total -= evicted.bytes();
+            self.write(evicted);
         }
     }
 }
@@ -225,69 +308,71 @@ mod tests {
         )
     }
 
-    fn fresh() -> State {
-        toy(0, false)
+    /// [`Pool::start`] without a directory, and so without an engine.
+    fn start_in(pool: &mut Pool, prompt: &[u32], whole: bool) -> Start {
+        let best = pool.best(prompt, whole);
+        pool.start_from(best, prompt, || toy(0, false))
     }
 
     #[test]
     fn the_longest_shared_prefix_is_used_and_cut_back() {
-        let mut pool = Pool::new(1 << 20);
+        let mut pool = Pool::new(1 << 20, None);
         pool.put(vec![1, 2, 3, 4, 5], toy(5, false), None);
         pool.put(vec![1, 2, 9], toy(3, false), None);
         // An edited last message: 1 2 3 shared.
-        let start = pool.start(&[1, 2, 3, 7, 7], true, fresh);
+        let start = start_in(&mut pool, &[1, 2, 3, 7, 7], true);
         assert_eq!((start.cached, start.state.position()), (3, 3));
         // Forked, not taken: both are still kept.
         assert_eq!(pool.size().0, 2);
         // The same prompt again: all but the last token.
-        let start = pool.start(&[1, 2, 3, 4, 5], true, fresh);
+        let start = start_in(&mut pool, &[1, 2, 3, 4, 5], true);
         assert_eq!(start.cached, 4);
         // A prompt that extends a kept state takes it.
-        let start = pool.start(&[1, 2, 3, 4, 5, 6], true, fresh);
+        let start = start_in(&mut pool, &[1, 2, 3, 4, 5, 6], true);
         assert_eq!(start.cached, 5);
         assert_eq!(pool.size().0, 1);
         // Nothing shared: a fresh state.
-        let start = pool.start(&[8], true, fresh);
+        let start = start_in(&mut pool, &[8], true);
         assert_eq!(start.cached, 0);
     }
 
     #[test]
     fn a_recurrent_state_is_used_only_where_it_stands() {
-        let mut pool = Pool::new(1 << 20);
+        let mut pool = Pool::new(1 << 20, None);
         pool.put(vec![1, 2, 3], toy(3, true), None);
-        assert_eq!(pool.start(&[1, 2, 4], true, fresh).cached, 0);
-        assert_eq!(pool.start(&[1, 2, 3], true, fresh).cached, 0);
-        let start = pool.start(&[1, 2, 3, 4], true, fresh);
+        assert_eq!(start_in(&mut pool, &[1, 2, 4], true).cached, 0);
+        assert_eq!(start_in(&mut pool, &[1, 2, 3], true).cached, 0);
+        let start = start_in(&mut pool, &[1, 2, 3, 4], true);
         assert_eq!((start.cached, start.state.position()), (3, 3));
         // Forked: it stays for the next prompt that starts with it.
         assert_eq!(pool.size().0, 1);
         // A checkpoint with its logits serves the very same prompt whole.
         pool.put(vec![5, 6], toy(2, true), Some(vec![0.5; 4]));
-        let start = pool.start(&[5, 6], true, fresh);
+        let start = start_in(&mut pool, &[5, 6], true);
         assert_eq!((start.cached, start.logits.map(|l| l.len())), (2, Some(4)));
-        assert_eq!(pool.start(&[5, 6], false, fresh).cached, 0);
-        assert_eq!(pool.start(&[5, 6, 7], false, fresh).cached, 2);
+        assert_eq!(start_in(&mut pool, &[5, 6], false).cached, 0);
+        assert_eq!(start_in(&mut pool, &[5, 6, 7], false).cached, 2);
     }
 
     #[test]
     fn the_bound_evicts_the_least_recently_used() {
         // 100 bytes a position plus 4 a token.
-        let mut pool = Pool::new(2 * 312);
+        let mut pool = Pool::new(2 * 312, None);
         pool.put(vec![1, 1, 1], toy(3, false), None);
         pool.put(vec![2, 2, 2], toy(3, false), None);
         // Used (forked at 2 positions), so [2, 2, 2] is the least recently used.
-        assert_eq!(pool.start(&[1, 1, 9], true, fresh).cached, 2);
+        assert_eq!(start_in(&mut pool, &[1, 1, 9], true).cached, 2);
         pool.put(vec![3, 3, 3], toy(3, false), None);
         assert_eq!(pool.size(), (2, 624));
-        assert_eq!(pool.start(&[2, 2, 2, 2], true, fresh).cached, 0);
+        assert_eq!(start_in(&mut pool, &[2, 2, 2, 2], true).cached, 0);
         // Larger than the bound: not kept.
         pool.put(vec![4; 7], toy(7, false), None);
-        assert_eq!(pool.start(&[4; 8], true, fresh).cached, 0);
+        assert_eq!(start_in(&mut pool, &[4; 8], true).cached, 0);
     }
 
     #[test]
     fn a_longer_state_replaces_its_prefixes() {
-        let mut pool = Pool::new(1 << 20);
+        let mut pool = Pool::new(1 << 20, None);
         pool.put(vec![1, 2], toy(2, false), None);
         pool.put(vec![1, 2, 3, 4], toy(4, false), None);
         assert_eq!(pool.size().0, 1);

@@ -19,6 +19,7 @@ use std::time::Instant;
 use anyhow::Result;
 
 use super::api::{ApiError, Finish, Input, Routed, Usage};
+use super::kv_dir::KvDir;
 use super::metrics::{Metrics, StepFigures, Turn};
 use super::pool::Pool;
 use super::worker::{Event, Job, Serving, StopScan};
@@ -111,6 +112,7 @@ impl<'a> Scheduler<'a> {
         default_tokens: usize,
         serving: &Serving,
         cache_bytes: u64,
+        disk: Option<KvDir>,
     ) -> Result<Scheduler<'a>> {
         let stops = TextModel::new(tokenizer, snapshot, engine).stop_ids(engine.stop_tokens())?;
         Ok(Scheduler {
@@ -122,7 +124,7 @@ impl<'a> Scheduler<'a> {
             default_tokens,
             parallel: serving.parallel.max(1),
             prefill_chunk: serving.prefill_chunk.max(1),
-            pool: Pool::new(cache_bytes),
+            pool: Pool::new(cache_bytes, disk),
             stops,
             active: Vec::new(),
             next_id: 1,
@@ -156,6 +158,7 @@ impl<'a> Scheduler<'a> {
                 if open {
                     continue;
                 }
+                self.pool.persist();
                 return;
             }
             // A panic in a step answers its sequences and leaves the server serving.
@@ -181,9 +184,7 @@ impl<'a> Scheduler<'a> {
         };
         let engine = self.engine;
         // A whole-prompt match has no routing to report for the first token's row.
-        let start = self
-            .pool
-            .start(&prompt, !job.routed_experts, || engine.new_state());
+        let start = self.pool.start(&prompt, !job.routed_experts, engine);
         let id = self.next_id;
         self.next_id += 1;
         let next = match start.logits {

@@ -3,7 +3,7 @@
 //! `STATS`, trace). The engine, tokenizer and telemetry live on this thread only. Also the
 //! jobs and events the HTTP side exchanges with it, and the stop-string scan.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
@@ -12,9 +12,11 @@ use anyhow::{Context, Result};
 use tokio::sync::mpsc::{Receiver, UnboundedSender};
 
 use super::api::{ApiError, Finish, Input, Routed, Usage};
+use super::kv_dir::{KvDir, KvIdentity};
 use super::metrics::Metrics;
 use super::scheduler::Scheduler;
 use crate::experts::budget;
+use crate::quant::Width;
 use crate::session::RunKind;
 use crate::settings::Settings;
 use crate::startup::{self, Positionals};
@@ -67,6 +69,9 @@ pub struct Serving {
     /// Bytes of kept conversation states; `None`: half of what the expert store leaves
     /// beside its slots for the rest of the run ([`budget::reserve`]).
     pub cache_bytes: Option<u64>,
+    /// `--kv-dir` and `--kv-dir-mb`: where kept states go when evicted and at shutdown,
+    /// and the bytes its files of this model may take.
+    pub kv_dir: Option<(PathBuf, u64)>,
 }
 
 impl Serving {
@@ -76,6 +81,7 @@ impl Serving {
             parallel: 1,
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
             cache_bytes: None,
+            kv_dir: None,
         }
     }
 
@@ -102,13 +108,33 @@ fn run(
     let loaded = (|| -> Result<_> {
         let (snapshot, name) = startup::open(model.as_deref(), &settings)?;
         let tokenizer = TextTokenizer::load(snapshot.dir())?;
+        // Checked before minutes of loading: a directory that cannot be used.
+        let disk = match &serving.kv_dir {
+            Some((dir, limit)) => {
+                let dense = Width::from_bits(positionals.dense_bits).context("DBITS")?;
+                let experts = Width::from_bits(positionals.expert_bits).context("EBITS")?;
+                let identity = KvIdentity::of(&snapshot, name, dense, experts)?;
+                let (disk, notes) = KvDir::open(dir, *limit, identity)?;
+                for note in notes {
+                    eprintln!("[serve] --kv-dir {note}");
+                }
+                eprintln!(
+                    "[serve] --kv-dir {}: {} kept states of this model, {:.1} MB",
+                    dir.display(),
+                    disk.entries(),
+                    disk.bytes() as f64 / 1e6
+                );
+                Some(disk)
+            }
+            None => None,
+        };
         let loaded = startup::load(&settings, positionals, &snapshot, name)?;
         loaded.print_banner(true);
         let session =
             loaded.start_session(&settings, &snapshot, RunKind::Generating, |_| Ok(()))?;
-        Ok((snapshot, name, tokenizer, loaded.engine, session))
+        Ok((snapshot, name, tokenizer, loaded.engine, session, disk))
     })();
-    let (snapshot, name, tokenizer, engine, mut session) = match loaded {
+    let (snapshot, name, tokenizer, engine, mut session, disk) = match loaded {
         Ok(parts) => parts,
         Err(err) => {
             let _ = ready.send(Err(err));
@@ -144,6 +170,7 @@ fn run(
         settings.ngen,
         &serving,
         cache_bytes,
+        disk,
     ) {
         Ok(scheduler) => scheduler,
         Err(err) => {

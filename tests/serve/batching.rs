@@ -246,3 +246,53 @@ fn a_killed_server_s_history_holds_the_finished_turns_and_nothing_of_one_in_flig
     server.wait();
     assert_eq!(history_selections(&history), fed * 16);
 }
+
+#[test]
+fn kept_states_survive_a_restart_in_the_kv_dir_and_another_model_s_are_refused_by_name() {
+    let temp = tempfile::tempdir().unwrap();
+    let snap = snapshot_copy(temp.path());
+    let kv = temp.path().join("kv");
+    let kv_arg = kv.to_str().unwrap();
+    let args = ["--kv-dir", kv_arg, "64", "16", "16", "USAGE_SAVE=0"];
+    let preamble = heldout_ids(30);
+    {
+        let mut server = Server::start(&snap, &args, &[]);
+        let (status, body) = server.post("/v1/completions", &completion(&preamble, 4));
+        assert_eq!(status, 200, "{body}");
+        // SIGTERM drains, then writes the kept states.
+        server.signal("TERM");
+        assert_eq!(server.wait(), Some(0));
+    }
+    let files = std::fs::read_dir(&kv).unwrap().count();
+    assert!(files >= 1, "nothing written to {}", kv.display());
+    let mut next = preamble.clone();
+    next.extend(heldout_ids(45)[35..].iter());
+    let server = Server::start(&snap, &args, &[]);
+    let (_, restarted) = server.post("/v1/completions", &completion(&next, 6));
+    assert_eq!(
+        restarted["usage"]["prompt_tokens_details"]["cached_tokens"], 30,
+        "{restarted}"
+    );
+    let fresh = Server::start(
+        &snap,
+        &["--cache-mb", "0", "64", "16", "16", "USAGE_SAVE=0"],
+        &[],
+    );
+    let (_, alone) = fresh.post("/v1/completions", &completion(&next, 6));
+    assert_eq!(alone["choices"][0]["text"], restarted["choices"][0]["text"]);
+    // Another model (the untrained fixture: another config.json) refuses them by name and
+    // leaves them alone.
+    let other = Server::start(
+        &fixture("olmoe_tiny"),
+        &["--kv-dir", kv_arg, "64", "16", "16", "USAGE_SAVE=0"],
+        &[],
+    );
+    let (_, body) = other.post("/v1/completions", &completion(&[1, 2, 3], 2));
+    assert_eq!(body["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let log = other.log.lock().unwrap().clone();
+    assert!(
+        log.contains("config.json") && log.contains(".colikv"),
+        "{log}"
+    );
+    assert_eq!(std::fs::read_dir(&kv).unwrap().count(), files);
+}

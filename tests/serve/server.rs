@@ -25,7 +25,7 @@ use serde_json::{json, Value};
 pub(crate) struct Server {
     child: Child,
     pub(crate) port: u16,
-    log: Arc<Mutex<String>>,
+    pub(crate) log: Arc<Mutex<String>>,
 }
 
 impl Server {
