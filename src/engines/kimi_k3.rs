@@ -928,6 +928,15 @@ impl Engine for KimiK3 {
             .max()
             .unwrap_or(0);
         let mut hidden: Vec<Vec<f32>> = vec![Vec::new(); asks.len()];
+        // Each sequence's first row in the batch, so that telemetry sees batch rows.
+        let starts: Vec<usize> = asks
+            .iter()
+            .scan(0, |at, (t, _)| {
+                let start = *at;
+                *at += t.len();
+                Some(start)
+            })
+            .collect();
         let mut routed = self.routed();
         for round in 0..rounds {
             let (from, to) = (round * PREFILL_CHUNK, (round + 1) * PREFILL_CHUNK);
@@ -965,7 +974,19 @@ impl Engine for KimiK3 {
                 .filter(|(i, _)| members.contains(i))
                 .map(|(_, state)| &mut **state)
                 .collect();
-            let normed = self.chunk(&rows, &mut chunk_states, &mut routed, &picked)?;
+            let batch_rows = rows
+                .segments
+                .iter()
+                .zip(&members)
+                .flat_map(|(segment, &i)| {
+                    let start = starts[i] + from;
+                    (start..start + segment.len()).collect::<Vec<_>>()
+                })
+                .collect();
+            routed.telemetry.map_rows(Some(batch_rows));
+            let normed = self.chunk(&rows, &mut chunk_states, &mut routed, &picked);
+            routed.telemetry.map_rows(None);
+            let normed = normed?;
             let mut rest = &normed[..];
             for (i, count) in owners {
                 let (mine, after) = rest.split_at(count * d);

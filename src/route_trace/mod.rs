@@ -74,6 +74,9 @@ pub struct RouteTrace {
     call_experts: Vec<usize>,
     /// The rows of the forward in progress that sequences own ([`RouteTrace::own_rows`]).
     owners: Owners,
+    /// The batch row of each row an engine routes, while it runs part of a batch as a
+    /// batch of its own ([`RouteTrace::map_rows`]).
+    row_map: Option<Vec<usize>>,
 }
 
 /// A sequence's rows in the forward in progress (`coli serve`'s batches): their
@@ -110,6 +113,7 @@ impl RouteTrace {
             guard: None,
             call_experts: Vec::new(),
             owners: Owners::default(),
+            row_map: None,
         })
     }
 
@@ -126,6 +130,13 @@ impl RouteTrace {
         }
         self.owners.owners = owners;
         self.owners.kept = keep.iter().map(|&row| (row, Vec::new())).collect();
+    }
+
+    /// While an engine runs part of a batch as a batch of its own (Kimi K3's prefill
+    /// rounds), its row `r` is the batch's row `map[r]`: routes, owners, kept routing and
+    /// the trace then speak of batch rows. `None` ends it.
+    pub fn map_rows(&mut self, map: Option<Vec<usize>>) {
+        self.row_map = map;
     }
 
     /// Each MoE call's selected ids for row `row` of the last forward, when
@@ -351,6 +362,11 @@ impl MoeCall<'_> {
     pub fn route(&mut self, row: usize, ids: &[usize], gates: &[f32]) {
         assert_eq!(ids.len(), gates.len(), "one gate per routed expert");
         let rt = &mut *self.rt;
+        let row = rt
+            .row_map
+            .as_ref()
+            .and_then(|map| map.get(row).copied())
+            .unwrap_or(row);
         if rt.counts.routes(self.layer) {
             let owners = &mut rt.owners;
             let owner = owners.owners.iter().find(|o| o.rows.contains(&row));

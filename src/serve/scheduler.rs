@@ -149,7 +149,20 @@ impl<'a> Scheduler<'a> {
                     Some(job) => {
                         self.metrics.queue(-1, 1);
                         self.metrics.waited(job.received.elapsed().as_secs_f64());
-                        self.admit(job, session);
+                        let events = job.events.clone();
+                        // A panic while admitting (a template, a state read from disk)
+                        // answers that request and leaves the server serving.
+                        let admitted =
+                            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                self.admit(job, session)
+                            }));
+                        if admitted.is_err() {
+                            let _ = events.send(Event::Failed(ApiError::server(
+                                500,
+                                "the request could not be started",
+                            )));
+                            self.metrics.queue(0, -1);
+                        }
                     }
                     None => open = false,
                 }
@@ -604,6 +617,9 @@ fn choose(
     routes: Option<Vec<Vec<Vec<u32>>>>,
     drafts: &[u32],
 ) -> Option<End> {
+    if sequence.tokens.len() >= sequence.count {
+        return Some(End::Limit);
+    }
     for (j, logits) in rows.iter().enumerate() {
         let token = sequence.sampler.pick(logits);
         if stops.contains(&token) {

@@ -296,3 +296,63 @@ fn kept_states_survive_a_restart_in_the_kv_dir_and_another_model_s_are_refused_b
     );
     assert_eq!(std::fs::read_dir(&kv).unwrap().count(), files);
 }
+
+/// `routed_experts` of a completion: per generated token, per MoE layer, the ids.
+fn routes_of(body: &Value) -> Vec<Vec<Vec<u64>>> {
+    serde_json::from_value(body["choices"][0]["routed_experts"].clone())
+        .unwrap_or_else(|e| panic!("routed_experts in {body}: {e}"))
+}
+
+#[test]
+fn routed_experts_name_each_token_s_own_row_in_a_batch_and_across_prefill_rounds() {
+    // Kimi K3 runs a long prompt in rounds of 32 rows: the routing of the prompt's last row
+    // and of another client's decode rows in the same step must still be theirs.
+    let server = Arc::new(Server::start(
+        &fixture("kimi_k3_tiny"),
+        &[
+            "--parallel",
+            "2",
+            "--cache-mb",
+            "0",
+            "64",
+            "16",
+            "16",
+            "USAGE_SAVE=0",
+        ],
+        &[],
+    ));
+    let long: Vec<u32> = (0..45).map(|i| (i * 29 + 7) % 192).collect();
+    let short: Vec<u32> = vec![5, 9, 14];
+    let body = |prompt: &[u32]| {
+        let mut body = completion(prompt, 5);
+        body["return_routed_experts"] = json!(true);
+        body
+    };
+    let alone: Vec<Value> = [&long, &short]
+        .iter()
+        .map(|p| server.post("/v1/completions", &body(p)).1)
+        .collect();
+    for answer in &alone {
+        let routes = routes_of(answer);
+        assert_eq!(routes.len(), 5, "{answer}");
+        assert!(
+            routes
+                .iter()
+                .all(|token| token.iter().any(|layer| !layer.is_empty())),
+            "a token without routing: {answer}"
+        );
+    }
+    let clients: Vec<_> = [long.clone(), short.clone()]
+        .into_iter()
+        .map(|prompt| {
+            let server = server.clone();
+            let body = body(&prompt);
+            std::thread::spawn(move || server.post("/v1/completions", &body).1)
+        })
+        .collect();
+    let together: Vec<Value> = clients.into_iter().map(|c| c.join().unwrap()).collect();
+    for (alone, together) in alone.iter().zip(&together) {
+        assert_eq!(routes_of(alone), routes_of(together), "{together}");
+        assert_eq!(alone["choices"][0]["text"], together["choices"][0]["text"]);
+    }
+}
