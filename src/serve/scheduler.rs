@@ -64,7 +64,7 @@ struct Sequence<'t> {
 }
 
 /// Why a sequence ends.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum End {
     Limit,
     StopToken,
@@ -74,6 +74,9 @@ enum End {
     Interrupted,
     /// The client went away.
     Abandoned,
+    /// Its state could not be cut back or drafted on: the request gets a server error,
+    /// and its state and the turn's selections are dropped.
+    Failed(String),
 }
 
 /// What a step did with a sequence's part.
@@ -426,11 +429,15 @@ impl<'a> Scheduler<'a> {
                     // Rejected drafts leave the cache: it holds the fed token and the drafts
                     // kept, each of which is a token chosen.
                     let keep_positions = start + accepted.max(1);
-                    if sequence.state.position() > keep_positions {
-                        sequence.state.truncate(keep_positions)?;
-                    }
-                    if let Some(end) = end {
-                        ended.push((i, end));
+                    let cut = if sequence.state.position() > keep_positions {
+                        sequence.state.truncate(keep_positions)
+                    } else {
+                        Ok(())
+                    };
+                    match (cut, end) {
+                        (Err(err), _) => ended.push((i, End::Failed(format!("{err:#}")))),
+                        (Ok(()), Some(end)) => ended.push((i, end)),
+                        (Ok(()), None) => {}
                     }
                 }
             }
@@ -457,10 +464,14 @@ impl<'a> Scheduler<'a> {
                     }],
                     &[],
                 );
-                let drafts = engine.propose(&mut sequence.state, next, depth.min(left - 1))?;
-                let mut feed = vec![next];
-                feed.extend(drafts);
-                sequence.next = Next::Tokens(feed);
+                match engine.propose(&mut sequence.state, next, depth.min(left - 1)) {
+                    Ok(drafts) => {
+                        let mut feed = vec![next];
+                        feed.extend(drafts);
+                        sequence.next = Next::Tokens(feed);
+                    }
+                    Err(err) => ended.push((i, End::Failed(format!("{err:#}")))),
+                }
             }
         }
         if emitted > 0 {
@@ -486,6 +497,16 @@ impl<'a> Scheduler<'a> {
     /// the history (saved), its state kept.
     fn retire(&mut self, mut sequence: Sequence, end: End, session: &mut Session) {
         let engine = self.engine;
+        if let End::Failed(message) = end {
+            eprintln!("[serve] generation failed: {message}");
+            engine.routed().telemetry.end_turn(sequence.id, false);
+            let _ = sequence.job.events.send(Event::Failed(ApiError::server(
+                500,
+                format!("generation failed: {message} (the request's cache was dropped)"),
+            )));
+            self.metrics.queue(0, -1);
+            return;
+        }
         if end != End::Abandoned && end != End::StopString {
             let rest = sequence
                 .stream
