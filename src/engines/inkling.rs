@@ -629,13 +629,9 @@ impl SequenceState for InklingState {
     }
 
     fn restore(&mut self, input: &mut dyn Read) -> Result<()> {
-        let position = state_io::read_position(input, "the position")?;
-        let layers = state_io::read_len(input, "the number of layers")?;
-        expect("layers", layers, self.layers.len())?;
-        for (l, layer) in self.layers.iter_mut().enumerate() {
-            part(format_args!("layer {l}"), layer.restore(input, position))?;
-        }
-        self.position = position;
+        self.position = state_io::restore_layers(input, &mut self.layers, |layer, input, at| {
+            layer.restore(input, at)
+        })?;
         Ok(())
     }
 }

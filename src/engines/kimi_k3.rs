@@ -32,7 +32,7 @@ use super::mla::{attend_absorbed, attend_plain, Keys, LatentCache, MlaProjection
 use super::moe::{Choice, ExpertInput, RoutedExperts, Router, SigmoidRouter};
 use super::prompt::PromptConvention;
 use super::state::{per_sequence, Logits, Rows, SequenceState, State, Step};
-use super::state_io::{self, expect, part};
+use super::state_io::{self, expect};
 use super::weights::Weights;
 use super::{lock, Engine, LoadOptions};
 use crate::activation::{Activation, Situ};
@@ -514,13 +514,9 @@ impl SequenceState for KimiState {
     }
 
     fn restore(&mut self, input: &mut dyn Read) -> Result<()> {
-        let position = state_io::read_position(input, "the position")?;
-        let layers = state_io::read_len(input, "the number of layers")?;
-        expect("layers", layers, self.layers.len())?;
-        for (l, layer) in self.layers.iter_mut().enumerate() {
-            part(format_args!("layer {l}"), layer.restore(input, position))?;
-        }
-        self.position = position;
+        self.position = state_io::restore_layers(input, &mut self.layers, |layer, input, at| {
+            layer.restore(input, at)
+        })?;
         Ok(())
     }
 }

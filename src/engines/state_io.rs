@@ -162,6 +162,23 @@ pub fn rows(what: &str, len: usize, width: usize) -> Result<usize> {
     Ok(len / width)
 }
 
+/// A state of per-layer parts behind its position (what `write_len(position)`,
+/// `write_len(layers)` and each layer's bytes wrote): each of `layers` read by `restore`
+/// with the position; returns the position. The layer count must be this model's.
+pub fn restore_layers<L>(
+    input: &mut dyn Read,
+    layers: &mut [L],
+    mut restore: impl FnMut(&mut L, &mut dyn Read, usize) -> Result<()>,
+) -> Result<usize> {
+    let position = read_position(input, "the position")?;
+    let count = read_len(input, "the number of layers")?;
+    expect("layers", count, layers.len())?;
+    for (l, layer) in layers.iter_mut().enumerate() {
+        part(format_args!("layer {l}"), restore(layer, input, position))?;
+    }
+    Ok(position)
+}
+
 /// `result`, its error (with every cause) prefixed by the part of the state it is about.
 pub fn part<T>(name: impl Display, result: Result<T>) -> Result<T> {
     result.map_err(|e| anyhow!("{name}: {e:#}"))

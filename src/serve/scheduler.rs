@@ -303,10 +303,14 @@ impl<'a> Scheduler<'a> {
         }
         let mut ended = Vec::new();
         for (i, sequence) in self.active.iter_mut().enumerate() {
-            if let Next::Kept(logits) = &sequence.next {
-                let logits = logits.clone();
+            if let Next::Kept(_) = &sequence.next {
+                // `choose` sets what the sequence feeds next, or ends it.
+                let Next::Kept(logits) = std::mem::replace(&mut sequence.next, Next::Prompt(0))
+                else {
+                    unreachable!("matched above")
+                };
                 sequence.decode_started = Some(Instant::now());
-                if let Some(end) = choose(sequence, &self.stops, &[logits], None, &[]) {
+                if let Some(end) = choose(sequence, &self.stops, &[&logits], None, &[]) {
                     ended.push((i, end));
                 }
             }
@@ -405,7 +409,7 @@ impl<'a> Scheduler<'a> {
                     sequence.decode_started = Some(Instant::now());
                     let routes = route_rows(engine, &[row - 1]);
                     let before = sequence.tokens.len();
-                    let end = choose(sequence, &self.stops, &[logits], Some(routes), &[]);
+                    let end = choose(sequence, &self.stops, &[&logits], Some(routes), &[]);
                     emitted += (sequence.tokens.len() - before) as u64;
                     if let Some(end) = end {
                         ended.push((i, end));
@@ -417,8 +421,7 @@ impl<'a> Scheduler<'a> {
                     };
                     let fed = fed.clone();
                     let vocab = engine.vocab_size();
-                    let rows_of: Vec<Vec<f32>> =
-                        logits.chunks_exact(vocab).map(<[f32]>::to_vec).collect();
+                    let rows_of: Vec<&[f32]> = logits.chunks_exact(vocab).collect();
                     let routes = route_rows(engine, &(row..row + fed.len()).collect::<Vec<_>>());
                     row += fed.len();
                     let start = sequence.state.position() - fed.len();
@@ -634,7 +637,7 @@ fn route_rows(engine: &dyn Engine, rows: &[usize]) -> Vec<Vec<Vec<u32>>> {
 fn choose(
     sequence: &mut Sequence,
     stops: &[u32],
-    rows: &[Vec<f32>],
+    rows: &[&[f32]],
     routes: Option<Vec<Vec<Vec<u32>>>>,
     drafts: &[u32],
 ) -> Option<End> {
