@@ -11,6 +11,10 @@ use crate::text::ChatMessage;
 /// this long.
 const MAX_STOP_BYTES: usize = 256;
 
+/// The most choices (`n`) one request may ask for, as OpenAI allows; the server's
+/// `--parallel` may allow fewer.
+const MAX_CHOICES: u64 = 128;
+
 /// An error as OpenAI returns it: an HTTP status and `{"error": {...}}`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ApiError {
@@ -78,6 +82,8 @@ pub struct Request {
     pub stream_usage: bool,
     /// `return_routed_experts`: per generated token, the experts each MoE layer chose.
     pub routed_experts: bool,
+    /// `n`: the choices to generate, each from the one prompt's state.
+    pub choices: usize,
 }
 
 #[derive(Deserialize)]
@@ -206,9 +212,15 @@ pub fn completion_request(body: &[u8]) -> Result<Request, ApiError> {
 }
 
 fn request(common: Common, input: Input) -> Result<Request, ApiError> {
-    if common.n.is_some_and(|n| n != 1) {
-        return Err(ApiError::invalid("n: one choice per request is supported"));
-    }
+    let choices = match common.n {
+        None => 1,
+        Some(n @ 1..=MAX_CHOICES) => n as usize,
+        Some(n) => {
+            return Err(ApiError::invalid(format!(
+                "n {n}: expected a count of choices from 1 to {MAX_CHOICES}"
+            )))
+        }
+    };
     let stop = match common.stop {
         None => Vec::new(),
         Some(Stop::One(text)) => vec![text],
@@ -250,6 +262,7 @@ fn request(common: Common, input: Input) -> Result<Request, ApiError> {
             .and_then(|o| o.include_usage)
             .unwrap_or(false),
         routed_experts: common.return_routed_experts.unwrap_or(false),
+        choices,
     })
 }
 
@@ -281,6 +294,15 @@ pub struct Usage {
 }
 
 impl Usage {
+    /// The request's counts once `choice`, another choice of the same prompt, is done: its
+    /// tokens added, the prompt counted once.
+    pub fn and(self, choice: Usage) -> Usage {
+        Usage {
+            completion: self.completion + choice.completion,
+            ..choice
+        }
+    }
+
     pub fn body(&self) -> Value {
         json!({
             "prompt_tokens": self.prompt,
@@ -308,31 +330,38 @@ pub struct Identity<'a> {
 /// Per generated token, the ids each MoE layer chose (`[tokens][layers][k]`).
 pub type Routed = Vec<Vec<Vec<u32>>>;
 
-/// The whole answer, for a request without `stream`.
-pub fn response(
-    endpoint: Endpoint,
-    who: &Identity,
-    text: &str,
-    finish: Finish,
-    usage: Usage,
-    routed: Option<&Routed>,
-) -> Value {
-    let mut choice = match endpoint {
-        Endpoint::Chat => json!({
-            "index": 0,
-            "message": { "role": "assistant", "content": text },
-            "finish_reason": finish.name(),
-        }),
-        Endpoint::Completion => json!({
-            "index": 0,
-            "text": text,
-            "logprobs": Value::Null,
-            "finish_reason": finish.name(),
-        }),
-    };
-    if let Some(routed) = routed {
-        choice["routed_experts"] = json!(routed);
-    }
+/// One finished choice of a request without `stream`.
+pub struct Choice {
+    pub text: String,
+    pub finish: Finish,
+    pub routed: Option<Routed>,
+}
+
+/// The whole answer, for a request without `stream`: its choices in order of `index`.
+pub fn response(endpoint: Endpoint, who: &Identity, choices: &[Choice], usage: Usage) -> Value {
+    let choices: Vec<Value> = choices
+        .iter()
+        .enumerate()
+        .map(|(index, choice)| {
+            let mut body = match endpoint {
+                Endpoint::Chat => json!({
+                    "index": index,
+                    "message": { "role": "assistant", "content": choice.text },
+                    "finish_reason": choice.finish.name(),
+                }),
+                Endpoint::Completion => json!({
+                    "index": index,
+                    "text": choice.text,
+                    "logprobs": Value::Null,
+                    "finish_reason": choice.finish.name(),
+                }),
+            };
+            if let Some(routed) = &choice.routed {
+                body["routed_experts"] = json!(routed);
+            }
+            body
+        })
+        .collect();
     json!({
         "id": who.id,
         "object": match endpoint {
@@ -341,16 +370,18 @@ pub fn response(
         },
         "created": who.created,
         "model": who.model,
-        "choices": [choice],
+        "choices": choices,
         "usage": usage.body(),
     })
 }
 
-/// One server-sent chunk: a piece of text (the chat's first chunk also names the role), or
-/// the last one with the finish reason (and the routed experts, when asked).
+/// One server-sent chunk of choice `index`: a piece of text (the chat's first chunk of a
+/// choice also names the role), or the choice's last one with the finish reason (and the
+/// routed experts, when asked).
 pub fn chunk(
     endpoint: Endpoint,
     who: &Identity,
+    index: usize,
     text: Option<&str>,
     first: bool,
     finish: Option<(Finish, Option<&Routed>)>,
@@ -365,10 +396,10 @@ pub fn chunk(
             if let Some(text) = text {
                 delta.insert("content".into(), text.into());
             }
-            json!({ "index": 0, "delta": delta, "finish_reason": finish_reason })
+            json!({ "index": index, "delta": delta, "finish_reason": finish_reason })
         }
         Endpoint::Completion => json!({
-            "index": 0,
+            "index": index,
             "text": text.unwrap_or(""),
             "logprobs": Value::Null,
             "finish_reason": finish_reason,
@@ -391,7 +422,7 @@ pub fn chunk(
 
 /// The chunk `stream_options.include_usage` asks for after the last choice.
 pub fn usage_chunk(endpoint: Endpoint, who: &Identity, usage: Usage) -> Value {
-    let mut body = chunk(endpoint, who, None, false, None);
+    let mut body = chunk(endpoint, who, 0, None, false, None);
     body["choices"] = json!([]);
     body["usage"] = usage.body();
     body
@@ -439,7 +470,13 @@ mod tests {
             message(br#"{"messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#)
                 .contains("only text parts")
         );
-        assert!(message(br#"{"messages":[{"role":"user","content":"x"}],"n":2}"#).contains("n:"));
+        assert!(
+            message(br#"{"messages":[{"role":"user","content":"x"}],"n":0}"#).starts_with("n 0")
+        );
+        assert!(
+            message(br#"{"messages":[{"role":"user","content":"x"}],"n":129}"#)
+                .starts_with("n 129")
+        );
         assert!(
             message(br#"{"messages":[{"role":"user","content":"x"}],"stop":[""]}"#)
                 .contains("stop:")

@@ -70,6 +70,7 @@ pub fn run(model: Option<&str>, settings: Settings, positionals: Positionals) ->
             seed: seed.wrapping_add(turn),
             stop: Vec::new(),
             routed_experts: false,
+            choices: 1,
             events: events_tx,
             received: Instant::now(),
         };
@@ -83,7 +84,7 @@ pub fn run(model: Option<&str>, settings: Settings, positionals: Positionals) ->
         loop {
             match events.blocking_recv() {
                 Some(Event::Started) => {}
-                Some(Event::Text(piece)) => {
+                Some(Event::Text { text: piece, .. }) => {
                     stdout.write_all(piece.as_bytes())?;
                     stdout.flush()?;
                     answer.push_str(&piece);

@@ -34,7 +34,7 @@ use tokio::sync::mpsc;
 
 use crate::settings::Settings;
 use crate::startup::Positionals;
-use api::{ApiError, Endpoint, Identity, Request};
+use api::{ApiError, Endpoint, Identity, Request, Usage};
 use metrics::Metrics;
 use worker::{Event, Job, ModelInfo};
 pub use worker::{Serving, DEFAULT_PREFILL_CHUNK};
@@ -405,31 +405,33 @@ async fn answer(
         model: app.model.id.clone(),
     };
     if request.stream {
-        return Ok(stream(reply, events, request.stream_usage));
+        return Ok(stream(reply, events, request.choices, request.stream_usage));
     }
-    let mut text = String::new();
-    loop {
+    let mut texts = vec![String::new(); request.choices];
+    let mut done: Vec<Option<api::Choice>> = (0..request.choices).map(|_| None).collect();
+    let mut total = Usage::default();
+    while done.iter().any(Option::is_none) {
         match events.recv().await {
-            Some(Event::Text(piece)) => text.push_str(&piece),
+            Some(Event::Text { choice, text }) => texts[choice].push_str(&text),
             Some(Event::Done {
+                choice,
                 finish,
                 usage,
                 routed,
             }) => {
-                return Ok(Json(api::response(
-                    endpoint,
-                    &reply.identity(),
-                    &text,
+                total = total.and(usage);
+                done[choice] = Some(api::Choice {
+                    text: std::mem::take(&mut texts[choice]),
                     finish,
-                    usage,
-                    routed.as_ref(),
-                ))
-                .into_response())
+                    routed,
+                });
             }
             Some(Event::Failed(err)) => return Err(err),
             Some(Event::Started) | None => return Err(engine_gone()),
         }
     }
+    let choices: Vec<api::Choice> = done.into_iter().flatten().collect();
+    Ok(Json(api::response(endpoint, &reply.identity(), &choices, total)).into_response())
 }
 
 fn engine_gone() -> ApiError {
@@ -453,6 +455,7 @@ fn job(
             seed: request.seed.unwrap_or_else(|| app.settings.seed_or_clock()),
             stop: request.stop.clone(),
             routed_experts: request.routed_experts,
+            choices: request.choices,
             events,
             received,
         },
@@ -477,21 +480,32 @@ impl Reply {
     }
 }
 
-/// Server-sent events: a chunk per piece of text, the finishing chunk, the usage chunk if
-/// asked, then `[DONE]`. Dropping the stream (the client left) drops the receiver, and the
-/// engine thread stops at its next token.
-fn stream(reply: Reply, events: mpsc::UnboundedReceiver<Event>, with_usage: bool) -> Response {
+/// Server-sent events: a chunk per piece of text of each choice, each choice's finishing
+/// chunk, the usage chunk if asked, then `[DONE]`. Dropping the stream (the client left)
+/// drops the receiver, and the engine thread stops at its next token.
+fn stream(
+    reply: Reply,
+    events: mpsc::UnboundedReceiver<Event>,
+    choices: usize,
+    with_usage: bool,
+) -> Response {
     struct State {
         reply: Reply,
         events: mpsc::UnboundedReceiver<Event>,
-        first: bool,
+        /// Per choice: nothing sent yet.
+        first: Vec<bool>,
+        /// Choices not finished yet.
+        open: usize,
+        usage: Usage,
         pending: std::collections::VecDeque<String>,
         done: bool,
     }
     let state = State {
         reply,
         events,
-        first: true,
+        first: vec![true; choices],
+        open: choices,
+        usage: Usage::default(),
         pending: std::collections::VecDeque::new(),
         done: false,
     };
@@ -507,27 +521,37 @@ fn stream(reply: Reply, events: mpsc::UnboundedReceiver<Event>, with_usage: bool
             let who = state.reply.identity();
             let endpoint = state.reply.endpoint;
             match state.events.recv().await {
-                Some(Event::Text(piece)) => {
-                    let first = std::mem::replace(&mut state.first, false);
-                    let chunk = api::chunk(endpoint, &who, Some(&piece), first, None);
+                Some(Event::Text { choice, text }) => {
+                    let first = std::mem::replace(&mut state.first[choice], false);
+                    let chunk = api::chunk(endpoint, &who, choice, Some(&text), first, None);
                     state.pending.push_back(data(chunk));
                 }
                 Some(Event::Done {
+                    choice,
                     finish,
                     usage,
                     routed,
                 }) => {
-                    let first = std::mem::replace(&mut state.first, false);
-                    let last =
-                        api::chunk(endpoint, &who, None, first, Some((finish, routed.as_ref())));
+                    let first = std::mem::replace(&mut state.first[choice], false);
+                    let last = api::chunk(
+                        endpoint,
+                        &who,
+                        choice,
+                        None,
+                        first,
+                        Some((finish, routed.as_ref())),
+                    );
                     state.pending.push_back(data(last));
-                    if with_usage {
-                        state
-                            .pending
-                            .push_back(data(api::usage_chunk(endpoint, &who, usage)));
+                    state.usage = state.usage.and(usage);
+                    state.open -= 1;
+                    if state.open == 0 {
+                        if with_usage {
+                            let usage = api::usage_chunk(endpoint, &who, state.usage);
+                            state.pending.push_back(data(usage));
+                        }
+                        state.pending.push_back("[DONE]".to_string());
+                        state.done = true;
                     }
-                    state.pending.push_back("[DONE]".to_string());
-                    state.done = true;
                 }
                 Some(Event::Failed(err)) => {
                     state.pending.push_back(data(err.body()));

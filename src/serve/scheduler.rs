@@ -42,10 +42,15 @@ enum Next {
     Tokens(Vec<u32>),
 }
 
-/// One request being answered.
+/// One choice of a request being answered.
 struct Sequence<'t> {
     id: u64,
     job: Job,
+    /// Which of the request's choices (`n`) this is.
+    choice: usize,
+    /// The samplers of the request's other choices, forked from this one's state when its
+    /// prompt is filled.
+    forks: Vec<Sampler>,
     prompt: Vec<u32>,
     state: State,
     next: Next,
@@ -101,6 +106,8 @@ pub struct Scheduler<'a> {
     stops: Vec<u32>,
     pool: Pool,
     active: Vec<Sequence<'a>>,
+    /// A request taken from the queue that waits for as many free places as its choices.
+    held: Option<Job>,
     next_id: u64,
 }
 
@@ -130,6 +137,7 @@ impl<'a> Scheduler<'a> {
             pool: Pool::new(cache_bytes, disk),
             stops,
             active: Vec::new(),
+            held: None,
             next_id: 1,
         })
     }
@@ -138,8 +146,10 @@ impl<'a> Scheduler<'a> {
     pub fn serve(&mut self, jobs: &mut tokio::sync::mpsc::Receiver<Job>, session: &mut Session) {
         let mut open = true;
         loop {
-            while open && self.active.len() < self.parallel {
-                let job = if self.active.is_empty() {
+            while open && self.places() < self.parallel {
+                let job = if let Some(job) = self.held.take() {
+                    Some(job)
+                } else if self.active.is_empty() {
                     jobs.blocking_recv()
                 } else {
                     match jobs.try_recv() {
@@ -150,6 +160,11 @@ impl<'a> Scheduler<'a> {
                 };
                 match job {
                     Some(job) => {
+                        let places = job.choices.clamp(1, self.parallel);
+                        if !self.active.is_empty() && self.places() + places > self.parallel {
+                            self.held = Some(job);
+                            break;
+                        }
                         self.metrics.queue(-1, 1);
                         self.metrics.waited(job.received.elapsed().as_secs_f64());
                         let events = job.events.clone();
@@ -186,11 +201,17 @@ impl<'a> Scheduler<'a> {
         }
     }
 
+    /// The `--parallel` places the active sequences take, with the choices still to be
+    /// forked.
+    fn places(&self) -> usize {
+        self.active.iter().map(|s| 1 + s.forks.len()).sum()
+    }
+
     /// Start `job`: its prompt checked, its start found in the pool. A request that cannot
     /// be served is answered here.
     fn admit(&mut self, job: Job, session: &mut Session) {
         let checked = self.check(&job);
-        let (prompt, count, sampler) = match checked {
+        let (prompt, count, mut samplers) = match checked {
             Ok(parts) => parts,
             Err(err) => {
                 let _ = job.events.send(Event::Failed(err));
@@ -207,8 +228,11 @@ impl<'a> Scheduler<'a> {
             Some(logits) => Next::Kept(logits),
             None => Next::Prompt(start.cached),
         };
+        let sampler = samplers.remove(0);
         let sequence = Sequence {
             id,
+            choice: 0,
+            forks: samplers,
             routed: job.routed_experts.then(Vec::new),
             text: StopScan::new(job.stop.clone()),
             job,
@@ -231,10 +255,16 @@ impl<'a> Scheduler<'a> {
         self.active.push(sequence);
     }
 
-    /// The prompt's ids, the token count and the sampler of `job`, or why it cannot be
-    /// served (HTTP 400).
-    fn check(&self, job: &Job) -> Result<(Vec<u32>, usize, Sampler), ApiError> {
+    /// The prompt's ids, the token count and the sampler of each choice of `job`, or why
+    /// it cannot be served (HTTP 400).
+    fn check(&self, job: &Job) -> Result<(Vec<u32>, usize, Vec<Sampler>), ApiError> {
         let engine = self.engine;
+        if job.choices > self.parallel {
+            return Err(ApiError::invalid(format!(
+                "n {}: this server generates at most {} sequences at once (--parallel), so a request may ask for at most {} choices",
+                job.choices, self.parallel, self.parallel
+            )));
+        }
         let model = TextModel::new(self.tokenizer, self.snapshot, engine);
         let prompt = match &job.input {
             Input::Chat(messages) => model.chat_prompt(messages).map(|p| p.ids),
@@ -273,9 +303,11 @@ impl<'a> Scheduler<'a> {
             Some(n) => n,
             None => self.default_tokens.min(room),
         };
-        let sampler = Sampler::new(job.temperature, job.top_p, job.seed)
+        let samplers = (0..job.choices.max(1) as u64)
+            .map(|index| Sampler::new(job.temperature, job.top_p, job.seed.wrapping_add(index)))
+            .collect::<Result<Vec<_>, _>>()
             .map_err(|err| ApiError::invalid(err.to_string()))?;
-        Ok((prompt, count, sampler))
+        Ok((prompt, count, samplers))
     }
 
     /// One step: sequences whose client left or that a Ctrl-C stopped end; those holding
@@ -302,7 +334,9 @@ impl<'a> Scheduler<'a> {
             }
         }
         let mut ended = Vec::new();
-        for (i, sequence) in self.active.iter_mut().enumerate() {
+        let mut forked = Vec::new();
+        for i in 0..self.active.len() {
+            let sequence = &mut self.active[i];
             if let Next::Kept(_) = &sequence.next {
                 // `choose` sets what the sequence feeds next, or ends it.
                 let Next::Kept(logits) = std::mem::replace(&mut sequence.next, Next::Prompt(0))
@@ -310,11 +344,17 @@ impl<'a> Scheduler<'a> {
                     unreachable!("matched above")
                 };
                 sequence.decode_started = Some(Instant::now());
+                let forks = fork_choices(sequence, &mut self.next_id, self.tokenizer);
                 if let Some(end) = choose(sequence, &self.stops, &[&logits], None, &[]) {
                     ended.push((i, end));
                 }
+                for mut fork in forks {
+                    let end = choose(&mut fork, &self.stops, &[&logits], None, &[]);
+                    forked.push((fork, end));
+                }
             }
         }
+        self.join_forks(forked, &mut ended);
         self.retire_all(ended, session);
         if self.active.is_empty() {
             return;
@@ -393,6 +433,7 @@ impl<'a> Scheduler<'a> {
         });
 
         let mut ended = Vec::new();
+        let mut forked = Vec::new();
         let mut emitted = 0u64;
         let mut row = 0;
         let depth = engine.draft_depth();
@@ -408,11 +449,23 @@ impl<'a> Scheduler<'a> {
                     keep_checkpoint(&mut self.pool, sequence, &logits);
                     sequence.decode_started = Some(Instant::now());
                     let routes = route_rows(engine, &[row - 1]);
+                    let forks = fork_choices(sequence, &mut self.next_id, self.tokenizer);
                     let before = sequence.tokens.len();
-                    let end = choose(sequence, &self.stops, &[&logits], Some(routes), &[]);
+                    let end = choose(sequence, &self.stops, &[&logits], Some(routes.clone()), &[]);
                     emitted += (sequence.tokens.len() - before) as u64;
                     if let Some(end) = end {
                         ended.push((i, end));
+                    }
+                    for mut fork in forks {
+                        let end = choose(
+                            &mut fork,
+                            &self.stops,
+                            &[&logits],
+                            Some(routes.clone()),
+                            &[],
+                        );
+                        emitted += fork.tokens.len() as u64;
+                        forked.push((fork, end));
                     }
                 }
                 Part::Decode => {
@@ -445,6 +498,7 @@ impl<'a> Scheduler<'a> {
                 }
             }
         }
+        self.join_forks(forked, &mut ended);
         // The drafts for the next step, on the sequences that go on.
         if depth > 0 {
             let ending: Vec<usize> = ended.iter().map(|&(i, _)| i).collect();
@@ -486,6 +540,22 @@ impl<'a> Scheduler<'a> {
         Ok(())
     }
 
+    /// Make the choices forked this step active; those their first token ended join
+    /// `ended`.
+    fn join_forks(
+        &mut self,
+        forked: Vec<(Sequence<'a>, Option<End>)>,
+        ended: &mut Vec<(usize, End)>,
+    ) {
+        for (fork, end) in forked {
+            self.metrics.queue(0, 1);
+            self.active.push(fork);
+            if let Some(end) = end {
+                ended.push((self.active.len() - 1, end));
+            }
+        }
+    }
+
     /// End the sequences at `ended` (indices into the active ones).
     fn retire_all(&mut self, mut ended: Vec<(usize, End)>, session: &mut Session) {
         // Highest index first, so that each removal leaves the others' indices alone.
@@ -524,7 +594,10 @@ impl<'a> Scheduler<'a> {
                         ready + &sequence.text.flush()
                     };
                     if !tail.is_empty() {
-                        let _ = sequence.job.events.send(Event::Text(tail));
+                        let _ = sequence.job.events.send(Event::Text {
+                            choice: sequence.choice,
+                            text: tail,
+                        });
                     }
                 }
                 Err(err) => eprintln!("[serve] the answer's last text cannot be decoded: {err:#}"),
@@ -541,6 +614,7 @@ impl<'a> Scheduler<'a> {
             cached: sequence.cached,
         };
         let _ = sequence.job.events.send(Event::Done {
+            choice: sequence.choice,
             finish,
             usage,
             routed: sequence.routed.take(),
@@ -617,6 +691,43 @@ fn keep_checkpoint(pool: &mut Pool, sequence: &Sequence, logits: &[f32]) {
     );
 }
 
+/// The request's other choices, forked from `sequence` at the end of its prompt: each a
+/// copy of its state with a sampler of its own, choosing its first token from the same
+/// logits. The prompt's expert selections stay with `sequence`'s turn.
+fn fork_choices<'t>(
+    sequence: &mut Sequence<'t>,
+    next_id: &mut u64,
+    tokenizer: &'t TextTokenizer,
+) -> Vec<Sequence<'t>> {
+    let samplers = std::mem::take(&mut sequence.forks);
+    samplers
+        .into_iter()
+        .enumerate()
+        .map(|(j, sampler)| {
+            let id = *next_id;
+            *next_id += 1;
+            Sequence {
+                id,
+                job: sequence.job.clone(),
+                choice: j + 1,
+                forks: Vec::new(),
+                prompt: sequence.prompt.clone(),
+                state: sequence.state.clone(),
+                next: Next::Prompt(sequence.prompt.len()),
+                cached: sequence.cached,
+                count: sequence.count,
+                sampler,
+                tokens: Vec::new(),
+                text: StopScan::new(sequence.job.stop.clone()),
+                stream: Some(tokenizer.stream()),
+                routed: sequence.routed.is_some().then(Vec::new),
+                first_token: None,
+                decode_started: sequence.decode_started,
+            }
+        })
+        .collect()
+}
+
 /// The kept routing of `rows` of the last forward (empty where none was kept).
 fn route_rows(engine: &dyn Engine, rows: &[usize]) -> Vec<Vec<Vec<u32>>> {
     let routed = engine.routed();
@@ -689,8 +800,14 @@ fn hand_out(sequence: &mut Sequence, token: u32) -> Option<End> {
         }
     };
     let (ready, stopped) = sequence.text.push(&piece);
-    if !ready.is_empty() && sequence.job.events.send(Event::Text(ready)).is_err() {
-        return Some(End::Abandoned);
+    if !ready.is_empty() {
+        let text = Event::Text {
+            choice: sequence.choice,
+            text: ready,
+        };
+        if sequence.job.events.send(text).is_err() {
+            return Some(End::Abandoned);
+        }
     }
     stopped.then_some(End::StopString)
 }

@@ -22,7 +22,8 @@ use crate::settings::Settings;
 use crate::startup::{self, Positionals};
 use crate::text::TextTokenizer;
 
-/// One generation asked for.
+/// One generation asked for (of one choice or more).
+#[derive(Clone)]
 pub struct Job {
     pub input: Input,
     pub max_tokens: Option<usize>,
@@ -32,18 +33,26 @@ pub struct Job {
     pub stop: Vec<String>,
     /// Return, per generated token, the experts each MoE layer chose.
     pub routed_experts: bool,
+    /// `n`: the choices, each generated from the one prompt's state with the seed
+    /// `seed + index`; the request takes as many of the `--parallel` places.
+    pub choices: usize,
     pub events: UnboundedSender<Event>,
     pub received: Instant,
 }
 
 /// What the engine thread tells a request's handler, in this order: `Failed`, or
-/// `Started`, any number of `Text`, then `Done`.
+/// `Started`, then for each choice (`choice` is its index; choices interleave) any number
+/// of `Text` and its `Done`; a `Failed` after `Started` ends the whole request.
 #[derive(Debug)]
 pub enum Event {
     Failed(ApiError),
     Started,
-    Text(String),
+    Text {
+        choice: usize,
+        text: String,
+    },
     Done {
+        choice: usize,
         finish: Finish,
         usage: Usage,
         routed: Option<Routed>,

@@ -356,3 +356,101 @@ fn routed_experts_name_each_token_s_own_row_in_a_batch_and_across_prefill_rounds
         assert_eq!(alone["choices"][0]["text"], together["choices"][0]["text"]);
     }
 }
+
+/// Each choice's text of a streamed completion, by `index`.
+fn streamed_choices(server: &Server, body: &Value, choices: usize) -> Vec<String> {
+    let mut body = body.clone();
+    body["stream"] = json!(true);
+    let (status, text) = server.curl("/v1/completions", Some(&body.to_string()), &[]);
+    assert_eq!(status, 200, "{text}");
+    let mut out = vec![String::new(); choices];
+    let mut finished = vec![false; choices];
+    for data in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        if data == "[DONE]" {
+            continue;
+        }
+        let chunk: Value = serde_json::from_str(data).unwrap();
+        for choice in chunk["choices"].as_array().unwrap() {
+            let index = choice["index"].as_u64().unwrap() as usize;
+            assert!(
+                !finished[index],
+                "text after choice {index} finished: {text}"
+            );
+            out[index].push_str(choice["text"].as_str().unwrap_or(""));
+            finished[index] = !choice["finish_reason"].is_null();
+        }
+    }
+    assert!(
+        finished.iter().all(|&f| f),
+        "a choice never finished: {text}"
+    );
+    out
+}
+
+#[test]
+fn n_choices_fork_one_prompt_and_each_is_the_answer_its_seed_gives_alone() {
+    // A recurrent engine (Kimi K3) forks from a kept checkpoint's logits the second time;
+    // GLM-5.2 with MTP forks its draft window.
+    for (name, vocab) in [
+        ("olmoe_tiny", 128),
+        ("kimi_k3_tiny", 192),
+        ("glm_moe_dsa_tiny_mtp", 128),
+    ] {
+        let server = Server::start(
+            &fixture(name),
+            &["--parallel", "3", "64", "16", "16", "USAGE_SAVE=0"],
+            &[],
+        );
+        let prompt: Vec<u32> = (0..9).map(|i| (i * 41 + 3) % vocab).collect();
+        let body = |seed: u64, n: usize| {
+            let mut body = completion(&prompt, 6);
+            body["temperature"] = json!(1.0);
+            body["seed"] = json!(seed);
+            body["n"] = json!(n);
+            body
+        };
+        let replies: Vec<Value> = (0..3)
+            .map(|j| server.post("/v1/completions", &body(40 + j, 1)).1)
+            .collect();
+        let alone: Vec<&str> = replies
+            .iter()
+            .map(|r| r["choices"][0]["text"].as_str().unwrap())
+            .collect();
+        let tokens: u64 = replies.iter().map(|r| usage(r, "completion_tokens")).sum();
+        assert!(
+            alone.iter().any(|t| t != &alone[0]),
+            "{name}: three seeds gave one answer, the test would not see a mix-up: {alone:?}"
+        );
+        for _ in 0..2 {
+            let (status, reply) = server.post("/v1/completions", &body(40, 3));
+            assert_eq!(status, 200, "{reply}");
+            let choices = reply["choices"].as_array().unwrap();
+            let texts: Vec<&str> = choices
+                .iter()
+                .map(|c| c["text"].as_str().unwrap())
+                .collect();
+            assert_eq!(texts, alone, "{name}");
+            let indices: Vec<u64> = choices
+                .iter()
+                .map(|c| c["index"].as_u64().unwrap())
+                .collect();
+            assert_eq!(indices, [0, 1, 2]);
+            assert_eq!(
+                usage(&reply, "prompt_tokens"),
+                prompt.len() as u64,
+                "{reply}"
+            );
+            assert_eq!(usage(&reply, "completion_tokens"), tokens, "{reply}");
+        }
+        assert_eq!(streamed_choices(&server, &body(40, 3), 3), alone, "{name}");
+        let (status, reply) = server.post("/v1/completions", &body(40, 4));
+        assert_eq!(status, 400, "{reply}");
+        assert!(
+            reply["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("--parallel"),
+            "{reply}"
+        );
+    }
+}
