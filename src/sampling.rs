@@ -1,6 +1,8 @@
 //! Choosing the next token from logits: greedy, or temperature + nucleus (top-p) sampling with
 //! a seeded generator, as colibri's `sample.h` does it, so that the same seed gives the same
-//! tokens.
+//! tokens. Before the choice, the [`Shaping`] a request asks for: logit biases, repetition,
+//! presence and frequency penalties, then top-k and min-p cuts (the order of vLLM's and
+//! transformers' logits processors).
 //!
 //! These are *sampling* knobs (`TEMP`, `TOP_P`, `SEED`). colibri's `TOPK`/`TOPP` are expert
 //! *routing* knobs (how many experts a token visits), unrelated to these.
@@ -32,6 +34,81 @@ pub enum SamplingError {
     Temperature(f64),
     #[error("TOP_P={0}: expected a probability mass in (0, 1] (1 = no nucleus cut)")]
     TopP(f64),
+    #[error("min_p {0}: expected a probability in [0, 1] (0 = no cut)")]
+    MinP(f64),
+    #[error("{0} {1}: expected a number in [-2, 2] (0 = none)")]
+    Penalty(&'static str, f64),
+    #[error("repetition_penalty {0}: expected a number > 0 (1 = none)")]
+    Repetition(f64),
+    #[error("logit_bias {0}: expected a bias in [-100, 100]")]
+    Bias(f64),
+}
+
+/// What changes the logits before a token is chosen. The default changes nothing.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Shaping {
+    /// Only the `top_k` most likely tokens may be drawn (0: no cut).
+    pub top_k: usize,
+    /// Only tokens at least `min_p` times as likely as the most likely one (0: no cut).
+    pub min_p: f64,
+    /// Subtracted once from the logit of every token generated so far (OpenAI's).
+    pub presence_penalty: f64,
+    /// Subtracted from a token's logit once per time it was generated (OpenAI's).
+    pub frequency_penalty: f64,
+    /// A positive logit of a token of the prompt or generated so far is divided by it, a
+    /// negative one multiplied (transformers' and vLLM's; 1: none).
+    pub repetition_penalty: f64,
+    /// Added to the logits of these ids.
+    pub logit_bias: Vec<(u32, f32)>,
+}
+
+impl Default for Shaping {
+    fn default() -> Shaping {
+        Shaping {
+            top_k: 0,
+            min_p: 0.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logit_bias: Vec::new(),
+        }
+    }
+}
+
+impl Shaping {
+    /// Every value in its range.
+    pub fn check(&self) -> Result<(), SamplingError> {
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(SamplingError::MinP(self.min_p));
+        }
+        for (name, value) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&value) {
+                return Err(SamplingError::Penalty(name, value));
+            }
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+            return Err(SamplingError::Repetition(self.repetition_penalty));
+        }
+        if let Some(&(_, bias)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, b)| !(-100.0..=100.0).contains(b))
+        {
+            return Err(SamplingError::Bias(bias as f64));
+        }
+        Ok(())
+    }
+
+    /// Whether the logits must be changed before the choice (the cuts need no copy).
+    fn rewrites(&self) -> bool {
+        self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || self.repetition_penalty != 1.0
+            || !self.logit_bias.is_empty()
+    }
 }
 
 /// Picks tokens: the first maximum when the temperature is 0, otherwise a draw from the
@@ -41,6 +118,13 @@ pub enum SamplingError {
 pub struct Sampler {
     temperature: f64,
     top_p: f64,
+    shaping: Shaping,
+    /// Per token id, the times it was chosen (for the presence and frequency penalties).
+    chosen: std::collections::HashMap<u32, u32>,
+    /// The ids of the prompt (for the repetition penalty).
+    prompt: std::collections::HashSet<u32>,
+    /// The logits as the shaping leaves them (vocabulary-sized, when it rewrites them).
+    shaped: Vec<f32>,
     rng: XorShift,
     /// Scratch space reused across draws (vocabulary-sized).
     probs: Vec<f32>,
@@ -53,6 +137,10 @@ impl Sampler {
         Sampler {
             temperature: 0.0,
             top_p: 1.0,
+            shaping: Shaping::default(),
+            chosen: Default::default(),
+            prompt: Default::default(),
+            shaped: Vec::new(),
             rng: XorShift::new(0),
             probs: Vec::new(),
             order: Vec::new(),
@@ -70,19 +158,84 @@ impl Sampler {
         Ok(Sampler {
             temperature,
             top_p,
+            shaping: Shaping::default(),
+            chosen: Default::default(),
+            prompt: Default::default(),
+            shaped: Vec::new(),
             rng: XorShift::new(seed),
             probs: Vec::new(),
             order: Vec::new(),
         })
     }
 
+    /// The same sampler with `shaping` (checked), after a prompt of `prompt` ids.
+    pub fn shaped(mut self, shaping: Shaping, prompt: &[u32]) -> Result<Sampler, SamplingError> {
+        shaping.check()?;
+        if shaping.repetition_penalty != 1.0 {
+            self.prompt = prompt.iter().copied().collect();
+        }
+        self.shaping = shaping;
+        Ok(self)
+    }
+
     pub fn is_greedy(&self) -> bool {
         self.temperature <= 0.0
     }
 
-    /// The next token. Non-finite logits get no mass; when no logit is finite the pick falls
-    /// back to [`argmax`].
+    /// The next token (remembered for the penalties). Non-finite logits get no mass; when
+    /// no logit is finite the pick falls back to [`argmax`].
     pub fn pick(&mut self, logits: &[f32]) -> u32 {
+        let token = if self.shaping.rewrites() {
+            let mut shaped = std::mem::take(&mut self.shaped);
+            shaped.clear();
+            shaped.extend_from_slice(logits);
+            self.rewrite(&mut shaped);
+            let token = self.choose(&shaped);
+            self.shaped = shaped;
+            token
+        } else {
+            self.choose(logits)
+        };
+        if self.shaping.presence_penalty != 0.0
+            || self.shaping.frequency_penalty != 0.0
+            || self.shaping.repetition_penalty != 1.0
+        {
+            *self.chosen.entry(token).or_insert(0) += 1;
+        }
+        token
+    }
+
+    /// Biases, then the repetition penalty, then presence and frequency penalties.
+    fn rewrite(&self, logits: &mut [f32]) {
+        let shaping = &self.shaping;
+        for &(id, bias) in &shaping.logit_bias {
+            if let Some(logit) = logits.get_mut(id as usize) {
+                *logit += bias;
+            }
+        }
+        let repetition = shaping.repetition_penalty as f32;
+        if repetition != 1.0 {
+            // Each id once, whether in the prompt, chosen, or both.
+            let chosen_only = self.chosen.keys().filter(|id| !self.prompt.contains(id));
+            for &id in self.prompt.iter().chain(chosen_only) {
+                if let Some(logit) = logits.get_mut(id as usize) {
+                    *logit = if *logit > 0.0 {
+                        *logit / repetition
+                    } else {
+                        *logit * repetition
+                    };
+                }
+            }
+        }
+        for (&id, &count) in &self.chosen {
+            if let Some(logit) = logits.get_mut(id as usize) {
+                *logit -= shaping.presence_penalty as f32
+                    + shaping.frequency_penalty as f32 * count as f32;
+            }
+        }
+    }
+
+    fn choose(&mut self, logits: &[f32]) -> u32 {
         if self.is_greedy() {
             return argmax(logits);
         }
@@ -112,15 +265,32 @@ impl Sampler {
         for p in &mut self.probs {
             *p = (*p as f64 / sum) as f32;
         }
+        if self.shaping.top_k > 0 && self.shaping.top_k < self.probs.len() {
+            self.sort_by_mass();
+            let k = self.shaping.top_k.min(self.order.len());
+            for &i in &self.order[k..] {
+                self.probs[i as usize] = 0.0;
+            }
+            renormalise(&mut self.probs);
+        }
         if self.top_p < 1.0 {
             self.keep_nucleus();
+        }
+        if self.shaping.min_p > 0.0 {
+            let most = self.probs.iter().copied().fold(0.0f32, f32::max);
+            let floor = (self.shaping.min_p * most as f64) as f32;
+            for p in &mut self.probs {
+                if *p < floor {
+                    *p = 0.0;
+                }
+            }
+            renormalise(&mut self.probs);
         }
         self.draw()
     }
 
-    /// Zero every token outside the nucleus (most likely first, ties to the lower id, until
-    /// the kept mass reaches `top_p`) and renormalise the rest.
-    fn keep_nucleus(&mut self) {
+    /// `order`: the ids with mass, most likely first, ties to the lower id.
+    fn sort_by_mass(&mut self) {
         let probs = &self.probs;
         self.order.clear();
         self.order
@@ -130,6 +300,13 @@ impl Sampler {
                 .total_cmp(&probs[a as usize])
                 .then(a.cmp(&b))
         });
+    }
+
+    /// Zero every token outside the nucleus (most likely first, ties to the lower id, until
+    /// the kept mass reaches `top_p`) and renormalise the rest.
+    fn keep_nucleus(&mut self) {
+        self.sort_by_mass();
+        let probs = &self.probs;
         let mut mass = 0.0f64;
         let mut kept = self.order.len();
         for (n, &i) in self.order.iter().enumerate() {
@@ -164,6 +341,16 @@ impl Sampler {
             }
         }
         last
+    }
+}
+
+/// Scale `probs` to sum to 1 (left alone when nothing has mass).
+fn renormalise(probs: &mut [f32]) {
+    let sum: f64 = probs.iter().map(|&p| p as f64).sum();
+    if sum > 0.0 {
+        for p in probs {
+            *p = (*p as f64 / sum) as f32;
+        }
     }
 }
 
@@ -277,6 +464,118 @@ mod tests {
         for _ in 0..10_000 {
             let u = rng.next_unit();
             assert!((0.0..1.0).contains(&u));
+        }
+    }
+
+    #[test]
+    fn shaping_cuts_and_rewrites_the_logits() {
+        let logits = [1.0f32, 3.0, 2.5, -1.0, 2.9];
+        let shaped = |shaping: Shaping, temperature: f64, prompt: &[u32]| {
+            Sampler::new(temperature, 1.0, 5)
+                .unwrap()
+                .shaped(shaping, prompt)
+                .unwrap()
+        };
+        // top_k 1 and min_p 1 leave only the most likely token, whatever the temperature.
+        for shaping in [
+            Shaping {
+                top_k: 1,
+                ..Shaping::default()
+            },
+            Shaping {
+                min_p: 1.0,
+                ..Shaping::default()
+            },
+        ] {
+            let mut sampler = shaped(shaping, 50.0, &[]);
+            assert!((0..200).all(|_| sampler.pick(&logits) == 1));
+        }
+        // top_k 2 draws only the two most likely.
+        let mut sampler = shaped(
+            Shaping {
+                top_k: 2,
+                ..Shaping::default()
+            },
+            50.0,
+            &[],
+        );
+        let drawn: std::collections::BTreeSet<u32> =
+            (0..400).map(|_| sampler.pick(&logits)).collect();
+        assert_eq!(drawn, [1, 4].into());
+        // A bias moves the greedy choice; a presence penalty stops a repeat.
+        let mut sampler = shaped(
+            Shaping {
+                logit_bias: vec![(3, 10.0)],
+                ..Shaping::default()
+            },
+            0.0,
+            &[],
+        );
+        assert_eq!(sampler.pick(&logits), 3);
+        let mut sampler = shaped(
+            Shaping {
+                presence_penalty: 0.2,
+                ..Shaping::default()
+            },
+            0.0,
+            &[],
+        );
+        assert_eq!(sampler.pick(&logits), 1);
+        assert_eq!(sampler.pick(&logits), 4, "3.0 - 0.2 < 2.9");
+        assert_eq!(sampler.pick(&logits), 1, "2.8 > 2.9 - 0.2 = 2.7");
+        let mut sampler = shaped(
+            Shaping {
+                frequency_penalty: 2.0,
+                ..Shaping::default()
+            },
+            0.0,
+            &[],
+        );
+        let picks: Vec<u32> = (0..3).map(|_| sampler.pick(&logits)).collect();
+        assert_eq!(picks, [1, 4, 2]);
+        // The repetition penalty divides the prompt's positive logits.
+        let mut sampler = shaped(
+            Shaping {
+                repetition_penalty: 1.5,
+                ..Shaping::default()
+            },
+            0.0,
+            &[1, 4],
+        );
+        assert_eq!(sampler.pick(&logits), 2, "3.0 / 1.5 and 2.9 / 1.5 < 2.5");
+        // Out of range values are refused by name.
+        for (shaping, name) in [
+            (
+                Shaping {
+                    min_p: 1.5,
+                    ..Shaping::default()
+                },
+                "min_p",
+            ),
+            (
+                Shaping {
+                    presence_penalty: 3.0,
+                    ..Shaping::default()
+                },
+                "presence_penalty",
+            ),
+            (
+                Shaping {
+                    repetition_penalty: 0.0,
+                    ..Shaping::default()
+                },
+                "repetition_penalty",
+            ),
+            (
+                Shaping {
+                    logit_bias: vec![(0, 101.0)],
+                    ..Shaping::default()
+                },
+                "logit_bias",
+            ),
+        ] {
+            let err = Sampler::greedy().shaped(shaping, &[]).unwrap_err();
+            assert!(err.to_string().starts_with(name), "{err}");
         }
     }
 }

@@ -5,6 +5,7 @@
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use crate::sampling::Shaping;
 use crate::text::ChatMessage;
 
 /// The longest stop sequence: the text held back while it may still become one is at most
@@ -84,7 +85,26 @@ pub struct Request {
     pub routed_experts: bool,
     /// `n`: the choices to generate, each from the one prompt's state.
     pub choices: usize,
+    /// `top_k`, `min_p`, the penalties and `logit_bias`.
+    pub shaping: Shaping,
+    /// Log-probabilities of the chosen tokens, with this many most likely alternatives
+    /// (`logprobs`/`top_logprobs`).
+    pub logprobs: Option<usize>,
 }
+
+/// The most alternatives `top_logprobs` (chat) or `logprobs` (completions) may ask for.
+const MAX_TOP_LOGPROBS: u64 = 20;
+
+/// Fields clients send that mean nothing to this server: accepted and ignored (the list
+/// docs/serve.md gives). Any other field this server does not implement is refused.
+const IGNORED_FIELDS: [&str; 6] = [
+    "user",
+    "metadata",
+    "service_tier",
+    "store",
+    "safety_identifier",
+    "prompt_cache_key",
+];
 
 #[derive(Deserialize)]
 struct Common {
@@ -99,6 +119,15 @@ struct Common {
     stream_options: Option<StreamOptions>,
     n: Option<u64>,
     return_routed_experts: Option<bool>,
+    top_k: Option<u64>,
+    min_p: Option<f64>,
+    presence_penalty: Option<f64>,
+    frequency_penalty: Option<f64>,
+    repetition_penalty: Option<f64>,
+    logit_bias: Option<std::collections::BTreeMap<String, f64>>,
+    /// A bool for chat, a count of alternatives for completions.
+    logprobs: Option<Value>,
+    top_logprobs: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -118,12 +147,17 @@ struct Chat {
     messages: Vec<Message>,
     #[serde(flatten)]
     common: Common,
+    /// Every other field: refused unless ignorable ([`refuse_unknown`]).
+    #[serde(flatten)]
+    rest: serde_json::Map<String, Value>,
 }
 
 #[derive(Deserialize)]
 struct Message {
     role: String,
     content: Option<Value>,
+    #[serde(flatten)]
+    rest: serde_json::Map<String, Value>,
 }
 
 #[derive(Deserialize)]
@@ -131,6 +165,37 @@ struct Completion {
     prompt: Value,
     #[serde(flatten)]
     common: Common,
+    #[serde(flatten)]
+    rest: serde_json::Map<String, Value>,
+}
+
+/// A 400 for the first field of `rest` (the fields no struct took) that carries a value
+/// and is not one this server may ignore. `null`, `[]` and `{}` say nothing and pass, as do
+/// the values of unimplemented features that ask for the default: `tool_choice` `"none"`
+/// or `"auto"` and `parallel_tool_calls` without tools, `response_format` `{"type":
+/// "text"}`.
+fn refuse_unknown(rest: &serde_json::Map<String, Value>, at: &str) -> Result<(), ApiError> {
+    for (key, value) in rest {
+        let empty = match value {
+            Value::Null => true,
+            Value::Array(items) => items.is_empty(),
+            Value::Object(fields) => fields.is_empty(),
+            _ => false,
+        };
+        let default = match key.as_str() {
+            "tool_choice" => value == "none" || value == "auto",
+            "parallel_tool_calls" => value.is_boolean(),
+            "response_format" => value.get("type").is_some_and(|t| t == "text"),
+            _ => false,
+        };
+        if empty || default || (at.is_empty() && IGNORED_FIELDS.contains(&key.as_str())) {
+            continue;
+        }
+        return Err(ApiError::invalid(format!(
+            "{at}{key}: this server does not implement this field; leave it out (docs/serve.md lists the fields coli serve takes)"
+        )));
+    }
+    Ok(())
 }
 
 fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
@@ -144,21 +209,48 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
 /// A `/v1/chat/completions` body.
 pub fn chat_request(body: &[u8]) -> Result<Request, ApiError> {
     let chat: Chat = parse(body)?;
+    refuse_unknown(&chat.rest, "")?;
     if chat.messages.is_empty() {
         return Err(ApiError::invalid("messages: give at least one message"));
+    }
+    let logprobs = match &chat.common.logprobs {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => None,
+        Some(Value::Bool(true)) => Some(top_count(chat.common.top_logprobs, "top_logprobs")?),
+        Some(other) => {
+            return Err(ApiError::invalid(format!(
+                "logprobs {other}: expected true or false (top_logprobs says how many alternatives)"
+            )))
+        }
+    };
+    if logprobs.is_none() && chat.common.top_logprobs.is_some_and(|n| n > 0) {
+        return Err(ApiError::invalid(
+            "top_logprobs: give it with \"logprobs\": true",
+        ));
     }
     let messages = chat
         .messages
         .into_iter()
         .enumerate()
         .map(|(i, m)| {
+            refuse_unknown(&m.rest, &format!("messages[{i}]."))?;
             Ok(ChatMessage {
                 content: message_text(i, m.content)?,
                 role: m.role,
             })
         })
         .collect::<Result<Vec<_>, ApiError>>()?;
-    request(chat.common, Input::Chat(messages))
+    request(chat.common, Input::Chat(messages), logprobs)
+}
+
+/// A count of alternatives, 0 to [`MAX_TOP_LOGPROBS`], named `field` in a message.
+fn top_count(count: Option<u64>, field: &str) -> Result<usize, ApiError> {
+    match count {
+        None => Ok(0),
+        Some(n @ 0..=MAX_TOP_LOGPROBS) => Ok(n as usize),
+        Some(n) => Err(ApiError::invalid(format!(
+            "{field} {n}: expected 0 to {MAX_TOP_LOGPROBS} alternatives"
+        ))),
+    }
 }
 
 /// A message's content: a string, or an array of `{"type": "text", "text": ...}` parts.
@@ -186,6 +278,21 @@ fn message_text(index: usize, content: Option<Value>) -> Result<String, ApiError
 /// A `/v1/completions` body.
 pub fn completion_request(body: &[u8]) -> Result<Request, ApiError> {
     let completion: Completion = parse(body)?;
+    refuse_unknown(&completion.rest, "")?;
+    if completion.common.top_logprobs.is_some() {
+        return Err(ApiError::invalid(
+            "top_logprobs: a chat field; completions take \"logprobs\": N alternatives",
+        ));
+    }
+    let logprobs = match &completion.common.logprobs {
+        None | Some(Value::Null) => None,
+        Some(Value::Number(n)) if n.as_u64().is_some() => Some(top_count(n.as_u64(), "logprobs")?),
+        Some(other) => {
+            return Err(ApiError::invalid(format!(
+                "logprobs {other}: expected a count of alternatives, 0 to {MAX_TOP_LOGPROBS}"
+            )))
+        }
+    };
     let bad = || {
         ApiError::invalid(
             "prompt: expected a string, an array of one string, or an array of token ids",
@@ -208,10 +315,10 @@ pub fn completion_request(body: &[u8]) -> Result<Request, ApiError> {
         ),
         _ => return Err(bad()),
     };
-    request(completion.common, input)
+    request(completion.common, input, logprobs)
 }
 
-fn request(common: Common, input: Input) -> Result<Request, ApiError> {
+fn request(common: Common, input: Input, logprobs: Option<usize>) -> Result<Request, ApiError> {
     let choices = match common.n {
         None => 1,
         Some(n @ 1..=MAX_CHOICES) => n as usize,
@@ -245,6 +352,32 @@ fn request(common: Common, input: Input) -> Result<Request, ApiError> {
             "stop: up to 4 sequences, none of them empty or over {MAX_STOP_BYTES} bytes"
         )));
     }
+    let logit_bias = common
+        .logit_bias
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(id, bias)| {
+            let id = id.parse::<u32>().map_err(|_| {
+                ApiError::invalid(format!(
+                    "logit_bias: key {id:?} is not a token id (a map of token ids, as strings, to biases)"
+                ))
+            })?;
+            Ok((id, bias as f32))
+        })
+        .collect::<Result<Vec<_>, ApiError>>()?;
+    let shaping = Shaping {
+        top_k: common
+            .top_k
+            .map_or(0, |k| usize::try_from(k).unwrap_or(usize::MAX)),
+        min_p: common.min_p.unwrap_or(0.0),
+        presence_penalty: common.presence_penalty.unwrap_or(0.0),
+        frequency_penalty: common.frequency_penalty.unwrap_or(0.0),
+        repetition_penalty: common.repetition_penalty.unwrap_or(1.0),
+        logit_bias,
+    };
+    shaping
+        .check()
+        .map_err(|err| ApiError::invalid(err.to_string()))?;
     Ok(Request {
         model: common.model,
         input,
@@ -263,6 +396,8 @@ fn request(common: Common, input: Input) -> Result<Request, ApiError> {
             .unwrap_or(false),
         routed_experts: common.return_routed_experts.unwrap_or(false),
         choices,
+        shaping,
+        logprobs,
     })
 }
 
@@ -335,6 +470,55 @@ pub struct Choice {
     pub text: String,
     pub finish: Finish,
     pub routed: Option<Routed>,
+    /// When asked: per generated token, its log-probability and the alternatives'.
+    pub logprobs: Option<Vec<TokenLogprob>>,
+}
+
+/// A generated token's log-probability under the model (the logits before any sampling
+/// setting), with the most likely tokens' at its position.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub top: Vec<(String, f32)>,
+}
+
+/// The `logprobs` of a choice: chat's `{"content": [...]}`, or the completions'
+/// `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}` (offsets from `offset`,
+/// the length of the text before these tokens).
+pub fn logprobs_body(endpoint: Endpoint, tokens: &[TokenLogprob], offset: usize) -> Value {
+    match endpoint {
+        Endpoint::Chat => {
+            let entry = |token: &str, logprob: f32| json!({ "token": token, "logprob": logprob, "bytes": token.as_bytes() });
+            let content: Vec<Value> = tokens
+                .iter()
+                .map(|t| {
+                    let mut body = entry(&t.token, t.logprob);
+                    body["top_logprobs"] =
+                        t.top.iter().map(|(token, lp)| entry(token, *lp)).collect();
+                    body
+                })
+                .collect();
+            json!({ "content": content, "refusal": Value::Null })
+        }
+        Endpoint::Completion => {
+            let mut text_offset = Vec::with_capacity(tokens.len());
+            let mut at = offset;
+            for t in tokens {
+                text_offset.push(at);
+                at += t.token.len();
+            }
+            json!({
+                "tokens": tokens.iter().map(|t| t.token.as_str()).collect::<Vec<_>>(),
+                "token_logprobs": tokens.iter().map(|t| t.logprob).collect::<Vec<_>>(),
+                "top_logprobs": tokens
+                    .iter()
+                    .map(|t| t.top.iter().map(|(token, lp)| (token.clone(), json!(lp))).collect::<serde_json::Map<_, _>>())
+                    .collect::<Vec<_>>(),
+                "text_offset": text_offset,
+            })
+        }
+    }
 }
 
 /// The whole answer, for a request without `stream`: its choices in order of `index`.
@@ -343,16 +527,21 @@ pub fn response(endpoint: Endpoint, who: &Identity, choices: &[Choice], usage: U
         .iter()
         .enumerate()
         .map(|(index, choice)| {
+            let logprobs = choice
+                .logprobs
+                .as_ref()
+                .map_or(Value::Null, |l| logprobs_body(endpoint, l, 0));
             let mut body = match endpoint {
                 Endpoint::Chat => json!({
                     "index": index,
                     "message": { "role": "assistant", "content": choice.text },
+                    "logprobs": logprobs,
                     "finish_reason": choice.finish.name(),
                 }),
                 Endpoint::Completion => json!({
                     "index": index,
                     "text": choice.text,
-                    "logprobs": Value::Null,
+                    "logprobs": logprobs,
                     "finish_reason": choice.finish.name(),
                 }),
             };
@@ -378,11 +567,13 @@ pub fn response(endpoint: Endpoint, who: &Identity, choices: &[Choice], usage: U
 /// One server-sent chunk of choice `index`: a piece of text (the chat's first chunk of a
 /// choice also names the role), or the choice's last one with the finish reason (and the
 /// routed experts, when asked).
+#[allow(clippy::too_many_arguments)]
 pub fn chunk(
     endpoint: Endpoint,
     who: &Identity,
     index: usize,
     text: Option<&str>,
+    logprobs: Option<Value>,
     first: bool,
     finish: Option<(Finish, Option<&Routed>)>,
 ) -> Value {
@@ -396,12 +587,17 @@ pub fn chunk(
             if let Some(text) = text {
                 delta.insert("content".into(), text.into());
             }
-            json!({ "index": index, "delta": delta, "finish_reason": finish_reason })
+            json!({
+                "index": index,
+                "delta": delta,
+                "logprobs": logprobs.unwrap_or(Value::Null),
+                "finish_reason": finish_reason,
+            })
         }
         Endpoint::Completion => json!({
             "index": index,
             "text": text.unwrap_or(""),
-            "logprobs": Value::Null,
+            "logprobs": logprobs.unwrap_or(Value::Null),
             "finish_reason": finish_reason,
         }),
     };
@@ -422,7 +618,7 @@ pub fn chunk(
 
 /// The chunk `stream_options.include_usage` asks for after the last choice.
 pub fn usage_chunk(endpoint: Endpoint, who: &Identity, usage: Usage) -> Value {
-    let mut body = chunk(endpoint, who, 0, None, false, None);
+    let mut body = chunk(endpoint, who, 0, None, None, false, None);
     body["choices"] = json!([]);
     body["usage"] = usage.body();
     body

@@ -71,6 +71,8 @@ pub fn run(model: Option<&str>, settings: Settings, positionals: Positionals) ->
             stop: Vec::new(),
             routed_experts: false,
             choices: 1,
+            shaping: Default::default(),
+            logprobs: None,
             events: events_tx,
             received: Instant::now(),
         };

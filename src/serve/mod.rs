@@ -408,22 +408,36 @@ async fn answer(
         return Ok(stream(reply, events, request.choices, request.stream_usage));
     }
     let mut texts = vec![String::new(); request.choices];
+    let mut logprobs = vec![Vec::new(); request.choices];
     let mut done: Vec<Option<api::Choice>> = (0..request.choices).map(|_| None).collect();
     let mut total = Usage::default();
     while done.iter().any(Option::is_none) {
         match events.recv().await {
-            Some(Event::Text { choice, text }) => texts[choice].push_str(&text),
+            Some(Event::Text {
+                choice,
+                text,
+                logprobs: more,
+            }) => {
+                texts[choice].push_str(&text);
+                logprobs[choice].extend(more);
+            }
             Some(Event::Done {
                 choice,
                 finish,
                 usage,
                 routed,
+                logprobs: more,
             }) => {
                 total = total.and(usage);
+                logprobs[choice].extend(more);
                 done[choice] = Some(api::Choice {
                     text: std::mem::take(&mut texts[choice]),
                     finish,
                     routed,
+                    logprobs: request
+                        .logprobs
+                        .is_some()
+                        .then(|| std::mem::take(&mut logprobs[choice])),
                 });
             }
             Some(Event::Failed(err)) => return Err(err),
@@ -456,6 +470,8 @@ fn job(
             stop: request.stop.clone(),
             routed_experts: request.routed_experts,
             choices: request.choices,
+            shaping: request.shaping.clone(),
+            logprobs: request.logprobs,
             events,
             received,
         },
@@ -494,6 +510,8 @@ fn stream(
         events: mpsc::UnboundedReceiver<Event>,
         /// Per choice: nothing sent yet.
         first: Vec<bool>,
+        /// Per choice: the text sent so far, in bytes (completions' `text_offset`).
+        sent: Vec<usize>,
         /// Choices not finished yet.
         open: usize,
         usage: Usage,
@@ -504,6 +522,7 @@ fn stream(
         reply,
         events,
         first: vec![true; choices],
+        sent: vec![0; choices],
         open: choices,
         usage: Usage::default(),
         pending: std::collections::VecDeque::new(),
@@ -521,9 +540,17 @@ fn stream(
             let who = state.reply.identity();
             let endpoint = state.reply.endpoint;
             match state.events.recv().await {
-                Some(Event::Text { choice, text }) => {
+                Some(Event::Text {
+                    choice,
+                    text,
+                    logprobs,
+                }) => {
                     let first = std::mem::replace(&mut state.first[choice], false);
-                    let chunk = api::chunk(endpoint, &who, choice, Some(&text), first, None);
+                    let logprobs = (!logprobs.is_empty())
+                        .then(|| api::logprobs_body(endpoint, &logprobs, state.sent[choice]));
+                    state.sent[choice] += text.len();
+                    let chunk =
+                        api::chunk(endpoint, &who, choice, Some(&text), logprobs, first, None);
                     state.pending.push_back(data(chunk));
                 }
                 Some(Event::Done {
@@ -531,13 +558,17 @@ fn stream(
                     finish,
                     usage,
                     routed,
+                    logprobs,
                 }) => {
                     let first = std::mem::replace(&mut state.first[choice], false);
+                    let logprobs = (!logprobs.is_empty())
+                        .then(|| api::logprobs_body(endpoint, &logprobs, state.sent[choice]));
                     let last = api::chunk(
                         endpoint,
                         &who,
                         choice,
                         None,
+                        logprobs,
                         first,
                         Some((finish, routed.as_ref())),
                     );

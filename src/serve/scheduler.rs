@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 
-use super::api::{ApiError, Finish, Input, Routed, Usage};
+use super::api::{ApiError, Finish, Input, Routed, TokenLogprob, Usage};
 use super::kv_dir::KvDir;
 use super::metrics::{Metrics, StepFigures, Turn};
 use super::pool::Pool;
@@ -64,6 +64,8 @@ struct Sequence<'t> {
     stream: Option<TextStream<'t>>,
     /// Per generated token, when asked: the experts each MoE layer chose for it.
     routed: Option<Routed>,
+    /// When asked: the log-probabilities of the tokens chosen since the last text sent.
+    logprobs: Vec<TokenLogprob>,
     first_token: Option<f64>,
     decode_started: Option<Instant>,
 }
@@ -234,6 +236,7 @@ impl<'a> Scheduler<'a> {
             choice: 0,
             forks: samplers,
             routed: job.routed_experts.then(Vec::new),
+            logprobs: Vec::new(),
             text: StopScan::new(job.stop.clone()),
             job,
             prompt,
@@ -304,7 +307,10 @@ impl<'a> Scheduler<'a> {
             None => self.default_tokens.min(room),
         };
         let samplers = (0..job.choices.max(1) as u64)
-            .map(|index| Sampler::new(job.temperature, job.top_p, job.seed.wrapping_add(index)))
+            .map(|index| {
+                Sampler::new(job.temperature, job.top_p, job.seed.wrapping_add(index))?
+                    .shaped(job.shaping.clone(), &prompt)
+            })
             .collect::<Result<Vec<_>, _>>()
             .map_err(|err| ApiError::invalid(err.to_string()))?;
         Ok((prompt, count, samplers))
@@ -345,11 +351,20 @@ impl<'a> Scheduler<'a> {
                 };
                 sequence.decode_started = Some(Instant::now());
                 let forks = fork_choices(sequence, &mut self.next_id, self.tokenizer);
-                if let Some(end) = choose(sequence, &self.stops, &[&logits], None, &[]) {
+                if let Some(end) =
+                    choose(sequence, self.tokenizer, &self.stops, &[&logits], None, &[])
+                {
                     ended.push((i, end));
                 }
                 for mut fork in forks {
-                    let end = choose(&mut fork, &self.stops, &[&logits], None, &[]);
+                    let end = choose(
+                        &mut fork,
+                        self.tokenizer,
+                        &self.stops,
+                        &[&logits],
+                        None,
+                        &[],
+                    );
                     forked.push((fork, end));
                 }
             }
@@ -451,7 +466,14 @@ impl<'a> Scheduler<'a> {
                     let routes = route_rows(engine, &[row - 1]);
                     let forks = fork_choices(sequence, &mut self.next_id, self.tokenizer);
                     let before = sequence.tokens.len();
-                    let end = choose(sequence, &self.stops, &[&logits], Some(routes.clone()), &[]);
+                    let end = choose(
+                        sequence,
+                        self.tokenizer,
+                        &self.stops,
+                        &[&logits],
+                        Some(routes.clone()),
+                        &[],
+                    );
                     emitted += (sequence.tokens.len() - before) as u64;
                     if let Some(end) = end {
                         ended.push((i, end));
@@ -459,6 +481,7 @@ impl<'a> Scheduler<'a> {
                     for mut fork in forks {
                         let end = choose(
                             &mut fork,
+                            self.tokenizer,
                             &self.stops,
                             &[&logits],
                             Some(routes.clone()),
@@ -479,7 +502,14 @@ impl<'a> Scheduler<'a> {
                     row += fed.len();
                     let start = sequence.state.position() - fed.len();
                     let before = sequence.tokens.len();
-                    let end = choose(sequence, &self.stops, &rows_of, Some(routes), &fed[1..]);
+                    let end = choose(
+                        sequence,
+                        self.tokenizer,
+                        &self.stops,
+                        &rows_of,
+                        Some(routes),
+                        &fed[1..],
+                    );
                     let accepted = sequence.tokens.len() - before;
                     emitted += accepted as u64;
                     // Rejected drafts leave the cache: it holds the fed token and the drafts
@@ -597,6 +627,7 @@ impl<'a> Scheduler<'a> {
                         let _ = sequence.job.events.send(Event::Text {
                             choice: sequence.choice,
                             text: tail,
+                            logprobs: std::mem::take(&mut sequence.logprobs),
                         });
                     }
                 }
@@ -615,6 +646,7 @@ impl<'a> Scheduler<'a> {
         };
         let _ = sequence.job.events.send(Event::Done {
             choice: sequence.choice,
+            logprobs: std::mem::take(&mut sequence.logprobs),
             finish,
             usage,
             routed: sequence.routed.take(),
@@ -721,6 +753,7 @@ fn fork_choices<'t>(
                 text: StopScan::new(sequence.job.stop.clone()),
                 stream: Some(tokenizer.stream()),
                 routed: sequence.routed.is_some().then(Vec::new),
+                logprobs: Vec::new(),
                 first_token: None,
                 decode_started: sequence.decode_started,
             }
@@ -747,6 +780,7 @@ fn route_rows(engine: &dyn Engine, rows: &[usize]) -> Vec<Vec<Vec<u32>>> {
 /// feeds the last token chosen next.
 fn choose(
     sequence: &mut Sequence,
+    tokenizer: &TextTokenizer,
     stops: &[u32],
     rows: &[&[f32]],
     routes: Option<Vec<Vec<Vec<u32>>>>,
@@ -759,6 +793,11 @@ fn choose(
         let token = sequence.sampler.pick(logits);
         if stops.contains(&token) {
             return Some(End::StopToken);
+        }
+        if let Some(top) = sequence.job.logprobs {
+            sequence
+                .logprobs
+                .push(token_logprob(tokenizer, logits, token, top));
         }
         sequence.tokens.push(token);
         if let (Some(routed), Some(routes)) = (sequence.routed.as_mut(), routes.as_ref()) {
@@ -804,12 +843,57 @@ fn hand_out(sequence: &mut Sequence, token: u32) -> Option<End> {
         let text = Event::Text {
             choice: sequence.choice,
             text: ready,
+            logprobs: std::mem::take(&mut sequence.logprobs),
         };
         if sequence.job.events.send(text).is_err() {
             return Some(End::Abandoned);
         }
     }
     stopped.then_some(End::StopString)
+}
+
+/// `token`'s log-probability under `logits` (a log-softmax over the vocabulary), with the
+/// `top` most likely tokens' (ties to the lower id).
+fn token_logprob(
+    tokenizer: &TextTokenizer,
+    logits: &[f32],
+    token: u32,
+    top: usize,
+) -> TokenLogprob {
+    let max = logits
+        .iter()
+        .copied()
+        .filter(|v| v.is_finite())
+        .fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits
+        .iter()
+        .filter(|v| v.is_finite())
+        .map(|&v| ((v - max) as f64).exp())
+        .sum();
+    let log_norm = max as f64 + sum.ln();
+    let logprob = |id: u32| (logits[id as usize] as f64 - log_norm) as f32;
+    let mut best: Vec<u32> = Vec::with_capacity(top + 1);
+    for (id, &v) in logits
+        .iter()
+        .enumerate()
+        .take(if top == 0 { 0 } else { usize::MAX })
+    {
+        if !v.is_finite() {
+            continue;
+        }
+        if best.len() == top && v <= logits[best[top - 1] as usize] {
+            continue;
+        }
+        let at = best.partition_point(|&b| logits[b as usize] >= v);
+        best.insert(at, id as u32);
+        best.truncate(top);
+    }
+    let text = |id: u32| tokenizer.decode_all(&[id]).unwrap_or_default();
+    TokenLogprob {
+        token: text(token),
+        logprob: logprob(token),
+        top: best.into_iter().map(|id| (text(id), logprob(id))).collect(),
+    }
 }
 
 /// Distinct experts the step's MoE calls took (from memory or read), from the store's

@@ -11,12 +11,13 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use tokio::sync::mpsc::{Receiver, UnboundedSender};
 
-use super::api::{ApiError, Finish, Input, Routed, Usage};
+use super::api::{ApiError, Finish, Input, Routed, TokenLogprob, Usage};
 use super::kv_dir::{KvDir, KvIdentity};
 use super::metrics::Metrics;
 use super::scheduler::Scheduler;
 use crate::experts::budget;
 use crate::quant::Width;
+use crate::sampling::Shaping;
 use crate::session::RunKind;
 use crate::settings::Settings;
 use crate::startup::{self, Positionals};
@@ -36,6 +37,10 @@ pub struct Job {
     /// `n`: the choices, each generated from the one prompt's state with the seed
     /// `seed + index`; the request takes as many of the `--parallel` places.
     pub choices: usize,
+    /// `top_k`, `min_p`, the penalties and `logit_bias`.
+    pub shaping: Shaping,
+    /// Log-probabilities of the chosen tokens with this many alternatives.
+    pub logprobs: Option<usize>,
     pub events: UnboundedSender<Event>,
     pub received: Instant,
 }
@@ -47,15 +52,20 @@ pub struct Job {
 pub enum Event {
     Failed(ApiError),
     Started,
+    /// Text of the choice, with the log-probabilities (when asked) of the tokens chosen
+    /// since its last `Text`.
     Text {
         choice: usize,
         text: String,
+        logprobs: Vec<TokenLogprob>,
     },
     Done {
         choice: usize,
         finish: Finish,
         usage: Usage,
         routed: Option<Routed>,
+        /// Those of the last tokens, whose text came in no `Text`.
+        logprobs: Vec<TokenLogprob>,
     },
 }
 

@@ -7,4 +7,5 @@ mod common;
 mod batching;
 mod kv_dir;
 mod openai;
+mod sampling;
 mod server;

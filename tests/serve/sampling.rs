@@ -1,0 +1,280 @@
+//! What a request asks of the sampler and what it may send: log-probabilities that are the
+//! model's (the `PPL=1` scores of the same ids), each sampling key changing what it should
+//! and reproducible with a seed, and every field this server does not implement refused by
+//! name.
+
+use serde_json::{json, Value};
+
+use crate::common::{coli, fixture, stderr, stdout};
+use crate::server::{heldout_ids, usage, Server};
+
+fn start() -> Server {
+    Server::start(
+        &fixture("olmoe_trained"),
+        &["--cache-mb", "0", "USAGE_SAVE=0"],
+        &[],
+    )
+}
+
+/// The `mean NLL` and the token count of `PPL=1` over `ids`, in one window.
+fn ppl_sum(ids: &[u32]) -> f64 {
+    let ids: Vec<String> = ids.iter().map(u32::to_string).collect();
+    let output = coli(
+        &[
+            &format!("SNAP={}", fixture("olmoe_trained").display()),
+            &format!("IDS={}", ids.join(" ")),
+            "PPL=1",
+            "CTX=128",
+            "USAGE_SAVE=0",
+        ],
+        &[],
+    );
+    assert!(output.status.success(), "{}", stderr(&output));
+    let out = stdout(&output);
+    let line = out.lines().find(|l| l.starts_with("PPL:")).unwrap();
+    let field = |after: &str, before: &str| -> f64 {
+        let rest = &line[line.find(after).unwrap() + after.len()..];
+        rest[..rest.find(before).unwrap()].trim().parse().unwrap()
+    };
+    field("mean NLL", "nats") * field("over", "tokens")
+}
+
+#[test]
+fn logprobs_are_the_scores_ppl_gives_the_same_ids() {
+    let server = start();
+    let prompt = heldout_ids(15);
+    let body = json!({
+        "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 3,
+    });
+    let (status, reply) = server.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{reply}");
+    let logprobs = &reply["choices"][0]["logprobs"];
+    let chosen: Vec<f64> = serde_json::from_value(logprobs["token_logprobs"].clone()).unwrap();
+    assert_eq!(chosen.len() as u64, usage(&reply, "completion_tokens"));
+    for (lp, top) in chosen
+        .iter()
+        .zip(logprobs["top_logprobs"].as_array().unwrap())
+    {
+        let top: Vec<f64> = top
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|v| v.as_f64().unwrap())
+            .collect();
+        assert_eq!(top.len(), 3, "{logprobs}");
+        // Greedy: the chosen token is the most likely one.
+        let best = top.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        assert_eq!(*lp, best, "{logprobs}");
+    }
+    let tokens: Vec<String> = serde_json::from_value(logprobs["tokens"].clone()).unwrap();
+    assert_eq!(
+        tokens.concat(),
+        reply["choices"][0]["text"].as_str().unwrap(),
+        "the tokens spell the text"
+    );
+
+    // The same greedy answer as ids, from a run with IDS=; PPL=1 over the prompt with and
+    // without it scores exactly those positions.
+    let ids: Vec<String> = prompt.iter().map(u32::to_string).collect();
+    let output = coli(
+        &[
+            &format!("SNAP={}", fixture("olmoe_trained").display()),
+            &format!("IDS={}", ids.join(" ")),
+            "NGEN=6",
+            "USAGE_SAVE=0",
+        ],
+        &[],
+    );
+    assert!(output.status.success(), "{}", stderr(&output));
+    let out = stdout(&output);
+    let generated: Vec<u32> = out
+        .lines()
+        .find(|l| !l.is_empty() && l.split(' ').all(|w| w.parse::<u32>().is_ok()))
+        .unwrap_or_else(|| panic!("no ids in {out}"))
+        .split(' ')
+        .map(|w| w.parse().unwrap())
+        .collect();
+    assert_eq!(generated.len(), chosen.len());
+    let mut whole = prompt.clone();
+    whole.extend(&generated);
+    let scored = ppl_sum(&whole) - ppl_sum(&prompt);
+    let served: f64 = -chosen.iter().sum::<f64>();
+    assert!(
+        (scored - served).abs() < 2e-3,
+        "PPL=1 scores the answer {scored:.6} nats, its logprobs say {served:.6}"
+    );
+
+    // Chat, streamed and not: the same log-probabilities, one entry per generated token.
+    let chat = json!({
+        "messages": [{"role": "user", "content": "The history of"}],
+        "max_tokens": 5, "temperature": 0, "logprobs": true, "top_logprobs": 2,
+    });
+    let (status, whole) = server.post("/v1/chat/completions", &chat);
+    assert_eq!(status, 200, "{whole}");
+    let content = whole["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .clone();
+    assert_eq!(content.len() as u64, usage(&whole, "completion_tokens"));
+    assert!(content
+        .iter()
+        .all(|t| t["top_logprobs"].as_array().unwrap().len() == 2));
+    let mut streamed_body = chat.clone();
+    streamed_body["stream"] = json!(true);
+    let (status, text) = server.curl(
+        "/v1/chat/completions",
+        Some(&streamed_body.to_string()),
+        &[],
+    );
+    assert_eq!(status, 200, "{text}");
+    let streamed: Vec<Value> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .flat_map(|d| {
+            let chunk: Value = serde_json::from_str(d).unwrap();
+            chunk["choices"][0]["logprobs"]["content"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .collect();
+    assert_eq!(streamed, content);
+}
+
+#[test]
+fn each_sampling_key_changes_what_it_should_and_a_seed_repeats_it() {
+    let server = start();
+    let prompt = heldout_ids(12);
+    let answer = |extra: Value| -> (String, Value) {
+        let mut body = json!({ "prompt": prompt, "max_tokens": 8, "logprobs": 1 });
+        for (key, value) in extra.as_object().unwrap() {
+            body[key] = value.clone();
+        }
+        let (status, reply) = server.post("/v1/completions", &body);
+        assert_eq!(status, 200, "{reply}");
+        (
+            reply["choices"][0]["text"].as_str().unwrap().to_string(),
+            reply["choices"][0]["logprobs"].clone(),
+        )
+    };
+    let greedy = answer(json!({ "temperature": 0 })).0;
+    // Cuts that leave one token are greedy at any temperature.
+    for cut in [json!({ "top_k": 1 }), json!({ "min_p": 1.0 })] {
+        let mut extra = cut.clone();
+        extra["temperature"] = json!(5.0);
+        extra["seed"] = json!(3);
+        assert_eq!(answer(extra).0, greedy, "{cut}");
+    }
+    // Without a cut, that temperature wanders off the greedy answer.
+    assert_ne!(answer(json!({ "temperature": 5.0, "seed": 3 })).0, greedy);
+    // A bias of 100 makes one token every token.
+    let forced = answer(json!({ "temperature": 0, "logit_bias": { "1500": 100 } })).1;
+    let tokens: Vec<String> = serde_json::from_value(forced["tokens"].clone()).unwrap();
+    assert_eq!(tokens.len(), 8);
+    assert!(tokens.iter().all(|t| t == &tokens[0]), "{tokens:?}");
+    // Penalties: greedy under a penalty takes the model's most likely token unless that
+    // token was generated before (or, for the repetition penalty, is in the prompt); and
+    // somewhere the penalty changes the choice.
+    for (penalty, generated_only) in [
+        (json!({ "presence_penalty": 2.0 }), true),
+        (json!({ "frequency_penalty": 2.0 }), true),
+        (json!({ "repetition_penalty": 20.0 }), false),
+    ] {
+        let mut extra = penalty.clone();
+        extra["temperature"] = json!(0);
+        extra["max_tokens"] = json!(32);
+        let (_, logprobs) = answer(extra);
+        let tokens: Vec<String> = serde_json::from_value(logprobs["tokens"].clone()).unwrap();
+        let mut changed = 0;
+        for (i, top) in logprobs["top_logprobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .enumerate()
+        {
+            let (best, _) = top
+                .as_object()
+                .unwrap()
+                .iter()
+                .max_by(|a, b| a.1.as_f64().unwrap().total_cmp(&b.1.as_f64().unwrap()))
+                .unwrap();
+            if &tokens[i] != best {
+                changed += 1;
+                if generated_only {
+                    assert!(
+                        tokens[..i].contains(best),
+                        "{penalty}: token {i} is not the most likely {best:?}, which was never generated: {logprobs}"
+                    );
+                }
+            }
+        }
+        assert!(changed > 0, "{penalty} changed no choice: {logprobs}");
+    }
+    // Every key, sampled with a seed, gives the same text twice.
+    let all = json!({
+        "temperature": 1.3, "seed": 9, "top_k": 40, "min_p": 0.02, "top_p": 0.95,
+        "presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.2,
+        "logit_bias": { "14": -5 },
+    });
+    assert_eq!(answer(all.clone()).0, answer(all).0);
+}
+
+#[test]
+fn fields_this_server_does_not_implement_are_refused_by_name() {
+    let server = start();
+    let chat = |extra: Value| {
+        let mut body = json!({ "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2 });
+        for (key, value) in extra.as_object().unwrap() {
+            body[key] = value.clone();
+        }
+        server.post("/v1/chat/completions", &body)
+    };
+    for (extra, named) in [
+        (
+            json!({ "tools": [{"type": "function", "function": {"name": "f"}}] }),
+            "tools:",
+        ),
+        (
+            json!({ "response_format": {"type": "json_object"} }),
+            "response_format:",
+        ),
+        (json!({ "tool_choice": "required" }), "tool_choice:"),
+        (json!({ "frobnicate": 1 }), "frobnicate:"),
+        (
+            json!({ "messages": [{"role": "user", "content": "Hi", "tool_call_id": "c1"}] }),
+            "messages[0].tool_call_id:",
+        ),
+        (json!({ "top_logprobs": 2 }), "top_logprobs:"),
+        (
+            json!({ "logprobs": true, "top_logprobs": 21 }),
+            "top_logprobs 21",
+        ),
+        (json!({ "min_p": 2 }), "min_p 2"),
+        (json!({ "presence_penalty": -3 }), "presence_penalty -3"),
+        (json!({ "logit_bias": { "x": 1 } }), "logit_bias:"),
+    ] {
+        let (status, reply) = chat(extra.clone());
+        assert_eq!(status, 400, "{extra}: {reply}");
+        let message = reply["error"]["message"].as_str().unwrap();
+        assert!(message.starts_with(named), "{extra}: {message}");
+    }
+    // What clients send that means nothing here, and values that ask for the default.
+    for extra in [
+        json!({ "user": "u1", "metadata": {"k": "v"}, "store": false, "service_tier": "auto" }),
+        json!({ "tool_choice": "none", "parallel_tool_calls": true, "response_format": {"type": "text"} }),
+        json!({ "tools": [], "seed": null, "logprobs": false }),
+    ] {
+        let (status, reply) = chat(extra.clone());
+        assert_eq!(status, 200, "{extra}: {reply}");
+    }
+    let (status, reply) = server.post(
+        "/v1/completions",
+        &json!({ "prompt": "x", "echo": true, "max_tokens": 1 }),
+    );
+    assert_eq!(status, 400, "{reply}");
+    assert!(reply["error"]["message"]
+        .as_str()
+        .unwrap()
+        .starts_with("echo:"));
+}
