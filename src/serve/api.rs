@@ -404,8 +404,10 @@ fn request(common: Common, input: Input, logprobs: Option<usize>) -> Result<Requ
 /// Why a generation ended, as OpenAI names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Finish {
-    /// A stop token or stop string.
+    /// A stop token.
     Stop,
+    /// The request's stop string of this index.
+    StopString(usize),
     /// `max_tokens` reached.
     Length,
 }
@@ -413,7 +415,7 @@ pub enum Finish {
 impl Finish {
     pub fn name(self) -> &'static str {
         match self {
-            Finish::Stop => "stop",
+            Finish::Stop | Finish::StopString(_) => "stop",
             Finish::Length => "length",
         }
     }

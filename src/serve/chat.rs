@@ -103,7 +103,7 @@ pub fn run(model: Option<&str>, settings: Settings, positionals: Positionals) ->
                 Some(Event::Done { finish, usage, .. }) => {
                     writeln!(stdout)?;
                     let ending = match finish {
-                        Finish::Stop => "stopped",
+                        Finish::Stop | Finish::StopString(_) => "stopped",
                         Finish::Length => "NGEN reached",
                     };
                     eprintln!(

@@ -6,6 +6,7 @@
 //! the handlers only queue jobs and relay their events; nothing here touches the engine or
 //! the telemetry.
 
+mod anthropic;
 mod api;
 pub mod chat;
 pub mod kv_dir;
@@ -29,6 +30,7 @@ use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use futures_util::StreamExt;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
@@ -125,6 +127,7 @@ pub fn run(
         .route("/metrics", get(metrics_text))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .route("/v1/messages", post(messages))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::disable())
@@ -206,18 +209,22 @@ fn authorize(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
     let Some(key) = &app.api_key else {
         return Ok(());
     };
-    let given = headers
+    let bearer = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
-    if given == Some(key.as_str()) {
+    // Anthropic's clients send `x-api-key`.
+    let x_api_key = headers.get("x-api-key").and_then(|v| v.to_str().ok());
+    if bearer == Some(key.as_str()) || x_api_key == Some(key.as_str()) {
         Ok(())
     } else {
         Err(ApiError {
             status: 401,
             kind: "invalid_request_error",
             code: Some("invalid_api_key"),
-            message: "this server needs `Authorization: Bearer <API_KEY>`".to_string(),
+            message:
+                "this server needs `Authorization: Bearer <API_KEY>` (or `x-api-key: <API_KEY>`)"
+                    .to_string(),
         })
     }
 }
@@ -227,7 +234,7 @@ async fn not_found() -> Response {
         status: 404,
         kind: "invalid_request_error",
         code: None,
-        message: "no such endpoint: coli serves /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics".to_string(),
+        message: "no such endpoint: coli serves /v1/chat/completions, /v1/completions, /v1/messages, /v1/models, /health and /metrics".to_string(),
     })
 }
 
@@ -327,6 +334,103 @@ async fn complete(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: Endpo
     response
 }
 
+async fn messages(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    let response = match answer_messages(&app, &headers, body).await {
+        Ok(response) => response,
+        Err(err) => {
+            let status = StatusCode::from_u16(err.status).unwrap_or(StatusCode::BAD_REQUEST);
+            let mut response = (status, Json(anthropic::error_body(&err))).into_response();
+            if status == StatusCode::TOO_MANY_REQUESTS {
+                response
+                    .headers_mut()
+                    .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+            }
+            response
+        }
+    };
+    app.metrics.request("messages", response.status().as_u16());
+    response
+}
+
+/// `/v1/messages`: the whole message, or its stream of events.
+async fn answer_messages(
+    app: &Arc<App>,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    authorize(app, headers)?;
+    let received = Instant::now();
+    let bytes = read_body(headers, body).await?;
+    let request = anthropic::request(&bytes)?;
+    let mut events = submit(app, &request, received).await?;
+    let id = format!("msg_{}", app.next_id.fetch_add(1, Ordering::Relaxed));
+    let model = app.model.id.clone();
+    let stops = request.stop.clone();
+    if request.stream {
+        return Ok(stream_messages(id, model, stops, events));
+    }
+    let mut text = String::new();
+    loop {
+        match events.recv().await {
+            Some(Event::Text { text: piece, .. }) => text.push_str(&piece),
+            Some(Event::Done { finish, usage, .. }) => {
+                let body = anthropic::message(&id, &model, &text, finish, &stops, usage);
+                return Ok(Json(body).into_response());
+            }
+            Some(Event::Failed(err)) => return Err(err),
+            Some(Event::Started) | None => return Err(engine_gone()),
+        }
+    }
+}
+
+/// The Messages stream: `message_start`, the text block's start, a delta per piece of
+/// text, the block's stop, `message_delta` and `message_stop`; `ping` every few seconds
+/// while nothing else is sent (a long prompt being filled). A failure after the start is
+/// an `error` event.
+fn stream_messages(
+    id: String,
+    model: String,
+    stops: Vec<String>,
+    events: mpsc::UnboundedReceiver<Event>,
+) -> Response {
+    let event = |(name, body): (&'static str, Value)| {
+        Ok::<_, Infallible>(SseEvent::default().event(name).data(body.to_string()))
+    };
+    let start = anthropic::stream_start(&id, &model).map(event);
+    let rest = futures_util::stream::unfold(Some(events), move |events| {
+        let stops = stops.clone();
+        async move {
+            let mut events = events?;
+            let batch: Vec<_> = match events.recv().await {
+                Some(Event::Text { text, .. }) => vec![anthropic::text_delta(&text)],
+                Some(Event::Done { finish, usage, .. }) => {
+                    let end = anthropic::stream_end(finish, &stops, usage);
+                    return Some((end.into_iter().map(event).collect::<Vec<_>>(), None));
+                }
+                Some(Event::Failed(err)) => {
+                    return Some((vec![event(("error", anthropic::error_body(&err)))], None))
+                }
+                Some(Event::Started) | None => {
+                    let body = anthropic::error_body(&engine_gone());
+                    return Some((vec![event(("error", body))], None));
+                }
+            };
+            Some((batch.into_iter().map(event).collect(), Some(events)))
+        }
+    })
+    .flat_map(futures_util::stream::iter);
+    let ping = SseEvent::default()
+        .event("ping")
+        .data(r#"{"type": "ping"}"#);
+    Sse::new(futures_util::stream::iter(start).chain(rest))
+        .keep_alive(
+            axum::response::sse::KeepAlive::new()
+                .interval(std::time::Duration::from_secs(5))
+                .event(ping),
+        )
+        .into_response()
+}
+
 async fn read_body(headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
     let too_large = || ApiError {
         status: 413,
@@ -359,37 +463,7 @@ async fn answer(
         Endpoint::Chat => api::chat_request(&bytes)?,
         Endpoint::Completion => api::completion_request(&bytes)?,
     };
-    if let Some(name) = &request.model {
-        if name != &app.model.id && name != app.model.engine {
-            return Err(unknown_model(app, name));
-        }
-    }
-    let (job, mut events) = job(app, &request, received)?;
-    app.metrics.queue(1, 0);
-    match app.jobs.try_send(job) {
-        Ok(()) => {}
-        Err(mpsc::error::TrySendError::Full(_)) => {
-            app.metrics.queue(-1, 0);
-            return Err(ApiError {
-                status: 429,
-                kind: "rate_limit_error",
-                code: Some("queue_full"),
-                message: format!(
-                    "{} requests are already waiting for a free sequence (--queue); retry after a second",
-                    app.queue
-                ),
-            });
-        }
-        Err(mpsc::error::TrySendError::Closed(_)) => {
-            app.metrics.queue(-1, 0);
-            return Err(engine_gone());
-        }
-    }
-    match events.recv().await {
-        Some(Event::Started) => {}
-        Some(Event::Failed(err)) => return Err(err),
-        _ => return Err(engine_gone()),
-    }
+    let mut events = submit(app, &request, received).await?;
     let sequence = app.next_id.fetch_add(1, Ordering::Relaxed);
     let id = match endpoint {
         Endpoint::Chat => format!("chatcmpl-{sequence}"),
@@ -446,6 +520,47 @@ async fn answer(
     }
     let choices: Vec<api::Choice> = done.into_iter().flatten().collect();
     Ok(Json(api::response(endpoint, &reply.identity(), &choices, total)).into_response())
+}
+
+/// Queue `request` for the engine thread and wait until it starts: its events from then
+/// on, or why it was not started (an unknown model, a full queue: 429, a request the
+/// engine refused).
+async fn submit(
+    app: &App,
+    request: &Request,
+    received: Instant,
+) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
+    if let Some(name) = &request.model {
+        if name != &app.model.id && name != app.model.engine {
+            return Err(unknown_model(app, name));
+        }
+    }
+    let (job, mut events) = job(app, request, received)?;
+    app.metrics.queue(1, 0);
+    match app.jobs.try_send(job) {
+        Ok(()) => {}
+        Err(mpsc::error::TrySendError::Full(_)) => {
+            app.metrics.queue(-1, 0);
+            return Err(ApiError {
+                status: 429,
+                kind: "rate_limit_error",
+                code: Some("queue_full"),
+                message: format!(
+                    "{} requests are already waiting for a free sequence (--queue); retry after a second",
+                    app.queue
+                ),
+            });
+        }
+        Err(mpsc::error::TrySendError::Closed(_)) => {
+            app.metrics.queue(-1, 0);
+            return Err(engine_gone());
+        }
+    }
+    match events.recv().await {
+        Some(Event::Started) => Ok(events),
+        Some(Event::Failed(err)) => Err(err),
+        _ => Err(engine_gone()),
+    }
 }
 
 fn engine_gone() -> ApiError {

@@ -634,10 +634,10 @@ impl<'a> Scheduler<'a> {
                 Err(err) => eprintln!("[serve] the answer's last text cannot be decoded: {err:#}"),
             }
         }
-        let finish = if end == End::Limit {
-            Finish::Length
-        } else {
-            Finish::Stop
+        let finish = match (sequence.text.matched(), &end) {
+            (Some(index), _) => Finish::StopString(index),
+            (None, End::Limit) => Finish::Length,
+            _ => Finish::Stop,
         };
         let usage = Usage {
             prompt: sequence.prompt.len(),

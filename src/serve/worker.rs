@@ -223,6 +223,8 @@ pub struct StopScan {
     /// Text not handed out yet.
     pending: String,
     longest: usize,
+    /// The index of the stop string met, once one is.
+    matched: Option<usize>,
 }
 
 impl StopScan {
@@ -231,7 +233,13 @@ impl StopScan {
             longest: stops.iter().map(String::len).max().unwrap_or(0),
             stops,
             pending: String::new(),
+            matched: None,
         }
+    }
+
+    /// Which of the request's stop strings ended the text, if one did.
+    pub fn matched(&self) -> Option<usize> {
+        self.matched
     }
 
     /// Add `piece`; returns the text safe to hand out and whether a stop string was met
@@ -241,9 +249,11 @@ impl StopScan {
         let found = self
             .stops
             .iter()
-            .filter_map(|stop| self.pending.find(stop.as_str()))
+            .enumerate()
+            .filter_map(|(i, stop)| self.pending.find(stop.as_str()).map(|at| (at, i)))
             .min();
-        if let Some(at) = found {
+        if let Some((at, index)) = found {
+            self.matched = Some(index);
             let ready = self.pending[..at].to_string();
             self.pending.clear();
             return (ready, true);

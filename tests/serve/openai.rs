@@ -1,8 +1,9 @@
-//! `coli serve` as the official `openai` Python client sees it: tests/serve/openai_client.py
-//! lists the model, asks for chat and text completions whole and streamed (greedy, so both
-//! give the same text and token counts) and checks that errors arrive as the client's
-//! exception types. The interpreter is `COLI_TEST_PYTHON`, else `python3`; it must have
-//! `openai` (.ci/run installs it), and the test fails, not skips, when it has not.
+//! `coli serve` as the official `openai` and `anthropic` Python clients see it:
+//! tests/serve/openai_client.py lists the model, asks for chat and text completions whole
+//! and streamed (greedy, so both give the same text and token counts) and checks that errors
+//! arrive as the client's exception types; tests/serve/anthropic_client.py does the same
+//! with Messages. The interpreter is `COLI_TEST_PYTHON`, else `python3`; it must have both
+//! packages (.ci/run installs them), and the tests fail, not skip, when it has not.
 
 use crate::common;
 
@@ -101,19 +102,21 @@ impl Server {
     }
 }
 
-/// The interpreter to run the client with, checked to have `openai`.
-fn python() -> String {
+/// The interpreter to run the client with, checked to have `package`.
+fn python(package: &str) -> String {
     let python = std::env::var("COLI_TEST_PYTHON").unwrap_or_else(|_| "python3".to_string());
-    let fix = "install it with `python3 -m pip install openai`, or point COLI_TEST_PYTHON at a \
-               Python that has it (.ci/run does this)";
+    let fix = format!(
+        "install it with `python3 -m pip install {package}`, or point COLI_TEST_PYTHON at a \
+         Python that has it (.ci/run does this)"
+    );
     let probe = Command::new(&python)
-        .args(["-c", "import openai"])
+        .args(["-c", &format!("import {package}")])
         .stdin(Stdio::null())
         .output();
     match probe {
         Ok(out) if out.status.success() => python,
         Ok(out) => panic!(
-            "{python} cannot import the `openai` package: {fix}\n{}",
+            "{python} cannot import the `{package}` package: {fix}\n{}",
             String::from_utf8_lossy(&out.stderr)
         ),
         Err(err) => panic!("cannot run {python:?} ({err}): {fix}"),
@@ -160,24 +163,39 @@ fn run_limited(mut command: Command, limit: Duration, what: &str) -> Output {
 
 #[test]
 fn the_openai_python_client_talks_to_coli_serve() {
-    let python = python();
+    run_client("openai", "openai_client.py", |url| url.to_string());
+}
+
+#[test]
+fn the_anthropic_python_client_talks_to_coli_serve() {
+    // Anthropic's clients take the server's root, without `/v1`.
+    run_client("anthropic", "anthropic_client.py", |url| {
+        url.trim_end_matches("/v1").to_string()
+    });
+}
+
+/// Run tests/serve/`script` with the interpreter that has `package`, against a server on
+/// the olmoe_trained fixture at the URL `base` makes of its `/v1` URL.
+fn run_client(package: &str, script: &str, base: impl Fn(&str) -> String) {
+    let python = python(package);
     let dir = copy_fixture("olmoe_trained");
     let server = Server::start(dir.path());
-    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests")
         .join("serve")
-        .join("openai_client.py");
+        .join(script);
+    let url = base(&server.url);
     let mut command = Command::new(&python);
-    command.arg(&script).arg(&server.url);
-    let out = run_limited(command, SCRIPT_LIMIT, "tests/serve/openai_client.py");
+    command.arg(&path).arg(&url);
+    let what = format!("tests/serve/{script}");
+    let out = run_limited(command, SCRIPT_LIMIT, &what);
     let (stdout, stderr) = (
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr),
     );
     assert!(
         out.status.success() && stdout.lines().any(|line| line == "OK"),
-        "`{python} tests/serve/openai_client.py {}`: {}\nstdout:\n{stdout}\nstderr:\n{stderr}\nserver stderr:\n{}",
-        server.url,
+        "`{python} {what} {url}`: {}\nstdout:\n{stdout}\nstderr:\n{stderr}\nserver stderr:\n{}",
         out.status,
         server.stderr.lock().unwrap()
     );

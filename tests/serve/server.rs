@@ -601,6 +601,15 @@ fn api_key_is_required_beyond_loopback_and_checked_when_set() {
     assert_eq!(status, 401);
     let (status, text) = server.curl("/v1/models", None, &["Authorization: Bearer s3cret"]);
     assert_eq!(status, 200, "{text}");
+    // Anthropic's clients send the key as `x-api-key`; a refusal comes in Anthropic's shape.
+    let ask = r#"{"max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}"#;
+    let (status, text) = server.curl("/v1/messages", Some(ask), &["x-api-key: s3cret"]);
+    assert_eq!(status, 200, "{text}");
+    let (status, text) = server.curl("/v1/messages", Some(ask), &["x-api-key: wrong"]);
+    assert_eq!(status, 401, "{text}");
+    let refusal: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(refusal["type"], "error");
+    assert_eq!(refusal["error"]["type"], "authentication_error", "{text}");
     let (status, _) = server.curl("/health", None, &[]);
     assert_eq!(status, 200);
 }
