@@ -99,6 +99,10 @@ pub struct ServeArgs {
     /// MB the --kv-dir files of this model may take (least recently used go first).
     #[arg(long, default_value_t = 4000.0, value_name = "MB")]
     pub kv_dir_mb: f64,
+    /// A web page origin (`https://chat.example`) whose scripts may call the server (CORS);
+    /// repeat it for more, `*` for any. Without it browsers refuse cross-origin calls.
+    #[arg(long, value_name = "ORIGIN")]
+    pub cors_origin: Vec<String>,
     /// KEY=VALUE settings, then up to three numbers: CAP EBITS DBITS, as for a run.
     #[arg(value_name = "KEY=VALUE | CAP [EBITS [DBITS]]")]
     pub args: Vec<String>,
@@ -188,15 +192,13 @@ pub fn run(argv: impl IntoIterator<Item = OsString>) -> Result<ExitCode> {
                     .clone()
                     .map(|dir| (dir, (args.kv_dir_mb * 1e6) as u64)),
             };
-            crate::serve::run(
-                cli.model.as_deref(),
-                settings,
-                positionals,
-                &args.host,
-                args.port,
-                serving,
-                args.queue,
-            )
+            let listen = crate::serve::Listen {
+                host: args.host.clone(),
+                port: args.port,
+                queue: args.queue,
+                cors_origins: args.cors_origin.clone(),
+            };
+            crate::serve::run(cli.model.as_deref(), settings, positionals, listen, serving)
         }
         Some(Command::Chat(args)) => {
             refuse_mpirun("coli chat")?;

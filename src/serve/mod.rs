@@ -55,6 +55,51 @@ struct App {
     temperature: f64,
     /// Requests that may wait for a free sequence before new ones get 429.
     queue: usize,
+    /// Starts every response id, so that ids stay unique across restarts.
+    id_prefix: String,
+}
+
+/// Where and how the server listens: `--host`, `--port`, `--queue`, `--cors-origin`.
+#[derive(Debug, Clone)]
+pub struct Listen {
+    pub host: String,
+    pub port: u16,
+    pub queue: usize,
+    /// Origins whose pages may call the server; `*` for any; none: no CORS headers.
+    pub cors_origins: Vec<String>,
+}
+
+/// The CORS layer `--cors-origin` asks for, or why an origin is not one.
+fn cors(origins: &[String]) -> Result<Option<tower_http::cors::CorsLayer>> {
+    use tower_http::cors::{AllowHeaders, AllowOrigin, CorsLayer};
+    if origins.is_empty() {
+        return Ok(None);
+    }
+    let allow = if origins.iter().any(|o| o == "*") {
+        AllowOrigin::any()
+    } else {
+        let parsed = origins
+            .iter()
+            .map(|origin| {
+                let valid = (origin.starts_with("http://") || origin.starts_with("https://"))
+                    && !origin.trim_end_matches('/').contains(|c: char| c.is_whitespace());
+                if !valid {
+                    bail!("--cors-origin {origin:?}: expected an origin such as https://chat.example (scheme, host and port, no path), or * for any");
+                }
+                header::HeaderValue::from_str(origin.trim_end_matches('/'))
+                    .with_context(|| format!("--cors-origin {origin:?}"))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        AllowOrigin::list(parsed)
+    };
+    Ok(Some(
+        CorsLayer::new()
+            .allow_origin(allow)
+            .allow_methods([axum::http::Method::GET, axum::http::Method::POST])
+            // Mirrored, not `*`: browsers do not let `*` cover `Authorization`.
+            .allow_headers(AllowHeaders::mirror_request())
+            .expose_headers([header::RETRY_AFTER]),
+    ))
 }
 
 /// Serve the model the settings name on `host:port` until SIGINT or SIGTERM; then the
@@ -64,11 +109,17 @@ pub fn run(
     model: Option<&str>,
     settings: Settings,
     positionals: Positionals,
-    host: &str,
-    port: u16,
+    listen: Listen,
     serving: Serving,
-    queue: usize,
 ) -> Result<ExitCode> {
+    let Listen {
+        host,
+        port,
+        queue,
+        cors_origins,
+    } = listen;
+    let host = host.as_str();
+    let cors = cors(&cors_origins)?;
     if serving.parallel == 0 || serving.prefill_chunk == 0 || queue == 0 {
         bail!("--parallel, --prefill-chunk and --queue take a count of at least 1");
     }
@@ -119,6 +170,7 @@ pub fn run(
         settings,
         temperature,
         queue,
+        id_prefix: id_prefix(),
     });
     let router = Router::new()
         .route("/health", get(health))
@@ -132,6 +184,10 @@ pub fn run(
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::disable())
         .with_state(app);
+    let router = match cors {
+        Some(layer) => router.layer(layer),
+        None => router,
+    };
     let id = info_id.clone();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -192,16 +248,37 @@ async fn shutdown() {
     }
 }
 
-fn error_response(err: &ApiError) -> Response {
-    let status = StatusCode::from_u16(err.status).unwrap_or(StatusCode::BAD_REQUEST);
-    let mut response = (status, Json(err.body())).into_response();
-    if status == StatusCode::TOO_MANY_REQUESTS {
-        // Clients (the OpenAI and Anthropic SDKs among them) wait this long and retry.
-        response
-            .headers_mut()
-            .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+/// A prefix for response ids that no earlier run of this server gave: the start time.
+fn id_prefix() -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{:x}{:x}", nanos as u64, std::process::id())
+}
+
+/// `WWW-Authenticate` on a 401, `Retry-After` on a 429.
+fn with_error_headers(mut response: Response) -> Response {
+    match response.status() {
+        StatusCode::UNAUTHORIZED => {
+            response.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                header::HeaderValue::from_static("Bearer"),
+            );
+        }
+        StatusCode::TOO_MANY_REQUESTS => {
+            // Clients (the OpenAI and Anthropic SDKs among them) wait this long and retry.
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+        }
+        _ => {}
     }
     response
+}
+
+fn error_response(err: &ApiError) -> Response {
+    let status = StatusCode::from_u16(err.status).unwrap_or(StatusCode::BAD_REQUEST);
+    with_error_headers((status, Json(err.body())).into_response())
 }
 
 /// `Err` when the request lacks the bearer token `API_KEY` asks for.
@@ -339,13 +416,7 @@ async fn messages(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -
         Ok(response) => response,
         Err(err) => {
             let status = StatusCode::from_u16(err.status).unwrap_or(StatusCode::BAD_REQUEST);
-            let mut response = (status, Json(anthropic::error_body(&err))).into_response();
-            if status == StatusCode::TOO_MANY_REQUESTS {
-                response
-                    .headers_mut()
-                    .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
-            }
-            response
+            with_error_headers((status, Json(anthropic::error_body(&err))).into_response())
         }
     };
     app.metrics.request("messages", response.status().as_u16());
@@ -363,7 +434,11 @@ async fn answer_messages(
     let bytes = read_body(headers, body).await?;
     let request = anthropic::request(&bytes)?;
     let mut events = submit(app, &request, received).await?;
-    let id = format!("msg_{}", app.next_id.fetch_add(1, Ordering::Relaxed));
+    let id = format!(
+        "msg_{}-{}",
+        app.id_prefix,
+        app.next_id.fetch_add(1, Ordering::Relaxed)
+    );
     let model = app.model.id.clone();
     let stops = request.stop.clone();
     if request.stream {
@@ -466,8 +541,8 @@ async fn answer(
     let mut events = submit(app, &request, received).await?;
     let sequence = app.next_id.fetch_add(1, Ordering::Relaxed);
     let id = match endpoint {
-        Endpoint::Chat => format!("chatcmpl-{sequence}"),
-        Endpoint::Completion => format!("cmpl-{sequence}"),
+        Endpoint::Chat => format!("chatcmpl-{}-{sequence}", app.id_prefix),
+        Endpoint::Completion => format!("cmpl-{}-{sequence}", app.id_prefix),
     };
     let created = SystemTime::now()
         .duration_since(UNIX_EPOCH)

@@ -599,6 +599,8 @@ fn api_key_is_required_beyond_loopback_and_checked_when_set() {
     assert_eq!(status, 401);
     let (status, _) = server.curl("/v1/models", None, &["Authorization: Bearer wrong"]);
     assert_eq!(status, 401);
+    let head = response_head(&server, "GET", "/v1/models", &[]);
+    assert!(head.contains("www-authenticate: bearer"), "{head}");
     let (status, text) = server.curl("/v1/models", None, &["Authorization: Bearer s3cret"]);
     assert_eq!(status, 200, "{text}");
     // Anthropic's clients send the key as `x-api-key`; a refusal comes in Anthropic's shape.
@@ -731,4 +733,76 @@ fn coli_chat_holds_a_conversation_reusing_the_cache_and_saving_every_turn() {
         .map(|&(prompt, cached, generated, limit)| prompt - cached + generated - u64::from(limit))
         .sum();
     assert_eq!(history_selections(&history), fed * 16, "{err}");
+}
+
+/// The response head (status line and headers, lower-cased) of `method path` through curl.
+fn response_head(server: &Server, method: &str, path: &str, headers: &[&str]) -> String {
+    let mut command = Command::new("curl");
+    command.args([
+        "-s",
+        "-o",
+        "/dev/null",
+        "-D",
+        "-",
+        "-X",
+        method,
+        &server.url(path),
+    ]);
+    for header in headers {
+        command.args(["-H", header]);
+    }
+    let out = command.output().expect("curl runs");
+    String::from_utf8_lossy(&out.stdout).to_lowercase()
+}
+
+#[test]
+fn cors_answers_the_origins_given_and_only_those_and_ids_differ_across_restarts() {
+    let temp = tempfile::tempdir().unwrap();
+    let snap = snapshot_copy(temp.path());
+    let preflight = [
+        "Origin: https://chat.example",
+        "Access-Control-Request-Method: POST",
+        "Access-Control-Request-Headers: authorization, content-type",
+    ];
+    let mut ids = Vec::new();
+    {
+        let server = Server::start(
+            &snap,
+            &[
+                "--cors-origin",
+                "https://chat.example",
+                "64",
+                "16",
+                "16",
+                "USAGE_SAVE=0",
+            ],
+            &[],
+        );
+        let head = response_head(&server, "OPTIONS", "/v1/chat/completions", &preflight);
+        assert!(head.starts_with("http/1.1 200"), "{head}");
+        assert!(
+            head.contains("access-control-allow-origin: https://chat.example"),
+            "{head}"
+        );
+        assert!(
+            head.contains("authorization"),
+            "the preflight must allow Authorization: {head}"
+        );
+        let other = response_head(
+            &server,
+            "GET",
+            "/v1/models",
+            &["Origin: https://evil.example"],
+        );
+        assert!(!other.contains("access-control-allow-origin"), "{other}");
+        ids.push(server.post("/v1/completions", &completion(&[1, 2, 3], 1)).1["id"].clone());
+    }
+    let server = Server::start(&snap, &["64", "16", "16", "USAGE_SAVE=0"], &[]);
+    let head = response_head(&server, "OPTIONS", "/v1/chat/completions", &preflight);
+    assert!(
+        !head.contains("access-control-allow-origin"),
+        "no --cors-origin, no CORS: {head}"
+    );
+    ids.push(server.post("/v1/completions", &completion(&[1, 2, 3], 1)).1["id"].clone());
+    assert_ne!(ids[0], ids[1], "the first response of two runs");
 }
