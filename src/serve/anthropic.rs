@@ -39,6 +39,19 @@ struct Message {
     rest: serde_json::Map<String, Value>,
 }
 
+/// A `/v1/messages/count_tokens` body: a Messages body without `max_tokens`.
+pub fn count_request(body: &[u8]) -> Result<Request, ApiError> {
+    let mut value: Value = serde_json::from_slice(body).map_err(|err| {
+        ApiError::invalid(format!(
+            "the request body is not the JSON /v1/messages/count_tokens takes: {err}"
+        ))
+    })?;
+    if let Some(fields) = value.as_object_mut() {
+        fields.entry("max_tokens").or_insert(json!(1));
+    }
+    request(value.to_string().as_bytes())
+}
+
 /// A `/v1/messages` body.
 pub fn request(body: &[u8]) -> Result<Request, ApiError> {
     let parsed: Messages = serde_json::from_slice(body).map_err(|err| {

@@ -227,8 +227,12 @@ pub fn chat_request(body: &[u8]) -> Result<Request, ApiError> {
             "top_logprobs: give it with \"logprobs\": true",
         ));
     }
-    let messages = chat
-        .messages
+    let messages = chat_messages(chat.messages)?;
+    request(chat.common, Input::Chat(messages), logprobs)
+}
+
+fn chat_messages(messages: Vec<Message>) -> Result<Vec<ChatMessage>, ApiError> {
+    messages
         .into_iter()
         .enumerate()
         .map(|(i, m)| {
@@ -238,8 +242,69 @@ pub fn chat_request(body: &[u8]) -> Result<Request, ApiError> {
                 role: m.role,
             })
         })
-        .collect::<Result<Vec<_>, ApiError>>()?;
-    request(chat.common, Input::Chat(messages), logprobs)
+        .collect()
+}
+
+/// What `/tokenize` is asked to encode.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Tokenize {
+    /// Text; with `special`, as `/v1/completions` encodes a prompt (the model's BOS and
+    /// prefix in front), else the tokenizer's ids of the text alone.
+    Text { text: String, special: bool },
+    /// Messages, as `/v1/chat/completions` renders and encodes them.
+    Chat(Vec<ChatMessage>),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TokenizeBody {
+    content: Option<String>,
+    prompt: Option<String>,
+    messages: Option<Vec<Message>>,
+    add_special: Option<bool>,
+    add_special_tokens: Option<bool>,
+    model: Option<String>,
+}
+
+/// A `/tokenize` body: `content` (llama-server's name) or `prompt` (vLLM's) with
+/// `add_special`/`add_special_tokens` (default true), or `messages`; and its `model`.
+pub fn tokenize_request(body: &[u8]) -> Result<(Tokenize, Option<String>), ApiError> {
+    let parsed: TokenizeBody = serde_json::from_slice(body).map_err(|err| {
+        ApiError::invalid(format!(
+            "the request body is not the JSON /tokenize takes ({{\"content\": text}} or {{\"messages\": [...]}}): {err}"
+        ))
+    })?;
+    let special = parsed
+        .add_special
+        .or(parsed.add_special_tokens)
+        .unwrap_or(true);
+    let input = match (parsed.content.or(parsed.prompt), parsed.messages) {
+        (Some(text), None) => Tokenize::Text { text, special },
+        (None, Some(messages)) => Tokenize::Chat(chat_messages(messages)?),
+        _ => {
+            return Err(ApiError::invalid(
+                "give `content` (or `prompt`) text, or `messages`: one of them",
+            ))
+        }
+    };
+    Ok((input, parsed.model))
+}
+
+/// A `/detokenize` body: `{"tokens": [ids]}`.
+pub fn detokenize_request(body: &[u8]) -> Result<Vec<u32>, ApiError> {
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Body {
+        tokens: Vec<u32>,
+        #[serde(rename = "model")]
+        _model: Option<String>,
+    }
+    let parsed: Body = serde_json::from_slice(body).map_err(|err| {
+        ApiError::invalid(format!(
+            "the request body is not the JSON /detokenize takes ({{\"tokens\": [ids]}}): {err}"
+        ))
+    })?;
+    Ok(parsed.tokens)
 }
 
 /// A count of alternatives, 0 to [`MAX_TOP_LOGPROBS`], named `field` in a message.

@@ -180,6 +180,9 @@ pub fn run(
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/messages", post(messages))
+        .route("/v1/messages/count_tokens", post(count_tokens))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::disable())
@@ -311,7 +314,7 @@ async fn not_found() -> Response {
         status: 404,
         kind: "invalid_request_error",
         code: None,
-        message: "no such endpoint: coli serves /v1/chat/completions, /v1/completions, /v1/messages, /v1/models, /health and /metrics".to_string(),
+        message: "no such endpoint: coli serves /v1/chat/completions, /v1/completions, /v1/messages, /v1/messages/count_tokens, /tokenize, /detokenize, /v1/models, /health and /metrics".to_string(),
     })
 }
 
@@ -408,6 +411,109 @@ async fn complete(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: Endpo
         Err(err) => error_response(&err),
     };
     app.metrics.request(label, response.status().as_u16());
+    response
+}
+
+/// The ids the engine would compute for `input`, or why it cannot be encoded.
+fn encode(app: &App, input: &api::Tokenize) -> Result<Vec<u32>, ApiError> {
+    let model = app.model.texts.model();
+    let ids = match input {
+        api::Tokenize::Text {
+            text,
+            special: true,
+        } => model.prompt(text, false).map(|p| p.ids),
+        api::Tokenize::Text {
+            text,
+            special: false,
+        } => model.tokenizer.encode(text, false),
+        api::Tokenize::Chat(messages) => model.chat_prompt(messages).map(|p| p.ids),
+    };
+    ids.map_err(|err| ApiError::invalid(format!("{err:#}")))
+}
+
+fn check_model(app: &App, model: Option<&str>) -> Result<(), ApiError> {
+    match model {
+        Some(name) if name != app.model.id && name != app.model.engine => {
+            Err(unknown_model(app, name))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// `/tokenize`: `{"tokens", "count", "max_model_len"}`.
+async fn tokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    let answer = async {
+        authorize(&app, &headers)?;
+        let bytes = read_body(&headers, body).await?;
+        let (input, model) = api::tokenize_request(&bytes)?;
+        check_model(&app, model.as_deref())?;
+        let tokens = encode(&app, &input)?;
+        Ok::<_, ApiError>(Json(json!({
+            "tokens": tokens,
+            "count": tokens.len(),
+            "max_model_len": app.model.context,
+        })))
+    };
+    let response = match answer.await {
+        Ok(body) => body.into_response(),
+        Err(err) => error_response(&err),
+    };
+    app.metrics.request("tokenize", response.status().as_u16());
+    response
+}
+
+/// `/detokenize`: `{"content"}`, the text of the ids, special tokens written out.
+async fn detokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    let answer = async {
+        authorize(&app, &headers)?;
+        let bytes = read_body(&headers, body).await?;
+        let tokens = api::detokenize_request(&bytes)?;
+        let vocab = app.model.texts.vocab;
+        if let Some(bad) = tokens.iter().find(|&&id| id as usize >= vocab) {
+            return Err(ApiError::invalid(format!(
+                "tokens: id {bad} is outside the model's vocabulary (vocab_size {vocab})"
+            )));
+        }
+        let content = app
+            .model
+            .texts
+            .tokenizer
+            .decode_all(&tokens)
+            .map_err(|err| ApiError::invalid(format!("{err:#}")))?;
+        Ok(Json(json!({ "content": content })))
+    };
+    let response = match answer.await {
+        Ok(body) => body.into_response(),
+        Err(err) => error_response(&err),
+    };
+    app.metrics
+        .request("detokenize", response.status().as_u16());
+    response
+}
+
+/// `/v1/messages/count_tokens`: `{"input_tokens"}`, the prompt `/v1/messages` would
+/// compute for the same body.
+async fn count_tokens(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    let answer = async {
+        authorize(&app, &headers)?;
+        let bytes = read_body(&headers, body).await?;
+        let request = anthropic::count_request(&bytes)?;
+        check_model(&app, request.model.as_deref())?;
+        let api::Input::Chat(messages) = request.input else {
+            unreachable!("a Messages body is a chat")
+        };
+        let tokens = encode(&app, &api::Tokenize::Chat(messages))?;
+        Ok::<_, ApiError>(Json(json!({ "input_tokens": tokens.len() })))
+    };
+    let response = match answer.await {
+        Ok(body) => body.into_response(),
+        Err(err) => {
+            let status = StatusCode::from_u16(err.status).unwrap_or(StatusCode::BAD_REQUEST);
+            with_error_headers((status, Json(anthropic::error_body(&err))).into_response())
+        }
+    };
+    app.metrics
+        .request("count_tokens", response.status().as_u16());
     response
 }
 

@@ -1,6 +1,7 @@
 //! The engine thread of `coli serve` and `coli chat`: it loads the model, then runs the
 //! [`Scheduler`] over the queue of jobs until it closes, and ends as a run ends (history,
-//! `STATS`, trace). The engine, tokenizer and telemetry live on this thread only. Also the
+//! `STATS`, trace). The engine and telemetry live on this thread only (the HTTP side
+//! gets a [`Texts`] to count and read tokens without the engine). Also the
 //! jobs and events the HTTP side exchanges with it, and the stop-string scan.
 
 use std::path::{Path, PathBuf};
@@ -15,13 +16,14 @@ use super::api::{ApiError, Finish, Input, Routed, TokenLogprob, Usage};
 use super::kv_dir::{KvDir, KvIdentity};
 use super::metrics::Metrics;
 use super::scheduler::Scheduler;
+use crate::engines::PromptConvention;
 use crate::experts::budget;
 use crate::quant::Width;
 use crate::sampling::Shaping;
 use crate::session::RunKind;
 use crate::settings::Settings;
 use crate::startup::{self, Positionals};
-use crate::text::TextTokenizer;
+use crate::text::{TextModel, TextTokenizer};
 
 /// One generation asked for (of one choice or more).
 #[derive(Clone)]
@@ -69,6 +71,38 @@ pub enum Event {
     },
 }
 
+/// What the HTTP side needs to turn text into the model's ids and back as the engine
+/// thread does (`/tokenize`, `/detokenize`, `count_tokens`): the tokenizer and what
+/// [`TextModel`] reads of the model.
+#[derive(Clone)]
+pub struct Texts {
+    pub tokenizer: Arc<TextTokenizer>,
+    pub dir: PathBuf,
+    pub config: Arc<serde_json::Value>,
+    pub engine: &'static str,
+    pub convention: PromptConvention,
+    /// The engine's `vocab_size`: ids at or beyond it are not the model's.
+    pub vocab: usize,
+}
+
+impl Texts {
+    pub fn model(&self) -> TextModel<'_> {
+        TextModel {
+            tokenizer: &self.tokenizer,
+            dir: &self.dir,
+            config: &self.config,
+            engine: self.engine,
+            convention: self.convention,
+        }
+    }
+}
+
+impl std::fmt::Debug for Texts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Texts({})", self.tokenizer.path().display())
+    }
+}
+
 /// What the loaded model is, for `/v1/models` and request checks.
 #[derive(Debug, Clone)]
 pub struct ModelInfo {
@@ -78,6 +112,7 @@ pub struct ModelInfo {
     /// The positions a request may use: `max_position_embeddings` of the text config, unless
     /// `LONG_CONTEXT=1` ([`startup::context_limit`]).
     pub context: Option<usize>,
+    pub texts: Texts,
 }
 
 /// How the engine thread serves: `--parallel`, `--prefill-chunk`, `--cache-mb`.
@@ -126,7 +161,7 @@ fn run(
 ) -> ExitCode {
     let loaded = (|| -> Result<_> {
         let (snapshot, name) = startup::open(model.as_deref(), &settings)?;
-        let tokenizer = TextTokenizer::load(snapshot.dir())?;
+        let tokenizer = Arc::new(TextTokenizer::load(snapshot.dir())?);
         // Checked before minutes of loading: a directory that cannot be used.
         let disk = match &serving.kv_dir {
             Some((dir, limit)) => {
@@ -164,6 +199,14 @@ fn run(
         id: model_id(snapshot.dir()),
         engine: name,
         context: startup::context_limit(&snapshot, &settings),
+        texts: Texts {
+            tokenizer: tokenizer.clone(),
+            dir: snapshot.dir().to_path_buf(),
+            config: Arc::new(snapshot.config_json().clone()),
+            engine: engine.name(),
+            convention: engine.prompt_convention(),
+            vocab: engine.vocab_size(),
+        },
     };
     if ready.send(Ok(info.clone())).is_err() {
         return ExitCode::from(2);

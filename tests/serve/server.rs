@@ -806,3 +806,63 @@ fn cors_answers_the_origins_given_and_only_those_and_ids_differ_across_restarts(
     ids.push(server.post("/v1/completions", &completion(&[1, 2, 3], 1)).1["id"].clone());
     assert_ne!(ids[0], ids[1], "the first response of two runs");
 }
+
+#[test]
+fn tokenize_and_count_tokens_give_the_ids_a_request_computes() {
+    let temp = tempfile::tempdir().unwrap();
+    let snap = snapshot_copy(temp.path());
+    let server = Server::start(
+        &snap,
+        &["--cache-mb", "0", "64", "16", "16", "USAGE_SAVE=0"],
+        &[],
+    );
+    let messages = json!([
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "The history of"}
+    ]);
+    let (status, counted) = server.post("/tokenize", &json!({ "messages": messages }));
+    assert_eq!(status, 200, "{counted}");
+    let chat = json!({ "messages": messages, "max_tokens": 1 });
+    let (_, answer) = server.post("/v1/chat/completions", &chat);
+    assert_eq!(
+        counted["count"].as_u64().unwrap(),
+        usage(&answer, "prompt_tokens")
+    );
+    let (_, counted) = server.post(
+        "/v1/messages/count_tokens",
+        &json!({ "system": "Be brief.", "messages": [{"role": "user", "content": "The history of"}] }),
+    );
+    assert_eq!(
+        counted["input_tokens"].as_u64().unwrap(),
+        usage(&answer, "prompt_tokens")
+    );
+    // A text's ids read back as the text; a completion's prompt is the same ids.
+    let text = "The history of the river";
+    let (_, ids) = server.post(
+        "/tokenize",
+        &json!({ "content": text, "add_special": false }),
+    );
+    let (_, back) = server.post("/detokenize", &json!({ "tokens": ids["tokens"] }));
+    assert_eq!(back["content"], text);
+    let (_, prompt) = server.post("/tokenize", &json!({ "prompt": text }));
+    let (_, answer) = server.post(
+        "/v1/completions",
+        &json!({ "prompt": text, "max_tokens": 1 }),
+    );
+    assert_eq!(
+        prompt["count"].as_u64().unwrap(),
+        usage(&answer, "prompt_tokens")
+    );
+    for (path, body, named) in [
+        ("/tokenize", json!({ "text": "x" }), "text"),
+        ("/tokenize", json!({}), "content"),
+        ("/detokenize", json!({ "tokens": [1_000_000] }), "tokens"),
+    ] {
+        let (status, reply) = server.post(path, &body);
+        assert_eq!(status, 400, "{reply}");
+        assert!(
+            reply["error"]["message"].as_str().unwrap().contains(named),
+            "{reply}"
+        );
+    }
+}
