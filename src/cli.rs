@@ -103,6 +103,12 @@ pub struct ServeArgs {
     /// repeat it for more, `*` for any. Without it browsers refuse cross-origin calls.
     #[arg(long, value_name = "ORIGIN")]
     pub cors_origin: Vec<String>,
+    /// Only server errors in the per-request log (one line per request by default).
+    #[arg(short, long, conflicts_with = "verbose")]
+    pub quiet: bool,
+    /// Also log each request's arrival.
+    #[arg(short, long)]
+    pub verbose: bool,
     /// KEY=VALUE settings, then up to three numbers: CAP EBITS DBITS, as for a run.
     #[arg(value_name = "KEY=VALUE | CAP [EBITS [DBITS]]")]
     pub args: Vec<String>,
@@ -197,6 +203,13 @@ pub fn run(argv: impl IntoIterator<Item = OsString>) -> Result<ExitCode> {
                 port: args.port,
                 queue: args.queue,
                 cors_origins: args.cors_origin.clone(),
+                log: if args.quiet {
+                    tracing::Level::WARN
+                } else if args.verbose {
+                    tracing::Level::DEBUG
+                } else {
+                    tracing::Level::INFO
+                },
             };
             crate::serve::run(cli.model.as_deref(), settings, positionals, listen, serving)
         }

@@ -67,6 +67,8 @@ pub struct Listen {
     pub queue: usize,
     /// Origins whose pages may call the server; `*` for any; none: no CORS headers.
     pub cors_origins: Vec<String>,
+    /// The request log's level: `-q` WARN, `-v` DEBUG, else INFO.
+    pub log: tracing::Level,
 }
 
 /// The CORS layer `--cors-origin` asks for, or why an origin is not one.
@@ -117,7 +119,15 @@ pub fn run(
         port,
         queue,
         cors_origins,
+        log,
     } = listen;
+    // The request log, on stderr with the server's other lines.
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_max_level(log)
+        .with_target(false)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .try_init();
     let host = host.as_str();
     let cors = cors(&cors_origins)?;
     if serving.parallel == 0 || serving.prefill_chunk == 0 || queue == 0 {
@@ -402,16 +412,82 @@ async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body
 }
 
 async fn complete(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: Endpoint) -> Response {
-    let label = match endpoint {
-        Endpoint::Chat => "chat",
-        Endpoint::Completion => "completions",
+    let (label, path) = match endpoint {
+        Endpoint::Chat => ("chat", "/v1/chat/completions"),
+        Endpoint::Completion => ("completions", "/v1/completions"),
     };
-    let response = match answer(&app, &headers, body, endpoint).await {
+    let started = Instant::now();
+    tracing::debug!("POST {path} received");
+    let response = match answer(&app, &headers, body, endpoint, started).await {
         Ok(response) => response,
-        Err(err) => error_response(&err),
+        Err(err) => {
+            log_request(path, err.status, started, None, Some(&err.message));
+            error_response(&err)
+        }
     };
+    // A stream logs its line when it ends.
+    if let Some(figures) = response.extensions().get::<Figures>() {
+        log_request(path, 200, started, Some(figures), None);
+    }
     app.metrics.request(label, response.status().as_u16());
     response
+}
+
+/// What a request's log line says of its generation.
+#[derive(Debug, Clone, Copy, Default)]
+struct Figures {
+    usage: Usage,
+    /// Seconds to the first token of the first choice to have one.
+    first_token: Option<f64>,
+    /// Tokens a second after the first, of the last choice to finish.
+    decode_rate: Option<f64>,
+}
+
+impl Figures {
+    fn add(&mut self, usage: Usage, first_token: Option<f64>, decode_rate: Option<f64>) {
+        self.usage = self.usage.and(usage);
+        self.first_token = match (self.first_token, first_token) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        self.decode_rate = decode_rate.or(self.decode_rate);
+    }
+}
+
+/// One line per request (at info; a server error at warn): method, path, status, time,
+/// and for a generation its tokens, time to first token and rate; `-q` leaves only the
+/// server errors, `-v` adds each request's arrival.
+fn log_request(
+    path: &str,
+    status: u16,
+    started: Instant,
+    figures: Option<&Figures>,
+    error: Option<&str>,
+) {
+    let mut line = format!(
+        "POST {path} {status} in {:.3} s",
+        started.elapsed().as_secs_f64()
+    );
+    if let Some(f) = figures {
+        line += &format!(
+            " | prompt {} ({} cached) | completion {}",
+            f.usage.prompt, f.usage.cached, f.usage.completion
+        );
+        if let Some(t) = f.first_token {
+            line += &format!(" | first token {t:.3} s");
+        }
+        if let Some(rate) = f.decode_rate {
+            line += &format!(" | {rate:.1} tok/s");
+        }
+    }
+    if let Some(error) = error {
+        line += &format!(" | {error}");
+    }
+    if status >= 500 {
+        tracing::warn!("{line}");
+    } else {
+        tracing::info!("{line}");
+    }
 }
 
 /// The ids the engine would compute for `input`, or why it cannot be encoded.
@@ -518,9 +594,23 @@ async fn count_tokens(State(app): State<Arc<App>>, headers: HeaderMap, body: Bod
 }
 
 async fn messages(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
-    let response = match answer_messages(&app, &headers, body).await {
-        Ok(response) => response,
+    let started = Instant::now();
+    tracing::debug!("POST /v1/messages received");
+    let response = match answer_messages(&app, &headers, body, started).await {
+        Ok(response) => {
+            if let Some(figures) = response.extensions().get::<Figures>() {
+                log_request("/v1/messages", 200, started, Some(figures), None);
+            }
+            response
+        }
         Err(err) => {
+            log_request(
+                "/v1/messages",
+                err.status,
+                started,
+                None,
+                Some(&err.message),
+            );
             let status = StatusCode::from_u16(err.status).unwrap_or(StatusCode::BAD_REQUEST);
             with_error_headers((status, Json(anthropic::error_body(&err))).into_response())
         }
@@ -534,6 +624,7 @@ async fn answer_messages(
     app: &Arc<App>,
     headers: &HeaderMap,
     body: Body,
+    started: Instant,
 ) -> Result<Response, ApiError> {
     authorize(app, headers)?;
     let received = Instant::now();
@@ -548,15 +639,25 @@ async fn answer_messages(
     let model = app.model.id.clone();
     let stops = request.stop.clone();
     if request.stream {
-        return Ok(stream_messages(id, model, stops, events));
+        return Ok(stream_messages(id, model, stops, events, started));
     }
     let mut text = String::new();
     loop {
         match events.recv().await {
             Some(Event::Text { text: piece, .. }) => text.push_str(&piece),
-            Some(Event::Done { finish, usage, .. }) => {
+            Some(Event::Done {
+                finish,
+                usage,
+                first_token,
+                decode_rate,
+                ..
+            }) => {
                 let body = anthropic::message(&id, &model, &text, finish, &stops, usage);
-                return Ok(Json(body).into_response());
+                let mut response = Json(body).into_response();
+                let mut figures = Figures::default();
+                figures.add(usage, first_token, decode_rate);
+                response.extensions_mut().insert(figures);
+                return Ok(response);
             }
             Some(Event::Failed(err)) => return Err(err),
             Some(Event::Started) | None => return Err(engine_gone()),
@@ -573,6 +674,7 @@ fn stream_messages(
     model: String,
     stops: Vec<String>,
     events: mpsc::UnboundedReceiver<Event>,
+    started: Instant,
 ) -> Response {
     let event = |(name, body): (&'static str, Value)| {
         Ok::<_, Infallible>(SseEvent::default().event(name).data(body.to_string()))
@@ -584,7 +686,16 @@ fn stream_messages(
             let mut events = events?;
             let batch: Vec<_> = match events.recv().await {
                 Some(Event::Text { text, .. }) => vec![anthropic::text_delta(&text)],
-                Some(Event::Done { finish, usage, .. }) => {
+                Some(Event::Done {
+                    finish,
+                    usage,
+                    first_token,
+                    decode_rate,
+                    ..
+                }) => {
+                    let mut figures = Figures::default();
+                    figures.add(usage, first_token, decode_rate);
+                    log_request("/v1/messages", 200, started, Some(&figures), None);
                     let end = anthropic::stream_end(finish, &stops, usage);
                     return Some((end.into_iter().map(event).collect::<Vec<_>>(), None));
                 }
@@ -636,6 +747,7 @@ async fn answer(
     headers: &HeaderMap,
     body: Body,
     endpoint: Endpoint,
+    started: Instant,
 ) -> Result<Response, ApiError> {
     authorize(app, headers)?;
     let received = Instant::now();
@@ -660,12 +772,18 @@ async fn answer(
         model: app.model.id.clone(),
     };
     if request.stream {
-        return Ok(stream(reply, events, request.choices, request.stream_usage));
+        return Ok(stream(
+            reply,
+            events,
+            request.choices,
+            request.stream_usage,
+            started,
+        ));
     }
     let mut texts = vec![String::new(); request.choices];
     let mut logprobs = vec![Vec::new(); request.choices];
     let mut done: Vec<Option<api::Choice>> = (0..request.choices).map(|_| None).collect();
-    let mut total = Usage::default();
+    let mut figures = Figures::default();
     while done.iter().any(Option::is_none) {
         match events.recv().await {
             Some(Event::Text {
@@ -682,8 +800,10 @@ async fn answer(
                 usage,
                 routed,
                 logprobs: more,
+                first_token,
+                decode_rate,
             }) => {
-                total = total.and(usage);
+                figures.add(usage, first_token, decode_rate);
                 logprobs[choice].extend(more);
                 done[choice] = Some(api::Choice {
                     text: std::mem::take(&mut texts[choice]),
@@ -700,7 +820,10 @@ async fn answer(
         }
     }
     let choices: Vec<api::Choice> = done.into_iter().flatten().collect();
-    Ok(Json(api::response(endpoint, &reply.identity(), &choices, total)).into_response())
+    let body = api::response(endpoint, &reply.identity(), &choices, figures.usage);
+    let mut response = Json(body).into_response();
+    response.extensions_mut().insert(figures);
+    Ok(response)
 }
 
 /// Queue `request` for the engine thread and wait until it starts: its events from then
@@ -800,6 +923,7 @@ fn stream(
     events: mpsc::UnboundedReceiver<Event>,
     choices: usize,
     with_usage: bool,
+    started: Instant,
 ) -> Response {
     struct State {
         reply: Reply,
@@ -810,7 +934,7 @@ fn stream(
         sent: Vec<usize>,
         /// Choices not finished yet.
         open: usize,
-        usage: Usage,
+        figures: Figures,
         pending: std::collections::VecDeque<String>,
         done: bool,
     }
@@ -820,7 +944,7 @@ fn stream(
         first: vec![true; choices],
         sent: vec![0; choices],
         open: choices,
-        usage: Usage::default(),
+        figures: Figures::default(),
         pending: std::collections::VecDeque::new(),
         done: false,
     };
@@ -855,6 +979,8 @@ fn stream(
                     usage,
                     routed,
                     logprobs,
+                    first_token,
+                    decode_rate,
                 }) => {
                     let first = std::mem::replace(&mut state.first[choice], false);
                     let logprobs = (!logprobs.is_empty())
@@ -869,11 +995,16 @@ fn stream(
                         Some((finish, routed.as_ref())),
                     );
                     state.pending.push_back(data(last));
-                    state.usage = state.usage.and(usage);
+                    state.figures.add(usage, first_token, decode_rate);
                     state.open -= 1;
                     if state.open == 0 {
+                        let path = match endpoint {
+                            Endpoint::Chat => "/v1/chat/completions",
+                            Endpoint::Completion => "/v1/completions",
+                        };
+                        log_request(path, 200, started, Some(&state.figures), None);
                         if with_usage {
-                            let usage = api::usage_chunk(endpoint, &who, state.usage);
+                            let usage = api::usage_chunk(endpoint, &who, state.figures.usage);
                             state.pending.push_back(data(usage));
                         }
                         state.pending.push_back("[DONE]".to_string());
@@ -881,6 +1012,11 @@ fn stream(
                     }
                 }
                 Some(Event::Failed(err)) => {
+                    let path = match endpoint {
+                        Endpoint::Chat => "/v1/chat/completions",
+                        Endpoint::Completion => "/v1/completions",
+                    };
+                    log_request(path, 500, started, None, Some(&err.message));
                     state.pending.push_back(data(err.body()));
                     state.done = true;
                 }

@@ -644,12 +644,20 @@ impl<'a> Scheduler<'a> {
             completion: sequence.tokens.len(),
             cached: sequence.cached,
         };
+        let decode_seconds = sequence
+            .decode_started
+            .map_or(0.0, |t| t.elapsed().as_secs_f64());
+        let decoded = sequence.tokens.len().saturating_sub(1);
+        let decode_rate =
+            (decoded > 0 && decode_seconds > 0.0).then(|| decoded as f64 / decode_seconds);
         let _ = sequence.job.events.send(Event::Done {
             choice: sequence.choice,
             logprobs: std::mem::take(&mut sequence.logprobs),
             finish,
             usage,
             routed: sequence.routed.take(),
+            first_token: sequence.first_token,
+            decode_rate,
         });
         engine.routed().telemetry.end_turn(sequence.id, true);
         // A turn that routed nothing (its client left while it waited) saves nothing, so
@@ -657,17 +665,12 @@ impl<'a> Scheduler<'a> {
         if engine.routed().telemetry.unsaved_selections() > 0 {
             session.save_turn(engine);
         }
-        let decode_seconds = sequence
-            .decode_started
-            .map_or(0.0, |t| t.elapsed().as_secs_f64());
-        let decoded = sequence.tokens.len().saturating_sub(1);
         let turn = Turn {
             prompt_tokens: usage.prompt,
             cached_tokens: usage.cached,
             completion_tokens: usage.completion,
             first_token_seconds: sequence.first_token,
-            decode_rate: (decoded > 0 && decode_seconds > 0.0)
-                .then(|| decoded as f64 / decode_seconds),
+            decode_rate,
             abandoned: end == End::Abandoned,
         };
         let pinned = engine.routed().pinned().iter().map(Vec::len).sum();

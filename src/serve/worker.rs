@@ -68,6 +68,10 @@ pub enum Event {
         routed: Option<Routed>,
         /// Those of the last tokens, whose text came in no `Text`.
         logprobs: Vec<TokenLogprob>,
+        /// Seconds from the request's arrival to its first token.
+        first_token: Option<f64>,
+        /// Tokens a second after the first.
+        decode_rate: Option<f64>,
     },
 }
 

@@ -866,3 +866,58 @@ fn tokenize_and_count_tokens_give_the_ids_a_request_computes() {
         );
     }
 }
+
+#[test]
+fn each_request_logs_one_line_and_quiet_keeps_only_server_errors() {
+    let temp = tempfile::tempdir().unwrap();
+    let snap = snapshot_copy(temp.path());
+    let lines = |server: &Server| -> Vec<String> {
+        // A stream's line comes when it ends, which curl has seen by now; give the log
+        // reader a moment.
+        std::thread::sleep(Duration::from_millis(200));
+        server
+            .log
+            .lock()
+            .unwrap()
+            .lines()
+            .filter(|l| l.contains(" POST /v1/"))
+            .map(str::to_string)
+            .collect()
+    };
+    for quiet in [false, true] {
+        let mut extra = vec!["64", "16", "16", "USAGE_SAVE=0"];
+        if quiet {
+            extra.insert(0, "-q");
+        }
+        let server = Server::start(&snap, &extra, &[]);
+        let (status, _) = server.post("/v1/completions", &completion(&[1, 2, 3], 4));
+        assert_eq!(status, 200);
+        let mut streamed = completion(&[1, 2, 3, 4], 4);
+        streamed["stream"] = json!(true);
+        let (status, _) = server.curl("/v1/completions", Some(&streamed.to_string()), &[]);
+        assert_eq!(status, 200);
+        let (status, _) = server.post("/v1/completions", &json!({ "prompt": "x", "best_of": 2 }));
+        assert_eq!(status, 400);
+        let logged = lines(&server);
+        if quiet {
+            assert!(logged.is_empty(), "-q logged {logged:?}");
+            continue;
+        }
+        assert_eq!(logged.len(), 3, "{logged:?}");
+        assert!(
+            logged[0].contains("POST /v1/completions 200")
+                && logged[0].contains("prompt 3 (0 cached) | completion 4"),
+            "{logged:?}"
+        );
+        assert!(
+            logged[1].contains("POST /v1/completions 200")
+                && logged[1].contains("completion 4")
+                && logged[1].contains("tok/s"),
+            "{logged:?}"
+        );
+        assert!(
+            logged[2].contains("POST /v1/completions 400") && logged[2].contains("best_of"),
+            "{logged:?}"
+        );
+    }
+}
