@@ -23,6 +23,7 @@ use crate::experts::{ExpertIo, Policy, Sharding};
 use crate::quant::Isa;
 use crate::route_trace::placement::{PinGb, PinRank, PinSetting};
 use crate::route_trace::save::Decay;
+use crate::sampling::{SamplingError, Shaping};
 
 /// What a setting holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -214,6 +215,36 @@ pub const KEYS: &[Key] = &[
         kind: Kind::Number,
         default: "0.9",
         doc: "PROMPT: nucleus sampling mass in (0, 1] (colibri's NUCLEUS; not colibri's TOPP, a routing knob)",
+    },
+    Key {
+        name: "TOP_K",
+        kind: Kind::Count,
+        default: "0",
+        doc: "PROMPT, chat: draw only from the K most likely tokens; 0 = no cut (not colibri's TOPK, a routing knob)",
+    },
+    Key {
+        name: "MIN_P",
+        kind: Kind::Number,
+        default: "0",
+        doc: "PROMPT, chat: draw only tokens at least this share (0-1) of the most likely one's probability",
+    },
+    Key {
+        name: "PRESENCE_PENALTY",
+        kind: Kind::Number,
+        default: "0",
+        doc: "PROMPT, chat: subtracted (0-2) from the logit of every token generated so far",
+    },
+    Key {
+        name: "FREQUENCY_PENALTY",
+        kind: Kind::Number,
+        default: "0",
+        doc: "PROMPT, chat: subtracted (0-2) from a token's logit per time it was generated",
+    },
+    Key {
+        name: "REPETITION_PENALTY",
+        kind: Kind::Number,
+        default: "1",
+        doc: "PROMPT, chat: > 0; a positive logit of a token of the prompt or generated so far is divided by it, a negative one multiplied; 1 = none",
     },
     Key {
         name: "SEED",
@@ -556,6 +587,12 @@ pub struct Settings {
     /// `TEMP` as given: read by [`Settings::temperature`] only where a mode samples.
     temp: String,
     pub top_p: f64,
+    /// `TOP_K`, `MIN_P` and the penalties, read by [`Settings::shaping`].
+    top_k: usize,
+    min_p: f64,
+    presence_penalty: f64,
+    frequency_penalty: f64,
+    repetition_penalty: f64,
     pub seed: Option<u64>,
     /// `API_KEY`; an empty value is none.
     pub api_key: Option<String>,
@@ -656,6 +693,11 @@ impl Settings {
             long_context: r.flag("LONG_CONTEXT"),
             temp: r.text_or_default("TEMP"),
             top_p: r.number("TOP_P"),
+            top_k: r.count("TOP_K"),
+            min_p: r.number("MIN_P"),
+            presence_penalty: r.number("PRESENCE_PENALTY"),
+            frequency_penalty: r.number("FREQUENCY_PENALTY"),
+            repetition_penalty: r.number("REPETITION_PENALTY"),
             seed: r.count_u64("SEED"),
             api_key: r.text("API_KEY").filter(|key| !key.is_empty()),
             cap: r.count("CAP"),
@@ -718,6 +760,29 @@ impl Settings {
     /// `TEMP` as a temperature `>= 0` (0 = greedy). The setting is text so that a `TEMP`
     /// environment variable naming a temporary directory troubles only the modes that
     /// sample, where the message says how to override it.
+    /// `TOP_K`, `MIN_P` and the penalties, checked (a value out of range names its key).
+    pub fn shaping(&self) -> Result<Shaping> {
+        let shaping = Shaping {
+            top_k: self.top_k,
+            min_p: self.min_p,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            repetition_penalty: self.repetition_penalty,
+            logit_bias: Vec::new(),
+        };
+        shaping.check().map_err(|err| {
+            let key = match &err {
+                SamplingError::MinP(_) => "MIN_P",
+                SamplingError::Penalty("presence_penalty", _) => "PRESENCE_PENALTY",
+                SamplingError::Penalty(..) => "FREQUENCY_PENALTY",
+                SamplingError::Repetition(_) => "REPETITION_PENALTY",
+                _ => "sampling",
+            };
+            anyhow::anyhow!("{key}: {err}")
+        })?;
+        Ok(shaping)
+    }
+
     pub fn temperature(&self) -> Result<f64> {
         let raw = self.temp.trim();
         match raw.parse::<f64>() {

@@ -5,7 +5,7 @@
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::api::{ApiError, Finish, Input, Request, Usage};
+use super::api::{ApiError, Finish, Input, Request, Usage, MAX_STOP_BYTES};
 use crate::sampling::Shaping;
 use crate::text::ChatMessage;
 
@@ -129,9 +129,13 @@ pub fn request(body: &[u8]) -> Result<Request, ApiError> {
         )));
     }
     let stop = parsed.stop_sequences.unwrap_or_default();
-    if stop.len() > MAX_STOP_SEQUENCES || stop.iter().any(String::is_empty) {
+    if stop.len() > MAX_STOP_SEQUENCES
+        || stop
+            .iter()
+            .any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES)
+    {
         return Err(ApiError::invalid(format!(
-            "stop_sequences: up to {MAX_STOP_SEQUENCES} sequences, none of them empty"
+            "stop_sequences: up to {MAX_STOP_SEQUENCES} sequences, none of them empty or over {MAX_STOP_BYTES} bytes"
         )));
     }
     Ok(Request {
@@ -145,6 +149,8 @@ pub fn request(body: &[u8]) -> Result<Request, ApiError> {
         stream: parsed.stream.unwrap_or(false),
         stream_usage: false,
         routed_experts: false,
+        // Clients send a large `max_tokens` with every request: it is cut to the context.
+        clamp_tokens: true,
         choices: 1,
         shaping: Shaping {
             top_k: parsed

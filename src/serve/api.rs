@@ -10,7 +10,7 @@ use crate::text::ChatMessage;
 
 /// The longest stop sequence: the text held back while it may still become one is at most
 /// this long.
-const MAX_STOP_BYTES: usize = 256;
+pub const MAX_STOP_BYTES: usize = 256;
 
 /// The most choices (`n`) one request may ask for, as OpenAI allows; the server's
 /// `--parallel` may allow fewer.
@@ -85,6 +85,8 @@ pub struct Request {
     pub routed_experts: bool,
     /// `n`: the choices to generate, each from the one prompt's state.
     pub choices: usize,
+    /// Cut a `max_tokens` beyond the context to what fits instead of refusing it.
+    pub clamp_tokens: bool,
     /// `top_k`, `min_p`, the penalties and `logit_bias`.
     pub shaping: Shaping,
     /// Log-probabilities of the chosen tokens, with this many most likely alternatives
@@ -461,6 +463,7 @@ fn request(common: Common, input: Input, logprobs: Option<usize>) -> Result<Requ
             .unwrap_or(false),
         routed_experts: common.return_routed_experts.unwrap_or(false),
         choices,
+        clamp_tokens: false,
         shaping,
         logprobs,
     })

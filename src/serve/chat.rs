@@ -26,6 +26,7 @@ pub fn run(model: Option<&str>, settings: Settings, positionals: Positionals) ->
     let temperature = settings.temperature()?;
     let top_p = settings.top_p;
     Sampler::new(temperature, top_p, 0)?;
+    let shaping = settings.shaping()?;
     let seed = settings.seed_or_clock();
     let (jobs, queue) = mpsc::channel(1);
     let (engine_thread, info) = worker::spawn(
@@ -70,8 +71,9 @@ pub fn run(model: Option<&str>, settings: Settings, positionals: Positionals) ->
             seed: seed.wrapping_add(turn),
             stop: Vec::new(),
             routed_experts: false,
+            clamp_tokens: false,
             choices: 1,
-            shaping: Default::default(),
+            shaping: shaping.clone(),
             logprobs: None,
             events: events_tx,
             received: Instant::now(),

@@ -83,8 +83,14 @@ fn cors(origins: &[String]) -> Result<Option<tower_http::cors::CorsLayer>> {
         let parsed = origins
             .iter()
             .map(|origin| {
-                let valid = (origin.starts_with("http://") || origin.starts_with("https://"))
-                    && !origin.trim_end_matches('/').contains(|c: char| c.is_whitespace());
+                let rest = origin
+                    .strip_prefix("http://")
+                    .or_else(|| origin.strip_prefix("https://"));
+                // Scheme, host and port: a path can never match a browser's `Origin`.
+                let valid = rest.is_some_and(|rest| {
+                    let host = rest.trim_end_matches('/');
+                    !host.is_empty() && !host.contains(|c: char| c == '/' || c.is_whitespace())
+                });
                 if !valid {
                     bail!("--cors-origin {origin:?}: expected an origin such as https://chat.example (scheme, host and port, no path), or * for any");
                 }
@@ -126,7 +132,7 @@ pub fn run(
         .with_writer(std::io::stderr)
         .with_max_level(log)
         .with_target(false)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_ansi(false)
         .try_init();
     let host = host.as_str();
     let cors = cors(&cors_origins)?;
@@ -700,11 +706,25 @@ fn stream_messages(
                     return Some((end.into_iter().map(event).collect::<Vec<_>>(), None));
                 }
                 Some(Event::Failed(err)) => {
-                    return Some((vec![event(("error", anthropic::error_body(&err)))], None))
+                    log_request(
+                        "/v1/messages",
+                        err.status,
+                        started,
+                        None,
+                        Some(&err.message),
+                    );
+                    return Some((vec![event(("error", anthropic::error_body(&err)))], None));
                 }
                 Some(Event::Started) | None => {
-                    let body = anthropic::error_body(&engine_gone());
-                    return Some((vec![event(("error", body))], None));
+                    let err = engine_gone();
+                    log_request(
+                        "/v1/messages",
+                        err.status,
+                        started,
+                        None,
+                        Some(&err.message),
+                    );
+                    return Some((vec![event(("error", anthropic::error_body(&err)))], None));
                 }
             };
             Some((batch.into_iter().map(event).collect(), Some(events)))
@@ -888,6 +908,7 @@ fn job(
             seed: request.seed.unwrap_or_else(|| app.settings.seed_or_clock()),
             stop: request.stop.clone(),
             routed_experts: request.routed_experts,
+            clamp_tokens: request.clamp_tokens,
             choices: request.choices,
             shaping: request.shaping.clone(),
             logprobs: request.logprobs,

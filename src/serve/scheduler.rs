@@ -162,7 +162,13 @@ impl<'a> Scheduler<'a> {
                 };
                 match job {
                     Some(job) => {
-                        let places = job.choices.clamp(1, self.parallel);
+                        // More choices than places is refused when admitted: it waits
+                        // for nothing.
+                        let places = if job.choices > self.parallel {
+                            0
+                        } else {
+                            job.choices.max(1)
+                        };
                         if !self.active.is_empty() && self.places() + places > self.parallel {
                             self.held = Some(job);
                             break;
@@ -276,6 +282,16 @@ impl<'a> Scheduler<'a> {
         }
         .map_err(|err| ApiError::invalid(format!("{err:#}")))?;
         let vocab = engine.vocab_size();
+        if let Some((bad, _)) = job
+            .shaping
+            .logit_bias
+            .iter()
+            .find(|&&(id, _)| id as usize >= vocab)
+        {
+            return Err(ApiError::invalid(format!(
+                "logit_bias: token id {bad} is outside the model's vocabulary (vocab_size {vocab})"
+            )));
+        }
         if let Some(bad) = prompt.iter().find(|&&id| id as usize >= vocab) {
             return Err(ApiError::invalid(format!(
                 "prompt token id {bad} is outside the model's vocabulary (vocab_size {vocab})"
@@ -296,6 +312,7 @@ impl<'a> Scheduler<'a> {
             )));
         }
         let count = match job.max_tokens {
+            Some(n) if n > room && job.clamp_tokens => room,
             Some(n) if n > room => {
                 return Err(context_error(format!(
                     "max_tokens {n}: the prompt takes {} of the model's {} positions (max_position_embeddings in config.json), so at most {room} tokens can follow",

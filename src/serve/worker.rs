@@ -36,6 +36,9 @@ pub struct Job {
     pub stop: Vec<String>,
     /// Return, per generated token, the experts each MoE layer chose.
     pub routed_experts: bool,
+    /// A `max_tokens` beyond the context is cut to what fits (Anthropic's clients send a
+    /// large one with every request), not refused.
+    pub clamp_tokens: bool,
     /// `n`: the choices, each generated from the one prompt's state with the seed
     /// `seed + index`; the request takes as many of the `--parallel` places.
     pub choices: usize,

@@ -95,6 +95,9 @@ impl ChatTemplate {
             .map_err(|err| anyhow!("chat template syntax settings: {err}"))?;
         env.set_syntax(syntax);
         env.set_undefined_behavior(UndefinedBehavior::SemiStrict);
+        // The failing line and the variables it saw, in every build (minijinja keeps them
+        // only in debug builds unless asked), so a message names what is undefined.
+        env.set_debug(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function(
             "raise_exception",

@@ -17,7 +17,7 @@ use serde_json::Value;
 
 use crate::engines::{Engine, PromptConvention};
 use crate::generate::{generate_with, Ending, Flow, Generation, OnTokens, Policy};
-use crate::sampling::Sampler;
+use crate::sampling::{Sampler, Shaping};
 use crate::settings::Settings;
 use crate::snapshot::{model_stop_ids, token_ids, Snapshot};
 
@@ -184,6 +184,8 @@ pub struct TextMode {
     chat: bool,
     temperature: f64,
     top_p: f64,
+    /// `TOP_K`, `MIN_P` and the penalties.
+    shaping: Shaping,
     seed: u64,
 }
 
@@ -201,6 +203,7 @@ impl TextMode {
         let top_p = settings.top_p;
         // The sampler is built per run; this checks the values before anything loads.
         Sampler::new(temperature, top_p, 0)?;
+        let shaping = settings.shaping()?;
         let seed = settings.seed_or_clock();
         Ok(Some(TextMode {
             tokenizer: TextTokenizer::load(dir)?,
@@ -208,6 +211,7 @@ impl TextMode {
             chat: settings.chat,
             temperature,
             top_p,
+            shaping,
             seed,
         }))
     }
@@ -227,7 +231,8 @@ impl TextMode {
             bail!("PROMPT: the prompt encodes to no tokens; give some text");
         }
         let stops = model.stop_ids(engine.stop_tokens())?;
-        let sampler = Sampler::new(self.temperature, self.top_p, self.seed)?;
+        let sampler = Sampler::new(self.temperature, self.top_p, self.seed)?
+            .shaped(self.shaping.clone(), &prompt.ids)?;
         let mut line = format!("[prompt] {} tokens", prompt.ids.len());
         if let Some(template) = &prompt.template {
             let _ = write!(line, " (chat template: {template})");
@@ -240,6 +245,13 @@ impl TextMode {
             eprintln!(
                 "[sample] TEMP={} TOP_P={} SEED={}",
                 self.temperature, self.top_p, self.seed
+            );
+        }
+        if self.shaping != Shaping::default() {
+            let s = &self.shaping;
+            eprintln!(
+                "[sample] TOP_K={} MIN_P={} PRESENCE_PENALTY={} FREQUENCY_PENALTY={} REPETITION_PENALTY={}",
+                s.top_k, s.min_p, s.presence_penalty, s.frequency_penalty, s.repetition_penalty
             );
         }
         Ok(TextJob {

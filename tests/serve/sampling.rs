@@ -253,6 +253,7 @@ fn fields_this_server_does_not_implement_are_refused_by_name() {
         (json!({ "min_p": 2 }), "min_p 2"),
         (json!({ "presence_penalty": -3 }), "presence_penalty -3"),
         (json!({ "logit_bias": { "x": 1 } }), "logit_bias:"),
+        (json!({ "logit_bias": { "4096": 1 } }), "logit_bias:"),
     ] {
         let (status, reply) = chat(extra.clone());
         assert_eq!(status, 400, "{extra}: {reply}");

@@ -921,3 +921,25 @@ fn each_request_logs_one_line_and_quiet_keeps_only_server_errors() {
         );
     }
 }
+
+#[test]
+fn anthropic_max_tokens_beyond_the_context_is_cut_to_it_and_openai_s_is_refused() {
+    let dir = crate::common::fixture_with_config("olmoe_trained", |config| {
+        config["max_position_embeddings"] = json!(24);
+    });
+    let server = Server::start(dir.path(), &["64", "16", "16", "USAGE_SAVE=0"], &[]);
+    let (status, reply) = server.post(
+        "/v1/messages",
+        &json!({ "max_tokens": 64000, "messages": [{"role": "user", "content": "Hi"}] }),
+    );
+    assert_eq!(status, 200, "{reply}");
+    let prompt = reply["usage"]["input_tokens"].as_u64().unwrap();
+    let output = reply["usage"]["output_tokens"].as_u64().unwrap();
+    assert!(prompt + output <= 24, "{reply}");
+    let (status, reply) = server.post(
+        "/v1/chat/completions",
+        &json!({ "max_tokens": 64000, "messages": [{"role": "user", "content": "Hi"}] }),
+    );
+    assert_eq!(status, 400, "{reply}");
+    assert_eq!(reply["error"]["code"], "context_length_exceeded");
+}

@@ -126,6 +126,18 @@ fn the_same_seed_gives_the_same_text() {
         let first = sample("SEED=11");
         assert_eq!(first, sample("SEED=11"), "{fixture}");
         differs |= first != sample("SEED=12");
+        // TOP_K=1 leaves only the most likely token: greedy at any temperature.
+        let cut = run_ok(&[
+            &snap,
+            PROMPT,
+            "TEMP=5",
+            "TOP_K=1",
+            "SEED=11",
+            "NGEN=24",
+            "USAGE_SAVE=0",
+        ]);
+        let greedy = run_ok(&[&snap, PROMPT, "TEMP=0", "NGEN=24", "USAGE_SAVE=0"]);
+        assert_eq!(streamed_text(&cut), streamed_text(&greedy), "{fixture}");
     }
     assert!(differs, "another seed should change some fixture's text");
 }
@@ -338,6 +350,12 @@ fn bad_text_input_exits_2_and_leaves_no_history() {
             &["TEMP=\"warm\"", "expected a temperature"],
         ),
         (fine.path(), &["TOP_P=2"], &["TOP_P=2", "(0, 1]"]),
+        (fine.path(), &["MIN_P=3"], &["MIN_P", "[0, 1]"]),
+        (
+            fine.path(),
+            &["PRESENCE_PENALTY=2.5"],
+            &["PRESENCE_PENALTY", "[-2, 2]"],
+        ),
         (fine.path(), &["IDS=1 2"], &["PROMPT and IDS"]),
     ];
     for (dir, extra, needles) in cases {
