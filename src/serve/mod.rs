@@ -536,12 +536,26 @@ async fn tokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -
             "max_model_len": app.model.context,
         })))
     };
-    let response = match answer.await {
-        Ok(body) => body.into_response(),
-        Err(err) => error_response(&err),
-    };
-    app.metrics.request("tokenize", response.status().as_u16());
+    let answer = answer.await.map(IntoResponse::into_response);
+    respond(&app, "tokenize", answer, error_response)
+}
+
+/// A handler's answer, or its error in the shape `refusal` makes; counted under `label`.
+fn respond(
+    app: &App,
+    label: &'static str,
+    answer: Result<Response, ApiError>,
+    refusal: fn(&ApiError) -> Response,
+) -> Response {
+    let response = answer.unwrap_or_else(|err| refusal(&err));
+    app.metrics.request(label, response.status().as_u16());
     response
+}
+
+/// An error in Anthropic's shape, with the headers its status asks for.
+fn anthropic_error_response(err: &ApiError) -> Response {
+    let status = StatusCode::from_u16(err.status).unwrap_or(StatusCode::BAD_REQUEST);
+    with_error_headers((status, Json(anthropic::error_body(err))).into_response())
 }
 
 /// `/detokenize`: `{"content"}`, the text of the ids, special tokens written out.
@@ -564,13 +578,8 @@ async fn detokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body)
             .map_err(|err| ApiError::invalid(format!("{err:#}")))?;
         Ok(Json(json!({ "content": content })))
     };
-    let response = match answer.await {
-        Ok(body) => body.into_response(),
-        Err(err) => error_response(&err),
-    };
-    app.metrics
-        .request("detokenize", response.status().as_u16());
-    response
+    let answer = answer.await.map(IntoResponse::into_response);
+    respond(&app, "detokenize", answer, error_response)
 }
 
 /// `/v1/messages/count_tokens`: `{"input_tokens"}`, the prompt `/v1/messages` would
@@ -587,16 +596,8 @@ async fn count_tokens(State(app): State<Arc<App>>, headers: HeaderMap, body: Bod
         let tokens = encode(&app, &api::Tokenize::Chat(messages))?;
         Ok::<_, ApiError>(Json(json!({ "input_tokens": tokens.len() })))
     };
-    let response = match answer.await {
-        Ok(body) => body.into_response(),
-        Err(err) => {
-            let status = StatusCode::from_u16(err.status).unwrap_or(StatusCode::BAD_REQUEST);
-            with_error_headers((status, Json(anthropic::error_body(&err))).into_response())
-        }
-    };
-    app.metrics
-        .request("count_tokens", response.status().as_u16());
-    response
+    let answer = answer.await.map(IntoResponse::into_response);
+    respond(&app, "count_tokens", answer, anthropic_error_response)
 }
 
 async fn messages(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
@@ -617,8 +618,7 @@ async fn messages(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -
                 None,
                 Some(&err.message),
             );
-            let status = StatusCode::from_u16(err.status).unwrap_or(StatusCode::BAD_REQUEST);
-            with_error_headers((status, Json(anthropic::error_body(&err))).into_response())
+            anthropic_error_response(&err)
         }
     };
     app.metrics.request("messages", response.status().as_u16());

@@ -373,17 +373,8 @@ impl<'a> Scheduler<'a> {
                 {
                     ended.push((i, end));
                 }
-                for mut fork in forks {
-                    let end = choose(
-                        &mut fork,
-                        self.tokenizer,
-                        &self.stops,
-                        &[&logits],
-                        None,
-                        &[],
-                    );
-                    forked.push((fork, end));
-                }
+                let chosen = first_tokens(forks, self.tokenizer, &self.stops, &logits, None);
+                forked.extend(chosen);
             }
         }
         self.join_forks(forked, &mut ended);
@@ -495,18 +486,13 @@ impl<'a> Scheduler<'a> {
                     if let Some(end) = end {
                         ended.push((i, end));
                     }
-                    for mut fork in forks {
-                        let end = choose(
-                            &mut fork,
-                            self.tokenizer,
-                            &self.stops,
-                            &[&logits],
-                            Some(routes.clone()),
-                            &[],
-                        );
-                        emitted += fork.tokens.len() as u64;
-                        forked.push((fork, end));
-                    }
+                    let chosen =
+                        first_tokens(forks, self.tokenizer, &self.stops, &logits, Some(routes));
+                    emitted += chosen
+                        .iter()
+                        .map(|(f, _)| f.tokens.len() as u64)
+                        .sum::<u64>();
+                    forked.extend(chosen);
                 }
                 Part::Decode => {
                     let Next::Tokens(fed) = &sequence.next else {
@@ -777,6 +763,24 @@ fn fork_choices<'t>(
                 first_token: None,
                 decode_started: sequence.decode_started,
             }
+        })
+        .collect()
+}
+
+/// Each fork's first token, chosen from its prompt's `logits` (with the prompt's last
+/// row's `routes`), and why the fork ends, if it does.
+fn first_tokens<'t>(
+    forks: Vec<Sequence<'t>>,
+    tokenizer: &TextTokenizer,
+    stops: &[u32],
+    logits: &[f32],
+    routes: Option<Vec<Vec<Vec<u32>>>>,
+) -> Vec<(Sequence<'t>, Option<End>)> {
+    forks
+        .into_iter()
+        .map(|mut fork| {
+            let end = choose(&mut fork, tokenizer, stops, &[logits], routes.clone(), &[]);
+            (fork, end)
         })
         .collect()
 }
