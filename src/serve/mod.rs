@@ -705,25 +705,13 @@ fn stream_messages(
                     let end = anthropic::stream_end(finish, &stops, usage);
                     return Some((end.into_iter().map(event).collect::<Vec<_>>(), None));
                 }
-                Some(Event::Failed(err)) => {
-                    log_request(
-                        "/v1/messages",
-                        err.status,
-                        started,
-                        None,
-                        Some(&err.message),
-                    );
-                    return Some((vec![event(("error", anthropic::error_body(&err)))], None));
-                }
-                Some(Event::Started) | None => {
-                    let err = engine_gone();
-                    log_request(
-                        "/v1/messages",
-                        err.status,
-                        started,
-                        None,
-                        Some(&err.message),
-                    );
+                failed => {
+                    let err = match failed {
+                        Some(Event::Failed(err)) => err,
+                        _ => engine_gone(),
+                    };
+                    let message = Some(err.message.as_str());
+                    log_request("/v1/messages", err.status, started, None, message);
                     return Some((vec![event(("error", anthropic::error_body(&err)))], None));
                 }
             };
