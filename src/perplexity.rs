@@ -35,6 +35,7 @@ use anyhow::{bail, Context, Result};
 use crate::engines::{Engine, Logits};
 use crate::files;
 use crate::oracle::Reference;
+use crate::sampling::LogProbs;
 use crate::settings::Settings;
 use crate::text::tokenizer::TextTokenizer;
 
@@ -320,11 +321,11 @@ pub fn measure(
     Ok(measured)
 }
 
-/// One row of logits and its log-sum-exp. Every log-probability is rounded to `f32` the
-/// same way, in the base run and in the runs compared with it.
+/// One row of logits and its log-probabilities ([`LogProbs`]). Every log-probability is
+/// rounded to `f32` the same way, in the base run and in the runs compared with it.
 struct Row<'a> {
     logits: &'a [f32],
-    lse: f64,
+    probs: LogProbs<'a>,
 }
 
 impl<'a> Row<'a> {
@@ -332,16 +333,10 @@ impl<'a> Row<'a> {
         if logits.iter().any(|x| !x.is_finite()) {
             bail!("a logit is NaN or infinite");
         }
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-        let sum: f64 = logits.iter().map(|&x| (x as f64 - max).exp()).sum();
         Ok(Row {
             logits,
-            lse: max + sum.ln(),
+            probs: LogProbs::new(logits),
         })
-    }
-
-    fn logp(&self, id: u32) -> f32 {
-        (self.logits[id as usize] as f64 - self.lse) as f32
     }
 
     /// The log of the probability of every token outside `top`.
@@ -355,7 +350,7 @@ impl<'a> Row<'a> {
             .iter()
             .zip(&outside)
             .filter(|(_, &o)| o)
-            .map(|(&x, _)| (x as f64 - self.lse).exp())
+            .map(|(&x, _)| (x as f64 - self.probs.lse()).exp())
             .sum();
         rest.ln() as f32
     }
@@ -363,19 +358,9 @@ impl<'a> Row<'a> {
     /// The target's log-probability, the top [`BASE_TOP`] (most probable first, lowest id
     /// first among equals) and the rest mass's.
     fn position(&self, target: u32) -> Position {
-        let row = self.logits;
-        let by_logit =
-            |a: &u32, b: &u32| row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b));
-        let mut order: Vec<u32> = (0..row.len() as u32).collect();
-        let k = BASE_TOP.min(row.len());
-        if k < order.len() {
-            order.select_nth_unstable_by(k, by_logit);
-            order.truncate(k);
-        }
-        order.sort_by(by_logit);
-        let top: Vec<(u32, f32)> = order.iter().map(|&i| (i, self.logp(i))).collect();
+        let top = self.probs.top(BASE_TOP);
         Position {
-            target_logp: self.logp(target),
+            target_logp: self.probs.of(target),
             rest_logp: self.rest_logp(&top),
             top,
         }
@@ -604,7 +589,7 @@ fn divergence(p: &Position, q: &Row) -> f64 {
     let kl: f64 = p
         .top
         .iter()
-        .map(|&(id, lp)| term(lp, q.logp(id)))
+        .map(|&(id, lp)| term(lp, q.probs.of(id)))
         .sum::<f64>()
         + term(p.rest_logp, q.rest_logp(&p.top));
     kl.max(0.0)

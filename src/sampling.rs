@@ -344,6 +344,53 @@ impl Sampler {
     }
 }
 
+/// A row of logits with its log-sum-exp: each token's log-probability under the model
+/// (a log-softmax; non-finite logits have no mass). `PPL=1` scores with it and `coli serve`
+/// reports `logprobs` with it, so the two agree to the bit.
+pub struct LogProbs<'a> {
+    logits: &'a [f32],
+    lse: f64,
+}
+
+impl<'a> LogProbs<'a> {
+    pub fn new(logits: &'a [f32]) -> LogProbs<'a> {
+        let finite = || logits.iter().copied().filter(|x| x.is_finite());
+        let max = finite().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let sum: f64 = finite().map(|x| (x as f64 - max).exp()).sum();
+        LogProbs {
+            logits,
+            lse: max + sum.ln(),
+        }
+    }
+
+    /// The log of the row's total mass, in logit units.
+    pub fn lse(&self) -> f64 {
+        self.lse
+    }
+
+    pub fn of(&self, id: u32) -> f32 {
+        (self.logits[id as usize] as f64 - self.lse) as f32
+    }
+
+    /// The `k` most probable tokens with their log-probabilities, most probable first,
+    /// the lower id first among equals.
+    pub fn top(&self, k: usize) -> Vec<(u32, f32)> {
+        let row = self.logits;
+        let by_logit =
+            |a: &u32, b: &u32| row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b));
+        let mut order: Vec<u32> = (0..row.len() as u32)
+            .filter(|&i| row[i as usize].is_finite())
+            .collect();
+        let k = k.min(order.len());
+        if k < order.len() {
+            order.select_nth_unstable_by(k, by_logit);
+            order.truncate(k);
+        }
+        order.sort_by(by_logit);
+        order.iter().map(|&i| (i, self.of(i))).collect()
+    }
+}
+
 /// Scale `probs` to sum to 1 (left alone when nothing has mass).
 fn renormalise(probs: &mut [f32]) {
     let sum: f64 = probs.iter().map(|&p| p as f64).sum();

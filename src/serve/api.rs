@@ -525,6 +525,15 @@ pub enum Endpoint {
     Completion,
 }
 
+impl Endpoint {
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "/v1/chat/completions",
+            Endpoint::Completion => "/v1/completions",
+        }
+    }
+}
+
 /// The response identity every body and chunk of one request carries.
 pub struct Identity<'a> {
     pub id: &'a str,

@@ -418,10 +418,11 @@ async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body
 }
 
 async fn complete(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: Endpoint) -> Response {
-    let (label, path) = match endpoint {
-        Endpoint::Chat => ("chat", "/v1/chat/completions"),
-        Endpoint::Completion => ("completions", "/v1/completions"),
+    let label = match endpoint {
+        Endpoint::Chat => "chat",
+        Endpoint::Completion => "completions",
     };
+    let path = endpoint.path();
     let started = Instant::now();
     tracing::debug!("POST {path} received");
     let response = match answer(&app, &headers, body, endpoint, started).await {
@@ -450,6 +451,12 @@ struct Figures {
 }
 
 impl Figures {
+    fn of(usage: Usage, first_token: Option<f64>, decode_rate: Option<f64>) -> Figures {
+        let mut figures = Figures::default();
+        figures.add(usage, first_token, decode_rate);
+        figures
+    }
+
     fn add(&mut self, usage: Usage, first_token: Option<f64>, decode_rate: Option<f64>) {
         self.usage = self.usage.and(usage);
         self.first_token = match (self.first_token, first_token) {
@@ -660,8 +667,7 @@ async fn answer_messages(
             }) => {
                 let body = anthropic::message(&id, &model, &text, finish, &stops, usage);
                 let mut response = Json(body).into_response();
-                let mut figures = Figures::default();
-                figures.add(usage, first_token, decode_rate);
+                let figures = Figures::of(usage, first_token, decode_rate);
                 response.extensions_mut().insert(figures);
                 return Ok(response);
             }
@@ -699,8 +705,7 @@ fn stream_messages(
                     decode_rate,
                     ..
                 }) => {
-                    let mut figures = Figures::default();
-                    figures.add(usage, first_token, decode_rate);
+                    let figures = Figures::of(usage, first_token, decode_rate);
                     log_request("/v1/messages", 200, started, Some(&figures), None);
                     let end = anthropic::stream_end(finish, &stops, usage);
                     return Some((end.into_iter().map(event).collect::<Vec<_>>(), None));
@@ -1007,11 +1012,7 @@ fn stream(
                     state.figures.add(usage, first_token, decode_rate);
                     state.open -= 1;
                     if state.open == 0 {
-                        let path = match endpoint {
-                            Endpoint::Chat => "/v1/chat/completions",
-                            Endpoint::Completion => "/v1/completions",
-                        };
-                        log_request(path, 200, started, Some(&state.figures), None);
+                        log_request(endpoint.path(), 200, started, Some(&state.figures), None);
                         if with_usage {
                             let usage = api::usage_chunk(endpoint, &who, state.figures.usage);
                             state.pending.push_back(data(usage));
@@ -1021,11 +1022,7 @@ fn stream(
                     }
                 }
                 Some(Event::Failed(err)) => {
-                    let path = match endpoint {
-                        Endpoint::Chat => "/v1/chat/completions",
-                        Endpoint::Completion => "/v1/completions",
-                    };
-                    log_request(path, 500, started, None, Some(&err.message));
+                    log_request(endpoint.path(), 500, started, None, Some(&err.message));
                     state.pending.push_back(data(err.body()));
                     state.done = true;
                 }

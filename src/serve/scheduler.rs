@@ -27,7 +27,7 @@ use crate::engines::{Engine, Logits, State, Step};
 use crate::experts::CacheStats;
 use crate::interrupt;
 use crate::route_trace::RowOwner;
-use crate::sampling::Sampler;
+use crate::sampling::{LogProbs, Sampler};
 use crate::session::Session;
 use crate::snapshot::Snapshot;
 use crate::text::{TextModel, TextStream, TextTokenizer};
@@ -876,47 +876,23 @@ fn hand_out(sequence: &mut Sequence, token: u32) -> Option<End> {
     stopped.then_some(End::StopString)
 }
 
-/// `token`'s log-probability under `logits` (a log-softmax over the vocabulary), with the
-/// `top` most likely tokens' (ties to the lower id).
+/// `token`'s log-probability under `logits`, with the `top` most likely tokens'.
 fn token_logprob(
     tokenizer: &TextTokenizer,
     logits: &[f32],
     token: u32,
     top: usize,
 ) -> TokenLogprob {
-    let max = logits
-        .iter()
-        .copied()
-        .filter(|v| v.is_finite())
-        .fold(f32::NEG_INFINITY, f32::max);
-    let sum: f64 = logits
-        .iter()
-        .filter(|v| v.is_finite())
-        .map(|&v| ((v - max) as f64).exp())
-        .sum();
-    let log_norm = max as f64 + sum.ln();
-    let logprob = |id: u32| (logits[id as usize] as f64 - log_norm) as f32;
-    let mut best: Vec<u32> = Vec::with_capacity(top + 1);
-    for (id, &v) in logits
-        .iter()
-        .enumerate()
-        .take(if top == 0 { 0 } else { usize::MAX })
-    {
-        if !v.is_finite() {
-            continue;
-        }
-        if best.len() == top && v <= logits[best[top - 1] as usize] {
-            continue;
-        }
-        let at = best.partition_point(|&b| logits[b as usize] >= v);
-        best.insert(at, id as u32);
-        best.truncate(top);
-    }
+    let probs = LogProbs::new(logits);
     let text = |id: u32| tokenizer.decode_all(&[id]).unwrap_or_default();
     TokenLogprob {
         token: text(token),
-        logprob: logprob(token),
-        top: best.into_iter().map(|id| (text(id), logprob(id))).collect(),
+        logprob: probs.of(token),
+        top: probs
+            .top(top)
+            .into_iter()
+            .map(|(id, logprob)| (text(id), logprob))
+            .collect(),
     }
 }
 
