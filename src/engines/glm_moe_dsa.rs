@@ -25,7 +25,7 @@ use super::mla::{
     attend_absorbed, attend_plain, Keys, LatentCache, MlaProjections, MlaShape, Projected,
 };
 use super::moe::{Choice, RoutedExperts, Router, SigmoidRouter};
-use super::prompt::PromptConvention;
+use super::prompt::{PromptConvention, ToolSyntax};
 use super::state::{per_sequence, states_of, Logits, Rows, SequenceState, State, Step};
 use super::state_io::{self, expect, part};
 use super::weights::Weights;
@@ -52,13 +52,29 @@ const PROMPT: PromptConvention = PromptConvention {
     prefix: &["[gMASK]", "<sop>"],
     chat_template: Some(CHAT_TEMPLATE),
     stop_on_special: true,
+    tools: Some(ToolSyntax::GlmXml),
 };
 
 /// GLM's chat prompt as colibri's server writes it: the prefix, `<|role|>` and the text of
 /// each turn, then `<|assistant|>` with an empty thinking block (thinking off).
 const CHAT_TEMPLATE: &str = concat!(
     "[gMASK]<sop>",
-    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}{% endfor %}",
+    "{% if tools %}<|system|># Tools\n\nYou may call one or more functions to assist with the user query.\n\n",
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n",
+    "{% for tool in tools %}{{ tool | tojson(ensure_ascii=False) }}\n{% endfor %}</tools>\n\n",
+    "For each function call, output the function name and arguments within the following XML format:\n",
+    "<tool_call>{function-name}<arg_key>{arg-key-1}</arg_key><arg_value>{arg-value-1}</arg_value>",
+    "<arg_key>{arg-key-2}</arg_key><arg_value>{arg-value-2}</arg_value>...</tool_call>{% endif %}",
+    "{% for message in messages %}",
+    "{% if message['role'] == 'tool' %}",
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|observation|>{% endif %}",
+    "<tool_response>{{ message['content'] }}</tool_response>",
+    "{% else %}<|{{ message['role'] }}|>{{ message['content'] }}",
+    "{% for call in message['tool_calls'] or [] %}<tool_call>{{ call['function']['name'] }}",
+    "{% for key, value in call['function']['arguments'].items() %}<arg_key>{{ key }}</arg_key>",
+    "<arg_value>{{ value if value is string else value | tojson(ensure_ascii=False) }}</arg_value>",
+    "{% endfor %}</tool_call>{% endfor %}",
+    "{% endif %}{% endfor %}",
     "{% if add_generation_prompt %}<|assistant|><think></think>{% endif %}",
 );
 

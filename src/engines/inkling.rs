@@ -19,7 +19,7 @@ use super::layers::{
     AttentionShape, GatedMlp, Sublayer,
 };
 use super::moe::{Choice, RoutedExperts, Router};
-use super::prompt::PromptConvention;
+use super::prompt::{PromptConvention, ToolSyntax};
 use super::short_conv::{ConvState, ShortConv};
 use super::state::{per_sequence, states_of, Rows, SequenceState, State, Step};
 use super::state_io::{self, expect, part};
@@ -47,6 +47,7 @@ const PROMPT: PromptConvention = PromptConvention {
     prefix: &[],
     chat_template: Some(CHAT_TEMPLATE),
     stop_on_special: false,
+    tools: Some(ToolSyntax::InklingJson),
 };
 
 /// Inkling's chat prompt as colibri's gateway renders it: the thinking-effort hint (0: off)
@@ -56,12 +57,19 @@ const PROMPT: PromptConvention = PromptConvention {
 const CHAT_TEMPLATE: &str = concat!(
     "{% set roles = {'user': 'user', 'system': 'system', 'assistant': 'model', 'tool': 'tool'} %}",
     "{% set ns = namespace(hinted=false) %}",
+    "{% if tools %}<|message_system|><|content_text|># Tools\n{{ tools | tojson }}<|end_message|>{% endif %}",
     "{% for message in messages %}",
     "{% if message['role'] != 'system' and not ns.hinted %}",
     "<|message_system|><|content_text|>Thinking effort level: 0<|end_message|>",
     "{% set ns.hinted = true %}",
     "{% endif %}",
+    "{% if message['content'] or not message['tool_calls'] %}",
     "<|message_{{ roles[message['role']] }}|><|content_text|>{{ message['content'] }}<|end_message|>",
+    "{% endif %}",
+    "{% for call in message['tool_calls'] or [] %}",
+    "<|message_model|><|content_invoke_tool_json|>",
+    "{{ {'name': call['function']['name'], 'args': call['function']['arguments']} | tojson }}<|end_message|>",
+    "{% endfor %}",
     "{% endfor %}",
     "{% if add_generation_prompt %}<|message_model|><|content_text|>{% endif %}",
 );

@@ -30,7 +30,7 @@ use super::kda::{Kda, KdaShape, KdaState};
 use super::layers::{embed_tokens, final_norm, lm_head, rms_norm, rms_norm_in_place, GatedMlp};
 use super::mla::{attend_absorbed, attend_plain, Keys, LatentCache, MlaProjections, MlaShape};
 use super::moe::{Choice, ExpertInput, RoutedExperts, Router, SigmoidRouter};
-use super::prompt::PromptConvention;
+use super::prompt::{PromptConvention, ToolSyntax};
 use super::state::{per_sequence, Logits, Rows, SequenceState, State, Step};
 use super::state_io::{self, expect};
 use super::weights::Weights;
@@ -62,10 +62,35 @@ pub const KEPT_F32: &[&str] = &[
 /// XTML, thinking off: each turn `<|open|>message role="R"<|sep|>TEXT<|close|>message<|sep|>`
 /// then `<|end_of_msg|>`; `developer` speaks as `system`; the answer opens a `response`.
 const CHAT_TEMPLATE: &str = concat!(
+    "{% macro attr(value) %}{{ value | string | replace('&', '&amp;') | replace('\"', '&quot;') }}{% endmacro %}",
+    "{% if tools %}<|open|>message role=\"system\" type=\"tool-declare\"<|sep|># Tools\n",
+    "Here are the available tools, described in JSONSchema.\n\n```json\n",
+    "{{ tools | tojson(separators=[',', ':'], sort_keys=true) }}\n```",
+    "<|close|>message<|sep|><|end_of_msg|>{% endif %}",
+    "{% set ns = namespace(tool_index=0) %}",
     "{% for message in messages %}",
+    "{% if message['role'] == 'tool' %}",
+    "{% set ns.tool_index = ns.tool_index + 1 %}",
+    "<|open|>message role=\"tool\" tool=\"{{ attr(message['name']) }}\" index=\"{{ ns.tool_index }}\"<|sep|>",
+    "{{ message['content'] }}<|close|>message<|sep|><|end_of_msg|>",
+    "{% elif message['tool_calls'] %}",
+    "{% set ns.tool_index = 0 %}",
+    "<|open|>message role=\"assistant\"<|sep|><|open|>response<|sep|>{{ message['content'] }}",
+    "<|close|>response<|sep|><|open|>tools<|sep|>",
+    "{% for call in message['tool_calls'] %}",
+    "<|open|>call tool=\"{{ attr(call['function']['name']) }}\" index=\"{{ loop.index }}\"<|sep|>",
+    "{% for key, value in call['function']['arguments'].items() %}",
+    "<|open|>argument key=\"{{ attr(key) }}\" type=\"",
+    "{% if value is boolean %}boolean{% elif value is none %}null{% elif value is number %}number",
+    "{% elif value is string %}string{% elif value is mapping %}object{% else %}array{% endif %}\"<|sep|>",
+    "{{ value if value is string else value | tojson }}<|close|>argument<|sep|>",
+    "{% endfor %}<|close|>call<|sep|>{% endfor %}",
+    "<|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>",
+    "{% else %}",
     "{{ '<|open|>message role=\"' }}",
     "{{ 'system' if message['role'] == 'developer' else message['role'] }}",
     "{{ '\"<|sep|>' + message['content'] + '<|close|>message<|sep|><|end_of_msg|>' }}",
+    "{% endif %}",
     "{% endfor %}",
     "{% if add_generation_prompt %}",
     "{{ '<|open|>message role=\"assistant\"<|sep|><|open|>response<|sep|>' }}",
@@ -1025,6 +1050,7 @@ impl Engine for KimiK3 {
             prefix: &[],
             chat_template: Some(CHAT_TEMPLATE),
             stop_on_special: false,
+            tools: Some(ToolSyntax::KimiXtml),
         }
     }
 

@@ -30,6 +30,6 @@ pub mod window_attention;
 pub(crate) use checks::{check_config, check_positive};
 pub(crate) use engine::lock;
 pub use engine::{Engine, LoadOptions};
-pub use prompt::PromptConvention;
+pub use prompt::{PromptConvention, ToolSyntax};
 pub use registry::{kept_in_f32, load, resolve, ENGINES};
 pub use state::{Logits, State, Step};

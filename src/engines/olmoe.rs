@@ -38,6 +38,7 @@ const PROMPT: PromptConvention = PromptConvention {
     prefix: &[],
     chat_template: Some(CHAT_TEMPLATE),
     stop_on_special: true,
+    tools: None,
 };
 
 /// OLMoE-Instruct's chat template: `<|user|>` and `<|assistant|>` are plain text, each turn

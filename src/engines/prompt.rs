@@ -19,6 +19,23 @@ pub struct PromptConvention {
     /// Every added token marked special ends a generation (colibri's stop set); otherwise
     /// only the EOS ids do, for models that emit special tokens inside an answer.
     pub stop_on_special: bool,
+    /// How the model writes a call of a tool; `None`: it has no syntax for calls, and a
+    /// request with tools is refused.
+    pub tools: Option<ToolSyntax>,
+}
+
+/// A model's syntax for calls of tools (parsed by `text::tool_calls`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ToolSyntax {
+    /// GLM-4.5 to GLM-5.x: `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>…
+    /// </tool_call>`, string values raw, others JSON.
+    GlmXml,
+    /// Kimi K3's XTML: `<|open|>call tool="NAME" index="I"<|sep|>` with an `argument` tag
+    /// per argument (its `type` attribute says string or JSON), `<|close|>call<|sep|>`.
+    KimiXtml,
+    /// Inkling: a `<|content_invoke_tool_json|>` block `{"name": …, "args": {…}}` ended by
+    /// `<|end_message|>`.
+    InklingJson,
 }
 
 impl PromptConvention {
@@ -29,5 +46,6 @@ impl PromptConvention {
         prefix: &[],
         chat_template: None,
         stop_on_special: true,
+        tools: None,
     };
 }

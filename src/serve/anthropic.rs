@@ -5,9 +5,9 @@
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::api::{ApiError, Finish, Input, Request, Usage, MAX_STOP_BYTES};
+use super::api::{self, ApiError, Finish, Input, Request, ToolChoice, Usage, MAX_STOP_BYTES};
 use crate::sampling::Shaping;
-use crate::text::ChatMessage;
+use crate::text::{ChatMessage, Conversation, ToolCall};
 
 /// Fields clients send that mean nothing to this server: accepted and ignored.
 const IGNORED_FIELDS: [&str; 2] = ["metadata", "service_tier"];
@@ -27,6 +27,8 @@ struct Messages {
     top_p: Option<f64>,
     top_k: Option<u64>,
     thinking: Option<Value>,
+    tools: Option<Vec<Value>>,
+    tool_choice: Option<Value>,
     #[serde(flatten)]
     rest: serde_json::Map<String, Value>,
 }
@@ -60,12 +62,7 @@ pub fn request(body: &[u8]) -> Result<Request, ApiError> {
         ))
     })?;
     for (key, value) in &parsed.rest {
-        let says_nothing = value.is_null()
-            || value.as_array().is_some_and(Vec::is_empty)
-            || (key == "tool_choice"
-                && value
-                    .get("type")
-                    .is_some_and(|t| t == "auto" || t == "none"));
+        let says_nothing = value.is_null() || value.as_array().is_some_and(Vec::is_empty);
         if !says_nothing && !IGNORED_FIELDS.contains(&key.as_str()) {
             return Err(ApiError::invalid(format!(
                 "{key}: this server does not implement this field; leave it out (docs/serve.md lists the fields coli serve takes)"
@@ -87,10 +84,7 @@ pub fn request(body: &[u8]) -> Result<Request, ApiError> {
     }
     let mut messages = Vec::new();
     if let Some(system) = parsed.system.filter(|s| !s.is_null()) {
-        messages.push(ChatMessage {
-            role: "system".to_string(),
-            content: text_of(&system, "system")?,
-        });
+        messages.push(ChatMessage::text("system", text_of(&system, "system")?));
     }
     for (i, message) in parsed.messages.iter().enumerate() {
         if let Some((key, _)) = message.rest.iter().find(|(_, v)| !v.is_null()) {
@@ -98,16 +92,16 @@ pub fn request(body: &[u8]) -> Result<Request, ApiError> {
                 "messages[{i}].{key}: this server does not implement this field"
             )));
         }
-        if message.role != "user" && message.role != "assistant" {
-            return Err(ApiError::invalid(format!(
-                "messages[{i}].role {:?}: expected \"user\" or \"assistant\" (the system prompt goes in `system`)",
-                message.role
-            )));
+        let at = format!("messages[{i}].content");
+        match message.role.as_str() {
+            "assistant" => messages.push(assistant_turn(&message.content, &at)?),
+            "user" => user_turn(&message.content, &at, &mut messages)?,
+            other => {
+                return Err(ApiError::invalid(format!(
+                    "messages[{i}].role {other:?}: expected \"user\" or \"assistant\" (the system prompt goes in `system`)"
+                )))
+            }
         }
-        messages.push(ChatMessage {
-            role: message.role.clone(),
-            content: text_of(&message.content, &format!("messages[{i}].content"))?,
-        });
     }
     if parsed
         .messages
@@ -138,9 +132,24 @@ pub fn request(body: &[u8]) -> Result<Request, ApiError> {
             "stop_sequences: up to {MAX_STOP_SEQUENCES} sequences, none of them empty or over {MAX_STOP_BYTES} bytes"
         )));
     }
+    let tools = parsed
+        .tools
+        .unwrap_or_default()
+        .iter()
+        .enumerate()
+        .map(|(i, tool)| openai_tool(tool, i))
+        .collect::<Result<Vec<_>, _>>()?;
+    api::check_tools(&tools)?;
+    let mut conversation = Conversation {
+        messages,
+        tools,
+        variables: serde_json::Map::new(),
+    };
+    let (choice, parallel) = tool_choice(parsed.tool_choice.as_ref())?;
+    let tools = api::tools_for(&mut conversation, choice, parallel)?;
     Ok(Request {
         model: parsed.model,
-        input: Input::Chat(messages),
+        input: Input::Chat(conversation),
         max_tokens: Some(usize::try_from(max_tokens).unwrap_or(usize::MAX)),
         temperature: parsed.temperature,
         top_p: parsed.top_p,
@@ -159,7 +168,180 @@ pub fn request(body: &[u8]) -> Result<Request, ApiError> {
             ..Shaping::default()
         },
         logprobs: None,
+        tools,
     })
+}
+
+/// An Anthropic tool, `{"name", "description"?, "input_schema"}`, in the OpenAI form the
+/// templates read.
+fn openai_tool(tool: &Value, i: usize) -> Result<Value, ApiError> {
+    let Some(fields) = tool.as_object() else {
+        return Err(ApiError::invalid(format!(
+            "tools[{i}]: expected {{\"name\", \"description\", \"input_schema\"}}"
+        )));
+    };
+    for (key, value) in fields {
+        match key.as_str() {
+            "name" | "description" | "input_schema" | "cache_control" => {}
+            "type" if value == "custom" => {}
+            _ => {
+                return Err(ApiError::invalid(format!(
+                    "tools[{i}].{key}: this server takes tools of name, description and input_schema (server tools such as web search are not implemented)"
+                )))
+            }
+        }
+    }
+    let mut function = json!({ "name": tool.get("name").cloned().unwrap_or(Value::Null) });
+    if let Some(description) = tool.get("description") {
+        function["description"] = description.clone();
+    }
+    match tool.get("input_schema") {
+        Some(schema) => function["parameters"] = schema.clone(),
+        None => {
+            return Err(ApiError::invalid(format!(
+                "tools[{i}].input_schema: required (a JSON Schema object)"
+            )))
+        }
+    }
+    Ok(json!({ "type": "function", "function": function }))
+}
+
+/// `tool_choice` `{"type": "auto" | "any" | "tool" | "none", "name"?,
+/// "disable_parallel_tool_use"?}`: the choice (`None` for `none`) and whether calls may
+/// be parallel.
+fn tool_choice(choice: Option<&Value>) -> Result<(Option<ToolChoice>, Option<bool>), ApiError> {
+    let Some(choice) = choice.filter(|c| !c.is_null()) else {
+        return Ok((Some(ToolChoice::Auto), None));
+    };
+    let bad = || {
+        ApiError::invalid(format!(
+            "tool_choice {choice}: expected {{\"type\": \"auto\" | \"any\" | \"none\"}} or {{\"type\": \"tool\", \"name\": ...}}, with \"disable_parallel_tool_use\" optional"
+        ))
+    };
+    let fields = choice.as_object().ok_or_else(bad)?;
+    if fields
+        .keys()
+        .any(|k| !["type", "name", "disable_parallel_tool_use"].contains(&k.as_str()))
+    {
+        return Err(bad());
+    }
+    let parallel = match fields.get("disable_parallel_tool_use") {
+        None | Some(Value::Null) => None,
+        Some(Value::Bool(disable)) => Some(!disable),
+        Some(_) => return Err(bad()),
+    };
+    let choice = match (
+        fields.get("type").and_then(Value::as_str),
+        fields.get("name"),
+    ) {
+        (Some("auto"), None) => Some(ToolChoice::Auto),
+        (Some("any"), None) => Some(ToolChoice::Required),
+        (Some("none"), None) => None,
+        (Some("tool"), Some(Value::String(name))) => Some(ToolChoice::Named(name.clone())),
+        _ => return Err(bad()),
+    };
+    Ok((choice, parallel))
+}
+
+/// The blocks of `content` (a string is one text block).
+fn blocks(content: &Value, at: &str) -> Result<Vec<Value>, ApiError> {
+    match content {
+        Value::String(text) => Ok(vec![json!({ "type": "text", "text": text })]),
+        Value::Array(blocks) => Ok(blocks.clone()),
+        _ => Err(ApiError::invalid(format!(
+            "{at}: expected a string or an array of blocks"
+        ))),
+    }
+}
+
+/// An assistant turn: its text blocks joined, its `tool_use` blocks its calls.
+fn assistant_turn(content: &Value, at: &str) -> Result<ChatMessage, ApiError> {
+    let mut text = Vec::new();
+    let mut calls = Vec::new();
+    for (j, block) in blocks(content, at)?.into_iter().enumerate() {
+        if block.get("type").is_some_and(|t| t == "tool_use") {
+            let field = |key: &str| block.get(key);
+            let (Some(Value::String(id)), Some(Value::String(name)), Some(Value::Object(input))) =
+                (field("id"), field("name"), field("input"))
+            else {
+                return Err(ApiError::invalid(format!(
+                    "{at}[{j}]: a tool_use block has an id, a name and an input object"
+                )));
+            };
+            calls.push(ToolCall {
+                id: id.clone(),
+                name: name.clone(),
+                arguments: input.clone(),
+            });
+        } else {
+            text.push(block);
+        }
+    }
+    let mut message = ChatMessage::text("assistant", text_of(&Value::Array(text), at)?);
+    message.tool_calls = calls;
+    Ok(message)
+}
+
+/// A user turn: a tool message for each `tool_result` block (the tool named by the call
+/// it answers), then its text, if any.
+fn user_turn(content: &Value, at: &str, messages: &mut Vec<ChatMessage>) -> Result<(), ApiError> {
+    let mut text = Vec::new();
+    for (j, block) in blocks(content, at)?.into_iter().enumerate() {
+        if !block.get("type").is_some_and(|t| t == "tool_result") {
+            text.push(block);
+            continue;
+        }
+        let Some(id) = block.get("tool_use_id").and_then(Value::as_str) else {
+            return Err(ApiError::invalid(format!(
+                "{at}[{j}].tool_use_id: a tool_result names the tool_use it answers"
+            )));
+        };
+        if let Some(key) = block.as_object().and_then(|b| {
+            b.keys().find(|k| {
+                ![
+                    "type",
+                    "tool_use_id",
+                    "content",
+                    "is_error",
+                    "cache_control",
+                ]
+                .contains(&k.as_str())
+            })
+        }) {
+            return Err(ApiError::invalid(format!(
+                "{at}[{j}].{key}: this server does not implement this field"
+            )));
+        }
+        let name = messages
+            .iter()
+            .rev()
+            .flat_map(|m| &m.tool_calls)
+            .find(|call| call.id == id)
+            .map(|call| call.name.clone())
+            .ok_or_else(|| {
+                ApiError::invalid(format!(
+                    "{at}[{j}].tool_use_id {id:?}: no earlier assistant turn has a tool_use with this id"
+                ))
+            })?;
+        let result = match block.get("content") {
+            None | Some(Value::Null) => String::new(),
+            Some(content) => text_of(content, &format!("{at}[{j}].content"))?,
+        };
+        let result = if block.get("is_error").is_some_and(|e| e == true) {
+            format!("Error: {result}")
+        } else {
+            result
+        };
+        messages.push(ChatMessage {
+            tool_call_id: Some(id.to_string()),
+            name: Some(name),
+            ..ChatMessage::text("tool", result)
+        });
+    }
+    if !text.is_empty() || messages.last().is_none_or(|m| m.role != "tool") {
+        messages.push(ChatMessage::text("user", text_of(&Value::Array(text), at)?));
+    }
+    Ok(())
 }
 
 /// The text of a content: a string, or text blocks (joined); `cache_control` on a block
@@ -203,6 +385,7 @@ fn stop_reason(finish: Finish, stops: &[String]) -> (&'static str, Value) {
             stops.get(index).map_or(Value::Null, |s| json!(s)),
         ),
         Finish::Length => ("max_tokens", Value::Null),
+        Finish::ToolCalls => ("tool_use", Value::Null),
     }
 }
 
@@ -221,17 +404,23 @@ pub fn message(
     id: &str,
     model: &str,
     text: &str,
+    calls: &[ToolCall],
     finish: Finish,
     stops: &[String],
     usage: Usage,
 ) -> Value {
     let (reason, sequence) = stop_reason(finish, stops);
+    let mut content = Vec::new();
+    if !text.is_empty() || calls.is_empty() {
+        content.push(json!({ "type": "text", "text": text }));
+    }
+    content.extend(calls.iter().map(tool_use));
     json!({
         "id": id,
         "type": "message",
         "role": "assistant",
         "model": model,
-        "content": [{ "type": "text", "text": text }],
+        "content": content,
         "stop_reason": reason,
         "stop_sequence": sequence,
         "usage": usage_body(usage),
@@ -257,47 +446,120 @@ pub fn stream_start(id: &str, model: &str) -> [(&'static str, Value); 2] {
                 },
             }),
         ),
-        (
-            "content_block_start",
-            json!({
-                "type": "content_block_start",
-                "index": 0,
-                "content_block": { "type": "text", "text": "" },
-            }),
-        ),
+        block_start(0, json!({ "type": "text", "text": "" })),
     ]
 }
 
-/// A piece of the text block.
-pub fn text_delta(text: &str) -> (&'static str, Value) {
-    (
-        "content_block_delta",
-        json!({
-            "type": "content_block_delta",
-            "index": 0,
-            "delta": { "type": "text_delta", "text": text },
-        }),
-    )
+/// A call as a `tool_use` block.
+fn tool_use(call: &ToolCall) -> Value {
+    json!({ "type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments })
 }
 
-/// The stream's last events: the block's end, the stop reason and usage, `message_stop`.
-pub fn stream_end(finish: Finish, stops: &[String], usage: Usage) -> [(&'static str, Value); 3] {
-    let (reason, sequence) = stop_reason(finish, stops);
-    [
-        (
-            "content_block_stop",
-            json!({ "type": "content_block_stop", "index": 0 }),
-        ),
-        (
+/// The content blocks of a streamed message after [`stream_start`] opened a text block at
+/// index 0: text goes to the open text block (a new one after a call), each call is a
+/// `tool_use` block of its own (its input in one `input_json_delta`).
+pub struct Blocks {
+    index: usize,
+    text_open: bool,
+}
+
+impl Default for Blocks {
+    fn default() -> Blocks {
+        Blocks {
+            index: 0,
+            text_open: true,
+        }
+    }
+}
+
+impl Blocks {
+    /// A piece of text.
+    pub fn text(&mut self, text: &str) -> Vec<(&'static str, Value)> {
+        let mut events = Vec::new();
+        if !self.text_open {
+            self.index += 1;
+            self.text_open = true;
+            events.push(block_start(
+                self.index,
+                json!({ "type": "text", "text": "" }),
+            ));
+        }
+        events.push((
+            "content_block_delta",
+            json!({
+                "type": "content_block_delta",
+                "index": self.index,
+                "delta": { "type": "text_delta", "text": text },
+            }),
+        ));
+        events
+    }
+
+    /// A call, whole.
+    pub fn call(&mut self, call: &ToolCall) -> Vec<(&'static str, Value)> {
+        let mut events = self.close();
+        self.index += 1;
+        let start = json!({ "type": "tool_use", "id": call.id, "name": call.name, "input": {} });
+        events.push(block_start(self.index, start));
+        events.push((
+            "content_block_delta",
+            json!({
+                "type": "content_block_delta",
+                "index": self.index,
+                "delta": {
+                    "type": "input_json_delta",
+                    "partial_json": Value::Object(call.arguments.clone()).to_string(),
+                },
+            }),
+        ));
+        events.push(block_stop(self.index));
+        events
+    }
+
+    /// The open text block's end, if one is open.
+    fn close(&mut self) -> Vec<(&'static str, Value)> {
+        if std::mem::replace(&mut self.text_open, false) {
+            vec![block_stop(self.index)]
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// The stream's last events: the open block's end, the stop reason and usage,
+    /// `message_stop`.
+    pub fn end(
+        &mut self,
+        finish: Finish,
+        stops: &[String],
+        usage: Usage,
+    ) -> Vec<(&'static str, Value)> {
+        let (reason, sequence) = stop_reason(finish, stops);
+        let mut events = self.close();
+        events.push((
             "message_delta",
             json!({
                 "type": "message_delta",
                 "delta": { "stop_reason": reason, "stop_sequence": sequence },
                 "usage": usage_body(usage),
             }),
-        ),
-        ("message_stop", json!({ "type": "message_stop" })),
-    ]
+        ));
+        events.push(("message_stop", json!({ "type": "message_stop" })));
+        events
+    }
+}
+
+fn block_start(index: usize, block: Value) -> (&'static str, Value) {
+    (
+        "content_block_start",
+        json!({ "type": "content_block_start", "index": index, "content_block": block }),
+    )
+}
+
+fn block_stop(index: usize) -> (&'static str, Value) {
+    (
+        "content_block_stop",
+        json!({ "type": "content_block_stop", "index": index }),
+    )
 }
 
 /// An error as Anthropic returns it: `{"type": "error", "error": {"type", "message"}}`,
@@ -330,16 +592,10 @@ mod tests {
         .unwrap();
         assert_eq!(
             parsed.input,
-            Input::Chat(vec![
-                ChatMessage {
-                    role: "system".into(),
-                    content: "Be brief.".into()
-                },
-                ChatMessage {
-                    role: "user".into(),
-                    content: "Hi".into()
-                },
-            ])
+            Input::Chat(Conversation::from(vec![
+                ChatMessage::text("system", "Be brief."),
+                ChatMessage::text("user", "Hi"),
+            ]))
         );
         assert_eq!(parsed.shaping.top_k, 3);
         assert_eq!(parsed.stop, ["\n"]);
@@ -349,7 +605,7 @@ mod tests {
         assert!(refused(
             format!(r#"{{"max_tokens":1,{user},"tools":[{{"name":"f"}}]}}"#).as_bytes()
         )
-        .starts_with("tools:"));
+        .starts_with("tools[0].input_schema: required"));
         assert!(refused(
             br#"{"max_tokens":1,"messages":[{"role":"user","content":[{"type":"image"}]}]}"#
         )
@@ -365,5 +621,53 @@ mod tests {
             refused(format!(r#"{{"max_tokens":1,{user},"temperature":1.5}}"#).as_bytes())
                 .starts_with("temperature")
         );
+    }
+
+    #[test]
+    fn tool_use_and_tool_result_blocks_become_calls_and_tool_messages() {
+        let parsed = request(
+            br#"{"max_tokens":9,"tools":[{"name":"ls","description":"List","input_schema":{"type":"object"}}],
+                "tool_choice":{"type":"any","disable_parallel_tool_use":true},
+                "messages":[{"role":"user","content":"Files?"},
+                {"role":"assistant","content":[{"type":"text","text":"Looking."},{"type":"tool_use","id":"toolu_1","name":"ls","input":{"dir":"/"}}]},
+                {"role":"user","content":[{"type":"tool_result","tool_use_id":"toolu_1","content":"a b"},{"type":"text","text":"And?"}]}]}"#,
+        )
+        .unwrap();
+        let Input::Chat(conversation) = parsed.input else {
+            panic!("a chat")
+        };
+        assert_eq!(
+            conversation.tools,
+            vec![
+                json!({"type": "function", "function": {"name": "ls", "description": "List", "parameters": {"type": "object"}}})
+            ]
+        );
+        let roles: Vec<_> = conversation
+            .messages
+            .iter()
+            .map(|m| m.role.as_str())
+            .collect();
+        assert_eq!(roles, ["user", "assistant", "tool", "user"]);
+        let call = &conversation.messages[1].tool_calls[0];
+        assert_eq!((call.id.as_str(), call.name.as_str()), ("toolu_1", "ls"));
+        assert_eq!(conversation.messages[1].content, "Looking.");
+        let result = &conversation.messages[2];
+        assert_eq!(result.name.as_deref(), Some("ls"));
+        assert_eq!(result.content, "a b");
+        let tools = parsed.tools.unwrap();
+        assert_eq!(
+            (tools.choice, tools.parallel),
+            (ToolChoice::Required, false)
+        );
+        let refused = |body: &str| request(body.as_bytes()).unwrap_err().message;
+        let result_for = |id: &str| {
+            format!(
+                r#"{{"max_tokens":1,"messages":[{{"role":"user","content":[{{"type":"tool_result","tool_use_id":"{id}"}}]}}]}}"#
+            )
+        };
+        assert!(refused(&result_for("x")).contains("no earlier assistant turn"));
+        let named = r#"{"max_tokens":1,"messages":[{"role":"user","content":"Hi"}],
+            "tools":[{"name":"ls","input_schema":{}}],"tool_choice":{"type":"tool","name":"rm"}}"#;
+        assert!(refused(named).contains("\"rm\", which is not in tools"));
     }
 }

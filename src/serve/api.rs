@@ -6,7 +6,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::sampling::Shaping;
-use crate::text::ChatMessage;
+use crate::text::{ChatMessage, Conversation, ToolCall};
 
 /// The longest stop sequence: the text held back while it may still become one is at most
 /// this long.
@@ -61,7 +61,7 @@ impl ApiError {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Input {
     /// `/v1/chat/completions`: rendered through the model's chat template.
-    Chat(Vec<ChatMessage>),
+    Chat(Conversation),
     /// `/v1/completions` with a string: encoded as text mode encodes a prompt.
     Text(String),
     /// `/v1/completions` with token ids.
@@ -92,6 +92,29 @@ pub struct Request {
     /// Log-probabilities of the chosen tokens, with this many most likely alternatives
     /// (`logprobs`/`top_logprobs`).
     pub logprobs: Option<usize>,
+    /// How the answer may call the conversation's tools; `None`: it calls none (no tools,
+    /// or `tool_choice` `none`).
+    pub tools: Option<Tools>,
+}
+
+/// How an answer calls tools.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tools {
+    pub choice: ToolChoice,
+    /// More than one call in an answer (`parallel_tool_calls`, default true).
+    pub parallel: bool,
+}
+
+/// `tool_choice` (Anthropic's `tool_choice.type`), less `none`, which leaves the tools out.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ToolChoice {
+    /// The model decides (`auto`).
+    Auto,
+    /// At least one call (`required`; Anthropic's `any`).
+    Required,
+    /// A call of this tool (`{"type": "function", "function": {"name"}}`; Anthropic's
+    /// `{"type": "tool", "name"}`).
+    Named(String),
 }
 
 /// The most alternatives `top_logprobs` (chat) or `logprobs` (completions) may ask for.
@@ -132,6 +155,15 @@ struct Common {
     top_logprobs: Option<u64>,
 }
 
+/// The chat-only fields about tools and the template.
+#[derive(Deserialize)]
+struct ChatExtras {
+    tools: Option<Vec<Value>>,
+    tool_choice: Option<Value>,
+    parallel_tool_calls: Option<bool>,
+    chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+}
+
 #[derive(Deserialize)]
 #[serde(untagged)]
 enum Stop {
@@ -149,6 +181,8 @@ struct Chat {
     messages: Vec<Message>,
     #[serde(flatten)]
     common: Common,
+    #[serde(flatten)]
+    extras: ChatExtras,
     /// Every other field: refused unless ignorable ([`refuse_unknown`]).
     #[serde(flatten)]
     rest: serde_json::Map<String, Value>,
@@ -158,6 +192,9 @@ struct Chat {
 struct Message {
     role: String,
     content: Option<Value>,
+    tool_calls: Option<Vec<Value>>,
+    tool_call_id: Option<String>,
+    name: Option<String>,
     #[serde(flatten)]
     rest: serde_json::Map<String, Value>,
 }
@@ -173,9 +210,8 @@ struct Completion {
 
 /// A 400 for the first field of `rest` (the fields no struct took) that carries a value
 /// and is not one this server may ignore. `null`, `[]` and `{}` say nothing and pass, as do
-/// the values of unimplemented features that ask for the default: `tool_choice` `"none"`
-/// or `"auto"` and `parallel_tool_calls` without tools, `response_format` `{"type":
-/// "text"}`.
+/// the values of unimplemented features that ask for the default: `response_format`
+/// `{"type": "text"}`.
 fn refuse_unknown(rest: &serde_json::Map<String, Value>, at: &str) -> Result<(), ApiError> {
     for (key, value) in rest {
         let empty = match value {
@@ -185,8 +221,6 @@ fn refuse_unknown(rest: &serde_json::Map<String, Value>, at: &str) -> Result<(),
             _ => false,
         };
         let default = match key.as_str() {
-            "tool_choice" => value == "none" || value == "auto",
-            "parallel_tool_calls" => value.is_boolean(),
             "response_format" => value.get("type").is_some_and(|t| t == "text"),
             _ => false,
         };
@@ -229,22 +263,198 @@ pub fn chat_request(body: &[u8]) -> Result<Request, ApiError> {
             "top_logprobs: give it with \"logprobs\": true",
         ));
     }
-    let messages = chat_messages(chat.messages)?;
-    request(chat.common, Input::Chat(messages), logprobs)
+    let mut conversation = Conversation {
+        messages: chat_messages(chat.messages)?,
+        tools: chat.extras.tools.unwrap_or_default(),
+        variables: chat.extras.chat_template_kwargs.unwrap_or_default(),
+    };
+    check_tools(&conversation.tools)?;
+    if let Some(key) = conversation.reserved_variable() {
+        return Err(ApiError::invalid(format!(
+            "chat_template_kwargs.{key}: set by the server itself; leave it out"
+        )));
+    }
+    let choice = match chat.extras.tool_choice {
+        None | Some(Value::Null) => Some(ToolChoice::Auto),
+        Some(Value::String(word)) => match word.as_str() {
+            "auto" => Some(ToolChoice::Auto),
+            "none" => None,
+            "required" => Some(ToolChoice::Required),
+            other => {
+                return Err(ApiError::invalid(format!(
+                    "tool_choice {other:?}: expected \"none\", \"auto\", \"required\" or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"
+                )))
+            }
+        },
+        Some(named) => match named.pointer("/function/name").and_then(Value::as_str) {
+            Some(name) if named.get("type").is_some_and(|t| t == "function") => {
+                Some(ToolChoice::Named(name.to_string()))
+            }
+            _ => {
+                return Err(ApiError::invalid(format!(
+                    "tool_choice {named}: expected \"none\", \"auto\", \"required\" or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"
+                )))
+            }
+        },
+    };
+    let tools = tools_for(&mut conversation, choice, chat.extras.parallel_tool_calls)?;
+    let mut request = request(chat.common, Input::Chat(conversation), logprobs)?;
+    request.tools = tools;
+    Ok(request)
+}
+
+/// Each tool is `{"type": "function", "function": {"name", "description"?, "parameters"?,
+/// "strict"?}}` with a name, its parameters a JSON Schema object.
+pub fn check_tools(tools: &[Value]) -> Result<(), ApiError> {
+    for (i, tool) in tools.iter().enumerate() {
+        let bad = |what: &str| ApiError::invalid(format!("tools[{i}]{what}"));
+        if tool.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(bad(".type: expected \"function\""));
+        }
+        let Some(function) = tool.get("function").and_then(Value::as_object) else {
+            return Err(bad(".function: expected an object with a name"));
+        };
+        match function.get("name").and_then(Value::as_str) {
+            Some(name) if !name.is_empty() && name.len() <= 256 => {}
+            _ => {
+                return Err(bad(
+                    ".function.name: expected a name of 1 to 256 characters",
+                ))
+            }
+        }
+        if function.get("parameters").is_some_and(|p| !p.is_object()) {
+            return Err(bad(".function.parameters: expected a JSON Schema object"));
+        }
+        for key in function.keys() {
+            if !["name", "description", "parameters", "strict"].contains(&key.as_str()) {
+                return Err(bad(&format!(
+                    ".function.{key}: not a field of a function (name, description, parameters, strict)"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// How the answer may call `conversation`'s tools under `choice` (`None`: `tool_choice`
+/// `none`, whose tools are left out of the prompt); a named tool must be one of them.
+pub fn tools_for(
+    conversation: &mut Conversation,
+    choice: Option<ToolChoice>,
+    parallel: Option<bool>,
+) -> Result<Option<Tools>, ApiError> {
+    let Some(choice) = choice else {
+        conversation.tools.clear();
+        return Ok(None);
+    };
+    if conversation.tools.is_empty() {
+        return match choice {
+            ToolChoice::Auto => Ok(None),
+            _ => Err(ApiError::invalid(
+                "tool_choice: asks for a call, but the request gives no tools",
+            )),
+        };
+    }
+    if let ToolChoice::Named(name) = &choice {
+        let known = conversation
+            .tools
+            .iter()
+            .any(|tool| tool.pointer("/function/name").and_then(Value::as_str) == Some(name));
+        if !known {
+            return Err(ApiError::invalid(format!(
+                "tool_choice: names the tool {name:?}, which is not in tools"
+            )));
+        }
+    }
+    Ok(Some(Tools {
+        choice,
+        parallel: parallel.unwrap_or(true),
+    }))
 }
 
 fn chat_messages(messages: Vec<Message>) -> Result<Vec<ChatMessage>, ApiError> {
-    messages
-        .into_iter()
-        .enumerate()
-        .map(|(i, m)| {
-            refuse_unknown(&m.rest, &format!("messages[{i}]."))?;
-            Ok(ChatMessage {
-                content: message_text(i, m.content)?,
-                role: m.role,
-            })
-        })
-        .collect()
+    let mut out: Vec<ChatMessage> = Vec::with_capacity(messages.len());
+    for (i, m) in messages.into_iter().enumerate() {
+        refuse_unknown(&m.rest, &format!("messages[{i}]."))?;
+        let mut message = ChatMessage::text(&m.role, message_text(i, m.content)?);
+        if let Some(calls) = m.tool_calls.filter(|calls| !calls.is_empty()) {
+            if m.role != "assistant" {
+                return Err(ApiError::invalid(format!(
+                    "messages[{i}].tool_calls: only an assistant message makes calls"
+                )));
+            }
+            message.tool_calls = calls
+                .iter()
+                .enumerate()
+                .map(|(j, call)| past_call(call, &format!("messages[{i}].tool_calls[{j}]")))
+                .collect::<Result<_, _>>()?;
+        }
+        if m.role == "tool" {
+            let Some(id) = m.tool_call_id else {
+                return Err(ApiError::invalid(format!(
+                    "messages[{i}].tool_call_id: a tool message names the call it answers"
+                )));
+            };
+            // The tool's name, which templates print: the call's with that id.
+            let called = out
+                .iter()
+                .rev()
+                .flat_map(|earlier| &earlier.tool_calls)
+                .find(|call| call.id == id)
+                .map(|call| call.name.clone());
+            message.name = m.name.or(called);
+            if message.name.is_none() {
+                return Err(ApiError::invalid(format!(
+                    "messages[{i}].tool_call_id {id:?}: no earlier assistant message made a call with this id (give \"name\" to say which tool answered)"
+                )));
+            }
+            message.tool_call_id = Some(id);
+        } else if m.tool_call_id.is_some() {
+            return Err(ApiError::invalid(format!(
+                "messages[{i}].tool_call_id: only a tool message answers a call"
+            )));
+        } else {
+            message.name = m.name;
+        }
+        out.push(message);
+    }
+    Ok(out)
+}
+
+/// A call an earlier assistant message made: `{"id", "type": "function", "function":
+/// {"name", "arguments": "<a JSON object>"}}`; `at` names it in messages.
+fn past_call(call: &Value, at: &str) -> Result<ToolCall, ApiError> {
+    let bad = |what: &str| ApiError::invalid(format!("{at}{what}"));
+    let id = call
+        .get("id")
+        .and_then(Value::as_str)
+        .ok_or_else(|| bad(".id: expected the call's id"))?;
+    let name = call
+        .pointer("/function/name")
+        .and_then(Value::as_str)
+        .ok_or_else(|| bad(".function.name: expected the tool's name"))?;
+    let arguments = match call.pointer("/function/arguments") {
+        None | Some(Value::Null) => serde_json::Map::new(),
+        Some(Value::Object(arguments)) => arguments.clone(),
+        Some(Value::String(text)) => match serde_json::from_str(text) {
+            Ok(Value::Object(arguments)) => arguments,
+            _ => {
+                return Err(bad(
+                    ".function.arguments: expected a JSON object, as a string",
+                ))
+            }
+        },
+        Some(_) => {
+            return Err(bad(
+                ".function.arguments: expected a JSON object, as a string",
+            ))
+        }
+    };
+    Ok(ToolCall {
+        id: id.to_string(),
+        name: name.to_string(),
+        arguments,
+    })
 }
 
 /// What `/tokenize` is asked to encode.
@@ -254,7 +464,7 @@ pub enum Tokenize {
     /// prefix in front), else the tokenizer's ids of the text alone.
     Text { text: String, special: bool },
     /// Messages, as `/v1/chat/completions` renders and encodes them.
-    Chat(Vec<ChatMessage>),
+    Chat(Conversation),
 }
 
 #[derive(Deserialize)]
@@ -263,6 +473,8 @@ struct TokenizeBody {
     content: Option<String>,
     prompt: Option<String>,
     messages: Option<Vec<Message>>,
+    tools: Option<Vec<Value>>,
+    chat_template_kwargs: Option<serde_json::Map<String, Value>>,
     add_special: Option<bool>,
     add_special_tokens: Option<bool>,
     model: Option<String>,
@@ -282,7 +494,15 @@ pub fn tokenize_request(body: &[u8]) -> Result<(Tokenize, Option<String>), ApiEr
         .unwrap_or(true);
     let input = match (parsed.content.or(parsed.prompt), parsed.messages) {
         (Some(text), None) => Tokenize::Text { text, special },
-        (None, Some(messages)) => Tokenize::Chat(chat_messages(messages)?),
+        (None, Some(messages)) => {
+            let conversation = Conversation {
+                messages: chat_messages(messages)?,
+                tools: parsed.tools.unwrap_or_default(),
+                variables: parsed.chat_template_kwargs.unwrap_or_default(),
+            };
+            check_tools(&conversation.tools)?;
+            Tokenize::Chat(conversation)
+        }
         _ => {
             return Err(ApiError::invalid(
                 "give `content` (or `prompt`) text, or `messages`: one of them",
@@ -466,6 +686,7 @@ fn request(common: Common, input: Input, logprobs: Option<usize>) -> Result<Requ
         clamp_tokens: false,
         shaping,
         logprobs,
+        tools: None,
     })
 }
 
@@ -478,6 +699,8 @@ pub enum Finish {
     StopString(usize),
     /// `max_tokens` reached.
     Length,
+    /// The answer called tools and ended.
+    ToolCalls,
 }
 
 impl Finish {
@@ -485,6 +708,7 @@ impl Finish {
         match self {
             Finish::Stop | Finish::StopString(_) => "stop",
             Finish::Length => "length",
+            Finish::ToolCalls => "tool_calls",
         }
     }
 }
@@ -547,6 +771,8 @@ pub type Routed = Vec<Vec<Vec<u32>>>;
 /// One finished choice of a request without `stream`.
 pub struct Choice {
     pub text: String,
+    /// The tools it called, in order.
+    pub calls: Vec<ToolCall>,
     pub finish: Finish,
     pub routed: Option<Routed>,
     /// When asked: per generated token, its log-probability and the alternatives'.
@@ -611,12 +837,25 @@ pub fn response(endpoint: Endpoint, who: &Identity, choices: &[Choice], usage: U
                 .as_ref()
                 .map_or(Value::Null, |l| logprobs_body(endpoint, l, 0));
             let mut body = match endpoint {
-                Endpoint::Chat => json!({
-                    "index": index,
-                    "message": { "role": "assistant", "content": choice.text },
-                    "logprobs": logprobs,
-                    "finish_reason": choice.finish.name(),
-                }),
+                Endpoint::Chat => {
+                    let mut message = json!({ "role": "assistant", "content": choice.text });
+                    if !choice.calls.is_empty() {
+                        if choice.text.is_empty() {
+                            message["content"] = Value::Null;
+                        }
+                        message["tool_calls"] = choice
+                            .calls
+                            .iter()
+                            .map(|call| call_body(call, None))
+                            .collect();
+                    }
+                    json!({
+                        "index": index,
+                        "message": message,
+                        "logprobs": logprobs,
+                        "finish_reason": choice.finish.name(),
+                    })
+                }
                 Endpoint::Completion => json!({
                     "index": index,
                     "text": choice.text,
@@ -695,6 +934,37 @@ pub fn chunk(
     })
 }
 
+/// A call as OpenAI shows it, its arguments a JSON string; in a stream's delta, with its
+/// `index` among the choice's calls.
+fn call_body(call: &ToolCall, index: Option<usize>) -> Value {
+    let mut body = json!({
+        "id": call.id,
+        "type": "function",
+        "function": {
+            "name": call.name,
+            "arguments": Value::Object(call.arguments.clone()).to_string(),
+        },
+    });
+    if let Some(index) = index {
+        body["index"] = index.into();
+    }
+    body
+}
+
+/// The chunk of choice `index` that carries its `number`th call, whole (one delta per call,
+/// as peers send a parsed call).
+pub fn call_chunk(
+    who: &Identity,
+    index: usize,
+    number: usize,
+    call: &ToolCall,
+    first: bool,
+) -> Value {
+    let mut body = chunk(Endpoint::Chat, who, index, None, None, first, None);
+    body["choices"][0]["delta"]["tool_calls"] = json!([call_body(call, Some(number))]);
+    body
+}
+
 /// The chunk `stream_options.include_usage` asks for after the last choice.
 pub fn usage_chunk(endpoint: Endpoint, who: &Identity, usage: Usage) -> Value {
     let mut body = chunk(endpoint, who, 0, None, None, false, None);
@@ -718,16 +988,10 @@ mod tests {
         .unwrap();
         assert_eq!(
             request.input,
-            Input::Chat(vec![
-                ChatMessage {
-                    role: "system".into(),
-                    content: "Be brief.".into()
-                },
-                ChatMessage {
-                    role: "user".into(),
-                    content: "Hi there".into()
-                },
-            ])
+            Input::Chat(Conversation::from(vec![
+                ChatMessage::text("system", "Be brief."),
+                ChatMessage::text("user", "Hi there"),
+            ]))
         );
         assert_eq!(request.max_tokens, Some(5));
         assert_eq!(request.stop, vec!["\n".to_string()]);
@@ -765,5 +1029,62 @@ mod tests {
             completion_request(br#"{"prompt":[1,2,3]}"#).unwrap().input,
             Input::Ids(vec![1, 2, 3])
         );
+    }
+
+    #[test]
+    fn tool_calls_and_results_reach_the_conversation_checked() {
+        let request = chat_request(
+            br#"{"messages":[{"role":"user","content":"Weather?"},
+                {"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"weather","arguments":"{\"city\": \"Oslo\"}"}}]},
+                {"role":"tool","tool_call_id":"c1","content":"-3 C"}],
+                "tools":[{"type":"function","function":{"name":"weather","parameters":{"type":"object"}}}],
+                "tool_choice":{"type":"function","function":{"name":"weather"}},"parallel_tool_calls":false,
+                "chat_template_kwargs":{"enable_thinking":false}}"#,
+        )
+        .unwrap();
+        let Input::Chat(conversation) = &request.input else {
+            panic!("a chat")
+        };
+        let call = &conversation.messages[1].tool_calls[0];
+        assert_eq!(call.arguments["city"], "Oslo");
+        assert_eq!(conversation.messages[2].name.as_deref(), Some("weather"));
+        assert_eq!(conversation.variables["enable_thinking"], false);
+        let tools = request.tools.clone().unwrap();
+        assert_eq!(tools.choice, ToolChoice::Named("weather".into()));
+        assert!(!tools.parallel);
+        // `none`: no tools in the prompt, no calls looked for.
+        let none = chat_request(
+            br#"{"messages":[{"role":"user","content":"x"}],"tool_choice":"none",
+                "tools":[{"type":"function","function":{"name":"f"}}]}"#,
+        )
+        .unwrap();
+        assert!(none.tools.is_none());
+        assert!(matches!(&none.input, Input::Chat(c) if c.tools.is_empty()));
+        let message = |body: &str| chat_request(body.as_bytes()).unwrap_err().message;
+        let user = r#"{"role":"user","content":"x"}"#;
+        assert!(message(&format!(
+            r#"{{"messages":[{user}],"tools":[{{"type":"function"}}]}}"#
+        ))
+        .starts_with("tools[0].function"));
+        assert!(message(&format!(
+            r#"{{"messages":[{user}],"tools":[{{"type":"function","function":{{"name":"f","strickt":true}}}}]}}"#
+        ))
+        .starts_with("tools[0].function.strickt"));
+        assert!(message(&format!(
+            r#"{{"messages":[{user}],"tool_choice":"required"}}"#
+        ))
+        .contains("gives no tools"));
+        assert!(
+            message(r#"{"messages":[{"role":"tool","tool_call_id":"zz","content":"1"}]}"#)
+                .starts_with("messages[0].tool_call_id \"zz\"")
+        );
+        assert!(message(
+            r#"{"messages":[{"role":"assistant","tool_calls":[{"id":"a","function":{"name":"f","arguments":"[1]"}}]}]}"#
+        )
+        .starts_with("messages[0].tool_calls[0].function.arguments"));
+        assert!(message(&format!(
+            r#"{{"messages":[{user}],"chat_template_kwargs":{{"messages":[]}}}}"#
+        ))
+        .starts_with("chat_template_kwargs.messages"));
     }
 }

@@ -58,13 +58,10 @@ pub fn run(model: Option<&str>, settings: Settings, positionals: Positionals) ->
             }
             _ => {}
         }
-        messages.push(ChatMessage {
-            role: "user".to_string(),
-            content: line,
-        });
+        messages.push(ChatMessage::text("user", line));
         let (events_tx, mut events) = mpsc::unbounded_channel();
         let job = Job {
-            input: Input::Chat(messages.clone()),
+            input: Input::Chat(messages.clone().into()),
             max_tokens: None,
             temperature,
             top_p,
@@ -75,6 +72,7 @@ pub fn run(model: Option<&str>, settings: Settings, positionals: Positionals) ->
             choices: 1,
             shaping: shaping.clone(),
             logprobs: None,
+            tools: None,
             events: events_tx,
             received: Instant::now(),
         };
@@ -87,7 +85,8 @@ pub fn run(model: Option<&str>, settings: Settings, positionals: Positionals) ->
         let mut stdout = std::io::stdout();
         loop {
             match events.blocking_recv() {
-                Some(Event::Started) => {}
+                // A chat gives no tools, so no answer calls one.
+                Some(Event::Started) | Some(Event::Call { .. }) => {}
                 Some(Event::Text { text: piece, .. }) => {
                     stdout.write_all(piece.as_bytes())?;
                     stdout.flush()?;
@@ -105,17 +104,14 @@ pub fn run(model: Option<&str>, settings: Settings, positionals: Positionals) ->
                 Some(Event::Done { finish, usage, .. }) => {
                     writeln!(stdout)?;
                     let ending = match finish {
-                        Finish::Stop | Finish::StopString(_) => "stopped",
+                        Finish::Stop | Finish::StopString(_) | Finish::ToolCalls => "stopped",
                         Finish::Length => "NGEN reached",
                     };
                     eprintln!(
                         "[chat] {} prompt tokens ({} cached) | {} generated ({ending})",
                         usage.prompt, usage.cached, usage.completion
                     );
-                    messages.push(ChatMessage {
-                        role: "assistant".to_string(),
-                        content: std::mem::take(&mut answer),
-                    });
+                    messages.push(ChatMessage::text("assistant", std::mem::take(&mut answer)));
                     break;
                 }
                 Some(Event::Failed(err)) => {

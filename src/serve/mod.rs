@@ -36,6 +36,8 @@ use tokio::sync::mpsc;
 
 use crate::settings::Settings;
 use crate::startup::Positionals;
+use crate::text::tool_calls::ParsedCall;
+use crate::text::ToolCall;
 use api::{ApiError, Endpoint, Identity, Request, Usage};
 use metrics::Metrics;
 use worker::{Event, Job, ModelInfo};
@@ -655,9 +657,14 @@ async fn answer_messages(
         return Ok(stream_messages(id, model, stops, events, started));
     }
     let mut text = String::new();
+    let mut calls = Vec::new();
     loop {
         match events.recv().await {
             Some(Event::Text { text: piece, .. }) => text.push_str(&piece),
+            Some(Event::Call { call, .. }) => {
+                let id = call_id("toolu", &id, 0, calls.len());
+                calls.push(with_id(call, id));
+            }
             Some(Event::Done {
                 finish,
                 usage,
@@ -665,7 +672,7 @@ async fn answer_messages(
                 decode_rate,
                 ..
             }) => {
-                let body = anthropic::message(&id, &model, &text, finish, &stops, usage);
+                let body = anthropic::message(&id, &model, &text, &calls, finish, &stops, usage);
                 let mut response = Json(body).into_response();
                 let figures = Figures::of(usage, first_token, decode_rate);
                 response.extensions_mut().insert(figures);
@@ -692,12 +699,19 @@ fn stream_messages(
         Ok::<_, Infallible>(SseEvent::default().event(name).data(body.to_string()))
     };
     let start = anthropic::stream_start(&id, &model).map(event);
-    let rest = futures_util::stream::unfold(Some(events), move |events| {
+    let blocks = (events, anthropic::Blocks::default(), 0);
+    let rest = futures_util::stream::unfold(Some(blocks), move |state| {
         let stops = stops.clone();
+        let id = id.clone();
         async move {
-            let mut events = events?;
+            let (mut events, mut blocks, mut calls) = state?;
             let batch: Vec<_> = match events.recv().await {
-                Some(Event::Text { text, .. }) => vec![anthropic::text_delta(&text)],
+                Some(Event::Text { text, .. }) => blocks.text(&text),
+                Some(Event::Call { call, .. }) => {
+                    let call = with_id(call, call_id("toolu", &id, 0, calls));
+                    calls += 1;
+                    blocks.call(&call)
+                }
                 Some(Event::Done {
                     finish,
                     usage,
@@ -707,7 +721,7 @@ fn stream_messages(
                 }) => {
                     let figures = Figures::of(usage, first_token, decode_rate);
                     log_request("/v1/messages", 200, started, Some(&figures), None);
-                    let end = anthropic::stream_end(finish, &stops, usage);
+                    let end = blocks.end(finish, &stops, usage);
                     return Some((end.into_iter().map(event).collect::<Vec<_>>(), None));
                 }
                 failed => {
@@ -720,7 +734,10 @@ fn stream_messages(
                     return Some((vec![event(("error", anthropic::error_body(&err)))], None));
                 }
             };
-            Some((batch.into_iter().map(event).collect(), Some(events)))
+            Some((
+                batch.into_iter().map(event).collect(),
+                Some((events, blocks, calls)),
+            ))
         }
     })
     .flat_map(futures_util::stream::iter);
@@ -794,6 +811,7 @@ async fn answer(
         ));
     }
     let mut texts = vec![String::new(); request.choices];
+    let mut calls = vec![Vec::new(); request.choices];
     let mut logprobs = vec![Vec::new(); request.choices];
     let mut done: Vec<Option<api::Choice>> = (0..request.choices).map(|_| None).collect();
     let mut figures = Figures::default();
@@ -806,6 +824,10 @@ async fn answer(
             }) => {
                 texts[choice].push_str(&text);
                 logprobs[choice].extend(more);
+            }
+            Some(Event::Call { choice, call }) => {
+                let id = call_id("call", &reply.id, choice, calls[choice].len());
+                calls[choice].push(with_id(call, id));
             }
             Some(Event::Done {
                 choice,
@@ -820,6 +842,7 @@ async fn answer(
                 logprobs[choice].extend(more);
                 done[choice] = Some(api::Choice {
                     text: std::mem::take(&mut texts[choice]),
+                    calls: std::mem::take(&mut calls[choice]),
                     finish,
                     routed,
                     logprobs: request
@@ -880,6 +903,21 @@ async fn submit(
     }
 }
 
+/// The id of a request's call: `kind` (`call`, `toolu`), the request's id, the choice and
+/// the call's place among the choice's calls.
+fn call_id(kind: &str, request: &str, choice: usize, number: usize) -> String {
+    let request = request.split_once('-').map_or(request, |(_, rest)| rest);
+    format!("{kind}_{request}-{choice}-{number}")
+}
+
+fn with_id(call: ParsedCall, id: String) -> ToolCall {
+    ToolCall {
+        id,
+        name: call.name,
+        arguments: call.arguments,
+    }
+}
+
 fn engine_gone() -> ApiError {
     ApiError::server(500, "the engine stopped before answering")
 }
@@ -905,6 +943,7 @@ fn job(
             choices: request.choices,
             shaping: request.shaping.clone(),
             logprobs: request.logprobs,
+            tools: request.tools.clone(),
             events,
             received,
         },
@@ -946,6 +985,8 @@ fn stream(
         first: Vec<bool>,
         /// Per choice: the text sent so far, in bytes (completions' `text_offset`).
         sent: Vec<usize>,
+        /// Per choice: the calls sent so far.
+        calls: Vec<usize>,
         /// Choices not finished yet.
         open: usize,
         figures: Figures,
@@ -957,6 +998,7 @@ fn stream(
         events,
         first: vec![true; choices],
         sent: vec![0; choices],
+        calls: vec![0; choices],
         open: choices,
         figures: Figures::default(),
         pending: std::collections::VecDeque::new(),
@@ -985,6 +1027,14 @@ fn stream(
                     state.sent[choice] += text.len();
                     let chunk =
                         api::chunk(endpoint, &who, choice, Some(&text), logprobs, first, None);
+                    state.pending.push_back(data(chunk));
+                }
+                Some(Event::Call { choice, call }) => {
+                    let first = std::mem::replace(&mut state.first[choice], false);
+                    let number = state.calls[choice];
+                    state.calls[choice] += 1;
+                    let call = with_id(call, call_id("call", who.id, choice, number));
+                    let chunk = api::call_chunk(&who, choice, number, &call, first);
                     state.pending.push_back(data(chunk));
                 }
                 Some(Event::Done {

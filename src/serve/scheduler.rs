@@ -30,7 +30,11 @@ use crate::route_trace::RowOwner;
 use crate::sampling::{LogProbs, Sampler};
 use crate::session::Session;
 use crate::snapshot::Snapshot;
+use crate::text::tool_calls::{Scanned, ToolScan};
 use crate::text::{TextModel, TextStream, TextTokenizer};
+
+/// A request's prompt, token count, samplers and call scanner ([`Scheduler::check`]).
+type Checked = (Vec<u32>, usize, Vec<Sampler>, Option<ToolScan>);
 
 /// What a sequence feeds next.
 enum Next {
@@ -62,6 +66,10 @@ struct Sequence<'t> {
     tokens: Vec<u32>,
     text: StopScan,
     stream: Option<TextStream<'t>>,
+    /// With tools: the calls found in the text (which is then decoded with special tokens).
+    calls: Option<ToolScan>,
+    /// Calls handed out.
+    called: usize,
     /// Per generated token, when asked: the experts each MoE layer chose for it.
     routed: Option<Routed>,
     /// When asked: the log-probabilities of the tokens chosen since the last text sent.
@@ -77,6 +85,8 @@ enum End {
     StopToken,
     /// A stop string (the text after it is not sent).
     StopString,
+    /// A call was made and `parallel_tool_calls` is false.
+    Called,
     /// A Ctrl-C (`coli chat`).
     Interrupted,
     /// The client went away.
@@ -219,7 +229,7 @@ impl<'a> Scheduler<'a> {
     /// be served is answered here.
     fn admit(&mut self, job: Job, session: &mut Session) {
         let checked = self.check(&job);
-        let (prompt, count, mut samplers) = match checked {
+        let (prompt, count, mut samplers, calls) = match checked {
             Ok(parts) => parts,
             Err(err) => {
                 let _ = job.events.send(Event::Failed(err));
@@ -252,7 +262,9 @@ impl<'a> Scheduler<'a> {
             count,
             sampler,
             tokens: Vec::new(),
-            stream: Some(self.tokenizer.stream()),
+            stream: Some(self.tokenizer.stream_keeping(calls.is_some())),
+            calls,
+            called: 0,
             first_token: None,
             decode_started: None,
         };
@@ -264,9 +276,9 @@ impl<'a> Scheduler<'a> {
         self.active.push(sequence);
     }
 
-    /// The prompt's ids, the token count and the sampler of each choice of `job`, or why
-    /// it cannot be served (HTTP 400).
-    fn check(&self, job: &Job) -> Result<(Vec<u32>, usize, Vec<Sampler>), ApiError> {
+    /// The prompt's ids, the token count, the sampler of each choice of `job` and the
+    /// scanner of its calls (with tools), or why it cannot be served (HTTP 400).
+    fn check(&self, job: &Job) -> Result<Checked, ApiError> {
         let engine = self.engine;
         if job.choices > self.parallel {
             return Err(ApiError::invalid(format!(
@@ -330,7 +342,19 @@ impl<'a> Scheduler<'a> {
             })
             .collect::<Result<Vec<_>, _>>()
             .map_err(|err| ApiError::invalid(err.to_string()))?;
-        Ok((prompt, count, samplers))
+        let calls = match (&job.tools, &job.input) {
+            (Some(_), Input::Chat(conversation)) => {
+                let Some(syntax) = engine.prompt_convention().tools else {
+                    return Err(ApiError::invalid(format!(
+                        "tools: the {} engine's model has no syntax for calls of tools; leave tools out (or give tool_choice \"none\")",
+                        engine.name()
+                    )));
+                };
+                Some(ToolScan::new(syntax, conversation.tools.clone()))
+            }
+            _ => None,
+        };
+        Ok((prompt, count, samplers, calls))
     }
 
     /// One step: sequences whose client left or that a Ctrl-C stopped end; those holding
@@ -613,7 +637,7 @@ impl<'a> Scheduler<'a> {
             self.metrics.queue(0, -1);
             return;
         }
-        if end != End::Abandoned && end != End::StopString {
+        if ![End::Abandoned, End::StopString, End::Called].contains(&end) {
             let rest = sequence
                 .stream
                 .take()
@@ -626,13 +650,7 @@ impl<'a> Scheduler<'a> {
                     } else {
                         ready + &sequence.text.flush()
                     };
-                    if !tail.is_empty() {
-                        let _ = sequence.job.events.send(Event::Text {
-                            choice: sequence.choice,
-                            text: tail,
-                            logprobs: std::mem::take(&mut sequence.logprobs),
-                        });
-                    }
+                    send_text(&mut sequence, tail, true);
                 }
                 Err(err) => eprintln!("[serve] the answer's last text cannot be decoded: {err:#}"),
             }
@@ -640,6 +658,7 @@ impl<'a> Scheduler<'a> {
         let finish = match (sequence.text.matched(), &end) {
             (Some(index), _) => Finish::StopString(index),
             (None, End::Limit) => Finish::Length,
+            _ if sequence.called > 0 => Finish::ToolCalls,
             _ => Finish::Stop,
         };
         let usage = Usage {
@@ -757,7 +776,9 @@ fn fork_choices<'t>(
                 sampler,
                 tokens: Vec::new(),
                 text: StopScan::new(sequence.job.stop.clone()),
-                stream: Some(tokenizer.stream()),
+                stream: Some(tokenizer.stream_keeping(sequence.calls.is_some())),
+                calls: sequence.calls.as_ref().map(ToolScan::fresh),
+                called: 0,
                 routed: sequence.routed.is_some().then(Vec::new),
                 logprobs: Vec::new(),
                 first_token: None,
@@ -863,17 +884,49 @@ fn hand_out(sequence: &mut Sequence, token: u32) -> Option<End> {
         }
     };
     let (ready, stopped) = sequence.text.push(&piece);
-    if !ready.is_empty() {
-        let text = Event::Text {
-            choice: sequence.choice,
-            text: ready,
-            logprobs: std::mem::take(&mut sequence.logprobs),
-        };
-        if sequence.job.events.send(text).is_err() {
-            return Some(End::Abandoned);
-        }
+    if let Some(end) = send_text(sequence, ready, false) {
+        return Some(end);
     }
     stopped.then_some(End::StopString)
+}
+
+/// Hand `text` to the client: as it is, or with tools as the text and calls found in it
+/// (all that is held back too when `last`). Why the sequence ends, if it does: the client
+/// left, or a call was made where only one may be.
+fn send_text(sequence: &mut Sequence, text: String, last: bool) -> Option<End> {
+    let choice = sequence.choice;
+    let pieces = match sequence.calls.as_mut() {
+        None => vec![Scanned::Text(text)],
+        Some(scan) => {
+            let mut pieces = scan.push(&text);
+            if last {
+                pieces.extend(scan.finish());
+            }
+            pieces
+        }
+    };
+    for piece in pieces {
+        let event = match piece {
+            Scanned::Text(text) if text.is_empty() => continue,
+            Scanned::Text(text) => Event::Text {
+                choice,
+                text,
+                logprobs: std::mem::take(&mut sequence.logprobs),
+            },
+            Scanned::Call(call) => {
+                sequence.called += 1;
+                Event::Call { choice, call }
+            }
+        };
+        if sequence.job.events.send(event).is_err() {
+            return Some(End::Abandoned);
+        }
+        let single = sequence.job.tools.as_ref().is_some_and(|t| !t.parallel);
+        if single && sequence.called > 0 {
+            return Some(End::Called);
+        }
+    }
+    None
 }
 
 /// `token`'s log-probability under `logits`, with the `top` most likely tokens'.

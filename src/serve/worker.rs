@@ -12,7 +12,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use tokio::sync::mpsc::{Receiver, UnboundedSender};
 
-use super::api::{ApiError, Finish, Input, Routed, TokenLogprob, Usage};
+use super::api::{ApiError, Finish, Input, Routed, TokenLogprob, Tools, Usage};
 use super::kv_dir::{KvDir, KvIdentity};
 use super::metrics::Metrics;
 use super::scheduler::Scheduler;
@@ -23,6 +23,7 @@ use crate::sampling::Shaping;
 use crate::session::RunKind;
 use crate::settings::Settings;
 use crate::startup::{self, Positionals};
+use crate::text::tool_calls::ParsedCall;
 use crate::text::{TextModel, TextTokenizer};
 
 /// One generation asked for (of one choice or more).
@@ -46,6 +47,8 @@ pub struct Job {
     pub shaping: Shaping,
     /// Log-probabilities of the chosen tokens with this many alternatives.
     pub logprobs: Option<usize>,
+    /// How the answer calls the conversation's tools, if it may.
+    pub tools: Option<Tools>,
     pub events: UnboundedSender<Event>,
     pub received: Instant,
 }
@@ -63,6 +66,11 @@ pub enum Event {
         choice: usize,
         text: String,
         logprobs: Vec<TokenLogprob>,
+    },
+    /// A call of a tool the choice made (its text in no `Text`).
+    Call {
+        choice: usize,
+        call: ParsedCall,
     },
     Done {
         choice: usize,

@@ -7,6 +7,7 @@
 
 pub mod chat;
 pub mod tokenizer;
+pub mod tool_calls;
 
 use std::fmt::Write as _;
 use std::io::Write;
@@ -21,7 +22,7 @@ use crate::sampling::{Sampler, Shaping};
 use crate::settings::Settings;
 use crate::snapshot::{model_stop_ids, token_ids, Snapshot};
 
-pub use chat::{ChatMessage, ChatTemplate};
+pub use chat::{ChatMessage, ChatTemplate, Conversation, ToolCall};
 pub use tokenizer::{TextStream, TextTokenizer};
 
 /// A prompt ready for the model.
@@ -63,18 +64,17 @@ impl<'a> TextModel<'a> {
     /// prefix in front, each unless already there.
     pub fn prompt(&self, text: &str, chat: bool) -> Result<Prompt> {
         if chat {
-            return self.chat_prompt(&[ChatMessage {
-                role: "user".to_string(),
-                content: text.to_string(),
-            }]);
+            let conversation = Conversation::from(vec![ChatMessage::text("user", text)]);
+            return self.chat_prompt(&conversation);
         }
         let body = self.tokenizer.encode(text, true)?;
         self.finish(body, text.to_string(), None)
     }
 
-    /// The ids that start the answer to the last of `messages`, rendered through the chat
-    /// template; then the BOS and the convention's prefix, as [`TextModel::prompt`].
-    pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<Prompt> {
+    /// The ids that start the answer to the last of the conversation's messages, rendered
+    /// through the chat template; then the BOS and the convention's prefix, as
+    /// [`TextModel::prompt`].
+    pub fn chat_prompt(&self, conversation: &Conversation) -> Result<Prompt> {
         let tokenizer = self.tokenizer;
         let template = ChatTemplate::find(
             self.dir,
@@ -84,7 +84,7 @@ impl<'a> TextModel<'a> {
         )?;
         let config = tokenizer.config();
         let rendered = template.render(
-            messages,
+            conversation,
             config.bos_token.as_deref(),
             config.eos_token.as_deref(),
         )?;

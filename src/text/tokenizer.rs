@@ -181,13 +181,20 @@ impl TextTokenizer {
         })
     }
 
-    /// An incremental decoder for generated ids.
+    /// An incremental decoder for generated ids, special tokens left out.
     pub fn stream(&self) -> TextStream<'_> {
+        self.stream_keeping(false)
+    }
+
+    /// An incremental decoder for generated ids; with `special`, special tokens decoded
+    /// too (the markers of a model's calls of tools).
+    pub fn stream_keeping(&self, special: bool) -> TextStream<'_> {
         TextStream {
             tokenizer: self,
             ids: Vec::new(),
             prefix: String::new(),
             prefix_index: 0,
+            skip_special: !special,
         }
     }
 }
@@ -205,20 +212,21 @@ pub struct TextStream<'a> {
     /// The decoded text of `ids[..prefix_index]`, already handed out.
     prefix: String,
     prefix_index: usize,
+    skip_special: bool,
 }
 
 impl TextStream<'_> {
     /// Add one id; the text it completes, if any.
     pub fn step(&mut self, id: u32) -> Result<Option<String>> {
         self.ids.push(id);
-        let text = self.tokenizer.decode(&self.ids)?;
+        let text = self.decode()?;
         if text.len() <= self.prefix.len() || text.ends_with(char::REPLACEMENT_CHARACTER) {
             return Ok(None);
         }
         let fresh = self.fresh(&text)?;
         let kept = self.ids.len() - self.prefix_index;
         self.ids.drain(..self.prefix_index);
-        self.prefix = self.tokenizer.decode(&self.ids)?;
+        self.prefix = self.decode()?;
         self.prefix_index = kept;
         Ok(Some(fresh))
     }
@@ -229,8 +237,12 @@ impl TextStream<'_> {
         if self.ids.len() == self.prefix_index {
             return Ok(String::new());
         }
-        let text = self.tokenizer.decode(&self.ids)?;
+        let text = self.decode()?;
         self.fresh(&text)
+    }
+
+    fn decode(&self) -> Result<String> {
+        self.tokenizer.decode_with(&self.ids, self.skip_special)
     }
 
     /// `text` past the part already handed out.

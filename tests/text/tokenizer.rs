@@ -7,7 +7,7 @@ use crate::support;
 
 use std::path::Path;
 
-use coli::text::{ChatMessage, ChatTemplate, TextModel, TextTokenizer};
+use coli::text::{ChatMessage, ChatTemplate, Conversation, TextModel, TextTokenizer};
 use proptest::prelude::*;
 use serde::Deserialize;
 
@@ -268,10 +268,7 @@ fn an_unknown_template_variable_is_an_error_naming_the_template() {
     let template = ChatTemplate::find(dir.path(), &tokenizer, None, "olmoe").unwrap();
     let err = template
         .render(
-            &[ChatMessage {
-                role: "user".into(),
-                content: "Hi".into(),
-            }],
+            &Conversation::from(vec![ChatMessage::text("user", "Hi")]),
             None,
             None,
         )
@@ -292,10 +289,7 @@ fn an_unknown_template_variable_is_an_error_naming_the_template() {
     assert_eq!(
         template
             .render(
-                &[ChatMessage {
-                    role: "user".into(),
-                    content: "Hi".into()
-                }],
+                &Conversation::from(vec![ChatMessage::text("user", "Hi")]),
                 None,
                 None
             )
