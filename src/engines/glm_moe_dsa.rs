@@ -56,7 +56,11 @@ const PROMPT: PromptConvention = PromptConvention {
 };
 
 /// GLM's chat prompt as colibri's server writes it: the prefix, `<|role|>` and the text of
-/// each turn, then `<|assistant|>` with an empty thinking block (thinking off).
+/// each turn (an assistant's after an empty thinking block, as it was generated), then
+/// `<|assistant|>` with an empty thinking block (thinking off). Tools as GLM-4.7 and GLM-5
+/// lay them out: declared in a first system turn (one `tojson` line each), a past call as
+/// `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>…</tool_call>` (strings raw),
+/// a run of results after one `<|observation|>`, each in `<tool_response>`.
 const CHAT_TEMPLATE: &str = concat!(
     "[gMASK]<sop>",
     "{% if tools %}<|system|># Tools\n\nYou may call one or more functions to assist with the user query.\n\n",
@@ -69,7 +73,8 @@ const CHAT_TEMPLATE: &str = concat!(
     "{% if message['role'] == 'tool' %}",
     "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|observation|>{% endif %}",
     "<tool_response>{{ message['content'] }}</tool_response>",
-    "{% else %}<|{{ message['role'] }}|>{{ message['content'] }}",
+    "{% else %}<|{{ message['role'] }}|>",
+    "{% if message['role'] == 'assistant' %}<think></think>{% endif %}{{ message['content'] }}",
     "{% for call in message['tool_calls'] or [] %}<tool_call>{{ call['function']['name'] }}",
     "{% for key, value in call['function']['arguments'].items() %}<arg_key>{{ key }}</arg_key>",
     "<arg_value>{{ value if value is string else value | tojson(ensure_ascii=False) }}</arg_value>",

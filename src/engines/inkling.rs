@@ -53,7 +53,9 @@ const PROMPT: PromptConvention = PromptConvention {
 /// Inkling's chat prompt as colibri's gateway renders it: the thinking-effort hint (0: off)
 /// before the first non-system message, each message as
 /// `<|message_ROLE|><|content_text|>TEXT<|end_message|>`, then the model's turn opened in
-/// content mode.
+/// content mode. A past call is the model's own block, `<|content_invoke_tool_json|>{"name",
+/// "args"}`; the tools are declared in a first system message (`# Tools` and their JSON), a
+/// layout no published source confirms.
 const CHAT_TEMPLATE: &str = concat!(
     "{% set roles = {'user': 'user', 'system': 'system', 'assistant': 'model', 'tool': 'tool'} %}",
     "{% set ns = namespace(hinted=false) %}",

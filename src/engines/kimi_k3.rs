@@ -59,8 +59,11 @@ pub const KEPT_F32: &[&str] = &[
     "e_score_correction",
 ];
 
-/// XTML, thinking off: each turn `<|open|>message role="R"<|sep|>TEXT<|close|>message<|sep|>`
-/// then `<|end_of_msg|>`; `developer` speaks as `system`; the answer opens a `response`.
+/// XTML as the published template lays it out with `thinking` false: the tools declared
+/// first (keys sorted, compact), each turn `<|open|>message role="R"<|sep|>TEXT<|close|>
+/// message<|sep|>` then `<|end_of_msg|>`, an assistant turn's text in a `response` and its
+/// calls in `tools`, a tool result naming its tool and place; `developer` speaks as
+/// `system`; the answer opens a `response`.
 const CHAT_TEMPLATE: &str = concat!(
     "{% macro attr(value) %}{{ value | string | replace('&', '&amp;') | replace('\"', '&quot;') }}{% endmacro %}",
     "{% if tools %}<|open|>message role=\"system\" type=\"tool-declare\"<|sep|># Tools\n",
@@ -73,10 +76,11 @@ const CHAT_TEMPLATE: &str = concat!(
     "{% set ns.tool_index = ns.tool_index + 1 %}",
     "<|open|>message role=\"tool\" tool=\"{{ attr(message['name']) }}\" index=\"{{ ns.tool_index }}\"<|sep|>",
     "{{ message['content'] }}<|close|>message<|sep|><|end_of_msg|>",
-    "{% elif message['tool_calls'] %}",
+    "{% elif message['role'] == 'assistant' %}",
     "{% set ns.tool_index = 0 %}",
     "<|open|>message role=\"assistant\"<|sep|><|open|>response<|sep|>{{ message['content'] }}",
-    "<|close|>response<|sep|><|open|>tools<|sep|>",
+    "<|close|>response<|sep|>",
+    "{% if message['tool_calls'] %}<|open|>tools<|sep|>",
     "{% for call in message['tool_calls'] %}",
     "<|open|>call tool=\"{{ attr(call['function']['name']) }}\" index=\"{{ loop.index }}\"<|sep|>",
     "{% for key, value in call['function']['arguments'].items() %}",
@@ -85,7 +89,8 @@ const CHAT_TEMPLATE: &str = concat!(
     "{% elif value is string %}string{% elif value is mapping %}object{% else %}array{% endif %}\"<|sep|>",
     "{{ value if value is string else value | tojson }}<|close|>argument<|sep|>",
     "{% endfor %}<|close|>call<|sep|>{% endfor %}",
-    "<|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>",
+    "<|close|>tools<|sep|>{% endif %}",
+    "<|close|>message<|sep|><|end_of_msg|>",
     "{% else %}",
     "{{ '<|open|>message role=\"' }}",
     "{{ 'system' if message['role'] == 'developer' else message['role'] }}",

@@ -6,3 +6,4 @@ mod support;
 
 mod mode;
 mod tokenizer;
+mod tools;

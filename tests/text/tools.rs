@@ -1,0 +1,71 @@
+//! Tools in the built-in chat templates: declared, called by a past assistant turn and
+//! answered, as each model's published template lays them out.
+
+use coli::text::{ChatMessage, ChatTemplate, Conversation, ToolCall};
+use serde_json::json;
+
+use crate::support::{load_engine, text_fixture, tokenizer};
+
+/// A conversation with a tool, a past call of it with arguments of every JSON type, its
+/// result and a later turn.
+fn conversation() -> Conversation {
+    let arguments = json!({"city": "Oslo", "days": 3, "units": {"t": "C"}, "flag": true, "at": null, "list": [1]});
+    let call = ToolCall {
+        id: "c1".into(),
+        name: "weather".into(),
+        arguments: arguments.as_object().unwrap().clone(),
+    };
+    Conversation {
+        messages: vec![
+            ChatMessage::text("system", "Be brief."),
+            ChatMessage::text("user", "Weather in Oslo & \"Bergen\"?"),
+            ChatMessage {
+                tool_calls: vec![call],
+                ..ChatMessage::text("assistant", "")
+            },
+            ChatMessage {
+                tool_call_id: Some("c1".into()),
+                name: Some("weather".into()),
+                ..ChatMessage::text("tool", "-3 C")
+            },
+            ChatMessage::text("assistant", "It is cold."),
+            ChatMessage::text("user", "Thanks"),
+        ],
+        tools: vec![
+            json!({"type": "function", "function": {"name": "weather", "description": "Get weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}),
+        ],
+        variables: serde_json::Map::new(),
+    }
+}
+
+fn rendered(fixture: &str, tokenizer_name: &str) -> String {
+    let dir = text_fixture(fixture, tokenizer_name);
+    let (_, engine) = load_engine(dir.path());
+    let tokenizer = tokenizer(dir.path());
+    let convention = engine.prompt_convention();
+    let template = ChatTemplate::find(
+        dir.path(),
+        &tokenizer,
+        convention.chat_template,
+        engine.name(),
+    )
+    .unwrap();
+    template.render(&conversation(), None, None).unwrap()
+}
+
+/// Byte for byte what the published Kimi K3 template renders for this conversation with
+/// `thinking` false (checked with Python's Jinja2 and transformers' `tojson`).
+const KIMI_K3: &str = "<|open|>message role=\"system\" type=\"tool-declare\"<|sep|># Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n[{\"function\":{\"description\":\"Get weather\",\"name\":\"weather\",\"parameters\":{\"properties\":{\"city\":{\"type\":\"string\"},\"days\":{\"type\":\"integer\"}},\"required\":[\"city\"],\"type\":\"object\"}},\"type\":\"function\"}]\n```<|close|>message<|sep|><|end_of_msg|><|open|>message role=\"system\"<|sep|>Be brief.<|close|>message<|sep|><|end_of_msg|><|open|>message role=\"user\"<|sep|>Weather in Oslo & \"Bergen\"?<|close|>message<|sep|><|end_of_msg|><|open|>message role=\"assistant\"<|sep|><|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool=\"weather\" index=\"1\"<|sep|><|open|>argument key=\"city\" type=\"string\"<|sep|>Oslo<|close|>argument<|sep|><|open|>argument key=\"days\" type=\"number\"<|sep|>3<|close|>argument<|sep|><|open|>argument key=\"units\" type=\"object\"<|sep|>{\"t\": \"C\"}<|close|>argument<|sep|><|open|>argument key=\"flag\" type=\"boolean\"<|sep|>true<|close|>argument<|sep|><|open|>argument key=\"at\" type=\"null\"<|sep|>null<|close|>argument<|sep|><|open|>argument key=\"list\" type=\"array\"<|sep|>[1]<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|><|open|>message role=\"tool\" tool=\"weather\" index=\"1\"<|sep|>-3 C<|close|>message<|sep|><|end_of_msg|><|open|>message role=\"assistant\"<|sep|><|open|>response<|sep|>It is cold.<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|><|open|>message role=\"user\"<|sep|>Thanks<|close|>message<|sep|><|end_of_msg|><|open|>message role=\"assistant\"<|sep|><|open|>response<|sep|>";
+
+/// GLM-4.7/GLM-5's layout, without newlines between the tags.
+const GLM: &str = "[gMASK]<sop><|system|># Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"weather\", \"description\": \"Get weather\", \"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}, \"days\": {\"type\": \"integer\"}}, \"required\": [\"city\"]}}}\n</tools>\n\nFor each function call, output the function name and arguments within the following XML format:\n<tool_call>{function-name}<arg_key>{arg-key-1}</arg_key><arg_value>{arg-value-1}</arg_value><arg_key>{arg-key-2}</arg_key><arg_value>{arg-value-2}</arg_value>...</tool_call><|system|>Be brief.<|user|>Weather in Oslo & \"Bergen\"?<|assistant|><think></think><tool_call>weather<arg_key>city</arg_key><arg_value>Oslo</arg_value><arg_key>days</arg_key><arg_value>3</arg_value><arg_key>units</arg_key><arg_value>{\"t\": \"C\"}</arg_value><arg_key>flag</arg_key><arg_value>true</arg_value><arg_key>at</arg_key><arg_value>null</arg_value><arg_key>list</arg_key><arg_value>[1]</arg_value></tool_call><|observation|><tool_response>-3 C</tool_response><|assistant|><think></think>It is cold.<|user|>Thanks<|assistant|><think></think>";
+
+const INKLING: &str = "<|message_system|><|content_text|># Tools\n[{\"type\": \"function\", \"function\": {\"name\": \"weather\", \"description\": \"Get weather\", \"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}, \"days\": {\"type\": \"integer\"}}, \"required\": [\"city\"]}}}]<|end_message|><|message_system|><|content_text|>Be brief.<|end_message|><|message_system|><|content_text|>Thinking effort level: 0<|end_message|><|message_user|><|content_text|>Weather in Oslo & \"Bergen\"?<|end_message|><|message_model|><|content_invoke_tool_json|>{\"name\": \"weather\", \"args\": {\"city\": \"Oslo\", \"days\": 3, \"units\": {\"t\": \"C\"}, \"flag\": true, \"at\": null, \"list\": [1]}}<|end_message|><|message_tool|><|content_text|>-3 C<|end_message|><|message_model|><|content_text|>It is cold.<|end_message|><|message_user|><|content_text|>Thanks<|end_message|><|message_model|><|content_text|>";
+
+#[test]
+fn the_built_in_templates_declare_tools_and_render_calls_and_results() {
+    assert_eq!(rendered("kimi_k3_tiny", "kimi_k3_192"), KIMI_K3);
+    assert_eq!(rendered("glm_moe_dsa_tiny", "glm_moe_dsa_128"), GLM);
+    assert_eq!(rendered("inkling_tiny", "inkling_250"), INKLING);
+}
