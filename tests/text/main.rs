@@ -4,5 +4,6 @@
 mod common;
 mod support;
 
+mod guide;
 mod mode;
 mod tokenizer;
