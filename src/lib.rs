@@ -11,7 +11,7 @@
 //! - [`convert`] (`coli convert`) turns a float or FP8 checkpoint into a quantised container;
 //! - [`generate`] runs prefill and decode; [`oracle`] compares against a reference;
 //! - [`text`] turns a prompt into ids and streams the generated text, [`sampling`] picking
-//!   each token;
+//!   each token, [`guide`] restricting the choice where a grammar or JSON schema is asked for;
 //! - [`route_trace`] counts every routing decision and keeps the usage history.
 //! - [`tools`] reads those histories and traces offline (`coli usage`, `coli trace`).
 pub mod activation;
@@ -24,6 +24,7 @@ pub mod engines;
 pub mod experts;
 pub mod files;
 pub mod generate;
+pub mod guide;
 pub mod interrupt;
 pub mod layout;
 pub mod oracle;

@@ -71,6 +71,7 @@ impl TokenizerConfig {
 }
 
 /// `tokenizer.json` plus `tokenizer_config.json` of one model directory.
+#[derive(Clone)]
 pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
     path: PathBuf,

@@ -4,6 +4,7 @@
 mod common;
 mod support;
 
+mod guide;
 mod mode;
 mod tokenizer;
 mod tools;
