@@ -82,6 +82,7 @@ pub enum GuideError {
 pub struct Guides {
     factory: Arc<ParserFactory>,
     vocab_size: usize,
+    eos_ids: Arc<[u32]>,
 }
 
 impl Guides {
@@ -120,6 +121,7 @@ impl Guides {
         Ok(Guides {
             factory: Arc::new(factory),
             vocab_size,
+            eos_ids: eos_ids.into(),
         })
     }
 
@@ -145,6 +147,7 @@ impl Guides {
         Ok(Guide {
             matcher,
             vocab_size: self.vocab_size,
+            eos_ids: self.eos_ids.clone(),
         })
     }
 }
@@ -199,6 +202,7 @@ impl TokenizerEnv for Env {
 pub struct Guide {
     matcher: Matcher,
     vocab_size: usize,
+    eos_ids: Arc<[u32]>,
 }
 
 impl Guide {
@@ -213,8 +217,8 @@ impl Guide {
         Ok(Mask(allowed))
     }
 
-    /// Advance by `token`, which the last mask must have allowed. A refused token leaves
-    /// the guide where it was.
+    /// Advance by `token`, which the last mask must have allowed (a stop id, once the
+    /// grammar is finished). A refused token leaves the guide where it was.
     pub fn accept(&mut self, token: u32) -> Result<(), GuideError> {
         if token as usize >= self.vocab_size {
             return Err(GuideError::OutOfVocabulary {
@@ -223,6 +227,10 @@ impl Guide {
             });
         }
         if self.matcher.is_stopped() {
+            // A finished grammar's masks allow the stop ids, which end the generation.
+            if self.is_finished() && self.eos_ids.contains(&token) {
+                return Ok(());
+            }
             return Err(GuideError::Stopped(self.matcher.stop_reason().to_string()));
         }
         // Checked before it is consumed: a matcher that consumes a bad token is dead.
@@ -250,6 +258,7 @@ impl Guide {
         Guide {
             matcher: self.matcher.deep_clone(),
             vocab_size: self.vocab_size,
+            eos_ids: self.eos_ids.clone(),
         }
     }
 }

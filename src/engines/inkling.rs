@@ -53,7 +53,8 @@ const PROMPT: PromptConvention = PromptConvention {
 /// Inkling's chat prompt as colibri's gateway renders it: the thinking-effort hint (0: off)
 /// before the first non-system message, each message as
 /// `<|message_ROLE|><|content_text|>TEXT<|end_message|>`, then the model's turn opened in
-/// content mode. A past call is the model's own block, `<|content_invoke_tool_json|>{"name",
+/// content mode (with tools, the model's turn alone: it chooses a text block or a call).
+/// A past call is the model's own block, `<|content_invoke_tool_json|>{"name",
 /// "args"}`; the tools are declared in a first system message (`# Tools` and their JSON), a
 /// layout no published source confirms.
 const CHAT_TEMPLATE: &str = concat!(
@@ -73,7 +74,7 @@ const CHAT_TEMPLATE: &str = concat!(
     "{{ {'name': call['function']['name'], 'args': call['function']['arguments']} | tojson }}<|end_message|>",
     "{% endfor %}",
     "{% endfor %}",
-    "{% if add_generation_prompt %}<|message_model|><|content_text|>{% endif %}",
+    "{% if add_generation_prompt %}<|message_model|>{% if not tools %}<|content_text|>{% endif %}{% endif %}",
 );
 
 /// The keys of the text config this engine reads. Missing keys take `InklingTextConfig`'s

@@ -169,6 +169,7 @@ pub fn request(body: &[u8]) -> Result<Request, ApiError> {
         },
         logprobs: None,
         tools,
+        grammar: None,
     })
 }
 

@@ -5,6 +5,7 @@
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use crate::guide::Grammar;
 use crate::sampling::Shaping;
 use crate::text::{ChatMessage, Conversation, ToolCall};
 
@@ -95,6 +96,8 @@ pub struct Request {
     /// How the answer may call the conversation's tools; `None`: it calls none (no tools,
     /// or `tool_choice` `none`).
     pub tools: Option<Tools>,
+    /// What the answer must match (`response_format`, `grammar`).
+    pub grammar: Option<Grammar>,
 }
 
 /// How an answer calls tools.
@@ -153,6 +156,9 @@ struct Common {
     /// A bool for chat, a count of alternatives for completions.
     logprobs: Option<Value>,
     top_logprobs: Option<u64>,
+    response_format: Option<Value>,
+    /// A grammar in llguidance's Lark dialect the answer must match.
+    grammar: Option<String>,
 }
 
 /// The chat-only fields about tools and the template.
@@ -209,9 +215,7 @@ struct Completion {
 }
 
 /// A 400 for the first field of `rest` (the fields no struct took) that carries a value
-/// and is not one this server may ignore. `null`, `[]` and `{}` say nothing and pass, as do
-/// the values of unimplemented features that ask for the default: `response_format`
-/// `{"type": "text"}`.
+/// and is not one this server may ignore. `null`, `[]` and `{}` say nothing and pass.
 fn refuse_unknown(rest: &serde_json::Map<String, Value>, at: &str) -> Result<(), ApiError> {
     for (key, value) in rest {
         let empty = match value {
@@ -220,11 +224,7 @@ fn refuse_unknown(rest: &serde_json::Map<String, Value>, at: &str) -> Result<(),
             Value::Object(fields) => fields.is_empty(),
             _ => false,
         };
-        let default = match key.as_str() {
-            "response_format" => value.get("type").is_some_and(|t| t == "text"),
-            _ => false,
-        };
-        if empty || default || (at.is_empty() && IGNORED_FIELDS.contains(&key.as_str())) {
+        if empty || (at.is_empty() && IGNORED_FIELDS.contains(&key.as_str())) {
             continue;
         }
         return Err(ApiError::invalid(format!(
@@ -299,6 +299,11 @@ pub fn chat_request(body: &[u8]) -> Result<Request, ApiError> {
     };
     let tools = tools_for(&mut conversation, choice, chat.extras.parallel_tool_calls)?;
     let mut request = request(chat.common, Input::Chat(conversation), logprobs)?;
+    if request.grammar.is_some() && tools.is_some() {
+        return Err(ApiError::invalid(
+            "response_format or grammar with tools: an answer either calls tools or matches the format; give tool_choice \"none\" or leave the format out",
+        ));
+    }
     request.tools = tools;
     Ok(request)
 }
@@ -665,6 +670,16 @@ fn request(common: Common, input: Input, logprobs: Option<usize>) -> Result<Requ
     shaping
         .check()
         .map_err(|err| ApiError::invalid(err.to_string()))?;
+    let grammar = match (response_format(common.response_format)?, common.grammar) {
+        (None, None) => None,
+        (Some(format), None) => Some(format),
+        (None, Some(lark)) => Some(Grammar::Lark(lark)),
+        (Some(_), Some(_)) => {
+            return Err(ApiError::invalid(
+                "grammar and response_format: give one of them",
+            ))
+        }
+    };
     Ok(Request {
         model: common.model,
         input,
@@ -687,7 +702,58 @@ fn request(common: Common, input: Input, logprobs: Option<usize>) -> Result<Requ
         shaping,
         logprobs,
         tools: None,
+        grammar,
     })
+}
+
+/// `response_format`: `{"type": "text"}` (no constraint), `{"type": "json_object"}`, or
+/// `{"type": "json_schema", "json_schema": {"name", "schema", "strict"?, "description"?}}`.
+fn response_format(format: Option<Value>) -> Result<Option<Grammar>, ApiError> {
+    let Some(format) = format.filter(|f| !f.is_null()) else {
+        return Ok(None);
+    };
+    let expected = "expected {\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\"}}";
+    let fields = format
+        .as_object()
+        .ok_or_else(|| ApiError::invalid(format!("response_format: {expected}")))?;
+    let only = |allowed: &[&str], at: &str, fields: &serde_json::Map<String, Value>| match fields
+        .keys()
+        .find(|k| !allowed.contains(&k.as_str()))
+    {
+        Some(key) => Err(ApiError::invalid(format!(
+            "{at}.{key}: not a field this server takes ({})",
+            allowed.join(", ")
+        ))),
+        None => Ok(()),
+    };
+    match fields.get("type").and_then(Value::as_str) {
+        Some("text") => only(&["type"], "response_format", fields).map(|()| None),
+        Some("json_object") => {
+            only(&["type"], "response_format", fields).map(|()| Some(Grammar::JsonObject))
+        }
+        Some("json_schema") => {
+            only(&["type", "json_schema"], "response_format", fields)?;
+            let Some(wrapper) = fields.get("json_schema").and_then(Value::as_object) else {
+                return Err(ApiError::invalid(
+                    "response_format.json_schema: expected {\"name\", \"schema\", \"strict\"?, \"description\"?}",
+                ));
+            };
+            only(
+                &["name", "schema", "strict", "description"],
+                "response_format.json_schema",
+                wrapper,
+            )?;
+            match wrapper.get("schema") {
+                Some(schema) if schema.is_object() => Ok(Some(Grammar::JsonSchema(schema.clone()))),
+                _ => Err(ApiError::invalid(
+                    "response_format.json_schema.schema: expected a JSON Schema object",
+                )),
+            }
+        }
+        _ => Err(ApiError::invalid(format!(
+            "response_format.type: {expected}"
+        ))),
+    }
 }
 
 /// Why a generation ended, as OpenAI names it.

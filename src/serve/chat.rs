@@ -73,6 +73,7 @@ pub fn run(model: Option<&str>, settings: Settings, positionals: Positionals) ->
             shaping: shaping.clone(),
             logprobs: None,
             tools: None,
+            grammar: None,
             events: events_tx,
             received: Instant::now(),
         };

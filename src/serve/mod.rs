@@ -944,6 +944,7 @@ fn job(
             shaping: request.shaping.clone(),
             logprobs: request.logprobs,
             tools: request.tools.clone(),
+            grammar: request.grammar.clone(),
             events,
             received,
         },

@@ -18,23 +18,33 @@ use std::time::Instant;
 
 use anyhow::Result;
 
-use super::api::{ApiError, Finish, Input, Routed, TokenLogprob, Usage};
+use super::api::{ApiError, Finish, Input, Routed, TokenLogprob, ToolChoice, Usage};
 use super::kv_dir::KvDir;
 use super::metrics::{Metrics, StepFigures, Turn};
 use super::pool::Pool;
 use super::worker::{Event, Job, Serving, StopScan};
 use crate::engines::{Engine, Logits, State, Step};
 use crate::experts::CacheStats;
+use crate::guide::{Grammar, Guide, Guides, Mask};
 use crate::interrupt;
 use crate::route_trace::RowOwner;
 use crate::sampling::{LogProbs, Sampler};
 use crate::session::Session;
 use crate::snapshot::Snapshot;
-use crate::text::tool_calls::{Scanned, ToolScan};
+use crate::text::tool_calls::{self, Marker, Scanned, ToolScan};
 use crate::text::{TextModel, TextStream, TextTokenizer};
 
-/// A request's prompt, token count, samplers and call scanner ([`Scheduler::check`]).
-type Checked = (Vec<u32>, usize, Vec<Sampler>, Option<ToolScan>);
+/// A request made ready to start ([`Scheduler::check`]).
+struct Checked {
+    prompt: Vec<u32>,
+    count: usize,
+    /// One per choice.
+    samplers: Vec<Sampler>,
+    /// With tools: the scanner of the answer's calls.
+    calls: Option<ToolScan>,
+    /// With a grammar (or calls it must make): where the answer stands in it.
+    guide: Option<Guide>,
+}
 
 /// What a sequence feeds next.
 enum Next {
@@ -70,6 +80,10 @@ struct Sequence<'t> {
     calls: Option<ToolScan>,
     /// Calls handed out.
     called: usize,
+    /// With a grammar: where the answer stands in it, and the mask of the next token when
+    /// it was computed beside the forward.
+    guide: Option<Guide>,
+    mask: Option<Mask>,
     /// Per generated token, when asked: the experts each MoE layer chose for it.
     routed: Option<Routed>,
     /// When asked: the log-probabilities of the tokens chosen since the last text sent.
@@ -121,6 +135,8 @@ pub struct Scheduler<'a> {
     /// A request taken from the queue that waits for as many free places as its choices.
     held: Option<Job>,
     next_id: u64,
+    /// The grammar compiler, built for the first request with a grammar.
+    guides: Option<Guides>,
 }
 
 impl<'a> Scheduler<'a> {
@@ -151,6 +167,7 @@ impl<'a> Scheduler<'a> {
             active: Vec::new(),
             held: None,
             next_id: 1,
+            guides: None,
         })
     }
 
@@ -229,7 +246,13 @@ impl<'a> Scheduler<'a> {
     /// be served is answered here.
     fn admit(&mut self, job: Job, session: &mut Session) {
         let checked = self.check(&job);
-        let (prompt, count, mut samplers, calls) = match checked {
+        let Checked {
+            prompt,
+            count,
+            mut samplers,
+            calls,
+            guide,
+        } = match checked {
             Ok(parts) => parts,
             Err(err) => {
                 let _ = job.events.send(Event::Failed(err));
@@ -265,6 +288,8 @@ impl<'a> Scheduler<'a> {
             stream: Some(self.tokenizer.stream_keeping(calls.is_some())),
             calls,
             called: 0,
+            guide,
+            mask: None,
             first_token: None,
             decode_started: None,
         };
@@ -278,7 +303,7 @@ impl<'a> Scheduler<'a> {
 
     /// The prompt's ids, the token count, the sampler of each choice of `job` and the
     /// scanner of its calls (with tools), or why it cannot be served (HTTP 400).
-    fn check(&self, job: &Job) -> Result<Checked, ApiError> {
+    fn check(&mut self, job: &Job) -> Result<Checked, ApiError> {
         let engine = self.engine;
         if job.choices > self.parallel {
             return Err(ApiError::invalid(format!(
@@ -354,7 +379,66 @@ impl<'a> Scheduler<'a> {
             }
             _ => None,
         };
-        Ok((prompt, count, samplers, calls))
+        let grammar = match (&job.tools, &job.input, engine.prompt_convention().tools) {
+            (Some(tools), Input::Chat(conversation), Some(syntax)) => {
+                let only = match &tools.choice {
+                    ToolChoice::Auto => None,
+                    ToolChoice::Required => Some(None),
+                    ToolChoice::Named(name) => Some(Some(name.as_str())),
+                };
+                only.map(|only| {
+                    let specials = self.tokenizer.special_ids();
+                    let marker = |text: &str| match self.tokenizer.token_id(text) {
+                        Some(id) if self.stops.contains(&id) => Marker::Stop,
+                        Some(id) if specials.contains(&id) => Marker::Special,
+                        _ => Marker::Text,
+                    };
+                    let lark = tool_calls::call_grammar(
+                        syntax,
+                        &conversation.tools,
+                        only,
+                        tools.parallel,
+                        marker,
+                    );
+                    Grammar::Lark(lark)
+                })
+            }
+            _ => job.grammar.clone(),
+        };
+        let guide = match grammar {
+            Some(grammar) => Some(self.start_guide(&grammar, job.tools.is_some())?),
+            None => None,
+        };
+        Ok(Checked {
+            prompt,
+            count,
+            samplers,
+            calls,
+            guide,
+        })
+    }
+
+    /// `grammar` started for a new answer; an invalid one (of the tools' schemas, with
+    /// `tools`) is the request's fault.
+    fn start_guide(&mut self, grammar: &Grammar, tools: bool) -> Result<Guide, ApiError> {
+        let guides = match &mut self.guides {
+            Some(guides) => guides,
+            none => {
+                let built = Guides::new(self.tokenizer, self.engine.vocab_size(), &self.stops)
+                    .map_err(|err| {
+                        ApiError::server(500, format!("constrained decoding cannot start: {err:#}"))
+                    })?;
+                none.insert(built)
+            }
+        };
+        guides.start(grammar).map_err(|err| {
+            let field = if tools {
+                "tools (the parameters of the tools the answer must call)"
+            } else {
+                "response_format/grammar"
+            };
+            ApiError::invalid(format!("{field}: {err}"))
+        })
     }
 
     /// One step: sequences whose client left or that a Ctrl-C stopped end; those holding
@@ -423,6 +507,8 @@ impl<'a> Scheduler<'a> {
         let mut owners = Vec::new();
         let mut keep = Vec::new();
         let mut steps = Vec::new();
+        // The grammars' next masks, computed on a thread of their own while the forward runs.
+        let mut masking: Vec<(&mut Guide, &mut Option<Mask>)> = Vec::new();
         let mut rows = 0;
         for (i, sequence) in self.active.iter_mut().enumerate() {
             let Sequence {
@@ -431,6 +517,8 @@ impl<'a> Scheduler<'a> {
                 prompt,
                 id,
                 routed,
+                guide,
+                mask,
                 ..
             } = sequence;
             let (tokens, logits, part) = match next {
@@ -463,11 +551,24 @@ impl<'a> Scheduler<'a> {
             });
             parts.push((i, part));
             steps.push(Step::new(state, tokens, logits));
+            if let (Some(guide), None) = (guide.as_mut(), &mask) {
+                masking.push((guide, mask));
+            }
         }
         let before = engine.cache_stats();
         engine.routed().telemetry.own_rows(owners, &keep);
         let started = Instant::now();
-        let outputs = engine.forward(&mut steps)?;
+        let outputs = std::thread::scope(|scope| {
+            if !masking.is_empty() {
+                scope.spawn(|| {
+                    for (guide, mask) in masking {
+                        // A failure is met again, and reported, when the token is chosen.
+                        *mask = guide.mask().ok();
+                    }
+                });
+            }
+            engine.forward(&mut steps)
+        })?;
         let seconds = started.elapsed().as_secs_f64();
         drop(steps);
         let (experts_taken, experts_read) = experts_taken(&before, &engine.cache_stats());
@@ -779,6 +880,8 @@ fn fork_choices<'t>(
                 stream: Some(tokenizer.stream_keeping(sequence.calls.is_some())),
                 calls: sequence.calls.as_ref().map(ToolScan::fresh),
                 called: 0,
+                guide: sequence.guide.as_ref().map(Guide::fork),
+                mask: None,
                 routed: sequence.routed.is_some().then(Vec::new),
                 logprobs: Vec::new(),
                 first_token: None,
@@ -835,7 +938,10 @@ fn choose(
         return Some(End::Limit);
     }
     for (j, logits) in rows.iter().enumerate() {
-        let token = sequence.sampler.pick(logits);
+        let token = match guided_pick(sequence, logits) {
+            Ok(token) => token,
+            Err(err) => return Some(End::Failed(err)),
+        };
         if stops.contains(&token) {
             return Some(End::StopToken);
         }
@@ -863,6 +969,23 @@ fn choose(
     let last = *sequence.tokens.last().expect("a row chose a token");
     sequence.next = Next::Tokens(vec![last]);
     None
+}
+
+/// The next token from `logits`: sampled as the sequence samples, among the tokens its
+/// grammar allows when it has one (then accepted by the grammar).
+fn guided_pick(sequence: &mut Sequence, logits: &[f32]) -> Result<u32, String> {
+    let Some(guide) = sequence.guide.as_mut() else {
+        return Ok(sequence.sampler.pick(logits));
+    };
+    let mask = match sequence.mask.take() {
+        Some(mask) => mask,
+        None => guide.mask().map_err(|err| err.to_string())?,
+    };
+    let mut allowed = logits.to_vec();
+    mask.apply(&mut allowed);
+    let token = sequence.sampler.pick(&allowed);
+    guide.accept(token).map_err(|err| err.to_string())?;
+    Ok(token)
 }
 
 /// Hand `token`'s text to the client; why the sequence ends, if it does (a stop string,

@@ -18,6 +18,7 @@ use super::metrics::Metrics;
 use super::scheduler::Scheduler;
 use crate::engines::PromptConvention;
 use crate::experts::budget;
+use crate::guide::Grammar;
 use crate::quant::Width;
 use crate::sampling::Shaping;
 use crate::session::RunKind;
@@ -49,6 +50,8 @@ pub struct Job {
     pub logprobs: Option<usize>,
     /// How the answer calls the conversation's tools, if it may.
     pub tools: Option<Tools>,
+    /// What the answer must match.
+    pub grammar: Option<Grammar>,
     pub events: UnboundedSender<Event>,
     pub received: Instant,
 }

@@ -269,6 +269,168 @@ fn inkling_call(body: &str) -> Option<ParsedCall> {
     Some(ParsedCall { name, arguments })
 }
 
+/// How the tokenizer holds a marker such as `<|open|>`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Marker {
+    /// As text (it is no token of its own, or not a special one).
+    Text,
+    /// As a special token, which a grammar names as a token.
+    Special,
+    /// As a special token that ends a generation.
+    Stop,
+}
+
+/// The Lark grammar (llguidance's dialect) of an answer that is only calls, in the model's
+/// own syntax, of `tools` (OpenAI form; with `only`, of that tool alone): one call, or with
+/// `parallel` one or more (Inkling: one, where its `<|end_message|>` ends a generation).
+/// Each call's arguments satisfy its tool's `parameters` schema. `marker` says how the
+/// tokenizer holds each `<|...|>` marker.
+pub fn call_grammar(
+    syntax: ToolSyntax,
+    tools: &[Json],
+    only: Option<&str>,
+    parallel: bool,
+    marker: impl Fn(&str) -> Marker,
+) -> String {
+    let lit = |text: &str| literal(text, &marker);
+    let chosen: Vec<(&str, Json)> = tools
+        .iter()
+        .filter_map(|tool| {
+            let function = tool.get("function")?;
+            let name = function.get("name")?.as_str()?;
+            let parameters = function
+                .get("parameters")
+                .cloned()
+                .unwrap_or_else(|| serde_json::json!({"type": "object"}));
+            Some((name, parameters))
+        })
+        .filter(|(name, _)| only.is_none_or(|only| only == *name))
+        .collect();
+    let mut rules = Vec::new();
+    let calls: Vec<String> = (0..chosen.len()).map(|i| format!("call_{i}")).collect();
+    let repeat = if parallel { "+" } else { "" };
+    match syntax {
+        ToolSyntax::GlmXml => {
+            rules.push(format!("start: ({}){repeat}", calls.join(" | ")));
+            for (i, (name, parameters)) in chosen.iter().enumerate() {
+                let mut parts = vec![lit(&format!("<tool_call>{name}"))];
+                let required: Vec<&str> = parameters
+                    .get("required")
+                    .and_then(Json::as_array)
+                    .map(|r| r.iter().filter_map(Json::as_str).collect())
+                    .unwrap_or_default();
+                let properties = parameters.get("properties").and_then(Json::as_object);
+                for (j, (key, schema)) in properties.into_iter().flatten().enumerate() {
+                    let value = match schema.get("type").and_then(Json::as_str) {
+                        Some("string") => match schema.get("enum").and_then(Json::as_array) {
+                            Some(options) => format!(
+                                "({})",
+                                options
+                                    .iter()
+                                    .filter_map(Json::as_str)
+                                    .map(&lit)
+                                    .collect::<Vec<_>>()
+                                    .join(" | ")
+                            ),
+                            // A raw value ends at the closing tag.
+                            None => "/[^<]*/".to_string(),
+                        },
+                        _ => format!("%json {schema}"),
+                    };
+                    rules.push(format!(
+                        "arg_{i}_{j}: {} {value} {}",
+                        lit(&format!("<arg_key>{key}</arg_key><arg_value>")),
+                        lit("</arg_value>")
+                    ));
+                    let optional = if required.contains(&key.as_str()) {
+                        ""
+                    } else {
+                        "?"
+                    };
+                    parts.push(format!("arg_{i}_{j}{optional}"));
+                }
+                parts.push(lit("</tool_call>"));
+                rules.push(format!("call_{i}: {}", parts.join(" ")));
+            }
+        }
+        ToolSyntax::KimiXtml => {
+            rules.push(format!(
+                "start: {} ({}){repeat} {}",
+                lit("<|close|>response<|sep|><|open|>tools<|sep|>"),
+                calls.join(" | "),
+                lit("<|close|>tools<|sep|><|close|>message<|sep|>")
+            ));
+            for (i, (name, parameters)) in chosen.iter().enumerate() {
+                let name = name.replace('&', "&amp;").replace('"', "&quot;");
+                rules.push(format!(
+                    "call_{i}: {} /[1-9][0-9]*/ {} %json {parameters} {}",
+                    lit(&format!("<|open|>call tool=\"{name}\" index=\"")),
+                    lit("\"<|sep|><|open|>json type=\"object\"<|sep|>"),
+                    lit("<|close|>json<|sep|><|close|>call<|sep|>")
+                ));
+            }
+        }
+        ToolSyntax::InklingJson => {
+            // The answer opens its own block (with tools, the prompt stops at
+            // `<|message_model|>`); where `<|end_message|>` ends a generation, after one call.
+            let calls = calls.join(" | ");
+            rules.push(if marker("<|end_message|>") == Marker::Stop {
+                format!("start: {calls}")
+            } else {
+                let next = lit("<|end_message|><|message_model|>");
+                let more = if parallel {
+                    format!("({next} ({calls}))*")
+                } else {
+                    String::new()
+                };
+                format!("start: ({calls}) {more} {}", lit("<|end_message|>"))
+            });
+            for (i, (name, parameters)) in chosen.iter().enumerate() {
+                let call = serde_json::json!({
+                    "type": "object",
+                    "properties": { "name": { "const": name }, "args": parameters },
+                    "required": ["name", "args"],
+                    "additionalProperties": false,
+                });
+                rules.push(format!(
+                    "call_{i}: {} %json {call}",
+                    lit("<|content_invoke_tool_json|>")
+                ));
+            }
+        }
+    }
+    rules.join("\n")
+}
+
+/// `text` as a sequence of Lark items: quoted strings, and the `<|...|>` markers the
+/// tokenizer holds as special tokens named as tokens.
+fn literal(text: &str, marker: &impl Fn(&str) -> Marker) -> String {
+    let mut items = Vec::new();
+    let mut plain = String::new();
+    let mut rest = text;
+    while let Some(start) = rest.find("<|") {
+        let Some(len) = rest[start..].find("|>").map(|end| end + 2) else {
+            break;
+        };
+        let tag = &rest[start..start + len];
+        plain.push_str(&rest[..start]);
+        if marker(tag) != Marker::Text {
+            if !plain.is_empty() {
+                items.push(Json::String(std::mem::take(&mut plain)).to_string());
+            }
+            items.push(tag.to_string());
+        } else {
+            plain.push_str(tag);
+        }
+        rest = &rest[start + len..];
+    }
+    plain.push_str(rest);
+    if !plain.is_empty() {
+        items.push(Json::String(plain).to_string());
+    }
+    items.join(" ")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
