@@ -333,7 +333,10 @@ pub fn call_grammar(
                                     .join(" | ")
                             ),
                             // A raw value ends at the closing tag.
-                            None => "/[^<]*/".to_string(),
+                            None => match schema.get("maxLength").and_then(Json::as_u64) {
+                                Some(most) => format!("/[^<]{{0,{most}}}/"),
+                                None => "/[^<]*/".to_string(),
+                            },
                         },
                         _ => format!("%json {schema}"),
                     };
@@ -363,7 +366,7 @@ pub fn call_grammar(
             for (i, (name, parameters)) in chosen.iter().enumerate() {
                 let name = name.replace('&', "&amp;").replace('"', "&quot;");
                 rules.push(format!(
-                    "call_{i}: {} /[1-9][0-9]*/ {} %json {parameters} {}",
+                    "call_{i}: {} /[1-9][0-9]{{0,3}}/ {} %json {parameters} {}",
                     lit(&format!("<|open|>call tool=\"{name}\" index=\"")),
                     lit("\"<|sep|><|open|>json type=\"object\"<|sep|>"),
                     lit("<|close|>json<|sep|><|close|>call<|sep|>")

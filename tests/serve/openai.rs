@@ -2,7 +2,8 @@
 //! tests/serve/openai_client.py lists the model, asks for chat and text completions whole
 //! and streamed (greedy, so both give the same text and token counts) and checks that errors
 //! arrive as the client's exception types; tests/serve/anthropic_client.py does the same
-//! with Messages. The interpreter is `COLI_TEST_PYTHON`, else `python3`; it must have both
+//! with Messages; tests/serve/tools_client.py has both call tools and ask for structured
+//! output on the fixtures whose models have a syntax for calls. The interpreter is `COLI_TEST_PYTHON`, else `python3`; it must have both
 //! packages (.ci/run installs them), and the tests fail, not skip, when it has not.
 
 use crate::common;
@@ -163,22 +164,33 @@ fn run_limited(mut command: Command, limit: Duration, what: &str) -> Output {
 
 #[test]
 fn the_openai_python_client_talks_to_coli_serve() {
-    run_client("openai", "openai_client.py", |url| url.to_string());
+    run_client("openai", "openai_client.py", "olmoe_trained", |url| {
+        url.to_string()
+    });
+}
+
+#[test]
+fn tool_calls_and_structured_output_reach_both_clients() {
+    for fixture in ["kimi_k3_tiny", "glm_moe_dsa_tiny"] {
+        run_client("anthropic", "tools_client.py", fixture, |url| {
+            url.trim_end_matches("/v1").to_string()
+        });
+    }
 }
 
 #[test]
 fn the_anthropic_python_client_talks_to_coli_serve() {
     // Anthropic's clients take the server's root, without `/v1`.
-    run_client("anthropic", "anthropic_client.py", |url| {
+    run_client("anthropic", "anthropic_client.py", "olmoe_trained", |url| {
         url.trim_end_matches("/v1").to_string()
     });
 }
 
 /// Run tests/serve/`script` with the interpreter that has `package`, against a server on
-/// the olmoe_trained fixture at the URL `base` makes of its `/v1` URL.
-fn run_client(package: &str, script: &str, base: impl Fn(&str) -> String) {
+/// `fixture` at the URL `base` makes of its `/v1` URL.
+fn run_client(package: &str, script: &str, fixture: &str, base: impl Fn(&str) -> String) {
     let python = python(package);
-    let dir = copy_fixture("olmoe_trained");
+    let dir = copy_fixture(fixture);
     let server = Server::start(dir.path());
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests")

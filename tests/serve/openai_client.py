@@ -85,6 +85,19 @@ def main():
     except openai.BadRequestError:
         pass
 
+    # OLMoE's model has no syntax for calls: tools are refused, naming the engine.
+    try:
+        client.chat.completions.create(**chat, tools=[{"type": "function", "function": {"name": "f"}}])
+        check(False, "tools were accepted by a model without a call syntax")
+    except openai.BadRequestError as err:
+        check("olmoe" in str(err), f"tools on OLMoE: {err}")
+    # tool_choice none leaves the tools out: answered as without them.
+    plain = client.chat.completions.create(
+        **chat, tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="none"
+    )
+    reference = client.chat.completions.create(**chat).choices[0].message.content
+    check(plain.choices[0].message.content == reference, f"tool_choice none: {plain.choices[0]}")
+
     print("OK")
 
 

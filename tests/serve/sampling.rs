@@ -236,8 +236,20 @@ fn fields_this_server_does_not_implement_are_refused_by_name() {
             "tools:",
         ),
         (
-            json!({ "response_format": {"type": "json_object"} }),
-            "response_format:",
+            json!({ "response_format": {"type": "json_object", "schema": {}} }),
+            "response_format.schema:",
+        ),
+        (
+            json!({ "response_format": {"type": "xml"} }),
+            "response_format.type:",
+        ),
+        (
+            json!({ "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}} }),
+            "response_format/grammar: invalid JSON schema",
+        ),
+        (
+            json!({ "grammar": "start: (" }),
+            "response_format/grammar: invalid Lark",
         ),
         (json!({ "tool_choice": "required" }), "tool_choice:"),
         (json!({ "frobnicate": 1 }), "frobnicate:"),
@@ -278,4 +290,36 @@ fn fields_this_server_does_not_implement_are_refused_by_name() {
         .as_str()
         .unwrap()
         .starts_with("echo:"));
+}
+
+/// `grammar` and `response_format` constrain what is sampled (at a high temperature, so
+/// the constraint, not the model, decides), on both endpoints, streamed too.
+#[test]
+fn a_grammar_or_a_json_format_bounds_every_answer() {
+    let server = start();
+    for seed in 0..4 {
+        let (status, reply) = server.post(
+            "/v1/chat/completions",
+            &json!({ "messages": [{"role": "user", "content": "Yes?"}], "max_tokens": 8,
+                     "temperature": 1.5, "seed": seed, "grammar": "start: \"yes\" | \"no\"" }),
+        );
+        assert_eq!(status, 200, "{reply}");
+        let text = reply["choices"][0]["message"]["content"].as_str().unwrap();
+        assert!(text == "yes" || text == "no", "seed {seed}: {text:?}");
+        assert_eq!(reply["choices"][0]["finish_reason"], "stop", "{reply}");
+        let (status, reply) = server.post(
+            "/v1/completions",
+            &json!({ "prompt": "Data:", "max_tokens": 120, "temperature": 1.5, "seed": seed,
+                     "response_format": {"type": "json_object"} }),
+        );
+        assert_eq!(status, 200, "{reply}");
+        let text = reply["choices"][0]["text"].as_str().unwrap();
+        if reply["choices"][0]["finish_reason"] == "stop" {
+            let value: Value = serde_json::from_str(text)
+                .unwrap_or_else(|err| panic!("seed {seed}: {text:?} is not JSON: {err}"));
+            assert!(value.is_object(), "seed {seed}: {text}");
+        } else {
+            assert!(text.trim_start().starts_with('{'), "seed {seed}: {text:?}");
+        }
+    }
 }
