@@ -29,7 +29,7 @@ pub enum Grammar {
     /// Any JSON object (OpenAI's `response_format: {"type": "json_object"}`).
     JsonObject,
     /// A value the JSON schema accepts (OpenAI's `json_schema`); whitespace between tokens of
-    /// the JSON is the model's choice.
+    /// the JSON is the model's choice, up to 24 characters in a gap.
     JsonSchema(Value),
     /// A grammar in llguidance's Lark dialect (`docs/syntax.md` of llguidance).
     Lark(String),
@@ -39,10 +39,12 @@ impl Grammar {
     fn top_level(&self) -> TopLevelGrammar {
         match self {
             // vLLM's reading of json_object, so that both servers accept the same outputs.
-            Grammar::JsonObject => {
-                TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"}))
+            Grammar::JsonObject => TopLevelGrammar::from_json_schema(bounded_whitespace(
+                serde_json::json!({"type": "object"}),
+            )),
+            Grammar::JsonSchema(schema) => {
+                TopLevelGrammar::from_json_schema(bounded_whitespace(schema.clone()))
             }
-            Grammar::JsonSchema(schema) => TopLevelGrammar::from_json_schema(schema.clone()),
             Grammar::Lark(grammar) => TopLevelGrammar::from_lark(grammar.clone()),
         }
     }
@@ -53,6 +55,19 @@ impl Grammar {
             Grammar::Lark(_) => "Lark grammar",
         }
     }
+}
+
+/// `schema` with the whitespace between JSON tokens bounded (at most 24 characters in a
+/// gap: pretty-printed JSON nests a dozen levels), unless the schema sets llguidance's own
+/// `x-guidance` options. Unbounded, a weak model can pad an answer with whitespace until
+/// `max_tokens`.
+fn bounded_whitespace(mut schema: Value) -> Value {
+    if let Some(fields) = schema.as_object_mut() {
+        fields.entry("x-guidance").or_insert_with(
+            || serde_json::json!({ "whitespace_pattern": "[\\x20\\x0A\\x0D\\x09]{1,24}" }),
+        );
+    }
+    schema
 }
 
 /// Why a grammar could not be started or followed. `Invalid` is the caller's input (an
