@@ -53,11 +53,13 @@ const PROMPT: PromptConvention = PromptConvention {
     chat_template: Some(CHAT_TEMPLATE),
     stop_on_special: true,
     tools: Some(ToolSyntax::GlmXml),
+    thinking: Some(("<think>", "</think>")),
 };
 
 /// GLM's chat prompt as colibri's server writes it: the prefix, `<|role|>` and the text of
 /// each turn (an assistant's after an empty thinking block, as it was generated), then
-/// `<|assistant|>` with an empty thinking block (thinking off). Tools as GLM-4.7 and GLM-5
+/// `<|assistant|>` with an empty thinking block (thinking off; `enable_thinking` true leaves
+/// the block open for the answer to think in). Tools as GLM-4.7 and GLM-5
 /// lay them out: declared in a first system turn (one `tojson` line each), a past call as
 /// `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>…</tool_call>` (strings raw),
 /// a run of results after one `<|observation|>`, each in `<tool_response>`.
@@ -80,7 +82,8 @@ const CHAT_TEMPLATE: &str = concat!(
     "<arg_value>{{ value if value is string else value | tojson(ensure_ascii=False) }}</arg_value>",
     "{% endfor %}</tool_call>{% endfor %}",
     "{% endif %}{% endfor %}",
-    "{% if add_generation_prompt %}<|assistant|><think></think>{% endif %}",
+    "{% if add_generation_prompt %}<|assistant|><think>",
+    "{% if not (enable_thinking is defined and enable_thinking) %}</think>{% endif %}{% endif %}",
 );
 
 /// transformers builds `q_a_layernorm` and `kv_a_layernorm` with its RMSNorm default

@@ -48,6 +48,7 @@ const PROMPT: PromptConvention = PromptConvention {
     chat_template: Some(CHAT_TEMPLATE),
     stop_on_special: false,
     tools: Some(ToolSyntax::InklingJson),
+    thinking: None,
 };
 
 /// Inkling's chat prompt as colibri's gateway renders it: the thinking-effort hint (0: off)

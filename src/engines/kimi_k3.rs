@@ -1056,6 +1056,7 @@ impl Engine for KimiK3 {
             chat_template: Some(CHAT_TEMPLATE),
             stop_on_special: false,
             tools: Some(ToolSyntax::KimiXtml),
+            thinking: None,
         }
     }
 

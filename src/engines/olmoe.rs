@@ -39,6 +39,7 @@ const PROMPT: PromptConvention = PromptConvention {
     chat_template: Some(CHAT_TEMPLATE),
     stop_on_special: true,
     tools: None,
+    thinking: None,
 };
 
 /// OLMoE-Instruct's chat template: `<|user|>` and `<|assistant|>` are plain text, each turn

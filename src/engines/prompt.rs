@@ -22,6 +22,9 @@ pub struct PromptConvention {
     /// How the model writes a call of a tool; `None`: it has no syntax for calls, and a
     /// request with tools is refused.
     pub tools: Option<ToolSyntax>,
+    /// The tags around the model's thinking (`<think>`, `</think>`), when its template can
+    /// open a thinking block for the answer.
+    pub thinking: Option<(&'static str, &'static str)>,
 }
 
 /// A model's syntax for calls of tools (parsed by `text::tool_calls`).
@@ -47,5 +50,6 @@ impl PromptConvention {
         chat_template: None,
         stop_on_special: true,
         tools: None,
+        thinking: None,
     };
 }

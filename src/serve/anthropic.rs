@@ -69,16 +69,10 @@ pub fn request(body: &[u8]) -> Result<Request, ApiError> {
             )));
         }
     }
-    if let Some(thinking) = &parsed.thinking {
-        if !thinking.is_null() && thinking.get("type").is_none_or(|t| t != "disabled") {
-            return Err(ApiError::invalid(
-                "thinking: this server does not implement thinking blocks; leave it out or give {\"type\": \"disabled\"}",
-            ));
-        }
-    }
     let max_tokens = parsed
         .max_tokens
         .ok_or_else(|| ApiError::invalid("max_tokens: required"))?;
+    let thinking = thinking(parsed.thinking.as_ref(), max_tokens)?;
     if parsed.messages.is_empty() {
         return Err(ApiError::invalid("messages: give at least one message"));
     }
@@ -140,10 +134,17 @@ pub fn request(body: &[u8]) -> Result<Request, ApiError> {
         .map(|(i, tool)| openai_tool(tool, i))
         .collect::<Result<Vec<_>, _>>()?;
     api::check_tools(&tools)?;
+    let mut variables = serde_json::Map::new();
+    if let Some(budget) = thinking {
+        // The switches of the templates that think: GLM's, and Kimi K3's.
+        let on = budget.is_some();
+        variables.insert("enable_thinking".into(), on.into());
+        variables.insert("thinking".into(), on.into());
+    }
     let mut conversation = Conversation {
         messages,
         tools,
-        variables: serde_json::Map::new(),
+        variables,
     };
     let (choice, parallel) = tool_choice(parsed.tool_choice.as_ref())?;
     let tools = api::tools_for(&mut conversation, choice, parallel)?;
@@ -170,7 +171,40 @@ pub fn request(body: &[u8]) -> Result<Request, ApiError> {
         logprobs: None,
         tools,
         grammar: None,
+        thinking_budget: thinking.flatten(),
     })
+}
+
+/// `thinking`: `None` when not given, `Some(None)` for `{"type": "disabled"}`,
+/// `Some(Some(budget))` for `{"type": "enabled", "budget_tokens"}` (below `max_tokens`, as
+/// Anthropic requires; Anthropic's minimum of 1,024 is not enforced, so a short answer may
+/// think briefly).
+fn thinking(thinking: Option<&Value>, max_tokens: u64) -> Result<Option<Option<usize>>, ApiError> {
+    let Some(thinking) = thinking.filter(|t| !t.is_null()) else {
+        return Ok(None);
+    };
+    let expected = "thinking: expected {\"type\": \"enabled\", \"budget_tokens\": N} (0 < N < max_tokens) or {\"type\": \"disabled\"}";
+    let fields = thinking
+        .as_object()
+        .ok_or_else(|| ApiError::invalid(expected))?;
+    if let Some(key) = fields
+        .keys()
+        .find(|k| !["type", "budget_tokens"].contains(&k.as_str()))
+    {
+        return Err(ApiError::invalid(format!("thinking.{key}: {expected}")));
+    }
+    match (fields.get("type").and_then(Value::as_str), fields.get("budget_tokens")) {
+        (Some("disabled"), None) => Ok(Some(None)),
+        (Some("enabled"), Some(budget)) => match budget.as_u64() {
+            Some(budget) if (1..max_tokens).contains(&budget) => {
+                Ok(Some(Some(budget as usize)))
+            }
+            _ => Err(ApiError::invalid(format!(
+                "thinking.budget_tokens {budget}: expected a count of tokens below max_tokens ({max_tokens})"
+            ))),
+        },
+        _ => Err(ApiError::invalid(expected)),
+    }
 }
 
 /// An Anthropic tool, `{"name", "description"?, "input_schema"}`, in the OpenAI form the
@@ -400,22 +434,31 @@ fn usage_body(usage: Usage) -> Value {
     })
 }
 
+/// What a message says: its thinking, its text and its calls.
+pub struct Content<'a> {
+    pub thinking: &'a str,
+    pub text: &'a str,
+    pub calls: &'a [ToolCall],
+}
+
 /// The whole message, for a request without `stream`.
 pub fn message(
     id: &str,
     model: &str,
-    text: &str,
-    calls: &[ToolCall],
+    answer: Content,
     finish: Finish,
     stops: &[String],
     usage: Usage,
 ) -> Value {
     let (reason, sequence) = stop_reason(finish, stops);
     let mut content = Vec::new();
-    if !text.is_empty() || calls.is_empty() {
-        content.push(json!({ "type": "text", "text": text }));
+    if !answer.thinking.is_empty() {
+        content.push(json!({ "type": "thinking", "thinking": answer.thinking, "signature": "" }));
     }
-    content.extend(calls.iter().map(tool_use));
+    if !answer.text.is_empty() || (answer.calls.is_empty() && answer.thinking.is_empty()) {
+        content.push(json!({ "type": "text", "text": answer.text }));
+    }
+    content.extend(answer.calls.iter().map(tool_use));
     json!({
         "id": id,
         "type": "message",
@@ -429,26 +472,23 @@ pub fn message(
 }
 
 /// The stream's first events: `message_start`, then the text block's start.
-pub fn stream_start(id: &str, model: &str) -> [(&'static str, Value); 2] {
-    [
-        (
-            "message_start",
-            json!({
-                "type": "message_start",
-                "message": {
-                    "id": id,
-                    "type": "message",
-                    "role": "assistant",
-                    "model": model,
-                    "content": [],
-                    "stop_reason": Value::Null,
-                    "stop_sequence": Value::Null,
-                    "usage": usage_body(Usage::default()),
-                },
-            }),
-        ),
-        block_start(0, json!({ "type": "text", "text": "" })),
-    ]
+pub fn stream_start(id: &str, model: &str) -> [(&'static str, Value); 1] {
+    [(
+        "message_start",
+        json!({
+            "type": "message_start",
+            "message": {
+                "id": id,
+                "type": "message",
+                "role": "assistant",
+                "model": model,
+                "content": [],
+                "stop_reason": Value::Null,
+                "stop_sequence": Value::Null,
+                "usage": usage_body(Usage::default()),
+            },
+        }),
+    )]
 }
 
 /// A call as a `tool_use` block.
@@ -456,78 +496,93 @@ fn tool_use(call: &ToolCall) -> Value {
     json!({ "type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments })
 }
 
-/// The content blocks of a streamed message after [`stream_start`] opened a text block at
-/// index 0: text goes to the open text block (a new one after a call), each call is a
-/// `tool_use` block of its own (its input in one `input_json_delta`).
+/// The content blocks of a streamed message, each opened when its first piece comes: the
+/// thinking in a `thinking` block, text in a `text` block, each call a `tool_use` block of
+/// its own (its input in one `input_json_delta`). A message with none has one empty text
+/// block, as the whole message does.
+#[derive(Default)]
 pub struct Blocks {
-    index: usize,
-    text_open: bool,
+    /// The index of the next block.
+    next: usize,
+    open: Option<Open>,
 }
 
-impl Default for Blocks {
-    fn default() -> Blocks {
-        Blocks {
-            index: 0,
-            text_open: true,
-        }
-    }
+/// The kind of the block being written.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Open {
+    Text,
+    Thinking,
 }
 
 impl Blocks {
     /// A piece of text.
     pub fn text(&mut self, text: &str) -> Vec<(&'static str, Value)> {
-        let mut events = Vec::new();
-        if !self.text_open {
-            self.index += 1;
-            self.text_open = true;
-            events.push(block_start(
-                self.index,
-                json!({ "type": "text", "text": "" }),
-            ));
-        }
-        events.push((
-            "content_block_delta",
-            json!({
-                "type": "content_block_delta",
-                "index": self.index,
-                "delta": { "type": "text_delta", "text": text },
-            }),
-        ));
+        let mut events = self.open(Open::Text);
+        events.push(self.delta(json!({ "type": "text_delta", "text": text })));
+        events
+    }
+
+    /// A piece of the thinking.
+    pub fn thinking(&mut self, text: &str) -> Vec<(&'static str, Value)> {
+        let mut events = self.open(Open::Thinking);
+        events.push(self.delta(json!({ "type": "thinking_delta", "thinking": text })));
         events
     }
 
     /// A call, whole.
     pub fn call(&mut self, call: &ToolCall) -> Vec<(&'static str, Value)> {
         let mut events = self.close();
-        self.index += 1;
         let start = json!({ "type": "tool_use", "id": call.id, "name": call.name, "input": {} });
-        events.push(block_start(self.index, start));
-        events.push((
-            "content_block_delta",
-            json!({
-                "type": "content_block_delta",
-                "index": self.index,
-                "delta": {
-                    "type": "input_json_delta",
-                    "partial_json": Value::Object(call.arguments.clone()).to_string(),
-                },
-            }),
-        ));
-        events.push(block_stop(self.index));
+        events.push(block_start(self.next, start));
+        events.push(self.delta(json!({
+            "type": "input_json_delta",
+            "partial_json": Value::Object(call.arguments.clone()).to_string(),
+        })));
+        events.push(block_stop(self.next));
+        self.next += 1;
         events
     }
 
-    /// The open text block's end, if one is open.
-    fn close(&mut self) -> Vec<(&'static str, Value)> {
-        if std::mem::replace(&mut self.text_open, false) {
-            vec![block_stop(self.index)]
-        } else {
-            Vec::new()
+    /// A block of `kind` open, the one before closed.
+    fn open(&mut self, kind: Open) -> Vec<(&'static str, Value)> {
+        if self.open == Some(kind) {
+            return Vec::new();
         }
+        let mut events = self.close();
+        let block = match kind {
+            Open::Text => json!({ "type": "text", "text": "" }),
+            Open::Thinking => json!({ "type": "thinking", "thinking": "", "signature": "" }),
+        };
+        events.push(block_start(self.next, block));
+        self.open = Some(kind);
+        events
     }
 
-    /// The stream's last events: the open block's end, the stop reason and usage,
-    /// `message_stop`.
+    /// A delta of the block at `next`.
+    fn delta(&self, delta: Value) -> (&'static str, Value) {
+        (
+            "content_block_delta",
+            json!({ "type": "content_block_delta", "index": self.next, "delta": delta }),
+        )
+    }
+
+    /// The open block's end, if one is open. A thinking block ends with its signature,
+    /// which this server does not make (empty).
+    fn close(&mut self) -> Vec<(&'static str, Value)> {
+        let Some(kind) = self.open.take() else {
+            return Vec::new();
+        };
+        let mut events = Vec::new();
+        if kind == Open::Thinking {
+            events.push(self.delta(json!({ "type": "signature_delta", "signature": "" })));
+        }
+        events.push(block_stop(self.next));
+        self.next += 1;
+        events
+    }
+
+    /// The stream's last events: the open block's end (an empty text block when there was
+    /// none), the stop reason and usage, `message_stop`.
     pub fn end(
         &mut self,
         finish: Finish,
@@ -535,7 +590,12 @@ impl Blocks {
         usage: Usage,
     ) -> Vec<(&'static str, Value)> {
         let (reason, sequence) = stop_reason(finish, stops);
-        let mut events = self.close();
+        let mut events = if self.next == 0 && self.open.is_none() {
+            self.open(Open::Text)
+        } else {
+            Vec::new()
+        };
+        events.extend(self.close());
         events.push((
             "message_delta",
             json!({
@@ -613,7 +673,7 @@ mod tests {
         .starts_with("messages[0].content[0].type"));
         assert!(refused(
             format!(
-                r#"{{"max_tokens":1,{user},"thinking":{{"type":"enabled","budget_tokens":9}}}}"#
+                r#"{{"max_tokens":9,{user},"thinking":{{"type":"enabled","budget_tokens":9}}}}"#
             )
             .as_bytes()
         )

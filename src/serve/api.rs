@@ -98,6 +98,8 @@ pub struct Request {
     pub tools: Option<Tools>,
     /// What the answer must match (`response_format`, `grammar`).
     pub grammar: Option<Grammar>,
+    /// Thinking asked for, with at most this many tokens of it (Anthropic's `thinking`).
+    pub thinking_budget: Option<usize>,
 }
 
 /// How an answer calls tools.
@@ -703,6 +705,7 @@ fn request(common: Common, input: Input, logprobs: Option<usize>) -> Result<Requ
         logprobs,
         tools: None,
         grammar,
+        thinking_budget: None,
     })
 }
 
@@ -786,6 +789,8 @@ pub struct Usage {
     pub completion: usize,
     /// Prompt tokens whose KV came from the previous turn.
     pub cached: usize,
+    /// Completion tokens spent thinking.
+    pub reasoning: usize,
 }
 
 impl Usage {
@@ -794,6 +799,7 @@ impl Usage {
     pub fn and(self, choice: Usage) -> Usage {
         Usage {
             completion: self.completion + choice.completion,
+            reasoning: self.reasoning + choice.reasoning,
             ..choice
         }
     }
@@ -804,6 +810,7 @@ impl Usage {
             "completion_tokens": self.completion,
             "total_tokens": self.prompt + self.completion,
             "prompt_tokens_details": { "cached_tokens": self.cached },
+            "completion_tokens_details": { "reasoning_tokens": self.reasoning },
         })
     }
 }
@@ -837,6 +844,8 @@ pub type Routed = Vec<Vec<Vec<u32>>>;
 /// One finished choice of a request without `stream`.
 pub struct Choice {
     pub text: String,
+    /// What it wrote in its thinking block.
+    pub reasoning: String,
     /// The tools it called, in order.
     pub calls: Vec<ToolCall>,
     pub finish: Finish,
@@ -905,6 +914,9 @@ pub fn response(endpoint: Endpoint, who: &Identity, choices: &[Choice], usage: U
             let mut body = match endpoint {
                 Endpoint::Chat => {
                     let mut message = json!({ "role": "assistant", "content": choice.text });
+                    if !choice.reasoning.is_empty() {
+                        message["reasoning_content"] = choice.reasoning.clone().into();
+                    }
                     if !choice.calls.is_empty() {
                         if choice.text.is_empty() {
                             message["content"] = Value::Null;
@@ -1028,6 +1040,14 @@ pub fn call_chunk(
 ) -> Value {
     let mut body = chunk(Endpoint::Chat, who, index, None, None, first, None);
     body["choices"][0]["delta"]["tool_calls"] = json!([call_body(call, Some(number))]);
+    body
+}
+
+/// The chunk of choice `index` that carries a piece of its reasoning
+/// (`delta.reasoning_content`).
+pub fn reasoning_chunk(who: &Identity, index: usize, text: &str, first: bool) -> Value {
+    let mut body = chunk(Endpoint::Chat, who, index, None, None, first, None);
+    body["choices"][0]["delta"]["reasoning_content"] = text.into();
     body
 }
 

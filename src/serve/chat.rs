@@ -74,6 +74,7 @@ pub fn run(model: Option<&str>, settings: Settings, positionals: Positionals) ->
             logprobs: None,
             tools: None,
             grammar: None,
+            thinking_budget: None,
             events: events_tx,
             received: Instant::now(),
         };
@@ -88,6 +89,8 @@ pub fn run(model: Option<&str>, settings: Settings, positionals: Positionals) ->
             match events.blocking_recv() {
                 // A chat gives no tools, so no answer calls one.
                 Some(Event::Started) | Some(Event::Call { .. }) => {}
+                // Thinking (a model's own template that opens it) goes beside the answer.
+                Some(Event::Reasoning { text, .. }) => eprint!("{text}"),
                 Some(Event::Text { text: piece, .. }) => {
                     stdout.write_all(piece.as_bytes())?;
                     stdout.flush()?;

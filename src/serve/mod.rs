@@ -657,10 +657,12 @@ async fn answer_messages(
         return Ok(stream_messages(id, model, stops, events, started));
     }
     let mut text = String::new();
+    let mut thinking = String::new();
     let mut calls = Vec::new();
     loop {
         match events.recv().await {
             Some(Event::Text { text: piece, .. }) => text.push_str(&piece),
+            Some(Event::Reasoning { text: piece, .. }) => thinking.push_str(&piece),
             Some(Event::Call { call, .. }) => {
                 let id = call_id("toolu", &id, 0, calls.len());
                 calls.push(with_id(call, id));
@@ -672,7 +674,12 @@ async fn answer_messages(
                 decode_rate,
                 ..
             }) => {
-                let body = anthropic::message(&id, &model, &text, &calls, finish, &stops, usage);
+                let content = anthropic::Content {
+                    thinking: &thinking,
+                    text: &text,
+                    calls: &calls,
+                };
+                let body = anthropic::message(&id, &model, content, finish, &stops, usage);
                 let mut response = Json(body).into_response();
                 let figures = Figures::of(usage, first_token, decode_rate);
                 response.extensions_mut().insert(figures);
@@ -707,6 +714,7 @@ fn stream_messages(
             let (mut events, mut blocks, mut calls) = state?;
             let batch: Vec<_> = match events.recv().await {
                 Some(Event::Text { text, .. }) => blocks.text(&text),
+                Some(Event::Reasoning { text, .. }) => blocks.thinking(&text),
                 Some(Event::Call { call, .. }) => {
                     let call = with_id(call, call_id("toolu", &id, 0, calls));
                     calls += 1;
@@ -811,6 +819,7 @@ async fn answer(
         ));
     }
     let mut texts = vec![String::new(); request.choices];
+    let mut reasoning = vec![String::new(); request.choices];
     let mut calls = vec![Vec::new(); request.choices];
     let mut logprobs = vec![Vec::new(); request.choices];
     let mut done: Vec<Option<api::Choice>> = (0..request.choices).map(|_| None).collect();
@@ -829,6 +838,7 @@ async fn answer(
                 let id = call_id("call", &reply.id, choice, calls[choice].len());
                 calls[choice].push(with_id(call, id));
             }
+            Some(Event::Reasoning { choice, text }) => reasoning[choice].push_str(&text),
             Some(Event::Done {
                 choice,
                 finish,
@@ -842,6 +852,7 @@ async fn answer(
                 logprobs[choice].extend(more);
                 done[choice] = Some(api::Choice {
                     text: std::mem::take(&mut texts[choice]),
+                    reasoning: std::mem::take(&mut reasoning[choice]),
                     calls: std::mem::take(&mut calls[choice]),
                     finish,
                     routed,
@@ -945,6 +956,7 @@ fn job(
             logprobs: request.logprobs,
             tools: request.tools.clone(),
             grammar: request.grammar.clone(),
+            thinking_budget: request.thinking_budget,
             events,
             received,
         },
@@ -1028,6 +1040,11 @@ fn stream(
                     state.sent[choice] += text.len();
                     let chunk =
                         api::chunk(endpoint, &who, choice, Some(&text), logprobs, first, None);
+                    state.pending.push_back(data(chunk));
+                }
+                Some(Event::Reasoning { choice, text }) => {
+                    let first = std::mem::replace(&mut state.first[choice], false);
+                    let chunk = api::reasoning_chunk(&who, choice, &text, first);
                     state.pending.push_back(data(chunk));
                 }
                 Some(Event::Call { choice, call }) => {

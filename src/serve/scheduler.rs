@@ -31,6 +31,7 @@ use crate::route_trace::RowOwner;
 use crate::sampling::{LogProbs, Sampler};
 use crate::session::Session;
 use crate::snapshot::Snapshot;
+use crate::text::reasoning::ThinkScan;
 use crate::text::tool_calls::{self, Marker, Scanned, ToolScan};
 use crate::text::{TextModel, TextStream, TextTokenizer};
 
@@ -44,6 +45,8 @@ struct Checked {
     calls: Option<ToolScan>,
     /// With a grammar (or calls it must make): where the answer stands in it.
     guide: Option<Guide>,
+    /// When the prompt opened a thinking block: the scan that finds where it closes.
+    think: Option<ThinkScan>,
 }
 
 /// What a sequence feeds next.
@@ -84,6 +87,12 @@ struct Sequence<'t> {
     /// it was computed beside the forward.
     guide: Option<Guide>,
     mask: Option<Mask>,
+    /// When the prompt opened a thinking block: where it closes, and the tokens spent in it.
+    think: Option<ThinkScan>,
+    reasoning_tokens: usize,
+    /// Tokens that come next whatever the logits say, last first (the closing tag of a
+    /// thinking block whose budget is spent).
+    forced: Vec<u32>,
     /// Per generated token, when asked: the experts each MoE layer chose for it.
     routed: Option<Routed>,
     /// When asked: the log-probabilities of the tokens chosen since the last text sent.
@@ -252,6 +261,7 @@ impl<'a> Scheduler<'a> {
             mut samplers,
             calls,
             guide,
+            think,
         } = match checked {
             Ok(parts) => parts,
             Err(err) => {
@@ -290,6 +300,9 @@ impl<'a> Scheduler<'a> {
             called: 0,
             guide,
             mask: None,
+            think,
+            reasoning_tokens: 0,
+            forced: Vec::new(),
             first_token: None,
             decode_started: None,
         };
@@ -312,12 +325,28 @@ impl<'a> Scheduler<'a> {
             )));
         }
         let model = TextModel::new(self.tokenizer, self.snapshot, engine);
-        let prompt = match &job.input {
-            Input::Chat(messages) => model.chat_prompt(messages).map(|p| p.ids),
-            Input::Text(text) => model.prompt(text, false).map(|p| p.ids),
-            Input::Ids(ids) => Ok(ids.clone()),
+        let (prompt, text) = match &job.input {
+            Input::Chat(messages) => model.chat_prompt(messages).map(|p| (p.ids, p.text)),
+            Input::Text(text) => model.prompt(text, false).map(|p| (p.ids, p.text)),
+            Input::Ids(ids) => Ok((ids.clone(), String::new())),
         }
         .map_err(|err| ApiError::invalid(format!("{err:#}")))?;
+        // A prompt that ends by opening the model's thinking block: the answer thinks first.
+        let think = engine
+            .prompt_convention()
+            .thinking
+            .filter(|(open, _)| matches!(job.input, Input::Chat(_)) && text.ends_with(open))
+            .map(|(_, close)| ThinkScan::new(close));
+        let think = match think {
+            Some(mut scan) if job.thinking_budget.is_some() => {
+                scan.close_ids = self
+                    .tokenizer
+                    .encode(scan.close(), false)
+                    .map_err(|err| ApiError::server(500, format!("{err:#}")))?;
+                Some(scan)
+            }
+            other => other,
+        };
         let vocab = engine.vocab_size();
         if let Some((bad, _)) = job
             .shaping
@@ -405,6 +434,17 @@ impl<'a> Scheduler<'a> {
             }
             _ => job.grammar.clone(),
         };
+        if job.thinking_budget.is_some() && think.is_none() {
+            return Err(ApiError::invalid(format!(
+                "thinking: the {} engine's prompt opens no thinking block for the answer",
+                engine.name()
+            )));
+        }
+        if think.is_some() && grammar.is_some() {
+            return Err(ApiError::invalid(
+                "thinking with a required call or a response format: the answer would have to think inside the grammar; turn thinking off for this request",
+            ));
+        }
         let guide = match grammar {
             Some(grammar) => Some(self.start_guide(&grammar, job.tools.is_some())?),
             None => None,
@@ -415,6 +455,7 @@ impl<'a> Scheduler<'a> {
             samplers,
             calls,
             guide,
+            think,
         })
     }
 
@@ -766,6 +807,7 @@ impl<'a> Scheduler<'a> {
             prompt: sequence.prompt.len(),
             completion: sequence.tokens.len(),
             cached: sequence.cached,
+            reasoning: sequence.reasoning_tokens,
         };
         let decode_seconds = sequence
             .decode_started
@@ -882,6 +924,9 @@ fn fork_choices<'t>(
                 called: 0,
                 guide: sequence.guide.as_ref().map(Guide::fork),
                 mask: None,
+                think: sequence.think.as_ref().map(ThinkScan::fresh),
+                reasoning_tokens: 0,
+                forced: Vec::new(),
                 routed: sequence.routed.is_some().then(Vec::new),
                 logprobs: Vec::new(),
                 first_token: None,
@@ -938,9 +983,12 @@ fn choose(
         return Some(End::Limit);
     }
     for (j, logits) in rows.iter().enumerate() {
-        let token = match guided_pick(sequence, logits) {
-            Ok(token) => token,
-            Err(err) => return Some(End::Failed(err)),
+        let token = match sequence.forced.pop() {
+            Some(token) => token,
+            None => match guided_pick(sequence, logits) {
+                Ok(token) => token,
+                Err(err) => return Some(End::Failed(err)),
+            },
         };
         if stops.contains(&token) {
             return Some(End::StopToken);
@@ -997,6 +1045,13 @@ fn hand_out(sequence: &mut Sequence, token: u32) -> Option<End> {
     if sequence.job.events.is_closed() {
         return Some(End::Abandoned);
     }
+    if let Some(scan) = sequence.think.as_ref().filter(|scan| scan.thinking()) {
+        sequence.reasoning_tokens += 1;
+        // The budget spent: the closing tag comes next, whatever the model would say.
+        if sequence.job.thinking_budget == Some(sequence.reasoning_tokens) {
+            sequence.forced = scan.close_ids.iter().rev().copied().collect();
+        }
+    }
     let stream = sequence.stream.as_mut()?;
     let piece = match stream.step(token) {
         Ok(Some(piece)) => piece,
@@ -1018,6 +1073,25 @@ fn hand_out(sequence: &mut Sequence, token: u32) -> Option<End> {
 /// left, or a call was made where only one may be.
 fn send_text(sequence: &mut Sequence, text: String, last: bool) -> Option<End> {
     let choice = sequence.choice;
+    let text = match sequence.think.as_mut() {
+        None => text,
+        Some(scan) => {
+            let mut split = scan.push(&text);
+            if last {
+                split.reasoning += &scan.finish().reasoning;
+            }
+            if !split.reasoning.is_empty() {
+                let reasoning = Event::Reasoning {
+                    choice,
+                    text: split.reasoning,
+                };
+                if sequence.job.events.send(reasoning).is_err() {
+                    return Some(End::Abandoned);
+                }
+            }
+            split.text
+        }
+    };
     let pieces = match sequence.calls.as_mut() {
         None => vec![Scanned::Text(text)],
         Some(scan) => {

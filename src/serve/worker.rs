@@ -52,6 +52,8 @@ pub struct Job {
     pub tools: Option<Tools>,
     /// What the answer must match.
     pub grammar: Option<Grammar>,
+    /// Thinking asked for, with at most this many tokens of it.
+    pub thinking_budget: Option<usize>,
     pub events: UnboundedSender<Event>,
     pub received: Instant,
 }
@@ -69,6 +71,11 @@ pub enum Event {
         choice: usize,
         text: String,
         logprobs: Vec<TokenLogprob>,
+    },
+    /// Reasoning of the choice: what it wrote in its thinking block.
+    Reasoning {
+        choice: usize,
+        text: String,
     },
     /// A call of a tool the choice made (its text in no `Text`).
     Call {

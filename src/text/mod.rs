@@ -6,6 +6,7 @@
 //! Oracle and `IDS=` modes never come here and need no tokenizer.
 
 pub mod chat;
+pub mod reasoning;
 pub mod tokenizer;
 pub mod tool_calls;
 

@@ -5,7 +5,7 @@
 
 use serde_json::{json, Value};
 
-use crate::common::{coli, fixture, stderr, stdout};
+use crate::common::{coli, copy_fixture, edit_json, fixture, stderr, stdout};
 use crate::server::{heldout_ids, usage, Server};
 
 fn start() -> Server {
@@ -322,4 +322,171 @@ fn a_grammar_or_a_json_format_bounds_every_answer() {
             assert!(text.trim_start().starts_with('{'), "seed {seed}: {text:?}");
         }
     }
+}
+
+/// GLM-5.2 thinks when asked (`chat_template_kwargs.enable_thinking`, Anthropic's
+/// `thinking`): what it writes before `</think>` is `reasoning_content` (streamed as
+/// `delta.reasoning_content`) and a `thinking` block; a budget closes the block where it
+/// is spent. The random model never closes the block itself, so all it writes is thinking
+/// until the budget forces the tag.
+#[test]
+fn thinking_is_reasoning_content_and_a_thinking_block_within_its_budget() {
+    let server = Server::start(&fixture("glm_moe_dsa_tiny"), &["USAGE_SAVE=0"], &[]);
+    let ask = json!({ "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 24,
+                      "temperature": 0, "chat_template_kwargs": {"enable_thinking": true} });
+    let (status, whole) = server.post("/v1/chat/completions", &ask);
+    assert_eq!(status, 200, "{whole}");
+    let message = &whole["choices"][0]["message"];
+    let reasoning = message["reasoning_content"].as_str().unwrap_or_default();
+    assert!(!reasoning.is_empty(), "{whole}");
+    assert!(!reasoning.contains("</think>"), "{whole}");
+    let usage = &whole["usage"];
+    assert_eq!(
+        usage["completion_tokens_details"]["reasoning_tokens"], usage["completion_tokens"],
+        "{whole}"
+    );
+    // Streamed: the same reasoning, in deltas.
+    let mut streamed = ask.clone();
+    streamed["stream"] = json!(true);
+    let (status, text) = server.curl("/v1/chat/completions", Some(&streamed.to_string()), &[]);
+    assert_eq!(status, 200, "{text}");
+    let deltas: String = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str::<Value>(d).unwrap())
+        .filter_map(|c| {
+            c["choices"][0]["delta"]["reasoning_content"]
+                .as_str()
+                .map(String::from)
+        })
+        .collect();
+    assert_eq!(deltas, reasoning);
+    // Without the switch, no thinking.
+    let (_, plain) = server.post(
+        "/v1/chat/completions",
+        &json!({ "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0 }),
+    );
+    assert!(
+        plain["choices"][0]["message"]
+            .get("reasoning_content")
+            .is_none(),
+        "{plain}"
+    );
+
+    // Anthropic, the same answer as a thinking block, whole and streamed.
+    let messages = json!({ "max_tokens": 1040, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}],
+                           "thinking": {"type": "enabled", "budget_tokens": 1024} });
+    let (status, message) = server.post("/v1/messages", &messages);
+    assert_eq!(status, 200, "{message}");
+    let mut same = ask.clone();
+    same["max_tokens"] = json!(1040);
+    let (_, same) = server.post("/v1/chat/completions", &same);
+    assert_eq!(message["content"][0]["type"], "thinking", "{message}");
+    assert_eq!(
+        message["content"][0]["thinking"], same["choices"][0]["message"]["reasoning_content"],
+        "{message}"
+    );
+    let mut streamed = messages.clone();
+    streamed["stream"] = json!(true);
+    let (_, text) = server.curl("/v1/messages", Some(&streamed.to_string()), &[]);
+    let events: Vec<Value> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let thought: String = events
+        .iter()
+        .filter_map(|e| e["delta"]["thinking"].as_str())
+        .collect();
+    assert_eq!(thought, message["content"][0]["thinking"].as_str().unwrap());
+    let kinds: Vec<&str> = events
+        .iter()
+        .map(|e| {
+            e["delta"]["type"]
+                .as_str()
+                .unwrap_or_else(|| e["type"].as_str().unwrap())
+        })
+        .filter(|k| *k != "thinking_delta")
+        .collect();
+    assert_eq!(
+        kinds[..4],
+        [
+            "message_start",
+            "content_block_start",
+            "signature_delta",
+            "content_block_stop"
+        ],
+        "{text}"
+    );
+
+    // The budget, on a copy whose special tokens do not stop it (its model writes its own
+    // `</think>` after 163 tokens): 16 tokens of thinking, the closing tag it is made to
+    // write, then text.
+    let copy = copy_fixture("glm_moe_dsa_tiny");
+    let unstoppable = |json: &mut Value| json["eos_token_id"] = json!(126);
+    edit_json(&copy.path().join("config.json"), unstoppable);
+    edit_json(&copy.path().join("generation_config.json"), unstoppable);
+    edit_json(&copy.path().join("tokenizer_config.json"), |json| {
+        json["eos_token"] = json!("<think>")
+    });
+    edit_json(&copy.path().join("tokenizer.json"), |json| {
+        for token in json["added_tokens"].as_array_mut().unwrap() {
+            token["special"] = json!(false);
+        }
+    });
+    let budgeted = Server::start(copy.path(), &["USAGE_SAVE=0"], &[]);
+    let mut messages = messages;
+    messages["max_tokens"] = json!(40);
+    messages["thinking"]["budget_tokens"] = json!(16);
+    let (status, message) = budgeted.post("/v1/messages", &messages);
+    assert_eq!(status, 200, "{message}");
+    assert_eq!(message["usage"]["output_tokens"], 40, "{message}");
+    let content = message["content"].as_array().unwrap();
+    let thought = content[0]["thinking"].as_str().unwrap();
+    let (_, counted) = budgeted.post(
+        "/tokenize",
+        &json!({ "content": thought, "add_special": false }),
+    );
+    let thought_tokens = counted["count"].as_u64().unwrap();
+    // Token counts of decoded text may differ by one or two where pieces merge.
+    assert!(
+        (14..=18).contains(&thought_tokens),
+        "{thought_tokens} tokens of thinking"
+    );
+    let after = content[1]["text"].as_str().unwrap();
+    assert!(
+        !after.is_empty() && !after.contains("</think>"),
+        "{message}"
+    );
+    // Refused: thinking on a model whose prompt opens no thinking block, and thinking with a
+    // required call.
+    let (status, reply) = server.post(
+        "/v1/messages",
+        &json!({ "max_tokens": 2000, "messages": [{"role": "user", "content": "Hi"}],
+                 "thinking": {"type": "enabled", "budget_tokens": 1024},
+                 "tools": [{"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "any"} }),
+    );
+    assert_eq!(status, 400, "{reply}");
+    assert!(
+        reply["error"]["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("thinking with"),
+        "{reply}"
+    );
+    let olmoe = start();
+    let (status, reply) = olmoe.post(
+        "/v1/messages",
+        &json!({ "max_tokens": 2000, "messages": [{"role": "user", "content": "Hi"}],
+                 "thinking": {"type": "enabled", "budget_tokens": 1024} }),
+    );
+    assert_eq!(status, 400, "{reply}");
+    assert!(
+        reply["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("olmoe"),
+        "{reply}"
+    );
 }
