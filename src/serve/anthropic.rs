@@ -97,14 +97,21 @@ pub fn request(body: &[u8]) -> Result<Request, ApiError> {
             }
         }
     }
-    if parsed
-        .messages
-        .last()
-        .is_some_and(|m| m.role == "assistant")
-    {
-        return Err(ApiError::invalid(
-            "messages: the last message is the assistant's (a prefill); this server answers a last user message",
-        ));
+    // A last assistant turn is the start of the answer, which the answer continues.
+    let mut prefill = String::new();
+    if messages.last().is_some_and(|m| m.role == "assistant") {
+        let last = messages.pop().unwrap_or_default();
+        if !last.tool_calls.is_empty() {
+            return Err(ApiError::invalid(
+                "messages: the last message is the assistant's with a tool_use; send its tool_result in a user message",
+            ));
+        }
+        if last.content.ends_with(char::is_whitespace) {
+            return Err(ApiError::invalid(
+                "messages: the final assistant content cannot end with whitespace",
+            ));
+        }
+        prefill = last.content;
     }
     if let Some(t) = parsed.temperature.filter(|t| !(0.0..=1.0).contains(t)) {
         return Err(ApiError::invalid(format!(
@@ -145,6 +152,7 @@ pub fn request(body: &[u8]) -> Result<Request, ApiError> {
         messages,
         tools,
         variables,
+        prefill,
     };
     let (choice, parallel) = tool_choice(parsed.tool_choice.as_ref())?;
     let tools = api::tools_for(&mut conversation, choice, parallel)?;

@@ -269,6 +269,7 @@ pub fn chat_request(body: &[u8]) -> Result<Request, ApiError> {
         messages: chat_messages(chat.messages)?,
         tools: chat.extras.tools.unwrap_or_default(),
         variables: chat.extras.chat_template_kwargs.unwrap_or_default(),
+        prefill: String::new(),
     };
     check_tools(&conversation.tools)?;
     if let Some(key) = conversation.reserved_variable() {
@@ -506,6 +507,7 @@ pub fn tokenize_request(body: &[u8]) -> Result<(Tokenize, Option<String>), ApiEr
                 messages: chat_messages(messages)?,
                 tools: parsed.tools.unwrap_or_default(),
                 variables: parsed.chat_template_kwargs.unwrap_or_default(),
+                prefill: String::new(),
             };
             check_tools(&conversation.tools)?;
             Tokenize::Chat(conversation)

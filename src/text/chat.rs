@@ -109,6 +109,9 @@ pub struct Conversation {
     pub tools: Vec<Json>,
     /// `chat_template_kwargs`: more variables, by name.
     pub variables: Map<String, Json>,
+    /// The start of the answer, given by the client (Anthropic's trailing assistant
+    /// message): written after the generation prompt, and continued.
+    pub prefill: String,
 }
 
 impl From<Vec<ChatMessage>> for Conversation {
@@ -223,6 +226,7 @@ impl ChatTemplate {
         context.insert("bos_token".into(), bos_token.unwrap_or("").into());
         context.insert("eos_token".into(), eos_token.unwrap_or("").into());
         let context = Value::from(minijinja::value::Serde(&context));
+        let prefill = &conversation.prefill;
         let failed = |err: Error| {
             anyhow!(
                 "chat template ({}): {err:#}\n(coli renders chat templates with: {PROVIDED})",
@@ -232,7 +236,7 @@ impl ChatTemplate {
         let template = env
             .template_from_named_str("chat_template", &self.text)
             .map_err(failed)?;
-        template.render(context).map_err(failed)
+        Ok(template.render(context).map_err(failed)? + prefill)
     }
 }
 

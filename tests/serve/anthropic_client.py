@@ -68,6 +68,19 @@ def main():
         check(cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop, f"stop {cut}")
         check(cut.content[0].text == text[: text.index(stop)], f"cut {cut.content[0].text!r}")
 
+    # A last assistant message starts the answer, which continues it: the prompt holds it.
+    prefilled = client.messages.create(
+        **dict(ask, messages=ask["messages"] + [{"role": "assistant", "content": "Once upon a"}])
+    )
+    total = lambda u: u.input_tokens + u.cache_read_input_tokens
+    check(total(prefilled.usage) > total(whole.usage), f"prefill {prefilled.usage} vs {whole.usage}")
+    check(prefilled.content[0].type == "text", f"prefill {prefilled.content}")
+    try:
+        client.messages.create(**dict(ask, messages=ask["messages"] + [{"role": "assistant", "content": "Once "}]))
+        check(False, "a prefill ending in whitespace was accepted")
+    except anthropic.BadRequestError as err:
+        check("whitespace" in str(err), f"prefill refusal: {err}")
+
     # Errors arrive as the client's exception types.
     try:
         client.messages.create(**dict(ask, tools=[{"name": "f", "input_schema": {"type": "object"}}]))

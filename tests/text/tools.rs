@@ -41,6 +41,7 @@ fn conversation() -> Conversation {
             "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}),
         ],
         variables: serde_json::Map::new(),
+        prefill: String::new(),
     }
 }
 
