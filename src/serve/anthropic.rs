@@ -180,6 +180,7 @@ pub fn request(body: &[u8]) -> Result<Request, ApiError> {
         tools,
         grammar: None,
         thinking_budget: thinking.flatten(),
+        echo: false,
     })
 }
 

@@ -100,6 +100,8 @@ pub struct Request {
     pub grammar: Option<Grammar>,
     /// Thinking asked for, with at most this many tokens of it (Anthropic's `thinking`).
     pub thinking_budget: Option<usize>,
+    /// The prompt's text before the answer's (`/v1/completions`' `echo`).
+    pub echo: bool,
 }
 
 /// How an answer calls tools.
@@ -210,6 +212,9 @@ struct Message {
 #[derive(Deserialize)]
 struct Completion {
     prompt: Value,
+    /// The prompt's text (and, with `logprobs`, its tokens' log-probabilities) before the
+    /// answer's.
+    echo: Option<bool>,
     #[serde(flatten)]
     common: Common,
     #[serde(flatten)]
@@ -611,7 +616,9 @@ pub fn completion_request(body: &[u8]) -> Result<Request, ApiError> {
         ),
         _ => return Err(bad()),
     };
-    request(completion.common, input, logprobs)
+    let mut request = request(completion.common, input, logprobs)?;
+    request.echo = completion.echo.unwrap_or(false);
+    Ok(request)
 }
 
 fn request(common: Common, input: Input, logprobs: Option<usize>) -> Result<Request, ApiError> {
@@ -708,6 +715,7 @@ fn request(common: Common, input: Input, logprobs: Option<usize>) -> Result<Requ
         tools: None,
         grammar,
         thinking_budget: None,
+        echo: false,
     })
 }
 
@@ -861,6 +869,7 @@ pub struct Choice {
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenLogprob {
     pub token: String,
+    /// NaN for an echoed prompt's first token, which nothing predicts (`null` on the wire).
     pub logprob: f32,
     pub top: Vec<(String, f32)>,
 }
@@ -892,10 +901,19 @@ pub fn logprobs_body(endpoint: Endpoint, tokens: &[TokenLogprob], offset: usize)
             }
             json!({
                 "tokens": tokens.iter().map(|t| t.token.as_str()).collect::<Vec<_>>(),
-                "token_logprobs": tokens.iter().map(|t| t.logprob).collect::<Vec<_>>(),
+                "token_logprobs": tokens
+                    .iter()
+                    .map(|t| if t.logprob.is_nan() { Value::Null } else { json!(t.logprob) })
+                    .collect::<Vec<_>>(),
                 "top_logprobs": tokens
                     .iter()
-                    .map(|t| t.top.iter().map(|(token, lp)| (token.clone(), json!(lp))).collect::<serde_json::Map<_, _>>())
+                    .map(|t| {
+                        if t.logprob.is_nan() {
+                            return Value::Null;
+                        }
+                        let top = t.top.iter().map(|(token, lp)| (token.clone(), json!(lp)));
+                        Value::Object(top.collect())
+                    })
                     .collect::<Vec<_>>(),
                 "text_offset": text_offset,
             })

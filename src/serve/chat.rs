@@ -75,6 +75,7 @@ pub fn run(model: Option<&str>, settings: Settings, positionals: Positionals) ->
             tools: None,
             grammar: None,
             thinking_budget: None,
+            echo: false,
             events: events_tx,
             received: Instant::now(),
         };

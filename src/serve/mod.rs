@@ -957,6 +957,7 @@ fn job(
             tools: request.tools.clone(),
             grammar: request.grammar.clone(),
             thinking_budget: request.thinking_budget,
+            echo: request.echo,
             events,
             received,
         },

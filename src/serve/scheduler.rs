@@ -21,7 +21,7 @@ use anyhow::Result;
 use super::api::{ApiError, Finish, Input, Routed, TokenLogprob, ToolChoice, Usage};
 use super::kv_dir::KvDir;
 use super::metrics::{Metrics, StepFigures, Turn};
-use super::pool::Pool;
+use super::pool::{Pool, Start};
 use super::worker::{Event, Job, Serving, StopScan};
 use crate::engines::{Engine, Logits, State, Step};
 use crate::experts::CacheStats;
@@ -47,6 +47,8 @@ struct Checked {
     guide: Option<Guide>,
     /// When the prompt opened a thinking block: the scan that finds where it closes.
     think: Option<ThinkScan>,
+    /// With `echo`: the prompt's text.
+    echo: Option<String>,
 }
 
 /// What a sequence feeds next.
@@ -93,6 +95,9 @@ struct Sequence<'t> {
     /// Tokens that come next whatever the logits say, last first (the closing tag of a
     /// thinking block whose budget is spent).
     forced: Vec<u32>,
+    /// With `echo`: the prompt's text and (with `logprobs`) its tokens' log-probabilities,
+    /// handed out before the first token.
+    echo: Option<(String, Vec<TokenLogprob>)>,
     /// Per generated token, when asked: the experts each MoE layer chose for it.
     routed: Option<Routed>,
     /// When asked: the log-probabilities of the tokens chosen since the last text sent.
@@ -262,6 +267,7 @@ impl<'a> Scheduler<'a> {
             calls,
             guide,
             think,
+            echo,
         } = match checked {
             Ok(parts) => parts,
             Err(err) => {
@@ -271,8 +277,26 @@ impl<'a> Scheduler<'a> {
             }
         };
         let engine = self.engine;
-        // A whole-prompt match has no routing to report for the first token's row.
-        let start = self.pool.start(&prompt, !job.routed_experts, engine);
+        let echo = echo.map(|text| {
+            // The first token's log-probability: nothing predicts it.
+            let first = job.logprobs.map(|_| TokenLogprob {
+                token: self.tokenizer.decode_all(&prompt[..1]).unwrap_or_default(),
+                logprob: f32::NAN,
+                top: Vec::new(),
+            });
+            (text, first.into_iter().collect())
+        });
+        // A whole-prompt match has no routing to report for the first token's row; the
+        // log-probabilities of an echoed prompt need every position computed.
+        let start = if echo.is_some() && job.logprobs.is_some() {
+            Start {
+                state: engine.new_state(),
+                cached: 0,
+                logits: None,
+            }
+        } else {
+            self.pool.start(&prompt, !job.routed_experts, engine)
+        };
         let id = self.next_id;
         self.next_id += 1;
         let next = match start.logits {
@@ -303,6 +327,7 @@ impl<'a> Scheduler<'a> {
             think,
             reasoning_tokens: 0,
             forced: Vec::new(),
+            echo,
             first_token: None,
             decode_started: None,
         };
@@ -449,6 +474,10 @@ impl<'a> Scheduler<'a> {
             Some(grammar) => Some(self.start_guide(&grammar, job.tools.is_some())?),
             None => None,
         };
+        let echo = job.echo.then(|| match &job.input {
+            Input::Ids(ids) => self.tokenizer.decode_all(ids).unwrap_or_default(),
+            _ => text,
+        });
         Ok(Checked {
             prompt,
             count,
@@ -456,6 +485,7 @@ impl<'a> Scheduler<'a> {
             calls,
             guide,
             think,
+            echo,
         })
     }
 
@@ -560,6 +590,7 @@ impl<'a> Scheduler<'a> {
                 routed,
                 guide,
                 mask,
+                echo,
                 ..
             } = sequence;
             let (tokens, logits, part) = match next {
@@ -573,7 +604,12 @@ impl<'a> Scheduler<'a> {
                 }
                 Next::Prompt(fed) if Some(i) == filling => {
                     let end = (*fed + chunk).min(prompt.len());
-                    (&prompt[*fed..end], Logits::Last, Part::Prefill(end))
+                    // An echoed prompt's log-probabilities: a row for every position.
+                    let logits = match echo {
+                        Some((_, scored)) if !scored.is_empty() => Logits::All,
+                        _ => Logits::Last,
+                    };
+                    (&prompt[*fed..end], logits, Part::Prefill(end))
                 }
                 _ => continue,
             };
@@ -630,7 +666,23 @@ impl<'a> Scheduler<'a> {
             let sequence = &mut self.active[i];
             match part {
                 Part::Prefill(end) => {
-                    row += end - fed_before(sequence);
+                    let start = fed_before(sequence);
+                    row += end - start;
+                    let vocab = engine.vocab_size();
+                    let logits = match sequence.echo.as_mut() {
+                        Some((_, scored)) if !scored.is_empty() => {
+                            let top = sequence.job.logprobs.unwrap_or(0);
+                            let rows: Vec<&[f32]> = logits.chunks_exact(vocab).collect();
+                            // Row r predicts the token at position start + r + 1.
+                            for (r, row) in rows.iter().enumerate() {
+                                if let Some(&next) = sequence.prompt.get(start + r + 1) {
+                                    scored.push(token_logprob(self.tokenizer, row, next, top));
+                                }
+                            }
+                            rows.last().map_or_else(Vec::new, |row| row.to_vec())
+                        }
+                        _ => logits,
+                    };
                     if end < sequence.prompt.len() {
                         sequence.next = Next::Prompt(end);
                         continue;
@@ -927,6 +979,7 @@ fn fork_choices<'t>(
                 think: sequence.think.as_ref().map(ThinkScan::fresh),
                 reasoning_tokens: 0,
                 forced: Vec::new(),
+                echo: sequence.echo.clone(),
                 routed: sequence.routed.is_some().then(Vec::new),
                 logprobs: Vec::new(),
                 first_token: None,
@@ -979,6 +1032,16 @@ fn choose(
     routes: Option<Vec<Vec<Vec<u32>>>>,
     drafts: &[u32],
 ) -> Option<End> {
+    if let Some((text, logprobs)) = sequence.echo.take() {
+        let echo = Event::Text {
+            choice: sequence.choice,
+            text,
+            logprobs,
+        };
+        if sequence.job.events.send(echo).is_err() {
+            return Some(End::Abandoned);
+        }
+    }
     if sequence.tokens.len() >= sequence.count {
         return Some(End::Limit);
     }

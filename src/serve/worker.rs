@@ -54,6 +54,8 @@ pub struct Job {
     pub grammar: Option<Grammar>,
     /// Thinking asked for, with at most this many tokens of it.
     pub thinking_budget: Option<usize>,
+    /// The prompt's text (with `logprobs`, its tokens' log-probabilities) before the answer.
+    pub echo: bool,
     pub events: UnboundedSender<Event>,
     pub received: Instant,
 }

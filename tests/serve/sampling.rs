@@ -283,13 +283,71 @@ fn fields_this_server_does_not_implement_are_refused_by_name() {
     }
     let (status, reply) = server.post(
         "/v1/completions",
-        &json!({ "prompt": "x", "echo": true, "max_tokens": 1 }),
+        &json!({ "prompt": "x", "suffix": "y", "max_tokens": 1 }),
     );
     assert_eq!(status, 400, "{reply}");
     assert!(reply["error"]["message"]
         .as_str()
         .unwrap()
-        .starts_with("echo:"));
+        .starts_with("suffix:"));
+}
+
+/// `echo`: the prompt's text before the answer's; with `logprobs`, the prompt's tokens
+/// scored as `PPL=1` scores them (the first, which nothing predicts, `null`), streamed too.
+#[test]
+fn an_echoed_prompt_is_scored_as_ppl_scores_it() {
+    let server = start();
+    let prompt = heldout_ids(15);
+    let body = json!({ "prompt": prompt, "max_tokens": 0, "echo": true, "logprobs": 2 });
+    let (status, reply) = server.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{reply}");
+    let logprobs = &reply["choices"][0]["logprobs"];
+    let scores = logprobs["token_logprobs"].as_array().unwrap();
+    assert_eq!(scores.len(), prompt.len(), "{logprobs}");
+    assert!(
+        scores[0].is_null() && logprobs["top_logprobs"][0].is_null(),
+        "{logprobs}"
+    );
+    let sum: f64 = scores[1..].iter().map(|v| v.as_f64().unwrap()).sum();
+    let scored = ppl_sum(&prompt);
+    assert!(
+        (sum + scored).abs() < 1e-3 * scored,
+        "{sum} against PPL's -{scored}"
+    );
+    let tokens: Vec<String> = serde_json::from_value(logprobs["tokens"].clone()).unwrap();
+    assert_eq!(
+        tokens.concat(),
+        reply["choices"][0]["text"].as_str().unwrap()
+    );
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (_, text) = server.curl("/v1/completions", Some(&streamed.to_string()), &[]);
+    let streamed_scores: Vec<Value> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str::<Value>(d).unwrap())
+        .filter_map(|c| {
+            c["choices"][0]["logprobs"]["token_logprobs"]
+                .as_array()
+                .cloned()
+        })
+        .flatten()
+        .collect();
+    assert_eq!(&streamed_scores[..], &scores[..]);
+    // Without logprobs: the prompt's text, then the answer a request without echo gets.
+    let ask = json!({ "prompt": "The history of", "max_tokens": 4, "temperature": 0 });
+    let (_, plain) = server.post("/v1/completions", &ask);
+    let mut echoed = ask.clone();
+    echoed["echo"] = json!(true);
+    let (_, echoed) = server.post("/v1/completions", &echoed);
+    assert_eq!(
+        echoed["choices"][0]["text"].as_str().unwrap(),
+        format!(
+            "The history of{}",
+            plain["choices"][0]["text"].as_str().unwrap()
+        )
+    );
 }
 
 /// `grammar` and `response_format` constrain what is sampled (at a high temperature, so
