@@ -121,7 +121,11 @@ impl ToolScan {
         let rest = std::mem::take(&mut self.pending);
         let mut out = Vec::new();
         if std::mem::replace(&mut self.in_call, false) {
-            out.push(self.parsed(&rest));
+            out.push(match self.parsed(&rest) {
+                // Its text as generated: no closing marker was.
+                Scanned::Text(_) => Scanned::Text(format!("{}{rest}", self.markers.open)),
+                call => call,
+            });
         } else {
             self.text(&rest, &mut out);
         }
@@ -494,6 +498,11 @@ mod tests {
         assert_eq!(
             scan_every_way(ToolSyntax::GlmXml, &tools, bad),
             vec![Scanned::Text(bad.into())]
+        );
+        // A call cut off by the end of the answer stays its text, as generated.
+        assert_eq!(
+            scan_every_way(ToolSyntax::GlmXml, &tools, "<tool_call>read<arg_key>pa"),
+            vec![Scanned::Text("<tool_call>read<arg_key>pa".into())]
         );
         // Text that only looks like the start of a marker is let through at the end.
         assert_eq!(
