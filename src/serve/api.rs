@@ -223,7 +223,7 @@ struct Completion {
 
 /// A 400 for the first field of `rest` (the fields no struct took) that carries a value
 /// and is not one this server may ignore. `null`, `[]` and `{}` say nothing and pass.
-fn refuse_unknown(rest: &serde_json::Map<String, Value>, at: &str) -> Result<(), ApiError> {
+pub fn refuse_unknown(rest: &serde_json::Map<String, Value>, at: &str) -> Result<(), ApiError> {
     for (key, value) in rest {
         let empty = match value {
             Value::Null => true,
@@ -729,42 +729,59 @@ fn response_format(format: Option<Value>) -> Result<Option<Grammar>, ApiError> {
     let fields = format
         .as_object()
         .ok_or_else(|| ApiError::invalid(format!("response_format: {expected}")))?;
-    let only = |allowed: &[&str], at: &str, fields: &serde_json::Map<String, Value>| match fields
-        .keys()
-        .find(|k| !allowed.contains(&k.as_str()))
-    {
-        Some(key) => Err(ApiError::invalid(format!(
-            "{at}.{key}: not a field this server takes ({})",
-            allowed.join(", ")
-        ))),
-        None => Ok(()),
-    };
     match fields.get("type").and_then(Value::as_str) {
-        Some("text") => only(&["type"], "response_format", fields).map(|()| None),
+        Some("text") => only_fields(fields, &["type"], "response_format").map(|()| None),
         Some("json_object") => {
-            only(&["type"], "response_format", fields).map(|()| Some(Grammar::JsonObject))
+            only_fields(fields, &["type"], "response_format").map(|()| Some(Grammar::JsonObject))
         }
         Some("json_schema") => {
-            only(&["type", "json_schema"], "response_format", fields)?;
+            only_fields(fields, &["type", "json_schema"], "response_format")?;
             let Some(wrapper) = fields.get("json_schema").and_then(Value::as_object) else {
                 return Err(ApiError::invalid(
                     "response_format.json_schema: expected {\"name\", \"schema\", \"strict\"?, \"description\"?}",
                 ));
             };
-            only(
+            json_schema_grammar(
+                wrapper,
                 &["name", "schema", "strict", "description"],
                 "response_format.json_schema",
-                wrapper,
-            )?;
-            match wrapper.get("schema") {
-                Some(schema) if schema.is_object() => Ok(Some(Grammar::JsonSchema(schema.clone()))),
-                _ => Err(ApiError::invalid(
-                    "response_format.json_schema.schema: expected a JSON Schema object",
-                )),
-            }
+            )
+            .map(Some)
         }
         _ => Err(ApiError::invalid(format!(
             "response_format.type: {expected}"
+        ))),
+    }
+}
+
+/// A 400 naming `at.key` for the first key of `fields` that is not `allowed`.
+pub fn only_fields(
+    fields: &serde_json::Map<String, Value>,
+    allowed: &[&str],
+    at: &str,
+) -> Result<(), ApiError> {
+    match fields.keys().find(|k| !allowed.contains(&k.as_str())) {
+        Some(key) => Err(ApiError::invalid(format!(
+            "{at}.{key}: not a field this server takes ({})",
+            allowed.join(", ")
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// The grammar of a JSON schema format, `fields` holding `schema` (a JSON Schema object)
+/// and at most the other `allowed` keys (`name`, `strict`, `description`): chat's
+/// `response_format.json_schema`, the Responses API's `text.format`.
+pub fn json_schema_grammar(
+    fields: &serde_json::Map<String, Value>,
+    allowed: &[&str],
+    at: &str,
+) -> Result<Grammar, ApiError> {
+    only_fields(fields, allowed, at)?;
+    match fields.get("schema") {
+        Some(schema) if schema.is_object() => Ok(Grammar::JsonSchema(schema.clone())),
+        _ => Err(ApiError::invalid(format!(
+            "{at}.schema: expected a JSON Schema object"
         ))),
     }
 }

@@ -12,6 +12,7 @@ pub mod chat;
 pub mod kv_dir;
 mod metrics;
 mod pool;
+mod responses;
 mod scheduler;
 mod worker;
 
@@ -199,6 +200,7 @@ pub fn run(
         .route("/v1/completions", post(completions))
         .route("/v1/messages", post(messages))
         .route("/v1/messages/count_tokens", post(count_tokens))
+        .route("/v1/responses", post(responses))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .fallback(not_found)
@@ -332,7 +334,7 @@ async fn not_found() -> Response {
         status: 404,
         kind: "invalid_request_error",
         code: None,
-        message: "no such endpoint: coli serves /v1/chat/completions, /v1/completions, /v1/messages, /v1/messages/count_tokens, /tokenize, /detokenize, /v1/models, /health and /metrics".to_string(),
+        message: "no such endpoint: coli serves /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/messages/count_tokens, /tokenize, /detokenize, /v1/models, /health and /metrics".to_string(),
     })
 }
 
@@ -761,6 +763,149 @@ fn stream_messages(
         .into_response()
 }
 
+async fn responses(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    let started = Instant::now();
+    tracing::debug!("POST /v1/responses received");
+    let response = match answer_responses(&app, &headers, body, started).await {
+        Ok(response) => {
+            // A stream logs its line when it ends.
+            if let Some(figures) = response.extensions().get::<Figures>() {
+                log_request("/v1/responses", 200, started, Some(figures), None);
+            }
+            response
+        }
+        Err(err) => {
+            log_request(
+                "/v1/responses",
+                err.status,
+                started,
+                None,
+                Some(&err.message),
+            );
+            error_response(&err)
+        }
+    };
+    app.metrics.request("responses", response.status().as_u16());
+    response
+}
+
+/// `/v1/responses`: the whole response object, or its stream of events.
+async fn answer_responses(
+    app: &Arc<App>,
+    headers: &HeaderMap,
+    body: Body,
+    started: Instant,
+) -> Result<Response, ApiError> {
+    authorize(app, headers)?;
+    let received = Instant::now();
+    let bytes = read_body(headers, body).await?;
+    let (request, mut echo) = responses::request(&bytes)?;
+    let mut events = submit(app, &request, received)
+        .await
+        .map_err(responses::in_own_words)?;
+    // The response repeats the sampling it was generated with, the server's where the
+    // request gives none.
+    echo.temperature = Some(request.temperature.unwrap_or(app.temperature));
+    echo.top_p = Some(request.top_p.unwrap_or(app.settings.top_p));
+    let stem = format!(
+        "{}-{}",
+        app.id_prefix,
+        app.next_id.fetch_add(1, Ordering::Relaxed)
+    );
+    let created = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let mut output = responses::Output::new(stem, created, app.model.id.clone(), echo);
+    if request.stream {
+        return Ok(stream_responses(output, events, started));
+    }
+    // The stream's builder, its events unsent: the whole response has the streamed output.
+    loop {
+        match events.recv().await {
+            Some(Event::Text { text, .. }) => {
+                output.text(&text);
+            }
+            Some(Event::Call { call, .. }) => {
+                let call = with_id(call, output.next_call_id());
+                output.call(&call);
+            }
+            Some(Event::Done {
+                finish,
+                usage,
+                first_token,
+                decode_rate,
+                ..
+            }) => {
+                output.end(finish, usage);
+                let mut response = Json(output.response()).into_response();
+                let figures = Figures::of(usage, first_token, decode_rate);
+                response.extensions_mut().insert(figures);
+                return Ok(response);
+            }
+            Some(Event::Failed(err)) => return Err(err),
+            Some(Event::Started) | None => return Err(engine_gone()),
+        }
+    }
+}
+
+/// The Responses stream: `response.created` and `response.in_progress`, then the output
+/// items' events as text and calls come ([`responses::Output`]), then
+/// `response.completed` (or `response.incomplete`); a failure after the start is an
+/// `error` event. Dropping the stream (the client left) drops the receiver, and the
+/// engine thread stops at its next token.
+fn stream_responses(
+    mut output: responses::Output,
+    events: mpsc::UnboundedReceiver<Event>,
+    started: Instant,
+) -> Response {
+    let event = |(name, body): responses::Sent| {
+        Ok::<_, Infallible>(SseEvent::default().event(name).data(body.to_string()))
+    };
+    let start = output.start().into_iter().map(event);
+    let rest = futures_util::stream::unfold(Some((events, output)), move |state| async move {
+        let (mut events, mut output) = state?;
+        let batch = match events.recv().await {
+            Some(Event::Text { text, .. }) => output.text(&text),
+            Some(Event::Call { call, .. }) => {
+                let call = with_id(call, output.next_call_id());
+                output.call(&call)
+            }
+            Some(Event::Done {
+                finish,
+                usage,
+                first_token,
+                decode_rate,
+                ..
+            }) => {
+                let figures = Figures::of(usage, first_token, decode_rate);
+                log_request("/v1/responses", 200, started, Some(&figures), None);
+                let end = output.end(finish, usage);
+                return Some((end.into_iter().map(event).collect::<Vec<_>>(), None));
+            }
+            failed => {
+                let err = match failed {
+                    Some(Event::Failed(err)) => err,
+                    _ => engine_gone(),
+                };
+                log_request(
+                    "/v1/responses",
+                    err.status,
+                    started,
+                    None,
+                    Some(&err.message),
+                );
+                return Some((vec![event(output.error(&err))], None));
+            }
+        };
+        Some((
+            batch.into_iter().map(event).collect(),
+            Some((events, output)),
+        ))
+    })
+    .flat_map(futures_util::stream::iter);
+    Sse::new(futures_util::stream::iter(start).chain(rest)).into_response()
+}
+
 async fn read_body(headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
     let too_large = || ApiError {
         status: 413,
@@ -914,10 +1059,13 @@ async fn submit(
     }
 }
 
-/// The id of a request's call: `kind` (`call`, `toolu`), the request's id, the choice and
-/// the call's place among the choice's calls.
+/// The id of a request's call: `kind` (`call`, `toolu`), the request's id without its own
+/// kind (`chatcmpl-`, `msg_`), the choice and the call's place among the choice's calls.
 fn call_id(kind: &str, request: &str, choice: usize, number: usize) -> String {
-    let request = request.split_once('-').map_or(request, |(_, rest)| rest);
+    let request = ["chatcmpl-", "msg_"]
+        .iter()
+        .find_map(|kind| request.strip_prefix(kind))
+        .unwrap_or(request);
     format!("{kind}_{request}-{choice}-{number}")
 }
 

@@ -3,7 +3,9 @@
 //! and streamed (greedy, so both give the same text and token counts) and checks that errors
 //! arrive as the client's exception types; tests/serve/anthropic_client.py does the same
 //! with Messages; tests/serve/tools_client.py has both call tools and ask for structured
-//! output on the fixtures whose models have a syntax for calls. The interpreter is `COLI_TEST_PYTHON`, else `python3`; it must have both
+//! output on the fixtures whose models have a syntax for calls; tests/serve/responses_client.py
+//! drives `/v1/responses` with the `openai` client (text on OLMoE, calls and their results on
+//! Kimi K3). The interpreter is `COLI_TEST_PYTHON`, else `python3`; it must have both
 //! packages (.ci/run installs them), and the tests fail, not skip, when it has not.
 
 use crate::common;
@@ -176,6 +178,20 @@ fn tool_calls_and_structured_output_reach_both_clients() {
             url.trim_end_matches("/v1").to_string()
         });
     }
+}
+
+#[test]
+fn responses_text_whole_and_streamed_through_the_openai_client() {
+    run_client("openai", "responses_client.py", "olmoe_trained", |url| {
+        url.to_string()
+    });
+}
+
+#[test]
+fn responses_function_calls_and_their_results_through_the_openai_client() {
+    run_client("openai", "responses_client.py", "kimi_k3_tiny", |url| {
+        url.to_string()
+    });
 }
 
 #[test]
