@@ -825,6 +825,9 @@ async fn answer_responses(
             Some(Event::Text { text, .. }) => {
                 output.text(&text);
             }
+            Some(Event::Reasoning { text, .. }) => {
+                output.reasoning(&text);
+            }
             Some(Event::Call { call, .. }) => {
                 let call = with_id(call, output.next_call_id());
                 output.call(&call);
@@ -866,6 +869,7 @@ fn stream_responses(
         let (mut events, mut output) = state?;
         let batch = match events.recv().await {
             Some(Event::Text { text, .. }) => output.text(&text),
+            Some(Event::Reasoning { text, .. }) => output.reasoning(&text),
             Some(Event::Call { call, .. }) => {
                 let call = with_id(call, output.next_call_id());
                 output.call(&call)

@@ -156,6 +156,7 @@ pub fn request(body: &[u8]) -> Result<(Request, Echo), ApiError> {
         messages,
         tools,
         variables: Map::new(),
+        prefill: String::new(),
     };
     let (choice, tool_choice) = tool_choice(parsed.tool_choice)?;
     let tools = api::tools_for(&mut conversation, choice, parsed.parallel_tool_calls)?;
@@ -194,6 +195,8 @@ pub fn request(body: &[u8]) -> Result<(Request, Echo), ApiError> {
         logprobs: None,
         tools,
         grammar,
+        thinking_budget: None,
+        echo: false,
     };
     Ok((request, echo))
 }
@@ -499,6 +502,8 @@ pub struct Output {
     items: Vec<Value>,
     /// The text of the open message item, which would be `items.len()`.
     open: Option<String>,
+    /// Reasoning not yet made an item (a model's own template may open its thinking).
+    thinking: String,
     messages: usize,
     calls: usize,
     /// How the response ended and its token counts, once it has.
@@ -515,6 +520,7 @@ impl Output {
             sequence: 0,
             items: Vec::new(),
             open: None,
+            thinking: String::new(),
             messages: 0,
             calls: 0,
             end: None,
@@ -576,9 +582,43 @@ impl Output {
         self.items.len()
     }
 
+    /// A piece of reasoning: kept until the next text, call or end makes it a `reasoning`
+    /// item, added and done at once.
+    pub fn reasoning(&mut self, text: &str) -> Vec<Sent> {
+        self.thinking.push_str(text);
+        Vec::new()
+    }
+
+    /// The reasoning kept, as an item of its own.
+    fn reasoning_item(&mut self) -> Vec<Sent> {
+        if self.thinking.is_empty() {
+            return Vec::new();
+        }
+        let index = self.index();
+        let item = json!({
+            "type": "reasoning",
+            "id": format!("rs_{}-{index}", self.stem),
+            "summary": [],
+            "content": [{ "type": "reasoning_text", "text": std::mem::take(&mut self.thinking) }],
+            "status": "completed",
+        });
+        let events = vec![
+            self.event(
+                "response.output_item.added",
+                json!({ "output_index": index, "item": item }),
+            ),
+            self.event(
+                "response.output_item.done",
+                json!({ "output_index": index, "item": item }),
+            ),
+        ];
+        self.items.push(item);
+        events
+    }
+
     /// A piece of text.
     pub fn text(&mut self, text: &str) -> Vec<Sent> {
-        let mut events = Vec::new();
+        let mut events = self.reasoning_item();
         if self.open.is_none() {
             events.extend(self.open_message());
         }
@@ -643,7 +683,8 @@ impl Output {
 
     /// A call, whole, its `id` from [`Output::next_call_id`].
     pub fn call(&mut self, call: &ToolCall) -> Vec<Sent> {
-        let mut events = self.close_message("completed");
+        let mut events = self.reasoning_item();
+        events.extend(self.close_message("completed"));
         let arguments = Value::Object(call.arguments.clone()).to_string();
         let id = format!("fc_{}-{}", self.stem, self.calls);
         self.calls += 1;
@@ -689,8 +730,8 @@ impl Output {
             Finish::Length => "incomplete",
             _ => "completed",
         };
-        let mut events = Vec::new();
-        if self.items.is_empty() && self.open.is_none() {
+        let mut events = self.reasoning_item();
+        if self.items.iter().all(|item| item["type"] == "reasoning") && self.open.is_none() {
             events.extend(self.open_message());
         }
         events.extend(self.close_message(status));
@@ -752,7 +793,7 @@ fn usage_body(usage: Usage) -> Value {
         "input_tokens": usage.prompt,
         "input_tokens_details": { "cached_tokens": usage.cached, "cache_write_tokens": 0 },
         "output_tokens": usage.completion,
-        "output_tokens_details": { "reasoning_tokens": 0 },
+        "output_tokens_details": { "reasoning_tokens": usage.reasoning },
         "total_tokens": usage.prompt + usage.completion,
     })
 }
@@ -1015,6 +1056,7 @@ mod tests {
             prompt: 10,
             completion: 4,
             cached: 3,
+            reasoning: 0,
         }
     }
 
@@ -1106,5 +1148,33 @@ mod tests {
         let error = empty.error(&ApiError::server(500, "gone"));
         assert_eq!(error.0, "error");
         assert_eq!(error.1["message"], "gone");
+    }
+
+    #[test]
+    fn reasoning_before_the_text_is_an_item_of_its_own() {
+        let mut output = Output::new("s-4".into(), 5, "model".into(), echo());
+        assert!(output.reasoning("Hmm, ").is_empty());
+        assert!(output.reasoning("the sea.").is_empty());
+        let events = output.text("Blue.");
+        assert_eq!(
+            names(&events)[..2],
+            ["response.output_item.added", "response.output_item.done"]
+        );
+        output.end(Finish::Stop, usage());
+        let response = output.response();
+        assert_eq!(response["output"][0]["type"], "reasoning");
+        assert_eq!(response["output"][0]["content"][0]["text"], "Hmm, the sea.");
+        assert_eq!(response["output"][1]["content"][0]["text"], "Blue.");
+        // Reasoning alone still ends with an (empty) message.
+        let mut thought = Output::new("s-5".into(), 5, "model".into(), echo());
+        thought.reasoning("only this");
+        thought.end(Finish::Length, usage());
+        let kinds: Vec<_> = thought.response()["output"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|item| item["type"].clone())
+            .collect();
+        assert_eq!(kinds, ["reasoning", "message"]);
     }
 }
