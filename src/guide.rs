@@ -21,6 +21,7 @@ use llguidance::{Matcher, ParserFactory};
 use serde_json::Value;
 use thiserror::Error;
 
+use crate::text::tool_calls::bounded_whitespace;
 use crate::text::TextTokenizer;
 
 /// What a sequence's output must match.
@@ -55,19 +56,6 @@ impl Grammar {
             Grammar::Lark(_) => "Lark grammar",
         }
     }
-}
-
-/// `schema` with the whitespace between JSON tokens bounded (at most 24 characters in a
-/// gap: pretty-printed JSON nests a dozen levels), unless the schema sets llguidance's own
-/// `x-guidance` options. Unbounded, a weak model can pad an answer with whitespace until
-/// `max_tokens`.
-fn bounded_whitespace(mut schema: Value) -> Value {
-    if let Some(fields) = schema.as_object_mut() {
-        fields.entry("x-guidance").or_insert_with(
-            || serde_json::json!({ "whitespace_pattern": "[\\x20\\x0A\\x0D\\x09]{1,24}" }),
-        );
-    }
-    schema
 }
 
 /// Why a grammar could not be started or followed. `Invalid` is the caller's input (an

@@ -7,7 +7,7 @@ use serde_json::{json, Value};
 
 use super::api::{self, ApiError, Finish, Input, Request, ToolChoice, Usage, MAX_STOP_BYTES};
 use crate::sampling::Shaping;
-use crate::text::{ChatMessage, Conversation, ToolCall};
+use crate::text::{called_tool, ChatMessage, Conversation, ToolCall};
 
 /// Fields clients send that mean nothing to this server: accepted and ignored.
 const IGNORED_FIELDS: [&str; 2] = ["metadata", "service_tier"];
@@ -112,6 +112,11 @@ pub fn request(body: &[u8]) -> Result<Request, ApiError> {
             ));
         }
         prefill = last.content;
+        if thinking.flatten().is_some() {
+            return Err(ApiError::invalid(
+                "messages: a prefilled answer (a last assistant message) with thinking enabled; the answer would start outside its thinking block",
+            ));
+        }
     }
     if let Some(t) = parsed.temperature.filter(|t| !(0.0..=1.0).contains(t)) {
         return Err(ApiError::invalid(format!(
@@ -235,6 +240,16 @@ fn openai_tool(tool: &Value, i: usize) -> Result<Value, ApiError> {
             }
         }
     }
+    if !tool.get("name").is_some_and(Value::is_string) {
+        return Err(ApiError::invalid(format!(
+            "tools[{i}].name: required, the tool's name"
+        )));
+    }
+    if tool.get("input_schema").is_some_and(|s| !s.is_object()) {
+        return Err(ApiError::invalid(format!(
+            "tools[{i}].input_schema: expected a JSON Schema object"
+        )));
+    }
     let mut function = json!({ "name": tool.get("name").cloned().unwrap_or(Value::Null) });
     if let Some(description) = tool.get("description") {
         function["description"] = description.clone();
@@ -303,6 +318,13 @@ fn assistant_turn(content: &Value, at: &str) -> Result<ChatMessage, ApiError> {
     let mut text = Vec::new();
     let mut calls = Vec::new();
     for (j, block) in blocks(content, at)?.into_iter().enumerate() {
+        // Past thinking, sent back as the answer came: the templates render none of it.
+        if block
+            .get("type")
+            .is_some_and(|t| t == "thinking" || t == "redacted_thinking")
+        {
+            continue;
+        }
         if block.get("type").is_some_and(|t| t == "tool_use") {
             let field = |key: &str| block.get(key);
             let (Some(Value::String(id)), Some(Value::String(name)), Some(Value::Object(input))) =
@@ -356,13 +378,7 @@ fn user_turn(content: &Value, at: &str, messages: &mut Vec<ChatMessage>) -> Resu
                 "{at}[{j}].{key}: this server does not implement this field"
             )));
         }
-        let name = messages
-            .iter()
-            .rev()
-            .flat_map(|m| &m.tool_calls)
-            .find(|call| call.id == id)
-            .map(|call| call.name.clone())
-            .ok_or_else(|| {
+        let name = called_tool(messages, id).ok_or_else(|| {
                 ApiError::invalid(format!(
                     "{at}[{j}].tool_use_id {id:?}: no earlier assistant turn has a tool_use with this id"
                 ))
@@ -739,5 +755,21 @@ mod tests {
         let named = r#"{"max_tokens":1,"messages":[{"role":"user","content":"Hi"}],
             "tools":[{"name":"ls","input_schema":{}}],"tool_choice":{"type":"tool","name":"rm"}}"#;
         assert!(refused(named).contains("\"rm\", which is not in tools"));
+        // A thinking answer sent back as it came: its thinking is not rendered.
+        let back = r#"{"max_tokens":9,"tools":[{"name":"ls","input_schema":{}}],"messages":[
+            {"role":"user","content":"Files?"},
+            {"role":"assistant","content":[{"type":"thinking","thinking":"hm","signature":""},
+                {"type":"tool_use","id":"t1","name":"ls","input":{}}]},
+            {"role":"user","content":[{"type":"tool_result","tool_use_id":"t1","content":"a"}]}]}"#;
+        let Input::Chat(conversation) = request(back.as_bytes()).unwrap().input else {
+            panic!("a chat")
+        };
+        assert_eq!(conversation.messages[1].content, "");
+        assert_eq!(conversation.messages[1].tool_calls.len(), 1);
+        let prefilled = r#"{"max_tokens":99,"thinking":{"type":"enabled","budget_tokens":9},
+            "messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":"Well"}]}"#;
+        assert!(refused(prefilled).starts_with("messages: a prefilled answer"));
+        let unnamed = r#"{"max_tokens":9,"tools":[{"input_schema":{}}],"messages":[{"role":"user","content":"Hi"}]}"#;
+        assert!(refused(unnamed).starts_with("tools[0].name"));
     }
 }

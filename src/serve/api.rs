@@ -7,7 +7,7 @@ use serde_json::{json, Value};
 
 use crate::guide::Grammar;
 use crate::sampling::Shaping;
-use crate::text::{ChatMessage, Conversation, ToolCall};
+use crate::text::{called_tool, ChatMessage, Conversation, ToolCall};
 
 /// The longest stop sequence: the text held back while it may still become one is at most
 /// this long.
@@ -409,12 +409,7 @@ fn chat_messages(messages: Vec<Message>) -> Result<Vec<ChatMessage>, ApiError> {
                 )));
             };
             // The tool's name, which templates print: the call's with that id.
-            let called = out
-                .iter()
-                .rev()
-                .flat_map(|earlier| &earlier.tool_calls)
-                .find(|call| call.id == id)
-                .map(|call| call.name.clone());
+            let called = called_tool(&out, &id);
             message.name = m.name.or(called);
             if message.name.is_none() {
                 return Err(ApiError::invalid(format!(

@@ -11,7 +11,7 @@ use serde_json::{json, Map, Value};
 use super::api::{self, ApiError, Finish, Input, Request, ToolChoice, Usage};
 use crate::guide::Grammar;
 use crate::sampling::Shaping;
-use crate::text::{ChatMessage, Conversation, ToolCall};
+use crate::text::{called_tool, ChatMessage, Conversation, ToolCall};
 
 /// What a request that needs a stored response or conversation is told.
 const STATELESS: &str =
@@ -290,12 +290,7 @@ fn add_item(item: &Value, at: &str, messages: &mut Vec<ChatMessage>) -> Result<(
         "function_call_output" => {
             refuse_other_fields(fields, &["type", "call_id", "output", "id", "status"], at)?;
             let id = string_field(fields, "call_id", at)?;
-            let name = messages
-                .iter()
-                .rev()
-                .flat_map(|m| &m.tool_calls)
-                .find(|call| call.id == id)
-                .map(|call| call.name.clone())
+            let name = called_tool(&messages, &id)
                 .ok_or_else(|| {
                     ApiError::invalid(format!(
                         "{at}.call_id {id:?}: no earlier function_call item has this call_id"

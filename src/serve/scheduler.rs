@@ -440,22 +440,26 @@ impl<'a> Scheduler<'a> {
                     ToolChoice::Required => Some(None),
                     ToolChoice::Named(name) => Some(Some(name.as_str())),
                 };
-                only.map(|only| {
-                    let specials = self.tokenizer.special_ids();
-                    let marker = |text: &str| match self.tokenizer.token_id(text) {
-                        Some(id) if self.stops.contains(&id) => Marker::Stop,
-                        Some(id) if specials.contains(&id) => Marker::Special,
-                        _ => Marker::Text,
-                    };
-                    let lark = tool_calls::call_grammar(
-                        syntax,
-                        &conversation.tools,
-                        only,
-                        tools.parallel,
-                        marker,
-                    );
-                    Grammar::Lark(lark)
-                })
+                match only {
+                    None => None,
+                    Some(only) => {
+                        let specials = self.tokenizer.special_ids();
+                        let marker = |text: &str| match self.tokenizer.token_id(text) {
+                            Some(id) if self.stops.contains(&id) => Marker::Stop,
+                            Some(id) if specials.contains(&id) => Marker::Special,
+                            _ => Marker::Text,
+                        };
+                        let lark = tool_calls::call_grammar(
+                            syntax,
+                            &conversation.tools,
+                            only,
+                            tools.parallel,
+                            marker,
+                        )
+                        .map_err(ApiError::invalid)?;
+                        Some(Grammar::Lark(lark))
+                    }
+                }
             }
             _ => job.grammar.clone(),
         };
@@ -467,11 +471,11 @@ impl<'a> Scheduler<'a> {
         }
         if think.is_some() && grammar.is_some() {
             return Err(ApiError::invalid(
-                "thinking with a required call or a response format: the answer would have to think inside the grammar; turn thinking off for this request",
+                "thinking with a required call or a response format: the answer would have to think inside the grammar; turn thinking off for this request (chat_template_kwargs.enable_thinking false, or Anthropic's thinking disabled)",
             ));
         }
         let guide = match grammar {
-            Some(grammar) => Some(self.start_guide(&grammar, job.tools.is_some())?),
+            Some(grammar) => Some(self.start_guide(&grammar, job)?),
             None => None,
         };
         let echo = job.echo.then(|| match &job.input {
@@ -489,9 +493,9 @@ impl<'a> Scheduler<'a> {
         })
     }
 
-    /// `grammar` started for a new answer; an invalid one (of the tools' schemas, with
-    /// `tools`) is the request's fault.
-    fn start_guide(&mut self, grammar: &Grammar, tools: bool) -> Result<Guide, ApiError> {
+    /// `grammar` started for `job`'s answer; an invalid one is the request's fault: of a
+    /// tool's parameters (named by trying each alone) when the grammar is its calls'.
+    fn start_guide(&mut self, grammar: &Grammar, job: &Job) -> Result<Guide, ApiError> {
         let guides = match &mut self.guides {
             Some(guides) => guides,
             none => {
@@ -502,14 +506,29 @@ impl<'a> Scheduler<'a> {
                 none.insert(built)
             }
         };
-        guides.start(grammar).map_err(|err| {
-            let field = if tools {
-                "tools (the parameters of the tools the answer must call)"
-            } else {
-                "response_format/grammar"
-            };
-            ApiError::invalid(format!("{field}: {err}"))
-        })
+        let failed = match guides.start(grammar) {
+            Ok(guide) => return Ok(guide),
+            Err(err) => err,
+        };
+        let tools = match (&job.tools, &job.input) {
+            (Some(_), Input::Chat(conversation)) => &conversation.tools[..],
+            _ => {
+                return Err(ApiError::invalid(format!(
+                    "response_format/grammar: {failed}"
+                )))
+            }
+        };
+        for (i, tool) in tools.iter().enumerate() {
+            let parameters = tool.pointer("/function/parameters").cloned();
+            if let Some(Err(err)) = parameters.map(|p| guides.start(&Grammar::JsonSchema(p))) {
+                return Err(ApiError::invalid(format!(
+                    "tools[{i}].function.parameters: {err}"
+                )));
+            }
+        }
+        Err(ApiError::invalid(format!(
+            "tools (the calls the answer must make): {failed}"
+        )))
     }
 
     /// One step: sequences whose client left or that a Ctrl-C stopped end; those holding
@@ -831,6 +850,10 @@ impl<'a> Scheduler<'a> {
             self.metrics.queue(0, -1);
             return;
         }
+        if end == End::StopString {
+            // What the call and thinking scans hold back, up to the stop string.
+            send_text(&mut sequence, String::new(), true);
+        }
         if ![End::Abandoned, End::StopString, End::Called].contains(&end) {
             let rest = sequence
                 .stream
@@ -1068,6 +1091,7 @@ fn choose(
         if let Some(end) = hand_out(sequence, token) {
             return Some(end);
         }
+        close_thinking_at_budget(sequence);
         if sequence.tokens.len() >= sequence.count {
             return Some(End::Limit);
         }
@@ -1108,12 +1132,8 @@ fn hand_out(sequence: &mut Sequence, token: u32) -> Option<End> {
     if sequence.job.events.is_closed() {
         return Some(End::Abandoned);
     }
-    if let Some(scan) = sequence.think.as_ref().filter(|scan| scan.thinking()) {
+    if sequence.think.as_ref().is_some_and(ThinkScan::thinking) {
         sequence.reasoning_tokens += 1;
-        // The budget spent: the closing tag comes next, whatever the model would say.
-        if sequence.job.thinking_budget == Some(sequence.reasoning_tokens) {
-            sequence.forced = scan.close_ids.iter().rev().copied().collect();
-        }
     }
     let stream = sequence.stream.as_mut()?;
     let piece = match stream.step(token) {
@@ -1129,6 +1149,18 @@ fn hand_out(sequence: &mut Sequence, token: u32) -> Option<End> {
         return Some(end);
     }
     stopped.then_some(End::StopString)
+}
+
+/// Where the thinking budget is spent and the model has not closed its block, the closing
+/// tag comes next, whatever the model would say.
+fn close_thinking_at_budget(sequence: &mut Sequence) {
+    let Some(scan) = sequence.think.as_ref().filter(|scan| scan.thinking()) else {
+        return;
+    };
+    if sequence.job.thinking_budget == Some(sequence.reasoning_tokens) && sequence.forced.is_empty()
+    {
+        sequence.forced = scan.close_ids.iter().rev().copied().collect();
+    }
 }
 
 /// Hand `text` to the client: as it is, or with tools as the text and calls found in it

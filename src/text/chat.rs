@@ -90,6 +90,16 @@ impl ChatMessage {
     }
 }
 
+/// The name of the tool the last call with `id` among `messages` called.
+pub fn called_tool(messages: &[ChatMessage], id: &str) -> Option<String> {
+    messages
+        .iter()
+        .rev()
+        .flat_map(|message| &message.tool_calls)
+        .find(|call| call.id == id)
+        .map(|call| call.name.clone())
+}
+
 /// A call of a tool: by a past assistant turn in a conversation, or parsed from an answer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ToolCall {

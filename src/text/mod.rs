@@ -23,7 +23,7 @@ use crate::sampling::{Sampler, Shaping};
 use crate::settings::Settings;
 use crate::snapshot::{model_stop_ids, token_ids, Snapshot};
 
-pub use chat::{ChatMessage, ChatTemplate, Conversation, ToolCall};
+pub use chat::{called_tool, ChatMessage, ChatTemplate, Conversation, ToolCall};
 pub use tokenizer::{TextStream, TextTokenizer};
 
 /// A prompt ready for the model.

@@ -287,28 +287,35 @@ pub enum Marker {
 /// The Lark grammar (llguidance's dialect) of an answer that is only calls, in the model's
 /// own syntax, of `tools` (OpenAI form; with `only`, of that tool alone): one call, or with
 /// `parallel` one or more (Inkling: one, where its `<|end_message|>` ends a generation).
-/// Each call's arguments satisfy its tool's `parameters` schema. `marker` says how the
-/// tokenizer holds each `<|...|>` marker.
+/// Each call's arguments satisfy its tool's `parameters` schema (an object; JSON between
+/// tokens bounded as [`bounded_whitespace`] bounds it). `marker` says how the tokenizer
+/// holds each `<|...|>` marker of the syntax; the tools' own names, keys and values are
+/// always text. Or why a tool's parameters cannot be held to in the syntax, naming it.
 pub fn call_grammar(
     syntax: ToolSyntax,
     tools: &[Json],
     only: Option<&str>,
     parallel: bool,
     marker: impl Fn(&str) -> Marker,
-) -> String {
+) -> Result<String, String> {
     let lit = |text: &str| literal(text, &marker);
-    let chosen: Vec<(&str, Json)> = tools
+    let chosen: Vec<(usize, &str, Json)> = tools
         .iter()
-        .filter_map(|tool| {
+        .enumerate()
+        .filter_map(|(index, tool)| {
             let function = tool.get("function")?;
             let name = function.get("name")?.as_str()?;
-            let parameters = function
+            let mut parameters = function
                 .get("parameters")
                 .cloned()
-                .unwrap_or_else(|| serde_json::json!({"type": "object"}));
-            Some((name, parameters))
+                .unwrap_or_else(|| serde_json::json!({}));
+            // Arguments are an object, whatever the schema leaves open.
+            if let Some(fields) = parameters.as_object_mut() {
+                fields.entry("type").or_insert_with(|| "object".into());
+            }
+            Some((index, name, parameters))
         })
-        .filter(|(name, _)| only.is_none_or(|only| only == *name))
+        .filter(|(_, name, _)| only.is_none_or(|only| only == *name))
         .collect();
     let mut rules = Vec::new();
     let calls: Vec<String> = (0..chosen.len()).map(|i| format!("call_{i}")).collect();
@@ -316,8 +323,8 @@ pub fn call_grammar(
     match syntax {
         ToolSyntax::GlmXml => {
             rules.push(format!("start: ({}){repeat}", calls.join(" | ")));
-            for (i, (name, parameters)) in chosen.iter().enumerate() {
-                let mut parts = vec![lit(&format!("<tool_call>{name}"))];
+            for (i, (index, name, parameters)) in chosen.iter().enumerate() {
+                let mut parts = vec![lit("<tool_call>"), quoted(name)];
                 let required: Vec<&str> = parameters
                     .get("required")
                     .and_then(Json::as_array)
@@ -325,28 +332,18 @@ pub fn call_grammar(
                     .unwrap_or_default();
                 let properties = parameters.get("properties").and_then(Json::as_object);
                 for (j, (key, schema)) in properties.into_iter().flatten().enumerate() {
+                    let at = || format!("tools[{index}].function.parameters.properties.{key}");
                     let value = match schema.get("type").and_then(Json::as_str) {
-                        Some("string") => match schema.get("enum").and_then(Json::as_array) {
-                            Some(options) => format!(
-                                "({})",
-                                options
-                                    .iter()
-                                    .filter_map(Json::as_str)
-                                    .map(&lit)
-                                    .collect::<Vec<_>>()
-                                    .join(" | ")
-                            ),
-                            // A raw value ends at the closing tag.
-                            None => match schema.get("maxLength").and_then(Json::as_u64) {
-                                Some(most) => format!("/[^<]{{0,{most}}}/"),
-                                None => "/[^<]*/".to_string(),
-                            },
-                        },
-                        _ => format!("%json {schema}"),
+                        Some("string") => raw_string(schema).map_err(|keyword| {
+                            format!("{}: `{keyword}` cannot be held to in GLM's raw string values (a required or named call); leave it out", at())
+                        })?,
+                        _ => format!("%json {}", bounded_whitespace(with_definitions(schema, parameters))),
                     };
                     rules.push(format!(
-                        "arg_{i}_{j}: {} {value} {}",
-                        lit(&format!("<arg_key>{key}</arg_key><arg_value>")),
+                        "arg_{i}_{j}: {} {} {} {value} {}",
+                        lit("<arg_key>"),
+                        quoted(key),
+                        lit("</arg_key><arg_value>"),
                         lit("</arg_value>")
                     ));
                     let optional = if required.contains(&key.as_str()) {
@@ -367,12 +364,15 @@ pub fn call_grammar(
                 calls.join(" | "),
                 lit("<|close|>tools<|sep|><|close|>message<|sep|>")
             ));
-            for (i, (name, parameters)) in chosen.iter().enumerate() {
+            for (i, (_, name, parameters)) in chosen.iter().enumerate() {
                 let name = name.replace('&', "&amp;").replace('"', "&quot;");
                 rules.push(format!(
-                    "call_{i}: {} /[1-9][0-9]{{0,3}}/ {} %json {parameters} {}",
-                    lit(&format!("<|open|>call tool=\"{name}\" index=\"")),
+                    "call_{i}: {} {} {} /[1-9][0-9]{{0,3}}/ {} %json {} {}",
+                    lit("<|open|>call tool=\""),
+                    quoted(&name),
+                    lit("\" index=\""),
                     lit("\"<|sep|><|open|>json type=\"object\"<|sep|>"),
+                    bounded_whitespace(parameters.clone()),
                     lit("<|close|>json<|sep|><|close|>call<|sep|>")
                 ));
             }
@@ -392,21 +392,96 @@ pub fn call_grammar(
                 };
                 format!("start: ({calls}) {more} {}", lit("<|end_message|>"))
             });
-            for (i, (name, parameters)) in chosen.iter().enumerate() {
-                let call = serde_json::json!({
+            for (i, (_, name, parameters)) in chosen.iter().enumerate() {
+                let mut call = serde_json::json!({
                     "type": "object",
                     "properties": { "name": { "const": name }, "args": parameters },
                     "required": ["name", "args"],
                     "additionalProperties": false,
                 });
+                // The parameters' definitions where their `$ref`s look: at the root.
+                for key in ["$defs", "definitions"] {
+                    if let Some(definitions) = parameters.get(key) {
+                        call[key] = definitions.clone();
+                    }
+                }
                 rules.push(format!(
-                    "call_{i}: {} %json {call}",
-                    lit("<|content_invoke_tool_json|>")
+                    "call_{i}: {} %json {}",
+                    lit("<|content_invoke_tool_json|>"),
+                    bounded_whitespace(call)
                 ));
             }
         }
     }
-    rules.join("\n")
+    Ok(rules.join("\n"))
+}
+
+/// `schema` (a property of `parameters`) with the parameters' `$defs` and `definitions`
+/// beside it, where its `$ref`s look once it stands alone.
+fn with_definitions(schema: &Json, parameters: &Json) -> Json {
+    let mut schema = schema.clone();
+    if let Some(fields) = schema.as_object_mut() {
+        for key in ["$defs", "definitions"] {
+            if let Some(definitions) = parameters.get(key) {
+                fields.entry(key).or_insert_with(|| definitions.clone());
+            }
+        }
+    }
+    schema
+}
+
+/// The Lark items of a raw string value of GLM's syntax, which ends at the closing tag (so
+/// it holds no `<`): its `enum`, or at most `maxLength` characters; or the keyword it
+/// cannot hold to.
+fn raw_string(schema: &Json) -> Result<String, String> {
+    let annotations = [
+        "type",
+        "description",
+        "title",
+        "default",
+        "examples",
+        "enum",
+        "maxLength",
+    ];
+    if let Some(keyword) = schema
+        .as_object()
+        .and_then(|fields| fields.keys().find(|k| !annotations.contains(&k.as_str())))
+    {
+        return Err(keyword.clone());
+    }
+    if let Some(options) = schema.get("enum").and_then(Json::as_array) {
+        let options: Vec<String> = options
+            .iter()
+            .filter_map(Json::as_str)
+            .map(quoted)
+            .collect();
+        return Ok(format!("({})", options.join(" | ")));
+    }
+    Ok(match schema.get("maxLength").and_then(Json::as_u64) {
+        Some(most) => format!("/[^<]{{0,{most}}}/"),
+        None => "/[^<]*/".to_string(),
+    })
+}
+
+/// `schema` with the whitespace between JSON tokens bounded (at most 24 characters in a
+/// gap: pretty-printed JSON nests a dozen levels), unless the schema sets llguidance's own
+/// `x-guidance` options. Unbounded, a weak model can pad an answer with whitespace until
+/// its token limit.
+pub fn bounded_whitespace(mut schema: Json) -> Json {
+    if let Some(fields) = schema.as_object_mut() {
+        fields.entry("x-guidance").or_insert_with(
+            || serde_json::json!({ "whitespace_pattern": "[\\x20\\x0A\\x0D\\x09]{1,24}" }),
+        );
+    }
+    schema
+}
+
+/// `text` as one Lark string, every character text (DEL escaped too, which Lark's string
+/// syntax does not take raw).
+fn quoted(text: &str) -> String {
+    Json::String(text.to_string())
+        .to_string()
+        .replace('\u{7f}', "\\u007f")
 }
 
 /// `text` as a sequence of Lark items: quoted strings, and the `<|...|>` markers the
@@ -544,5 +619,32 @@ mod tests {
                 call("pwd", json!({})),
             ]
         );
+    }
+
+    #[test]
+    fn call_grammars_quote_what_the_tools_say_and_refuse_what_they_cannot_hold() {
+        let special = |m: &str| {
+            if m == "<|user|>" {
+                Marker::Special
+            } else {
+                Marker::Text
+            }
+        };
+        let tools = [json!({"type": "function", "function": {"name": "f",
+            "parameters": {"type": "object", "properties": {"k\"<|user|>\u{7f}": {"type": "string", "enum": ["<|user|>"]}}}}})];
+        let lark = call_grammar(ToolSyntax::GlmXml, &tools, None, false, special).unwrap();
+        // The tool's own text never becomes a token reference.
+        assert!(!lark.contains(" <|user|> "), "{lark}");
+        assert!(lark.contains(r#""k\"<|user|>\u007f""#), "{lark}");
+        let pattern = [json!({"type": "function", "function": {"name": "f",
+            "parameters": {"type": "object", "properties": {"p": {"type": "string", "pattern": "a+"}}}}})];
+        let err = call_grammar(ToolSyntax::GlmXml, &pattern, None, false, special).unwrap_err();
+        assert!(
+            err.starts_with("tools[0].function.parameters.properties.p: `pattern`"),
+            "{err}"
+        );
+        // JSON-typed syntaxes hold patterns themselves, and bound whitespace.
+        let lark = call_grammar(ToolSyntax::KimiXtml, &pattern, None, false, special).unwrap();
+        assert!(lark.contains("whitespace_pattern"), "{lark}");
     }
 }

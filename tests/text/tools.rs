@@ -85,7 +85,11 @@ fn weather_and_ls() -> Vec<serde_json::Value> {
             "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
             "required": ["city", "days"], "additionalProperties": false}}}),
         json!({"type": "function", "function": {"name": "ls", "parameters": {"type": "object",
-            "properties": {"dir": {"type": "string"}}, "additionalProperties": false}}}),
+            "properties": {"dir": {"type": "string"}, "opts": {"$ref": "#/$defs/Opts"}},
+            "additionalProperties": false,
+            "$defs": {"Opts": {"type": "object", "properties": {"all": {"type": "boolean"}},
+                "required": ["all"], "additionalProperties": false}}}}}),
+        json!({"type": "function", "function": {"name": "now"}}),
     ]
 }
 
@@ -117,7 +121,7 @@ fn a_required_call_is_well_formed_in_every_engines_syntax() {
         let tools = weather_and_ls();
         for (only, parallel) in [(None, true), (None, false), (Some("weather"), true)] {
             for seed in 0..6u64 {
-                let lark = call_grammar(syntax, &tools, only, parallel, marker);
+                let lark = call_grammar(syntax, &tools, only, parallel, marker).unwrap();
                 let mut guide = guides.start(&Grammar::Lark(lark.clone())).unwrap();
                 let mut stream = tokenizer.stream_keeping(true);
                 let mut scan = ToolScan::new(syntax, tools.clone());
@@ -166,11 +170,13 @@ fn a_required_call_is_well_formed_in_every_engines_syntax() {
                             assert_eq!(arguments.len(), 2, "{context}: {call:?}");
                         }
                         "ls" if only.is_none() => {
-                            assert!(
-                                arguments.values().all(|v| v.is_string()),
-                                "{context}: {call:?}"
-                            )
+                            let dir = arguments.get("dir");
+                            assert!(dir.is_none_or(|v| v.is_string()), "{context}: {call:?}");
+                            let opts = arguments.get("opts");
+                            let all = |v: &serde_json::Value| v["all"].is_boolean();
+                            assert!(opts.is_none_or(all), "{context}: {call:?}");
                         }
+                        "now" if only.is_none() => {}
                         other => panic!("{context}: a call of {other}"),
                     }
                 }
