@@ -290,7 +290,7 @@ fn add_item(item: &Value, at: &str, messages: &mut Vec<ChatMessage>) -> Result<(
         "function_call_output" => {
             refuse_other_fields(fields, &["type", "call_id", "output", "id", "status"], at)?;
             let id = string_field(fields, "call_id", at)?;
-            let name = called_tool(&messages, &id)
+            let name = called_tool(messages, id)
                 .ok_or_else(|| {
                     ApiError::invalid(format!(
                         "{at}.call_id {id:?}: no earlier function_call item has this call_id"
