@@ -429,17 +429,31 @@ async fn complete(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: Endpo
     let path = endpoint.path();
     let started = Instant::now();
     tracing::debug!("POST {path} received");
-    let response = match answer(&app, &headers, body, endpoint, started).await {
-        Ok(response) => response,
+    let answer = answer(&app, &headers, body, endpoint, started).await;
+    finish(&app, (path, label), started, answer, error_response)
+}
+
+/// A generating endpoint's answer (`path`, its metrics `label`) logged, an error in the
+/// endpoint's shape (`error`), and counted. A stream logs its line when it ends.
+fn finish(
+    app: &App,
+    (path, label): (&str, &'static str),
+    started: Instant,
+    answer: Result<Response, ApiError>,
+    error: fn(&ApiError) -> Response,
+) -> Response {
+    let response = match answer {
+        Ok(response) => {
+            if let Some(figures) = response.extensions().get::<Figures>() {
+                log_request(path, 200, started, Some(figures), None);
+            }
+            response
+        }
         Err(err) => {
             log_request(path, err.status, started, None, Some(&err.message));
-            error_response(&err)
+            error(&err)
         }
     };
-    // A stream logs its line when it ends.
-    if let Some(figures) = response.extensions().get::<Figures>() {
-        log_request(path, 200, started, Some(figures), None);
-    }
     app.metrics.request(label, response.status().as_u16());
     response
 }
@@ -614,26 +628,9 @@ async fn count_tokens(State(app): State<Arc<App>>, headers: HeaderMap, body: Bod
 async fn messages(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
     let started = Instant::now();
     tracing::debug!("POST /v1/messages received");
-    let response = match answer_messages(&app, &headers, body, started).await {
-        Ok(response) => {
-            if let Some(figures) = response.extensions().get::<Figures>() {
-                log_request("/v1/messages", 200, started, Some(figures), None);
-            }
-            response
-        }
-        Err(err) => {
-            log_request(
-                "/v1/messages",
-                err.status,
-                started,
-                None,
-                Some(&err.message),
-            );
-            anthropic_error_response(&err)
-        }
-    };
-    app.metrics.request("messages", response.status().as_u16());
-    response
+    let answer = answer_messages(&app, &headers, body, started).await;
+    let path = ("/v1/messages", "messages");
+    finish(&app, path, started, answer, anthropic_error_response)
 }
 
 /// `/v1/messages`: the whole message, or its stream of events.
@@ -766,27 +763,9 @@ fn stream_messages(
 async fn responses(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
     let started = Instant::now();
     tracing::debug!("POST /v1/responses received");
-    let response = match answer_responses(&app, &headers, body, started).await {
-        Ok(response) => {
-            // A stream logs its line when it ends.
-            if let Some(figures) = response.extensions().get::<Figures>() {
-                log_request("/v1/responses", 200, started, Some(figures), None);
-            }
-            response
-        }
-        Err(err) => {
-            log_request(
-                "/v1/responses",
-                err.status,
-                started,
-                None,
-                Some(&err.message),
-            );
-            error_response(&err)
-        }
-    };
-    app.metrics.request("responses", response.status().as_u16());
-    response
+    let answer = answer_responses(&app, &headers, body, started).await;
+    let path = ("/v1/responses", "responses");
+    finish(&app, path, started, answer, error_response)
 }
 
 /// `/v1/responses`: the whole response object, or its stream of events.
