@@ -61,12 +61,15 @@ pub struct ReadReport {
     pub total: i64,
     /// Records added to the table.
     pub admitted: u64,
-    /// Well-formed records the table cannot hold (dropped row, layer or expert out of
-    /// range). Neither added nor totalled; kept by a rewrite.
+    /// Well-formed records outside the table's shape (a layer above `n_layers`, an expert
+    /// id of `n_experts` or more). Neither added nor totalled; kept by a rewrite.
     pub rejected: u64,
-    /// Of `rejected`, the records outside the table's shape altogether (a layer above
-    /// `n_layers`, an expert id of `n_experts` or more) rather than on a dropped row.
+    /// Of `rejected`, the data records (not `-5` heat).
     pub beyond_shape: u64,
+    /// Records on a row the model does not route (a dense layer, an MTP row it has no head
+    /// for): records no engine would emit, so, as the format says, neither added, nor
+    /// totalled, nor written back by a rewrite.
+    pub dropped: u64,
     /// Records with a field outside its C type, which a C reader would silently wrap
     /// (a negative or too-large count, a layer beyond `int`). Skipped; kept by a rewrite.
     pub malformed: u64,
@@ -298,6 +301,7 @@ impl<'k> Pending<'k> {
                 admitted: 0,
                 rejected: 0,
                 beyond_shape: 0,
+                dropped: 0,
                 malformed: 0,
                 unknown_headers: 0,
                 stopped_at: None,
@@ -318,12 +322,12 @@ impl<'k> Pending<'k> {
         if self.scratch.admit(layer, expert, count) {
             self.report.admitted += 1;
             self.report.total += i64::from(count);
-        } else {
+        } else if self.scratch.beyond_shape(layer, expert) {
             self.report.rejected += 1;
-            if self.scratch.beyond_shape(layer, expert) {
-                self.report.beyond_shape += 1;
-            }
+            self.report.beyond_shape += 1;
             self.keep_record(spelled);
+        } else {
+            self.report.dropped += 1;
         }
     }
 
@@ -336,9 +340,14 @@ impl<'k> Pending<'k> {
         heat: u32,
         spelled: impl FnOnce() -> String,
     ) {
-        if !self.scratch.admit_recent(layer, expert, heat) {
+        if self.scratch.admit_recent(layer, expert, heat) {
+            return;
+        }
+        if self.scratch.beyond_shape(layer, expert) {
             self.report.rejected += 1;
             self.keep_record(spelled);
+        } else {
+            self.report.dropped += 1;
         }
     }
 

@@ -97,8 +97,15 @@ fn use_counts(home: &mut Home, counts: &mut Counters, path: &Path, file: &Counte
     home.read.push(path.to_path_buf());
 }
 
-/// Prints what a rewrite keeps of a file read as this engine's history.
+/// Prints what a rewrite keeps of a file read as this engine's history, and what it drops.
 fn note_kept(path: &Path, r: &ReadReport) {
+    if r.dropped > 0 {
+        eprintln!(
+            "[USAGE] {}: {} records name rows this model does not route (dense layers, an MTP head it lacks) \u{2014} not counted, and left out when it is rewritten",
+            path.display(),
+            r.dropped
+        );
+    }
     if !r.is_complete() && r.rewrite_blocker().is_none() {
         eprintln!(
             "[USAGE] {}: {} \u{2014} kept as they are when it is rewritten",

@@ -723,3 +723,46 @@ fn a_failed_save_still_writes_stats_and_the_trace() {
     assert_eq!(read_olmoe(&stats).total, total);
     assert!(fs::metadata(&trace).unwrap().len() > 0);
 }
+
+/// A history that arrived with records on rows the model does not route (a dense layer,
+/// an MTP row it has no head for) is saved without them: the classic C reader's total of
+/// the saved file is the `[STATS]` total, on every engine with dense layers.
+#[test]
+fn records_on_rows_that_do_not_route_are_not_written_back() {
+    let bin = crate::support::c_program("old_reader");
+    for (fixture_name, engine) in [
+        ("glm_moe_dsa_tiny", "glm_moe_dsa"),
+        ("inkling_tiny", "inkling"),
+    ] {
+        let dir = copy_fixture(fixture_name);
+        let config = read_json(&dir.path().join("config.json"));
+        let layers = config["num_hidden_layers"].as_u64().unwrap() as usize;
+        let experts = config["n_routed_experts"].as_u64().unwrap() as usize;
+        let id = EngineId::of(engine).0;
+        let history = dir.path().join(".coli_usage");
+        // Layer 0 is dense on both; row `layers` is an MTP head neither fixture has.
+        let seeded = format!("-1 {layers} {experts}\n-2 1 {id}\n0 1 50\n{layers} 2 70\n1 3 4\n");
+        fs::write(&history, &seeded).unwrap();
+        let out = generate(dir.path(), 4, &[], &[]);
+        let err = stderr(&out);
+        assert!(out.status.success(), "{engine}: {err}");
+        assert!(
+            err.contains("2 records name rows this model does not route"),
+            "{engine}: {err}"
+        );
+        let saved = stats_to(&err, &history).unwrap_or_else(|| panic!("{engine}: {err}"));
+        let bytes = fs::read(&history).unwrap();
+        let old = crate::support::old_read(&bin, dir.path(), &bytes, layers, experts);
+        assert_eq!(
+            old.total,
+            saved,
+            "{engine}: {}",
+            String::from_utf8_lossy(&bytes)
+        );
+        let text = String::from_utf8(bytes).unwrap();
+        assert!(
+            !text.contains("\n0 1 50\n") && !text.contains(&format!("\n{layers} 2 70\n")),
+            "{engine}: {text}"
+        );
+    }
+}
