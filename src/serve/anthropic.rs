@@ -496,8 +496,9 @@ pub fn message(
     })
 }
 
-/// The stream's first events: `message_start`, then the text block's start.
-pub fn stream_start(id: &str, model: &str) -> [(&'static str, Value); 1] {
+/// The stream's first event, `message_start`, with the prompt's token counts (`prompt`:
+/// its tokens and those a kept state held; nothing generated yet).
+pub fn stream_start(id: &str, model: &str, prompt: Usage) -> [(&'static str, Value); 1] {
     [(
         "message_start",
         json!({
@@ -510,7 +511,7 @@ pub fn stream_start(id: &str, model: &str) -> [(&'static str, Value); 1] {
                 "content": [],
                 "stop_reason": Value::Null,
                 "stop_sequence": Value::Null,
-                "usage": usage_body(Usage::default()),
+                "usage": usage_body(prompt),
             },
         }),
     )]

@@ -89,7 +89,7 @@ pub fn run(model: Option<&str>, settings: Settings, positionals: Positionals) ->
         loop {
             match events.blocking_recv() {
                 // A chat gives no tools, so no answer calls one.
-                Some(Event::Started) | Some(Event::Call { .. }) => {}
+                Some(Event::Started(_)) | Some(Event::Call { .. }) => {}
                 // Thinking (a model's own template that opens it) goes beside the answer.
                 Some(Event::Reasoning { text, .. }) => eprint!("{text}"),
                 Some(Event::Text { text: piece, .. }) => {

@@ -644,7 +644,7 @@ async fn answer_messages(
     let received = Instant::now();
     let bytes = read_body(headers, body).await?;
     let request = anthropic::request(&bytes)?;
-    let mut events = submit(app, &request, received).await?;
+    let (mut events, prompt) = submit(app, &request, received).await?;
     let id = format!(
         "msg_{}-{}",
         app.id_prefix,
@@ -653,7 +653,7 @@ async fn answer_messages(
     let model = app.model.id.clone();
     let stops = request.stop.clone();
     if request.stream {
-        return Ok(stream_messages(id, model, stops, events, started));
+        return Ok(stream_messages((id, model), stops, events, prompt, started));
     }
     let mut text = String::new();
     let mut thinking = String::new();
@@ -685,7 +685,7 @@ async fn answer_messages(
                 return Ok(response);
             }
             Some(Event::Failed(err)) => return Err(err),
-            Some(Event::Started) | None => return Err(engine_gone()),
+            Some(Event::Started(_)) | None => return Err(engine_gone()),
         }
     }
 }
@@ -695,16 +695,16 @@ async fn answer_messages(
 /// while nothing else is sent (a long prompt being filled). A failure after the start is
 /// an `error` event.
 fn stream_messages(
-    id: String,
-    model: String,
+    (id, model): (String, String),
     stops: Vec<String>,
     events: mpsc::UnboundedReceiver<Event>,
+    prompt: Usage,
     started: Instant,
 ) -> Response {
     let event = |(name, body): (&'static str, Value)| {
         Ok::<_, Infallible>(SseEvent::default().event(name).data(body.to_string()))
     };
-    let start = anthropic::stream_start(&id, &model).map(event);
+    let start = anthropic::stream_start(&id, &model, prompt).map(event);
     let blocks = (events, anthropic::Blocks::default(), 0);
     let rest = futures_util::stream::unfold(Some(blocks), move |state| {
         let stops = stops.clone();
@@ -779,7 +779,7 @@ async fn answer_responses(
     let received = Instant::now();
     let bytes = read_body(headers, body).await?;
     let (request, mut echo) = responses::request(&bytes)?;
-    let mut events = submit(app, &request, received)
+    let (mut events, _) = submit(app, &request, received)
         .await
         .map_err(responses::in_own_words)?;
     // The response repeats the sampling it was generated with, the server's where the
@@ -825,7 +825,7 @@ async fn answer_responses(
                 return Ok(response);
             }
             Some(Event::Failed(err)) => return Err(err),
-            Some(Event::Started) | None => return Err(engine_gone()),
+            Some(Event::Started(_)) | None => return Err(engine_gone()),
         }
     }
 }
@@ -922,7 +922,7 @@ async fn answer(
         Endpoint::Chat => api::chat_request(&bytes)?,
         Endpoint::Completion => api::completion_request(&bytes)?,
     };
-    let mut events = submit(app, &request, received).await?;
+    let (mut events, _) = submit(app, &request, received).await?;
     let sequence = app.next_id.fetch_add(1, Ordering::Relaxed);
     let id = match endpoint {
         Endpoint::Chat => format!("chatcmpl-{}-{sequence}", app.id_prefix),
@@ -991,7 +991,7 @@ async fn answer(
                 });
             }
             Some(Event::Failed(err)) => return Err(err),
-            Some(Event::Started) | None => return Err(engine_gone()),
+            Some(Event::Started(_)) | None => return Err(engine_gone()),
         }
     }
     let choices: Vec<api::Choice> = done.into_iter().flatten().collect();
@@ -1002,13 +1002,13 @@ async fn answer(
 }
 
 /// Queue `request` for the engine thread and wait until it starts: its events from then
-/// on, or why it was not started (an unknown model, a full queue: 429, a request the
-/// engine refused).
+/// on and its prompt's token counts, or why it was not started (an unknown model, a full
+/// queue: 429, a request the engine refused).
 async fn submit(
     app: &App,
     request: &Request,
     received: Instant,
-) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
+) -> Result<(mpsc::UnboundedReceiver<Event>, Usage), ApiError> {
     if let Some(name) = &request.model {
         if name != &app.model.id && name != app.model.engine {
             return Err(unknown_model(app, name));
@@ -1036,7 +1036,7 @@ async fn submit(
         }
     }
     match events.recv().await {
-        Some(Event::Started) => Ok(events),
+        Some(Event::Started(usage)) => Ok((events, usage)),
         Some(Event::Failed(err)) => Err(err),
         _ => Err(engine_gone()),
     }
@@ -1226,7 +1226,7 @@ fn stream(
                     state.pending.push_back(data(err.body()));
                     state.done = true;
                 }
-                Some(Event::Started) | None => {
+                Some(Event::Started(_)) | None => {
                     state.pending.push_back(data(engine_gone().body()));
                     state.done = true;
                 }

@@ -331,7 +331,12 @@ impl<'a> Scheduler<'a> {
             first_token: None,
             decode_started: None,
         };
-        if sequence.job.events.send(Event::Started).is_err() {
+        let started = Event::Started(Usage {
+            prompt: sequence.prompt.len(),
+            cached: sequence.cached,
+            ..Usage::default()
+        });
+        if sequence.job.events.send(started).is_err() {
             // The client left while queued: nothing was computed.
             self.retire(sequence, End::Abandoned, session);
             return;

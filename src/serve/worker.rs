@@ -66,7 +66,8 @@ pub struct Job {
 #[derive(Debug)]
 pub enum Event {
     Failed(ApiError),
-    Started,
+    /// With the prompt's tokens, and those a kept state held.
+    Started(Usage),
     /// Text of the choice, with the log-probabilities (when asked) of the tokens chosen
     /// since its last `Text`.
     Text {

@@ -40,10 +40,19 @@ def main():
     check(whole.usage.output_tokens >= 1, f"usage {whole.usage}")
 
     events = []
+    start_usage = None
     with client.messages.stream(**ask) as stream:
         for event in stream:
             events.append(event.type)
+            if event.type == "message_start":
+                start_usage = event.message.usage
         streamed = stream.get_final_message()
+    # message_start already counts the prompt (what it computes and what the cache held).
+    check(
+        start_usage.input_tokens + start_usage.cache_read_input_tokens
+        == whole.usage.input_tokens + whole.usage.cache_read_input_tokens,
+        f"message_start usage {start_usage} against {whole.usage}",
+    )
     check(streamed.content[0].text == text, f"streamed {streamed.content[0].text!r} != {text!r}")
     check(streamed.stop_reason == whole.stop_reason, f"{streamed.stop_reason} != {whole.stop_reason}")
     check(streamed.usage.output_tokens == whole.usage.output_tokens, f"{streamed.usage} != {whole.usage}")
