@@ -89,6 +89,8 @@ struct Sequence<'t> {
     /// it was computed beside the forward.
     guide: Option<Guide>,
     mask: Option<Mask>,
+    /// The masked logits row a guided choice samples from, kept to be written again.
+    masked: Vec<f32>,
     /// When the prompt opened a thinking block: where it closes, and the tokens spent in it.
     think: Option<ThinkScan>,
     reasoning_tokens: usize,
@@ -324,6 +326,7 @@ impl<'a> Scheduler<'a> {
             called: 0,
             guide,
             mask: None,
+            masked: Vec::new(),
             think,
             reasoning_tokens: 0,
             forced: Vec::new(),
@@ -1004,6 +1007,7 @@ fn fork_choices<'t>(
                 called: 0,
                 guide: sequence.guide.as_ref().map(Guide::fork),
                 mask: None,
+                masked: Vec::new(),
                 think: sequence.think.as_ref().map(ThinkScan::fresh),
                 reasoning_tokens: 0,
                 forced: Vec::new(),
@@ -1121,9 +1125,11 @@ fn guided_pick(sequence: &mut Sequence, logits: &[f32]) -> Result<u32, String> {
         Some(mask) => mask,
         None => guide.mask().map_err(|err| err.to_string())?,
     };
-    let mut allowed = logits.to_vec();
-    mask.apply(&mut allowed);
-    let token = sequence.sampler.pick(&allowed);
+    let allowed = &mut sequence.masked;
+    allowed.clear();
+    allowed.extend_from_slice(logits);
+    mask.apply(allowed);
+    let token = sequence.sampler.pick(allowed);
     guide.accept(token).map_err(|err| err.to_string())?;
     Ok(token)
 }
