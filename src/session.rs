@@ -21,7 +21,7 @@ use crate::experts::Policy;
 use crate::route_trace::guard::{PlacementGuard, Verdict};
 use crate::route_trace::placement::rank;
 use crate::route_trace::repin::{plan_repin, RepinSchedule, REPIN_PASS_LIMIT};
-use crate::route_trace::{PinPlan, PinRequest, PinSetting, PinSource, SaveOptions};
+use crate::route_trace::{Elsewhere, PinPlan, PinRequest, PinSetting, PinSource, SaveOptions};
 use crate::settings::Settings;
 
 /// Why a run generated tokens or only scored them: only generation folds its routing into
@@ -153,7 +153,14 @@ impl Session {
                 );
             }
         }
-        telemetry.load_history(&history);
+        // A history the user named stays where it was named; only the default beside the
+        // weights moves to the state directory when that directory cannot be written.
+        let elsewhere = settings
+            .usage
+            .is_none()
+            .then(|| Elsewhere::for_snapshot(snap))
+            .flatten();
+        telemetry.load_history(&history, elsewhere.as_ref());
         let stats = settings.stats.clone();
         if let Some(why) = stats
             .as_ref()

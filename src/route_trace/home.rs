@@ -12,6 +12,14 @@
 //! cannot rewrite without loss. It is *frozen*: read at every load and never written, so
 //! its counts are neither lost nor counted twice.
 //!
+//! When the file a save would replace sits in a directory this user cannot write (a
+//! read-only mount, a shared `/models`, another user's download), and the path is the
+//! snapshot's default rather than a `COLI_USAGE` the user named, the history lives in the
+//! user's state directory instead ([`Elsewhere`]), under a name that says which engine,
+//! shape and snapshot it counts. The file beside the weights is still read until that
+//! state file holds records: the first save carries its records in (see `save`), and from
+//! then on only the state file is read, so nothing is lost and nothing is counted twice.
+//!
 //! Owns the decision and what is said about it; it must not write files (see `save`).
 
 use std::path::{Path, PathBuf};
@@ -33,6 +41,12 @@ pub struct Home {
     pub frozen: Option<PathBuf>,
     /// Why `save_to` is not the default path.
     pub why: Option<String>,
+    /// Why the history lives in the state directory: the directory that cannot be
+    /// written. `None` when it lives beside the weights (or at `COLI_USAGE`).
+    pub moved: Option<String>,
+    /// The file beside the weights whose records the first save into a state file that
+    /// holds none carries in.
+    pub carry_from: Option<PathBuf>,
 }
 
 impl Home {
@@ -44,6 +58,8 @@ impl Home {
             read: Vec::new(),
             frozen: None,
             why: None,
+            moved: None,
+            carry_from: None,
         }
     }
 
@@ -67,11 +83,101 @@ impl Home {
         };
         match not_saving {
             Some(why) => format!("[USAGE] history: read {read}; not saved ({why})"),
-            None => format!(
-                "[USAGE] history: read {read}; saved to {}",
-                self.save_to.display()
-            ),
+            None => match &self.moved {
+                Some(why) => format!(
+                    "[USAGE] history: read {read}; saved to {} ({why})",
+                    self.save_to.display()
+                ),
+                None => format!(
+                    "[USAGE] history: read {read}; saved to {}",
+                    self.save_to.display()
+                ),
+            },
         }
+    }
+}
+
+/// The user's state directory, where a history goes when the model directory cannot be
+/// written, and the snapshot whose histories it holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Elsewhere {
+    /// `$XDG_STATE_HOME/coli`, else `~/.local/state/coli`.
+    pub dir: PathBuf,
+    /// FNV-1a-64 of the snapshot's canonical path and its `config.json`: two snapshots
+    /// of one model in different places, or one place whose model changed, never share
+    /// a history.
+    snapshot: u64,
+}
+
+impl Elsewhere {
+    /// The state directory for the snapshot at `snap`, or `None` when the user has none
+    /// (no absolute `XDG_STATE_HOME` and no `HOME`). A relative `XDG_STATE_HOME` is
+    /// ignored, as the XDG base directory rules say.
+    pub fn for_snapshot(snap: &Path) -> Option<Elsewhere> {
+        let absolute = |v: std::ffi::OsString| {
+            let p = PathBuf::from(v);
+            p.is_absolute().then_some(p)
+        };
+        let base = std::env::var_os("XDG_STATE_HOME")
+            .and_then(absolute)
+            .or_else(|| {
+                std::env::var_os("HOME")
+                    .and_then(absolute)
+                    .map(|h| h.join(".local").join("state"))
+            })?;
+        let canonical = std::fs::canonicalize(snap).unwrap_or_else(|_| snap.to_path_buf());
+        let mut key = canonical.as_os_str().as_encoded_bytes().to_vec();
+        key.push(0);
+        key.extend(std::fs::read(snap.join("config.json")).unwrap_or_default());
+        Some(Elsewhere {
+            dir: base.join("coli"),
+            snapshot: fnv1a64(&key),
+        })
+    }
+
+    /// This engine's history file for a table of `shape`:
+    /// `<engine>-<layers>x<experts>-<snapshot hash>.coli_usage`.
+    pub fn file(&self, engine: &str, shape: &Counters) -> PathBuf {
+        self.dir.join(format!(
+            "{engine}-{}x{}-{:016x}.coli_usage",
+            shape.n_layers(),
+            shape.n_experts(),
+            self.snapshot
+        ))
+    }
+}
+
+fn fnv1a64(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// Why a save cannot replace `path` (the end of its symlink chain): its directory cannot
+/// be written by this user, or is on a read-only file system. `access(2)` answers both,
+/// for root too (root may write anywhere that is not mounted read-only).
+pub fn unwritable_dir(path: &Path) -> Option<String> {
+    use std::os::unix::ffi::OsStrExt as _;
+    let target = crate::files::resolve_link(path).unwrap_or_else(|_| path.to_path_buf());
+    let dir = match target.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: `c` is a NUL-terminated path that outlives the call.
+    if unsafe { libc::access(c.as_ptr(), libc::W_OK) } == 0 {
+        return None;
+    }
+    let err = std::io::Error::last_os_error();
+    Some(format!("{} cannot be written: {err}", dir.display()))
+}
+
+/// Whether a read found no records at all: a missing or empty file.
+fn holds_nothing(outcome: &ReadOutcome, counts: &Counters) -> bool {
+    match outcome {
+        ReadOutcome::Missing => true,
+        ReadOutcome::Read(r) => counts.distinct() == 0 && r.is_complete(),
+        _ => false,
     }
 }
 
@@ -117,8 +223,14 @@ fn note_kept(path: &Path, r: &ReadReport) {
 
 /// Decides where this engine's history lives, reads it into a table shaped like `shape`
 /// and says what it found: refusals, what is kept, what is frozen, and the `[USAGE]
-/// expert history` line of each file read.
-pub fn load(default: &Path, engine: &str, shape: &Counters) -> Loaded {
+/// expert history` line of each file read. With `elsewhere`, a history whose file cannot
+/// be written where it is lives in the state directory (see the module docs).
+pub fn load(
+    default: &Path,
+    elsewhere: Option<&Elsewhere>,
+    engine: &str,
+    shape: &Counters,
+) -> Loaded {
     let sibling = sibling_path(default, engine);
     let mut home = Home::at(default);
     let mut counts = shape.zeroed_like();
@@ -150,11 +262,14 @@ pub fn load(default: &Path, engine: &str, shape: &Counters) -> Loaded {
         note_kept(&sibling, r);
     }
 
+    // The file saves go to, when it was read as this engine's: its counts are taken
+    // last, once it is known whether the state directory replaces it.
+    let mut target: Option<(PathBuf, Counters)> = None;
     match (d_foreign, &d) {
         (Some(why), _) => {
             home.divert(sibling.clone(), why);
             if s_ours {
-                use_counts(&mut home, &mut counts, &sibling, &s_counts);
+                target = Some((sibling, s_counts));
             }
         }
         (None, ReadOutcome::Read(r)) if r.rewrite_blocker().is_some() => {
@@ -169,13 +284,13 @@ pub fn load(default: &Path, engine: &str, shape: &Counters) -> Loaded {
             home.frozen = Some(default.to_path_buf());
             home.divert(sibling.clone(), why);
             if s_ours {
-                use_counts(&mut home, &mut counts, &sibling, &s_counts);
+                target = Some((sibling, s_counts));
             }
         }
         (None, outcome) => {
             if let ReadOutcome::Read(r) = outcome {
                 note_kept(default, r);
-                use_counts(&mut home, &mut counts, default, &d_counts);
+                target = Some((default.to_path_buf(), d_counts));
             }
             if s_ours {
                 eprintln!(
@@ -188,6 +303,33 @@ pub fn load(default: &Path, engine: &str, shape: &Counters) -> Loaded {
                 home.frozen = Some(sibling);
             }
         }
+    }
+    if let Some(e) = elsewhere {
+        if let Some(why) = unwritable_dir(&home.save_to) {
+            let state = e.file(engine, shape);
+            let mut st_counts = shape.zeroed_like();
+            let st = history::read(&state, engine, Trust::Found, &mut st_counts);
+            history::announce(&state, engine, &st);
+            if holds_nothing(&st, &st_counts) {
+                home.carry_from = target.as_ref().map(|(p, _)| p.clone());
+            } else {
+                if let Some((beside, _)) = target.take() {
+                    eprintln!(
+                        "[USAGE] {}: carried into {} by an earlier run \u{2014} not read again",
+                        beside.display(),
+                        state.display()
+                    );
+                }
+                if st.not_ours(&st_counts).is_none() {
+                    target = Some((state.clone(), st_counts));
+                }
+            }
+            home.save_to = state;
+            home.moved = Some(why);
+        }
+    }
+    if let Some((path, file)) = target {
+        use_counts(&mut home, &mut counts, &path, &file);
     }
     Loaded {
         home,

@@ -39,7 +39,7 @@ use std::path::Path;
 pub use cfmt::{fixed, push_fixed, push_fixed_f32};
 pub use counters::{Counters, ShapeError};
 pub use history::{Keep, Layout, ReadOutcome, ReadReport, Refusal, Trust};
-pub use home::Home;
+pub use home::{Elsewhere, Home};
 pub use identity::{EngineId, FORMAT_VERSION, KNOWN_ENGINES, UNKNOWN_ENGINE};
 pub use placement::{PinGb, PinPlan, PinRank, PinRequest, PinSetting, PinSource};
 pub use repin::{RepinSchedule, SessionHeat, Swap};
@@ -253,9 +253,10 @@ impl RouteTrace {
     /// file there when it is this engine's, else the per-engine path beside it (see
     /// [`home`]), and prints what it found, including `[USAGE] expert history: N
     /// selections (<path>)`. Returns the outcome of reading `path` itself, so the caller
-    /// can tell a missing, refused or partial history apart.
-    pub fn load_history(&mut self, path: &Path) -> ReadOutcome {
-        let loaded = home::load(path, &self.engine, &self.counts);
+    /// can tell a missing, refused or partial history apart. With `elsewhere`, a history
+    /// that cannot be written where it is lives in the user's state directory.
+    pub fn load_history(&mut self, path: &Path, elsewhere: Option<&Elsewhere>) -> ReadOutcome {
+        let loaded = home::load(path, elsewhere, &self.engine, &self.counts);
         self.counts.absorb(&loaded.counts);
         self.baseline.absorb(&loaded.counts);
         self.frozen.absorb(&loaded.frozen);

@@ -257,6 +257,20 @@ fn resolve(path: &Path) -> Result<PathBuf, WriteError> {
     })
 }
 
+/// Creates the state directory a moved history lives in (and its parents), readable by
+/// this user only: a history says what the user ran.
+fn create_state_dir(dir: &Path) -> Result<(), WriteError> {
+    use std::os::unix::fs::DirBuilderExt as _;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|source| WriteError::Write {
+            path: dir.to_path_buf(),
+            source,
+        })
+}
+
 /// The `[STATS]` line printed after a successful save.
 pub fn stats_line(total: i64, distinct: u64, path: &Path) -> String {
     format!(
@@ -281,6 +295,8 @@ struct Candidate {
     lock: FileLock,
     disk: Counters,
     keep: Keep,
+    /// The file `keep` was read from: the target, or the file carried into it.
+    source: PathBuf,
 }
 
 /// Locks `path`'s target and reads it; `Err(reason)` when it holds something a rewrite
@@ -298,12 +314,40 @@ fn lock_and_read(
     Ok(match outcome.replace_blocker(&disk) {
         Some(reason) => Err(reason),
         None => Ok(Candidate {
+            source: target.clone(),
             target,
             lock,
             disk,
             keep,
         }),
     })
+}
+
+/// A history moved to the state directory starts, on the save that finds it holding
+/// nothing, from the records of the file beside the weights (`from`, read as it is now):
+/// everything it held, kept records and unread tail included. Under the state file's
+/// lock, so of two processes that both loaded before it existed, only the first carries.
+/// Returns the selections carried.
+fn carry_in(c: &mut Candidate, from: &Path, engine: &str) -> i64 {
+    let empty = c.disk.distinct() == 0 && c.keep.records.is_empty() && c.keep.tail_from.is_none();
+    if !empty {
+        return 0;
+    }
+    let mut disk = c.disk.zeroed_like();
+    let mut keep = Keep::default();
+    let outcome = history::read_kept(from, engine, Trust::Found, &mut disk, Some(&mut keep));
+    if let Some(why) = outcome.replace_blocker(&disk) {
+        eprintln!(
+            "[USAGE] {}: {why} \u{2014} not carried into {}",
+            from.display(),
+            c.target.display()
+        );
+        return 0;
+    }
+    c.disk = disk;
+    c.keep = keep;
+    c.source = from.to_path_buf();
+    c.disk.total()
 }
 
 /// Merge-on-save into `home.save_to`. Under its lock: re-read it, add the counts this
@@ -323,8 +367,19 @@ pub(super) fn merge_save(
         return Ok((SaveOutcome::Skipped, None));
     }
     let mut diverted = None;
+    if home.moved.is_some() {
+        if let Some(dir) = home.save_to.parent() {
+            create_state_dir(dir)?;
+        }
+    }
     let mut c = match lock_and_read(&home.save_to, engine, current)? {
         Ok(c) => c,
+        Err(reason) if home.moved.is_some() => {
+            return Err(SaveError::Refused {
+                path: home.save_to.clone(),
+                why: reason,
+            })
+        }
         Err(reason) => {
             let sibling = sibling_path(&home.default, engine);
             if home.save_to == sibling {
@@ -355,13 +410,26 @@ pub(super) fn merge_save(
             }
         }
     };
+    let carried = match &home.carry_from {
+        Some(from) => carry_in(&mut c, from, engine),
+        None => 0,
+    };
     c.disk.update_recent(current, baseline);
     c.disk.add_gain(current, baseline);
     c.disk.decay(opts.decay);
     let id = EngineId::of(engine);
     files::replace(&c.target, &c.lock, |w| {
-        write_history(w, &c.disk, id, &c.keep, &c.target)
+        write_history(w, &c.disk, id, &c.keep, &c.source)
     })?;
+    if carried > 0 {
+        if let Some(from) = &home.carry_from {
+            eprintln!(
+                "[USAGE] carried {carried} selections from {} into {}",
+                from.display(),
+                home.save_to.display()
+            );
+        }
+    }
     let (total, distinct) = (c.disk.total(), c.disk.distinct());
     if let Some(d) = &diverted {
         eprintln!("{}", diverted_line(d, &home.save_to));

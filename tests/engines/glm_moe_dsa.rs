@@ -557,7 +557,7 @@ fn history_round_trips_with_the_engine_identity() {
             .unwrap();
 
         let again = load(f.name, f.experts, Some(0), false);
-        let outcome = again.engine.routed().telemetry.load_history(&path);
+        let outcome = again.engine.routed().telemetry.load_history(&path, None);
         assert!(matches!(outcome, ReadOutcome::Read(_)), "{outcome:?}");
         assert_eq!(outcome.total(), total);
         let (before, after) = (
@@ -582,7 +582,7 @@ fn history_round_trips_with_the_engine_identity() {
         )
         .unwrap();
         assert!(matches!(
-            olmoe.routed().telemetry.load_history(&path),
+            olmoe.routed().telemetry.load_history(&path, None),
             ReadOutcome::Refused(_)
         ));
     }

@@ -127,7 +127,7 @@ fn iku1_history_is_read_and_rewritten_as_text() {
     std::fs::write(&path, &bytes).unwrap();
 
     let engine = load(f.name, f.experts);
-    let outcome = engine.engine.routed().telemetry.load_history(&path);
+    let outcome = engine.engine.routed().telemetry.load_history(&path, None);
     assert!(matches!(outcome, ReadOutcome::Read(_)), "{outcome:?}");
     assert_eq!(outcome.total(), total);
     assert_eq!(engine.engine.routed().telemetry.counts().total(), total);
@@ -143,7 +143,12 @@ fn iku1_history_is_read_and_rewritten_as_text() {
     assert!(std::str::from_utf8(&rewritten).is_ok());
     let again = load(f.name, f.experts);
     assert_eq!(
-        again.engine.routed().telemetry.load_history(&path).total(),
+        again
+            .engine
+            .routed()
+            .telemetry
+            .load_history(&path, None)
+            .total(),
         total
     );
 }

@@ -140,6 +140,130 @@ fn histories_accumulate_across_generating_runs_but_not_oracle_runs() {
     assert_eq!(std::fs::read(&history).unwrap(), before);
 }
 
+/// `coli` as a user who cannot write the model directory: as root (where the suite usually
+/// runs, and where permissions do not stop writes) a copy of the binary run as `nobody`,
+/// since the build directory may not be open to other users; else this user.
+fn coli_as_other_user(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
+    use std::os::unix::process::CommandExt as _;
+    let root = unsafe { libc::geteuid() } == 0;
+    let mut command = if root {
+        let bin = dir.join("coli");
+        if !bin.exists() {
+            std::fs::copy(env!("CARGO_BIN_EXE_coli"), &bin).expect("copy the binary");
+        }
+        let mut c = Command::new(bin);
+        for key in coli::settings::KEYS {
+            c.env_remove(key.name);
+        }
+        c.args(args).envs(env.iter().copied()).uid(65534).gid(65534);
+        c
+    } else {
+        common::coli_command(args, env)
+    };
+    command.output().expect("coli runs")
+}
+
+#[test]
+fn a_model_directory_that_cannot_be_written_keeps_its_history_in_the_state_directory() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let model = dir.path().join("model");
+    common::copy_fixture_to("olmoe_tiny", &model);
+    let beside = model.join(".coli_usage");
+    let args = |extra: &'static str| -> Vec<String> {
+        [
+            snap(&model),
+            PROMPT.into(),
+            extra.into(),
+            "64".into(),
+            "16".into(),
+            "16".into(),
+        ]
+        .into()
+    };
+    let run_args = args("NGEN=4");
+    let argv: Vec<&str> = run_args.iter().map(String::as_str).collect();
+
+    // The owner's run leaves a history beside the weights.
+    let owner = coli(&argv, &[]);
+    assert!(owner.status.success(), "{}", stderr(&owner));
+    let saved = stats_total(&stderr(&owner)).unwrap();
+    let before = std::fs::read(&beside).unwrap();
+
+    // Then the directory is made read-only, and another user runs the model.
+    for entry in std::fs::read_dir(&model).unwrap() {
+        let p = entry.unwrap().path();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o444)).unwrap();
+    }
+    std::fs::set_permissions(&model, std::fs::Permissions::from_mode(0o555)).unwrap();
+    let state = dir.path().join("state");
+    std::fs::create_dir(&state).unwrap();
+    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let env = [("XDG_STATE_HOME", state.to_str().unwrap())];
+
+    let first = coli_as_other_user(dir.path(), &argv, &env);
+    let err = stderr(&first);
+    assert!(first.status.success(), "{err}");
+    assert_eq!(usage_total(&err), Some(saved), "{err}");
+    let moved_to = err
+        .split("; saved to ")
+        .nth(1)
+        .and_then(|rest| rest.split(" (").next())
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| panic!("the history line names the new home: {err}"));
+    assert!(moved_to.starts_with(state.join("coli")), "{err}");
+    let name = moved_to.file_name().unwrap().to_string_lossy().into_owned();
+    assert!(
+        name.starts_with("olmoe-3x8-") && name.ends_with(".coli_usage"),
+        "{name}"
+    );
+    assert!(
+        err.contains(&format!("({} cannot be written", model.display())),
+        "{err}"
+    );
+    assert!(
+        err.contains(&format!(
+            "[USAGE] carried {saved} selections from {}",
+            beside.display()
+        )),
+        "{err}"
+    );
+    assert_eq!(stats_total(&err), Some(2 * saved), "{err}");
+    assert_eq!(
+        std::fs::read(&beside).unwrap(),
+        before,
+        "the file beside the weights is untouched"
+    );
+
+    // The next run reads the state file alone: the records it carried are not counted again.
+    let second = coli_as_other_user(dir.path(), &argv, &env);
+    let err = stderr(&second);
+    assert!(second.status.success(), "{err}");
+    assert_eq!(usage_total(&err), Some(2 * saved), "{err}");
+    assert_eq!(err.matches("[USAGE] expert history").count(), 1, "{err}");
+    assert!(err.contains("not read again"), "{err}");
+    assert_eq!(stats_total(&err), Some(3 * saved), "{err}");
+    let text = std::fs::read_to_string(&moved_to).unwrap();
+    assert!(text.starts_with("-1 3 8\n-2 1 3841822045\n"), "{text}");
+
+    // A history the user named stays where it was named, and a save that cannot write it
+    // fails as before.
+    let named = coli_as_other_user(
+        dir.path(),
+        &argv,
+        &[env[0], ("COLI_USAGE", beside.to_str().unwrap())],
+    );
+    assert_eq!(named.status.code(), Some(1), "{}", stderr(&named));
+    assert!(
+        stderr(&named).contains("[USAGE] save failed"),
+        "{}",
+        stderr(&named)
+    );
+    assert_eq!(std::fs::read(&beside).unwrap(), before);
+    std::fs::set_permissions(&model, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
 #[test]
 fn pinning_from_the_history_keeps_the_tokens_and_hits_the_pins() {
     let dir = copy_fixture("olmoe_tiny");

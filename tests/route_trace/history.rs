@@ -89,7 +89,7 @@ fn header_sparse_data_and_round_trip() {
     assert!(every_record_has_three_fields(text.as_bytes()));
 
     let mut back = glm();
-    let outcome = back.load_history(&p);
+    let outcome = back.load_history(&p, None);
     assert_eq!(outcome.total(), 4);
     assert_eq!(back.counts().get(3, 2), 2);
     match outcome {
@@ -264,7 +264,7 @@ fn dropped_row_admits_nothing_and_is_not_written() {
     fs::write(&p, "2 3 50\n3 4 7\n").expect("seed");
     let mut rt = glm();
     rt.drop_row(2);
-    assert_eq!(rt.load_history(&p).total(), 7);
+    assert_eq!(rt.load_history(&p, None).total(), 7);
     assert_eq!(rt.counts().get(3, 4), 7);
     route(&mut rt, 2, &[3]);
     assert_eq!(rt.counts().total(), 7);
@@ -317,7 +317,7 @@ fn decay_rounds_half_up_at_every_save() {
     let p = d.path().join("h");
     fs::write(&p, format!("-1 5 8\n-2 1 {}\n1 0 1\n1 1 200\n", id(ENGINE))).expect("seed");
     let mut rt = glm();
-    rt.load_history(&p);
+    rt.load_history(&p, None);
     let opts = SaveOptions {
         enabled: true,
         decay: Decay::new(0.99),
@@ -368,7 +368,7 @@ fn never_overwrites_another_engines_or_models_history() {
         let p = d.path().join(name);
         fs::write(&p, &content).expect("seed");
         let mut rt = glm();
-        rt.load_history(&p);
+        rt.load_history(&p, None);
         assert_eq!(
             rt.counts().total(),
             0,
@@ -392,7 +392,7 @@ fn never_overwrites_another_engines_or_models_history() {
         );
         // And the next run reads the per-engine file back: the history keeps learning.
         let mut next = glm();
-        next.load_history(&p);
+        next.load_history(&p, None);
         assert_eq!(next.counts().get(4, 1), 2, "{name}");
         route(&mut next, 4, &[1]);
         saved_to(
@@ -400,7 +400,7 @@ fn never_overwrites_another_engines_or_models_history() {
             &sibling,
         );
         let mut third = glm();
-        third.load_history(&p);
+        third.load_history(&p, None);
         assert_eq!(third.counts().get(4, 1), 3, "{name}");
         assert_eq!(fs::read_to_string(&p).expect("kept"), content, "{name}");
     }
@@ -449,7 +449,7 @@ fn what_this_engine_cannot_hold_is_kept_verbatim_and_the_file_keeps_learning() {
             let mut rt = glm();
             rt.drop_row(5);
             rt.drop_row(0);
-            rt.load_history(&p);
+            rt.load_history(&p, None);
             assert_eq!(rt.counts().get(3, 2), 6 + run - 1, "{name} run {run}");
             assert_eq!(rt.home().expect("home").save_to, p, "{name}");
             route(&mut rt, 3, &[2]);
@@ -476,7 +476,7 @@ fn a_per_engine_file_beside_our_own_history_is_read_and_never_written() {
     let frozen = fs::read(&s).expect("read");
     for run in 1..=2 {
         let mut rt = glm();
-        rt.load_history(&p);
+        rt.load_history(&p, None);
         assert_eq!(rt.counts().get(1, 1), 4, "run {run}");
         let home = rt.home().expect("home").clone();
         assert_eq!((home.save_to, home.frozen), (p.clone(), Some(s.clone())));
@@ -512,7 +512,7 @@ fn legacy_and_iku1_histories_are_converted_on_save() {
     let p = d.path().join("h");
     fs::write(&p, "3 2 2\n3 5 1\n").expect("seed");
     let mut rt = glm();
-    rt.load_history(&p);
+    rt.load_history(&p, None);
     saved(rt.save_history(&p, SaveOptions::default()).expect("save"));
     assert_eq!(
         fs::read_to_string(&p).expect("read"),
@@ -520,7 +520,7 @@ fn legacy_and_iku1_histories_are_converted_on_save() {
     );
     fs::write(&p, iku1((5, 8), &[(1, 5, 4)])).expect("seed");
     let mut rt = RouteTrace::new("inkling", 5, 8).expect("shape");
-    assert_eq!(rt.load_history(&p).total(), 4);
+    assert_eq!(rt.load_history(&p, None).total(), 4);
     saved(rt.save_history(&p, SaveOptions::default()).expect("save"));
     assert_eq!(
         fs::read_to_string(&p).expect("read"),
@@ -546,10 +546,10 @@ fn missing_and_unreadable_histories() {
     let d = dir();
     let mut rt = glm();
     assert!(matches!(
-        rt.load_history(&d.path().join("none")),
+        rt.load_history(&d.path().join("none"), None),
         ReadOutcome::Missing
     ));
-    let o = rt.load_history(d.path());
+    let o = rt.load_history(d.path(), None);
     assert!(matches!(o, ReadOutcome::Unreadable(_)), "{o:?}");
     assert!(o.not_ours(&table()).is_some());
 }
@@ -597,7 +597,7 @@ fn recent_heat_follows_the_workload_and_ranks_when_asked() {
     // The workload switches: expert 2 from now on, one save per "turn".
     for _ in 0..3 {
         let mut next = glm();
-        next.load_history(&p);
+        next.load_history(&p, None);
         for _ in 0..40 {
             route(&mut next, 1, &[2]);
         }

@@ -96,7 +96,7 @@ fn child_entry() {
             };
             let pin = Box::leak(Box::new(PinSetting::Path(path.clone())));
             let mut rt = RouteTrace::new(ENGINE, 5, 8).expect("shape");
-            assert_eq!(rt.load_history(&path).total(), 0);
+            assert_eq!(rt.load_history(&path, None).total(), 0);
             for _ in 0..3 {
                 let plan = rt.plan_pins(&req(pin), &|_| 1);
                 assert_eq!(plan.pins.len(), 1);
@@ -108,7 +108,7 @@ fn child_entry() {
             let mut rt = RouteTrace::new(ENGINE, 5, 8).expect("shape");
             rt.open_trace(&dir.join("trace.txt")).expect("trace");
             assert!(rt.open_trace(&dir.join("no/such/dir/trace")).is_err());
-            rt.load_history(&hist);
+            rt.load_history(&hist, None);
             let pin = PinSetting::Auto;
             let req = PinRequest {
                 pin: &pin,

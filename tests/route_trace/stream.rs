@@ -159,7 +159,7 @@ fn autopin_needs_five_thousand_selections_and_pin_unset() {
         history_text(ENGINE, &[(0, 1, 4000), (0, 2, 998), (1, 5, 1)]),
     )
     .expect("hist");
-    rt.load_history(&hist);
+    rt.load_history(&hist, None);
     let unset = PinSetting::Unset;
     let req = PinRequest {
         cap: 64,
@@ -174,7 +174,7 @@ fn autopin_needs_five_thousand_selections_and_pin_unset() {
     rt.save_history(&hist, SaveOptions::default())
         .expect("save");
     let mut rt = RouteTrace::new(ENGINE, 2, 8).expect("shape");
-    assert_eq!(rt.load_history(&hist).total(), 5000);
+    assert_eq!(rt.load_history(&hist, None).total(), 5000);
     // confidence 0.025 -> quota floor(64 * 0.5 * 0.025) = 0: nothing yet.
     assert!(rt.plan_pins(&req, &|_| 1).pins.is_empty());
     let big = PinRequest {
