@@ -177,6 +177,17 @@ impl Config {
         Ok(config)
     }
 
+    /// The rows of the usage history that never route: the dense layers, and the row after
+    /// the last layer (Inkling has no MTP head; transformers ignores `model.mtp.*`).
+    pub fn non_routing_rows(&self) -> Result<Vec<usize>> {
+        let kinds = self.layer_kinds()?;
+        let dense = kinds.iter().enumerate().filter(|(_, k)| !k.sparse);
+        Ok(dense
+            .map(|(l, _)| l)
+            .chain([self.num_hidden_layers])
+            .collect())
+    }
+
     /// Per layer: sliding-window or global attention, sparse or dense MLP, as
     /// `InklingTextConfig` derives them (`layer_types`, else `local_layer_ids`, else every
     /// sixth layer global; `mlp_layer_types`, else the first `dense_mlp_idx` layers dense).
@@ -444,15 +455,10 @@ impl Inkling {
         let conv = |w: &Weights, name: &str, channels: usize| {
             ShortConv::load(w, &format!("{name}.conv1d.weight"), channels, kernel)
         };
-        // Dense layers do not route, and there is no MTP head in the row after the last
-        // layer (transformers ignores `model.mtp.*`).
         let mut telemetry = RouteTrace::new(NAME, config.num_hidden_layers, n_experts)?;
-        for (l, kind) in kinds.iter().enumerate() {
-            if !kind.sparse {
-                telemetry.drop_row(l);
-            }
+        for l in config.non_routing_rows()? {
+            telemetry.drop_row(l);
         }
-        telemetry.drop_row(config.num_hidden_layers);
         let mut routed = RoutedExperts::unprovisioned(options.store.width, telemetry);
 
         let mut layers = Vec::with_capacity(kinds.len());

@@ -58,7 +58,12 @@ pub fn run_usage(cmd: &UsageCommand) -> Result<()> {
     match cmd {
         UsageCommand::Show(a) => usage::show(a),
         UsageCommand::Merge(a) => print_notes(usage::merge(&a.inputs, &a.output, a.force)?),
-        UsageCommand::Migrate(a) => print_notes(usage::migrate(&a.input, &a.output, a.force)?),
+        UsageCommand::Migrate(a) => print_notes(usage::migrate(
+            &a.input,
+            &a.output,
+            a.snap.as_deref(),
+            a.force,
+        )?),
     }
 }
 

@@ -57,6 +57,10 @@ pub struct MigrateArgs {
     /// lock an engine's save takes) only with --force; it may be the input.
     #[arg(short, long)]
     pub output: PathBuf,
+    /// The Inkling model the history counts (its directory, with `config.json`): which
+    /// rows route depends on it. Default: the input's directory, where Inkling keeps it.
+    #[arg(long, value_name = "DIR")]
+    pub snap: Option<PathBuf>,
     /// Replace an existing output, and write what was read even when the IKU1 table is
     /// cut short or has trailing bytes.
     #[arg(long)]
@@ -604,9 +608,58 @@ fn list(hs: &[History]) -> String {
         .join(", ")
 }
 
-/// `coli usage migrate`: an IKU1 history rewritten as text, count for count. Returns the
-/// lines to print.
-pub fn migrate(input: &Path, output: &Path, force: bool) -> Result<Vec<String>> {
+/// The rows of an IKU1 table of `dims` that the Inkling model at `snap` (else the input's
+/// directory) does not route. A history of another model's shape is refused.
+fn inkling_non_routing_rows(
+    input: &Path,
+    snap: Option<&Path>,
+    dims: (usize, usize),
+) -> Result<Vec<usize>> {
+    let dir = match snap {
+        Some(dir) => dir.to_path_buf(),
+        None => match input.parent() {
+            Some(d) if d.join("config.json").is_file() => d.to_path_buf(),
+            Some(d) if d.as_os_str().is_empty() && Path::new("config.json").is_file() => {
+                PathBuf::from(".")
+            }
+            _ => bail!(
+                "{}: which rows Inkling routes depends on the model, and there is no config.json beside the history; name the model's directory with --snap DIR",
+                input.display()
+            ),
+        },
+    };
+    let snapshot = crate::snapshot::Snapshot::open(&dir)
+        .with_context(|| format!("--snap {}: cannot open the model", dir.display()))?;
+    let engine = crate::engines::registry::resolve(None, &snapshot)?;
+    if engine != "inkling" {
+        bail!(
+            "{} holds a {engine} model; an IKU1 history counts an Inkling model's experts (name it with --snap DIR)",
+            dir.display()
+        );
+    }
+    let config = crate::engines::inkling::Config::read(&snapshot)?;
+    let model = (config.num_hidden_layers, config.n_routed_experts);
+    if model != dims {
+        bail!(
+            "{} is {}, the model in {} is {}: it is another model's history",
+            input.display(),
+            dims_text(dims),
+            dir.display(),
+            dims_text(model)
+        );
+    }
+    config.non_routing_rows()
+}
+
+/// `coli usage migrate`: an IKU1 history rewritten as text, count for count on the rows
+/// the model routes; records on its dense layers (and the row after the last layer) are
+/// left out, as Inkling's load leaves them out, and said. Returns the lines to print.
+pub fn migrate(
+    input: &Path,
+    output: &Path,
+    snap: Option<&Path>,
+    force: bool,
+) -> Result<Vec<String>> {
     let out_file = OutputHistory::claim(output)?;
     let h = history_file::open_readable(input)?;
     if h.layout() != Layout::Iku1 {
@@ -626,7 +679,25 @@ pub fn migrate(input: &Path, output: &Path, force: bool) -> Result<Vec<String>> 
             input.display()
         );
     };
+    let non_routing = inkling_non_routing_rows(input, snap, dims)?;
+    let mut counts = h.counts.clone();
+    for &row in &non_routing {
+        counts.drop_row(row);
+    }
     let mut notes = Vec::new();
+    let left_out = h.counts.total() - counts.total();
+    if left_out > 0 {
+        let rows: Vec<String> = non_routing
+            .iter()
+            .filter(|&&l| h.counts.nonzero().any(|(row, _, _)| row == l))
+            .map(usize::to_string)
+            .collect();
+        notes.push(format!(
+            "left out {left_out} selections on {} {} (dense layers, or the row after the last layer), which Inkling does not route",
+            if rows.len() == 1 { "row" } else { "rows" },
+            rows.join(", ")
+        ));
+    }
     if !h.report.is_complete() {
         if !force {
             bail!(
@@ -640,11 +711,11 @@ pub fn migrate(input: &Path, output: &Path, force: bool) -> Result<Vec<String>> 
         ));
     }
     let id = h.declared.writer.unwrap_or(EngineId::of("inkling"));
-    out_file.write(&save::render(&h.counts, id), force)?;
+    out_file.write(&save::render(&counts, id), force)?;
     notes.push(format!(
         "migrated {} selections across {} distinct experts ({}, {}) -> {}",
-        h.counts.total(),
-        h.counts.distinct(),
+        counts.total(),
+        counts.distinct(),
         id.describe(),
         dims_text(dims),
         output.display()

@@ -305,27 +305,129 @@ fn merge_of_empty_histories_says_there_is_nothing_to_merge() {
     assert!(!o.exists());
 }
 
+/// The selections a classic C reader totals: the third field of every record whose first
+/// is not negative.
+fn c_loop_total(text: &str) -> u64 {
+    let fields: Vec<i64> = text
+        .split_whitespace()
+        .map(|f| f.parse().unwrap())
+        .collect();
+    fields
+        .chunks(3)
+        .filter(|r| r[0] >= 0)
+        .map(|r| r[2] as u64)
+        .sum()
+}
+
 #[test]
-fn migrate_rewrites_iku1_count_for_count() {
+fn migrate_rewrites_iku1_count_for_count_on_the_rows_that_route() {
+    // The Inkling fixture: 7 layers of 8 experts, layer 0 dense.
     let dir = tempfile::tempdir().unwrap();
-    let src = dir.path().join("usage.iku1");
-    std::fs::write(&src, iku1(4, 8, &[(3, 2, 7), (1, 5, 4), (0, 0, 1)])).unwrap();
+    let model = dir.path().join("model");
+    common::copy_fixture_to("inkling_tiny", &model);
+    let src = model.join(".coli_usage");
+    std::fs::write(&src, iku1(7, 8, &[(3, 2, 7), (1, 5, 4), (0, 0, 1)])).unwrap();
     let o = dir.path().join("usage.txt");
     let out = coli(&["usage", "migrate", p(&src), "-o", p(&o)], &[]);
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(
-        stdout(&out).contains("migrated 12 selections"),
+        stdout(&out).contains("migrated 11 selections"),
         "{}",
         stdout(&out)
     );
-    assert_eq!(
-        std::fs::read_to_string(&o).unwrap(),
-        "-1 4 8\n-2 1 2050583463\n0 0 1\n1 5 4\n3 2 7\n"
+    assert!(
+        stderr(&out).contains("left out 1 selections on row 0 (dense layers"),
+        "{}",
+        stderr(&out)
     );
+    let text = std::fs::read_to_string(&o).unwrap();
+    assert_eq!(text, "-1 7 8\n-2 1 2050583463\n1 5 4\n3 2 7\n");
+    assert_eq!(c_loop_total(&text), 11);
+
+    // Inkling's own load of the migrated file counts what the migration said.
+    let mut loaded = Counters::new(7, 8).unwrap();
+    loaded.drop_row(0);
+    loaded.drop_row(7);
+    history::parse(text.as_bytes(), "inkling", Trust::Found, &mut loaded).unwrap();
+    assert_eq!(loaded.total(), 11);
+
+    // Away from its model, the history needs --snap; another model's shape is refused.
+    let alone = dir.path().join("usage.iku1");
+    std::fs::copy(&src, &alone).unwrap();
+    let out = coli(
+        &["usage", "migrate", p(&alone), "-o", p(&o), "--force"],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("--snap DIR"), "{}", stderr(&out));
+    let fixture = common::fixture("inkling_tiny");
+    let out = coli(
+        &[
+            "usage",
+            "migrate",
+            p(&alone),
+            "-o",
+            p(&o),
+            "--force",
+            "--snap",
+            p(&fixture),
+        ],
+        &[],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    std::fs::write(&alone, iku1(4, 8, &[(3, 2, 7)])).unwrap();
+    let out = coli(
+        &[
+            "usage",
+            "migrate",
+            p(&alone),
+            "-o",
+            p(&o),
+            "--force",
+            "--snap",
+            p(&fixture),
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("it is another model's history"),
+        "{}",
+        stderr(&out)
+    );
+    let olmoe = common::fixture("olmoe_tiny");
+    let out = coli(
+        &[
+            "usage",
+            "migrate",
+            p(&alone),
+            "-o",
+            p(&o),
+            "--force",
+            "--snap",
+            p(&olmoe),
+        ],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("holds a olmoe model"),
+        "{}",
+        stderr(&out)
+    );
+    let src = alone;
+    let snap_args = ["--snap", p(&fixture)];
 
     let not = dir.path().join("text");
     std::fs::copy(&o, &not).unwrap();
-    let out = coli(&["usage", "migrate", p(&not), "-o", p(&o), "--force"], &[]);
+    let out = coli(
+        &[
+            &["usage", "migrate", p(&not), "-o", p(&o), "--force"][..],
+            &snap_args,
+        ]
+        .concat(),
+        &[],
+    );
     assert_eq!(out.status.code(), Some(2));
     assert!(
         stderr(&out).contains("is not an IKU1 history"),
@@ -333,21 +435,31 @@ fn migrate_rewrites_iku1_count_for_count() {
         stderr(&out)
     );
 
-    let mut cut = iku1(4, 8, &[(0, 1, 3), (3, 2, 7)]);
-    cut.truncate(12 + 4 * 8 * 2 + 5);
+    let mut cut = iku1(7, 8, &[(1, 1, 3), (3, 2, 7)]);
+    cut.truncate(12 + 8 * 2 * 4 + 5);
     std::fs::write(&src, &cut).unwrap();
-    let out = coli(&["usage", "migrate", p(&src), "-o", p(&o)], &[]);
+    let out = coli(
+        &[&["usage", "migrate", p(&src), "-o", p(&o)][..], &snap_args].concat(),
+        &[],
+    );
     assert_eq!(out.status.code(), Some(2));
     assert!(
         stderr(&out).contains("not read completely"),
         "{}",
         stderr(&out)
     );
-    let out = coli(&["usage", "migrate", p(&src), "-o", p(&o), "--force"], &[]);
+    let out = coli(
+        &[
+            &["usage", "migrate", p(&src), "-o", p(&o), "--force"][..],
+            &snap_args,
+        ]
+        .concat(),
+        &[],
+    );
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(
         std::fs::read_to_string(&o).unwrap(),
-        "-1 4 8\n-2 1 2050583463\n0 1 3\n"
+        "-1 7 8\n-2 1 2050583463\n1 1 3\n"
     );
 }
 
@@ -384,14 +496,20 @@ proptest! {
     }
 
     #[test]
-    fn migrate_preserves_every_count(cells in prop::collection::vec((0u32..5, 0u32..7, 0u32..u32::MAX), 0..35)) {
+    fn migrate_preserves_every_count_on_the_rows_that_route(cells in prop::collection::vec((0u32..7, 0u32..8, 0u32..u32::MAX), 0..35)) {
         let dir = tempfile::tempdir().unwrap();
         let src = dir.path().join("in");
-        std::fs::write(&src, iku1(5, 7, &cells)).unwrap();
+        std::fs::write(&src, iku1(7, 8, &cells)).unwrap();
         let o = dir.path().join("out");
-        usage::migrate(&src, &o, false).unwrap();
-        let mut want = Counters::new(5, 7).unwrap();
+        usage::migrate(&src, &o, Some(&common::fixture("inkling_tiny")), false).unwrap();
+        let mut want = Counters::new(7, 8).unwrap();
+        want.drop_row(0);
+        want.drop_row(7);
         history::parse(&std::fs::read(&src).unwrap(), "inkling", Trust::Found, &mut want).unwrap();
-        prop_assert_eq!(read_back(&o, "inkling", 5, 7), want);
+        let mut plain = Counters::new(7, 8).unwrap();
+        for (l, e, c) in want.nonzero() {
+            plain.admit(l as i64, e as i64, c);
+        }
+        prop_assert_eq!(read_back(&o, "inkling", 7, 8), plain);
     }
 }
