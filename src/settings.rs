@@ -109,6 +109,12 @@ pub const KEYS: &[Key] = &[
         doc: "streamed experts: apply the routers of the next N MoE layers to the current hidden state and read their experts ahead",
     },
     Key {
+        name: "TRANSITIONS",
+        kind: Kind::Bool,
+        default: "0",
+        doc: "streamed experts: read ahead the next MoE layer's experts that most often followed each row's choice (the history's -3/-4 transition records and this run's)",
+    },
+    Key {
         name: "COLI_POLICY",
         kind: Kind::Text,
         default: "lru",
@@ -617,6 +623,8 @@ pub struct Settings {
     /// `IO_THREADS`, held to 1..=64.
     pub io_threads: usize,
     pub pilot: usize,
+    /// `TRANSITIONS`.
+    pub transitions: bool,
     pub expert_sharding: Sharding,
     /// `MPI_TIMEOUT`, in seconds (at least 1).
     pub mpi_timeout: u64,
@@ -719,6 +727,7 @@ impl Settings {
             direct: r.flag_if_set("DIRECT"),
             io_threads: r.count("IO_THREADS").clamp(1, 64),
             pilot: r.count("PILOT"),
+            transitions: r.flag("TRANSITIONS"),
             expert_sharding: Sharding::from_setting(&r.text_or_default("EXPERT_SHARDING"))?,
             mpi_timeout: r.count("MPI_TIMEOUT").max(1) as u64,
             policy: Policy::from_setting(&r.text_or_default("COLI_POLICY"))?,

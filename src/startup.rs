@@ -176,6 +176,7 @@ pub fn load_for(
             io_threads: settings.io_threads,
             policy: settings.policy,
             pilot: settings.pilot,
+            transitions: settings.transitions,
             keeps_trunk,
         },
         dense_width,

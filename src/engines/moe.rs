@@ -7,6 +7,8 @@
 //! An engine says only how its layers choose ([`Choice`]) and what it does around the
 //! routed sum (shared experts, a latent projection); it never calls the store itself.
 
+use std::collections::BTreeMap;
+
 use anyhow::Result;
 use rayon::prelude::*;
 
@@ -268,7 +270,7 @@ impl RoutedExperts {
             .map(|r| r.choice.top_k())
             .max();
         self.store
-            .set_stage(self.store.pilot() * widest.unwrap_or(0));
+            .set_stage(self.store.ahead_layers() * widest.unwrap_or(0));
         Ok(())
     }
 
@@ -389,7 +391,7 @@ impl RoutedExperts {
     /// step predicts (`PILOT` layers of the router's `top_k` experts).
     pub fn set_router(&mut self, layer: usize, router: Router) {
         self.store
-            .set_stage(self.store.pilot() * router.choice.top_k());
+            .set_stage(self.store.ahead_layers() * router.choice.top_k());
         if self.routers.len() <= layer {
             self.routers.resize_with(layer + 1, || None);
         }
@@ -442,7 +444,7 @@ impl RoutedExperts {
             .chunks_exact(router.weight.rows())
             .map(|row| router.choice.choose(row))
             .unzip();
-        self.look_ahead(layer, h, n);
+        self.look_ahead(layer, h, n, &routes);
         let mut routed = vec![0f32; n * input.width];
         self.run(layer, &input, &routes, &mut routed)?;
         Ok(MoeOutput {
@@ -451,14 +453,35 @@ impl RoutedExperts {
         })
     }
 
-    /// The router lookahead (`PILOT=N`), called by MoE layer `layer` with its router input
-    /// `h` (`n` rows): apply the routers of layers `layer+1..=layer+N` to it and have the
-    /// store read the experts they choose ahead, behind this layer's own misses. It changes
-    /// only what is resident, never a routing decision, so never a token.
-    pub fn look_ahead(&mut self, layer: usize, h: &[f32], n: usize) {
+    /// The read-ahead, called by MoE layer `layer` with its router input `h` (`n` rows) and
+    /// the routes its router chose: the router lookahead (`PILOT=N`) applies the routers of
+    /// layers `layer+1..=layer+N` to `h`; the transitions (`TRANSITIONS=1`) name, for each
+    /// row, the experts of the next routing layer that most often followed its choice. The
+    /// store reads what they predict ahead, behind this layer's own misses. It changes only
+    /// what is resident, never a routing decision, so never a token.
+    pub fn look_ahead(&mut self, layer: usize, h: &[f32], n: usize, routes: &[Route]) {
         let depth = self.store.pilot();
-        if depth == 0 || n == 0 || n > LOOKAHEAD_ROWS {
+        let transitions = self.store.transitions_ahead();
+        if (depth == 0 && !transitions) || n == 0 || n > LOOKAHEAD_ROWS {
             return;
+        }
+        let mut wanted: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+        if transitions {
+            let counts = self.telemetry.counts();
+            let next = counts.next_routing(layer);
+            let k = next
+                .and_then(|l| self.routers.get(l))
+                .and_then(Option::as_ref)
+                .map_or(0, |r| r.choice.top_k());
+            for route in routes {
+                let chosen: Vec<usize> = route.iter().map(|&(e, _)| e).collect();
+                let predicted = counts
+                    .transitions()
+                    .predict(counts.n_experts(), layer, &chosen, k);
+                if let Some((target, ids)) = predicted {
+                    wanted.entry(target).or_default().extend(ids);
+                }
+            }
         }
         for target in layer + 1..=layer + depth {
             let Some(Some(router)) = self.routers.get(target) else {
@@ -468,11 +491,13 @@ impl RoutedExperts {
                 continue;
             }
             let logits = router.logits(h, n);
-            let mut ids: Vec<usize> = logits
+            let ids = logits
                 .chunks_exact(router.weight.rows())
                 .flat_map(|row| router.choice.choose(row).0)
-                .map(|(expert, _)| expert)
-                .collect();
+                .map(|(expert, _)| expert);
+            wanted.entry(target).or_default().extend(ids);
+        }
+        for (target, mut ids) in wanted {
             ids.sort_unstable();
             ids.dedup();
             // Experts on the GPU are never read from disk, nor are those other processes

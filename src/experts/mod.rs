@@ -178,6 +178,8 @@ pub struct ExpertStore {
     width: Width,
     policy: Policy,
     pilot: usize,
+    /// `TRANSITIONS`: read ahead what the history's transitions predict.
+    transitions: bool,
     layers: Vec<LayerCache>,
     stats: CacheStats,
     stream: Option<Stream>,
@@ -218,6 +220,7 @@ impl ExpertStore {
             width,
             policy: Policy::Lru,
             pilot: 0,
+            transitions: false,
             layers: layers.into_iter().map(LayerCache::new).collect(),
             stats: CacheStats::default(),
             stream: None,
@@ -258,6 +261,18 @@ impl ExpertStore {
         } else {
             0
         }
+    }
+
+    /// `TRANSITIONS`: whether the next layer's experts are read ahead from the history's
+    /// transitions (false when experts are mapped).
+    pub fn transitions_ahead(&self) -> bool {
+        self.stream.is_some() && self.transitions
+    }
+
+    /// Layers' worth of predictions the read-ahead stages at once: `PILOT`'s, and one for
+    /// the transitions.
+    pub fn ahead_layers(&self) -> usize {
+        self.pilot() + usize::from(self.transitions_ahead())
     }
 
     /// Whether experts stream into owned slots.

@@ -55,6 +55,8 @@ pub struct StoreOptions {
     pub policy: Policy,
     /// `PILOT`: MoE layers the router lookahead reads ahead.
     pub pilot: usize,
+    /// `TRANSITIONS`: read the next layer's experts ahead from the history's transitions.
+    pub transitions: bool,
     /// Whether the trunk's weights stay resident beside the store, so that the budget must
     /// hold them: not on an MPI expert rank, which drops them once loaded.
     pub keeps_trunk: bool,
@@ -72,6 +74,7 @@ impl StoreOptions {
             io_threads: 1,
             policy: Policy::Lru,
             pilot: 0,
+            transitions: false,
             keeps_trunk: true,
         }
     }
@@ -93,6 +96,7 @@ impl ExpertStore {
         store.policy = options.policy;
         // Looking further ahead than the model is deep reads nothing more.
         store.pilot = options.pilot.min(store.layers());
+        store.transitions = options.transitions;
         let estimate = (0..store.layers())
             .map(|l| store.slot_bytes(l, None))
             .max()
@@ -189,7 +193,7 @@ impl ExpertStore {
         }
         let loader = Loader::start(files, options.width, options.io_threads)?;
         store.summary = format!(
-            "[experts] {} | {} | streaming: {}, {reads} read{} per expert, {} loader thread{}, PILOT {}, policy {}",
+            "[experts] {} | {} | streaming: {}, {reads} read{} per expert, {} loader thread{}, PILOT {}, TRANSITIONS {}, policy {}",
             sizing.text,
             store.slots_text(slot_bytes, &lowered),
             mode.describe(),
@@ -197,6 +201,7 @@ impl ExpertStore {
             loader.threads(),
             if loader.threads() == 1 { "" } else { "s" },
             store.pilot,
+            u8::from(store.transitions),
             options.policy.name()
         );
         store.stream = Some(Stream { loader, plans });

@@ -13,6 +13,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::save::Decay;
+use super::transitions::Transitions;
 
 /// Tables up to this many cells are dense; larger shapes (which no model has, but a
 /// history file may declare) keep only their non-zero cells, so that a one-line file
@@ -54,6 +55,8 @@ pub struct Counters {
     cells: Cells,
     /// Created on the first recent count; `None` is all zero.
     recent: Option<Box<Counters>>,
+    /// Which experts followed which, from one routing layer to the next.
+    transitions: Transitions,
 }
 
 impl Counters {
@@ -79,6 +82,7 @@ impl Counters {
             dropped: BTreeSet::new(),
             cells,
             recent: None,
+            transitions: Transitions::default(),
         })
     }
 
@@ -94,6 +98,7 @@ impl Counters {
             dropped: self.dropped.clone(),
             cells,
             recent: None,
+            transitions: Transitions::default(),
         }
     }
 
@@ -117,6 +122,7 @@ impl Counters {
         if let Some(r) = self.recent.as_mut() {
             r.drop_row(layer);
         }
+        self.transitions.drop_layer(self.n_experts, layer);
         let ne = self.n_experts;
         match &mut self.cells {
             Cells::Dense(v) => v[layer * ne..(layer + 1) * ne].fill(0),
@@ -272,6 +278,63 @@ impl Counters {
         if let Some(r) = other.recent() {
             self.recent_mut().absorb(r);
         }
+        self.transitions.absorb(&other.transitions);
+    }
+
+    /// The expert transitions counted with this table.
+    pub fn transitions(&self) -> &Transitions {
+        &self.transitions
+    }
+
+    /// The routing row after `layer`: the next row that routes.
+    pub fn next_routing(&self, layer: usize) -> Option<usize> {
+        (layer + 1..=self.n_layers).find(|&l| self.routes(l))
+    }
+
+    /// Adds a `-4` record's count to the edge from cell `src_cell` (of a `-3` group) to
+    /// expert `expert` of `dst_layer`, when the table can hold it: both rows route, the
+    /// destination comes after the source, and the ids are in range. (An engine counts
+    /// only steps to the next routing row; a tool that merges histories does not know
+    /// which rows route, so it must not ask for more.)
+    pub fn admit_transition(
+        &mut self,
+        src_cell: i64,
+        dst_layer: i64,
+        expert: i64,
+        count: u32,
+    ) -> bool {
+        let ne = self.n_experts as i64;
+        let Some((src, _)) = self.cell_of(src_cell.div_euclid(ne), src_cell.rem_euclid(ne)) else {
+            return false;
+        };
+        if src_cell < 0 || dst_layer <= src as i64 {
+            return false;
+        }
+        match self.cell_of(dst_layer, expert) {
+            Some((dst, e)) => self.transitions.add(src_cell as usize, dst, e, count),
+            None => false,
+        }
+    }
+
+    /// Counts one row's step from the experts `src` chose at `src_layer` to those `dst`
+    /// chose at `dst_layer`, when `dst_layer` is the next routing row after `src_layer`.
+    pub fn count_transition(
+        &mut self,
+        src_layer: usize,
+        src: &[usize],
+        dst_layer: usize,
+        dst: &[usize],
+    ) {
+        if !self.routes(src_layer) || self.next_routing(src_layer) != Some(dst_layer) {
+            return;
+        }
+        let ne = self.n_experts;
+        let (src, dst): (Vec<usize>, Vec<usize>) = (
+            src.iter().copied().filter(|&e| e < ne).collect(),
+            dst.iter().copied().filter(|&e| e < ne).collect(),
+        );
+        self.transitions
+            .observe(ne, src_layer, &src, dst_layer, &dst);
     }
 
     /// Per cell, `current - baseline` in wrapping u32 arithmetic where it is not zero: the
@@ -299,6 +362,8 @@ impl Counters {
                 self.bump((l, e), g);
             }
         }
+        self.transitions
+            .add_gain(&current.transitions, &baseline.transitions);
     }
 
     /// One save's step of the recent heat, on a table re-read from disk: every cell
@@ -325,6 +390,7 @@ impl Counters {
         if d == Decay::NONE {
             return;
         }
+        self.transitions.decay(d);
         match &mut self.cells {
             Cells::Dense(v) => {
                 for c in v.iter_mut().filter(|c| **c != 0) {

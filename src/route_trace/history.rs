@@ -28,6 +28,7 @@ use super::counters::Counters;
 use super::identity::{EngineId, FORMAT_VERSION, RECENT_RECORD, UNKNOWN_ENGINE};
 use super::iku1;
 use super::scan::{End, Field, Scanner};
+use super::transitions::{EDGE_RECORD, GROUP_RECORD};
 
 /// How the path to a history was reached, which decides whether a file written by another
 /// engine is honoured.
@@ -70,6 +71,10 @@ pub struct ReadReport {
     /// for): records no engine would emit, so, as the format says, neither added, nor
     /// totalled, nor written back by a rewrite.
     pub dropped: u64,
+    /// Transition records (`-3`, `-4`) not admitted: a `-4` with no `-3` group above it, a
+    /// group naming a row that does not route or is not the next routing row, an id out
+    /// of range. Never attributed to another group, so neither used nor written back.
+    pub transitions_refused: u64,
     /// Records with a field outside its C type, which a C reader would silently wrap
     /// (a negative or too-large count, a layer beyond `int`). Skipped; kept by a rewrite.
     pub malformed: u64,
@@ -302,6 +307,7 @@ impl<'k> Pending<'k> {
                 rejected: 0,
                 beyond_shape: 0,
                 dropped: 0,
+                transitions_refused: 0,
                 malformed: 0,
                 unknown_headers: 0,
                 stopped_at: None,
@@ -389,14 +395,33 @@ fn parse_text<'k>(
     let id = EngineId::of(engine);
     let mut sc = Scanner::new(src);
     let mut p = Pending::new(Layout::Legacy, table, keep);
+    // The `-3` group the next `-4` records belong to: `None` outside a group, `Some(None)`
+    // in a group whose header is unreadable. Any other record ends a group.
+    let mut group: Option<Option<(i64, i64)>> = None;
     while let Some(t) = sc.next_triple()? {
         let [f0, f1, f2] = t.fields;
         let Some(l) = f0.as_int() else {
+            group = None;
             p.report.malformed += 1;
             p.keep_record(|| sc.record_text());
             continue;
         };
+        if l != EDGE_RECORD {
+            group = None;
+        }
         match l {
+            GROUP_RECORD => group = Some(f1.exact().zip(f2.exact())),
+            EDGE_RECORD => {
+                let admitted = match (group, f1.exact(), f2.as_count()) {
+                    (Some(Some((cell, dst))), Some(e), Some(c)) => {
+                        p.scratch.admit_transition(cell, dst, e, c)
+                    }
+                    _ => false,
+                };
+                if !admitted {
+                    p.report.transitions_refused += 1;
+                }
+            }
             -1 => {
                 p.report.layout = Layout::Text;
                 if !field_is(f1, table.n_layers() as i64) || !field_is(f2, table.n_experts() as i64)

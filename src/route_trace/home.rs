@@ -212,6 +212,13 @@ fn note_kept(path: &Path, r: &ReadReport) {
             r.dropped
         );
     }
+    if r.transitions_refused > 0 {
+        eprintln!(
+            "[USAGE] {}: {} transition records refused (a -4 with no -3 group above it, or a group naming rows that do not route in sequence) \u{2014} not used, and left out when it is rewritten",
+            path.display(),
+            r.transitions_refused
+        );
+    }
     if !r.is_complete() && r.rewrite_blocker().is_none() {
         eprintln!(
             "[USAGE] {}: {} \u{2014} kept as they are when it is rewritten",

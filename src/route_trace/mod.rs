@@ -30,6 +30,7 @@ pub mod repin;
 pub mod save;
 pub mod scan;
 mod trace_stream;
+pub mod transitions;
 
 use std::collections::BTreeMap;
 use std::io;
@@ -77,6 +78,9 @@ pub struct RouteTrace {
     /// The batch row of each row an engine routes, while it runs part of a batch as a
     /// batch of its own ([`RouteTrace::map_rows`]).
     row_map: Option<Vec<usize>>,
+    /// By batch row: the layer of its last routing decision and the experts chosen, from
+    /// which its next decision counts a transition.
+    last_routes: Vec<(usize, Vec<usize>)>,
 }
 
 /// A sequence's rows in the forward in progress (`coli serve`'s batches): their
@@ -114,6 +118,7 @@ impl RouteTrace {
             call_experts: Vec::new(),
             owners: Owners::default(),
             row_map: None,
+            last_routes: Vec::new(),
         })
     }
 
@@ -368,6 +373,11 @@ impl MoeCall<'_> {
             .as_ref()
             .and_then(|map| map.get(row).copied())
             .unwrap_or(row);
+        if rt.last_routes.len() <= row {
+            rt.last_routes
+                .resize_with(row + 1, || (usize::MAX, Vec::new()));
+        }
+        let last = &mut rt.last_routes[row];
         if rt.counts.routes(self.layer) {
             let owners = &mut rt.owners;
             let owner = owners.owners.iter().find(|o| o.rows.contains(&row));
@@ -375,12 +385,18 @@ impl MoeCall<'_> {
                 let sequence = o.sequence;
                 owners.held.iter_mut().find(|(s, _)| *s == sequence)
             });
-            match held {
-                Some((_, counts)) => counts.count(self.layer, ids),
-                None => rt.counts.count(self.layer, ids),
-            }
+            let counts = match held {
+                Some((_, counts)) => counts,
+                None => &mut rt.counts,
+            };
+            counts.count(self.layer, ids);
+            // Only a step to the next routing layer counts (a new forward starts over).
+            counts.count_transition(last.0, &last.1, self.layer, ids);
             rt.heat.record(self.layer, ids);
         }
+        last.0 = self.layer;
+        last.1.clear();
+        last.1.extend_from_slice(ids);
         if let Some(t) = rt.trace.as_mut() {
             t.write(row, self.layer, ids, gates);
         }

@@ -156,8 +156,10 @@ fn headers(out: &mut String, table: &Counters, engine: EngineId) {
 
 /// The v1 text bytes of a table: `-1` and `-2` headers, then the non-zero counters in
 /// layer-then-expert order, then the non-zero recent heat as `-5 <cell> <heat>` records
-/// (cell `layer * n_experts + expert`, ascending), which every classic reader skips. An all-zero table renders as nothing at all, not even the
-/// headers, so that "is there a history?" can be answered by the file size.
+/// (cell `layer * n_experts + expert`, ascending), then the expert transitions as `-3`
+/// groups of `-4` successors (see [`super::transitions`]); every classic reader skips
+/// both. An all-zero table renders as nothing at all, not even the headers, so that "is
+/// there a history?" can be answered by the file size.
 pub fn render(table: &Counters, engine: EngineId) -> String {
     let mut out = String::new();
     if table.distinct() == 0 {
@@ -177,6 +179,20 @@ pub fn render(table: &Counters, engine: EngineId) -> String {
                 i64::from(h),
             ],
         );
+    }
+    // Only hot sources' groups are written, so the transitions stay a fraction of the
+    // file: a source whose expert was chosen at least as often as its layer's mean.
+    let ne = table.n_experts();
+    let mut layer_mean = vec![0u64; table.n_layers() + 1];
+    for (l, _, c) in table.nonzero() {
+        layer_mean[l] += u64::from(c);
+    }
+    let hot = |cell: usize| {
+        let (l, e) = (cell / ne, cell % ne);
+        l < layer_mean.len() && u64::from(table.get(l, e)) * ne as u64 >= layer_mean[l].max(1)
+    };
+    for r in table.transitions().records(hot) {
+        record(&mut out, r);
     }
     out
 }

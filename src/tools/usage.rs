@@ -445,6 +445,13 @@ pub fn merge(inputs: &[PathBuf], output: &Path, force: bool) -> Result<Vec<Strin
         for (l, e, heat) in h.counts.recent().into_iter().flat_map(Counters::nonzero) {
             out.admit_recent(l as i64, e as i64, heat);
         }
+        // Expert transitions (`-3`/`-4` groups) add up edge by edge; the output keeps
+        // each hot source's top successors, as an engine's save does.
+        let ne = h.counts.n_experts();
+        for (cell, dst, e, c) in h.counts.transitions().iter() {
+            let (l, src) = ((cell / ne) as i64, (cell % ne) as i64);
+            out.admit_transition(l * out.n_experts() as i64 + src, dst as i64, e as i64, c);
+        }
         if dropped > 0 {
             if !force {
                 bail!(

@@ -372,6 +372,7 @@ fn load_streamed(c: &Case, cap: usize) -> Box<dyn Engine> {
         store: StoreOptions {
             io: ExpertIo::Direct,
             pilot: 1,
+            transitions: true,
             io_threads: 2,
             ..StoreOptions::mapped(cap, Width::F32)
         },

@@ -404,7 +404,7 @@ fn the_lookahead_reads_ahead_only_while_its_predictions_are_right() {
         let mut h = vec![0f32; 64];
         h[predicted[0]] = 3.0;
         h[predicted[1]] = 2.0;
-        routed.look_ahead(0, &h, 1);
+        routed.look_ahead(0, &h, 1, &[]);
         routed.store.with_experts(0, &[0, 1], ids).unwrap();
         routed.store.with_experts(1, &taken, ids).unwrap();
     };
@@ -430,7 +430,7 @@ fn the_lookahead_reads_ahead_only_while_its_predictions_are_right() {
 
     // Decode batches only (up to sixteen rows): a prompt's chunk is not looked ahead for.
     let before = routed.store.stats();
-    routed.look_ahead(0, &vec![0.5; 17 * 64], 17);
+    routed.look_ahead(0, &vec![0.5; 17 * 64], 17, &[]);
     routed.store.with_experts(0, &[0, 1], ids).unwrap();
     assert_eq!(routed.store.stats().since(&before).ahead_reads, 0);
 

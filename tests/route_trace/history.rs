@@ -620,3 +620,120 @@ fn recent_heat_follows_the_workload_and_ranks_when_asked() {
     assert_eq!(PinRank::from_setting(Some("blend")), Ok(PinRank::Blend));
     assert!(PinRank::from_setting(Some("newest")).is_err());
 }
+
+/// The `-3`/`-4` records of a saved history, as (source cell, destination layer,
+/// [(expert, count)]) groups in file order.
+fn transition_groups(text: &str) -> Vec<(i64, i64, Vec<(i64, i64)>)> {
+    let mut groups: Vec<(i64, i64, Vec<(i64, i64)>)> = Vec::new();
+    for line in text.lines() {
+        let f: Vec<i64> = line.split(' ').map(|x| x.parse().unwrap()).collect();
+        match f[0] {
+            -3 => groups.push((f[1], f[2], Vec::new())),
+            -4 => groups
+                .last_mut()
+                .expect("a -4 inside a group")
+                .2
+                .push((f[1], f[2])),
+            _ => {}
+        }
+    }
+    groups
+}
+
+#[test]
+fn expert_transitions_are_counted_saved_grouped_and_read_back() {
+    let d = dir();
+    let p = d.path().join(".coli_usage");
+    let mut rt = glm();
+    rt.drop_row(2); // a dense layer: 1 -> 3 is a step to the next routing layer
+                    // 20 tokens: layer 0 chooses {1, 2}; layer 1 chooses {3, 4} (15 times) or {5, 6};
+                    // layer 3 chooses {7}.
+    for t in 0..20 {
+        route(&mut rt, 0, &[1, 2]);
+        route(&mut rt, 1, if t % 4 == 3 { &[5, 6] } else { &[3, 4] });
+        route(&mut rt, 3, &[7]);
+    }
+    saved(rt.save_history(&p, SaveOptions::default()).expect("save"));
+    let text = fs::read_to_string(&p).unwrap();
+    assert!(every_record_has_three_fields(text.as_bytes()), "{text}");
+    // Cells: layer * 8 + expert. A source is written when its expert was chosen at least
+    // as often as its layer's mean (here 40 / 8 = 5 on layers 0 and 1).
+    assert_eq!(
+        transition_groups(&text),
+        vec![
+            (1, 1, vec![(3, 15), (4, 15), (5, 5), (6, 5)]),
+            (2, 1, vec![(3, 15), (4, 15), (5, 5), (6, 5)]),
+            (11, 3, vec![(7, 15)]),
+            (12, 3, vec![(7, 15)]),
+            (13, 3, vec![(7, 5)]),
+            (14, 3, vec![(7, 5)]),
+        ],
+        "{text}"
+    );
+
+    // A second process adds its own on top (merge-on-save), and a classic reader's total
+    // is still the selections alone.
+    let mut again = glm();
+    again.drop_row(2);
+    again.load_history(&p, None);
+    for _ in 0..12 {
+        route(&mut again, 1, &[3, 4]);
+        route(&mut again, 3, &[7]);
+    }
+    saved(
+        again
+            .save_history(&p, SaveOptions::default())
+            .expect("save"),
+    );
+    let text = fs::read_to_string(&p).unwrap();
+    let groups = transition_groups(&text);
+    assert_eq!(groups[0], (1, 1, vec![(3, 15), (4, 15), (5, 5), (6, 5)]));
+    // 1:3 and 1:4 were followed by 3:7 15 + 12 = 27 times; 1:5 and 1:6, chosen 5 times
+    // against a layer mean of 64 / 8 = 8 now, are no longer written.
+    assert_eq!(groups[2], (11, 3, vec![(7, 27)]), "{text}");
+    assert_eq!(groups[3], (12, 3, vec![(7, 27)]), "{text}");
+    assert_eq!(groups.len(), 4, "{text}");
+    let c_total: i64 = text
+        .lines()
+        .map(|l| {
+            l.split(' ')
+                .map(|x| x.parse::<i64>().unwrap())
+                .collect::<Vec<_>>()
+        })
+        .filter(|f| f[0] >= 0)
+        .map(|f| f[2])
+        .sum();
+    assert_eq!(c_total, 20 * 5 + 12 * 3);
+}
+
+#[test]
+fn a_transition_record_outside_a_group_is_refused_and_not_written_back() {
+    let d = dir();
+    let p = d.path().join(".coli_usage");
+    let head = format!("-1 5 8\n-2 1 {}\n0 2 4\n", id(ENGINE));
+    // An orphan -4; a group on the dense row 2; a group cut by a data record; a group from
+    // layer 1 back to layer 0; then a good group.
+    let body = "-4 3 9\n-3 17 3\n-4 1 5\n-3 1 1\n1 3 2\n-4 2 7\n-3 9 0\n-4 2 7\n-3 2 1\n-4 6 40\n-4 5 20\n";
+    fs::write(&p, format!("{head}{body}")).unwrap();
+    let mut rt = glm();
+    rt.drop_row(2);
+    let outcome = rt.load_history(&p, None);
+    let ReadOutcome::Read(report) = &outcome else {
+        panic!("{outcome:?}");
+    };
+    assert_eq!(report.transitions_refused, 4);
+    assert_eq!(report.total, 6);
+    assert!(report.is_complete(), "refused transitions are not kept");
+    assert_eq!(
+        rt.counts().transitions().predict(8, 0, &[2], 1),
+        Some((1, vec![6]))
+    );
+    saved(rt.save_history(&p, SaveOptions::default()).expect("save"));
+    let text = fs::read_to_string(&p).unwrap();
+    // The good group is written back; nothing refused is.
+    assert_eq!(
+        transition_groups(&text),
+        vec![(2, 1, vec![(6, 40), (5, 20)])],
+        "{text}"
+    );
+}

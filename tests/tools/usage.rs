@@ -513,3 +513,31 @@ proptest! {
         prop_assert_eq!(read_back(&o, "inkling", 7, 8), plain);
     }
 }
+
+#[test]
+fn merge_adds_expert_transitions_edge_by_edge_and_keeps_them_grouped() {
+    let dir = tempfile::tempdir().unwrap();
+    let id = EngineId::of("olmoe").0;
+    // 3 layers of 4 experts; source 0:1 (cell 1) -> layer 1, source 1:2 (cell 6) -> layer 2.
+    let a = dir.path().join("a");
+    std::fs::write(
+        &a,
+        format!("-1 3 4\n-2 1 {id}\n0 1 9\n1 2 9\n-3 1 1\n-4 2 6\n-4 3 3\n-3 6 2\n-4 0 5\n"),
+    )
+    .unwrap();
+    let b = dir.path().join("b");
+    std::fs::write(
+        &b,
+        format!("-1 3 4\n-2 1 {id}\n0 1 3\n1 2 3\n-3 1 1\n-4 3 4\n-4 0 1\n"),
+    )
+    .unwrap();
+    let o = dir.path().join("merged");
+    let out = coli(&["usage", "merge", p(&a), p(&b), "-o", p(&o)], &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = std::fs::read_to_string(&o).unwrap();
+    assert!(
+        text.ends_with("-3 1 1\n-4 3 7\n-4 2 6\n-4 0 1\n-3 6 2\n-4 0 5\n"),
+        "{text}"
+    );
+    assert_eq!(c_loop_total(&text), 24);
+}
