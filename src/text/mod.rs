@@ -26,6 +26,19 @@ use crate::snapshot::{model_stop_ids, token_ids, Snapshot};
 pub use chat::{called_tool, ChatMessage, ChatTemplate, Conversation, ToolCall};
 pub use tokenizer::{TextStream, TextTokenizer};
 
+/// `text` quoted for a message: whole when short, else its first [`EXCERPT_CHARS`]
+/// characters, an ellipsis and its length, so that no message repeats a request's text at
+/// length.
+pub fn excerpt(text: &str) -> String {
+    match text.char_indices().nth(EXCERPT_CHARS) {
+        None => format!("{text:?}"),
+        Some((cut, _)) => format!("{:?} ({} bytes)", format!("{}…", &text[..cut]), text.len()),
+    }
+}
+
+/// The characters of a text [`excerpt`] quotes.
+pub const EXCERPT_CHARS: usize = 80;
+
 /// A prompt ready for the model.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Prompt {
