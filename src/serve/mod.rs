@@ -52,6 +52,9 @@ pub use worker::{Serving, DEFAULT_PREFILL_CHUNK};
 /// The largest request body accepted.
 const BODY_LIMIT: usize = 4 << 20;
 
+/// The characters of an error message the request log keeps.
+const LOGGED_ERROR_CHARS: usize = 400;
+
 struct App {
     jobs: mpsc::Sender<Job>,
     model: ModelInfo,
@@ -69,6 +72,8 @@ struct App {
     body_timeout: Duration,
     /// Set when the drain begins: a body still arriving then is not waited for.
     stopping: watch::Receiver<bool>,
+    /// `/tokenize` and `count_tokens` encode one request at a time.
+    encoding: tokio::sync::Semaphore,
 }
 
 /// Where and how the server listens: `--host`, `--port`, `--queue`, `--cors-origin`,
@@ -174,6 +179,7 @@ pub fn run(
         id_prefix: id_prefix(),
         body_timeout: limits.body_timeout,
         stopping: stopping_seen,
+        encoding: tokio::sync::Semaphore::new(1),
     });
     let router = Router::new()
         .route("/health", get(health))
@@ -381,7 +387,8 @@ fn unknown_model(app: &App, name: &str) -> ApiError {
         kind: "invalid_request_error",
         code: Some("model_not_found"),
         message: format!(
-            "model {name:?}: this server runs {:?} (GET /v1/models)",
+            "model {}: this server runs {:?} (GET /v1/models)",
+            excerpt(name),
             app.model.id
         ),
     }
@@ -497,7 +504,16 @@ fn log_request(
         }
     }
     if let Some(error) = error {
-        line += &format!(" | {error}");
+        // The messages name what they refuse and quote little of it; this bounds any that
+        // would quote more, so that no request's text reaches the log at length.
+        line += " | ";
+        match error.char_indices().nth(LOGGED_ERROR_CHARS) {
+            Some((cut, _)) => {
+                line += &error[..cut];
+                line += &format!("… ({} bytes)", error.len());
+            }
+            None => line += error,
+        }
     }
     if status >= 500 {
         tracing::warn!("{line}");
@@ -506,9 +522,19 @@ fn log_request(
     }
 }
 
-/// The ids the engine would compute for `input`, or why it cannot be encoded.
-fn encode(app: &App, input: &api::Tokenize) -> Result<Vec<u32>, ApiError> {
-    let model = app.model.texts.model();
+/// The ids the engine would compute for `input`, or why it cannot be encoded: off the
+/// runtime's threads (a long text takes seconds), one request at a time (and hundreds of MB).
+async fn encode(app: &App, input: api::Tokenize) -> Result<Vec<u32>, ApiError> {
+    let failed = || ApiError::server(500, "encoding stopped before it finished");
+    let _turn = app.encoding.acquire().await.map_err(|_| failed())?;
+    let texts = app.model.texts.clone();
+    tokio::task::spawn_blocking(move || encode_now(&texts, &input))
+        .await
+        .map_err(|_| failed())?
+}
+
+fn encode_now(texts: &worker::Texts, input: &api::Tokenize) -> Result<Vec<u32>, ApiError> {
+    let model = texts.model();
     let ids = match input {
         api::Tokenize::Text {
             text,
@@ -539,7 +565,7 @@ async fn tokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -
         let bytes = read_body(&app, &headers, body).await?;
         let (input, model) = api::tokenize_request(&bytes)?;
         check_model(&app, model.as_deref())?;
-        let tokens = encode(&app, &input)?;
+        let tokens = encode(&app, input).await?;
         Ok::<_, ApiError>(Json(json!({
             "tokens": tokens,
             "count": tokens.len(),
@@ -603,7 +629,7 @@ async fn count_tokens(State(app): State<Arc<App>>, headers: HeaderMap, body: Bod
         let api::Input::Chat(messages) = request.input else {
             unreachable!("a Messages body is a chat")
         };
-        let tokens = encode(&app, &api::Tokenize::Chat(messages))?;
+        let tokens = encode(&app, api::Tokenize::Chat(messages)).await?;
         Ok::<_, ApiError>(Json(json!({ "input_tokens": tokens.len() })))
     };
     let answer = answer.await.map(IntoResponse::into_response);

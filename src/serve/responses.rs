@@ -105,7 +105,8 @@ pub fn request(body: &[u8]) -> Result<(Request, Echo), ApiError> {
     api::refuse_unknown(&parsed.rest, "")?;
     if let Some(other) = parsed.truncation.as_deref().filter(|t| *t != "disabled") {
         return Err(ApiError::invalid(format!(
-            "truncation {other:?}: this server does not drop input; give \"disabled\" (a prompt beyond the context is a 400) or leave it out"
+            "truncation {}: this server does not drop input; give \"disabled\" (a prompt beyond the context is a 400) or leave it out",
+            crate::text::excerpt(other)
         )));
     }
     let instructions = match parsed.instructions {

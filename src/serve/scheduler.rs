@@ -33,7 +33,7 @@ use crate::session::Session;
 use crate::snapshot::Snapshot;
 use crate::text::reasoning::ThinkScan;
 use crate::text::tool_calls::{self, Marker, Scanned, ToolScan};
-use crate::text::{TextModel, TextStream, TextTokenizer};
+use crate::text::{excerpt, PromptText, TextModel, TextStream, TextTokenizer};
 
 /// A request made ready to start ([`Scheduler::check`]).
 struct Checked {
@@ -359,11 +359,15 @@ impl<'a> Scheduler<'a> {
         }
         let model = TextModel::new(self.tokenizer, self.snapshot, engine);
         let (prompt, text) = match &job.input {
-            Input::Chat(messages) => model.chat_prompt(messages).map(|p| (p.ids, p.text)),
-            Input::Text(text) => model.prompt(text, false).map(|p| (p.ids, p.text)),
-            Input::Ids(ids) => Ok((ids.clone(), String::new())),
-        }
-        .map_err(|err| ApiError::invalid(format!("{err:#}")))?;
+            Input::Chat(messages) => {
+                let rendered = model
+                    .render(messages)
+                    .map_err(|err| ApiError::invalid(format!("{err:#}")))?;
+                self.encode(&model, rendered)?
+            }
+            Input::Text(text) => self.encode(&model, PromptText::plain(text.clone()))?,
+            Input::Ids(ids) => (ids.clone(), String::new()),
+        };
         // A prompt that ends by opening the model's thinking block: the answer thinks first.
         let think = engine
             .prompt_convention()
@@ -499,6 +503,33 @@ impl<'a> Scheduler<'a> {
             think,
             echo,
         })
+    }
+
+    /// A prompt's ids and text, encoded once; refused before that, its tokenizer's time and
+    /// memory unspent, when its length alone shows it cannot fit the context.
+    fn encode(&self, model: &TextModel, text: PromptText) -> Result<(Vec<u32>, String), ApiError> {
+        if let (Some(context), Some(longest)) = (self.context, self.tokenizer.bytes_per_token()) {
+            let bytes = text.text.len();
+            let fewest = bytes.div_ceil(longest);
+            if fewest >= context {
+                return Err(context_error(format!(
+                    "the prompt's {bytes} bytes are at least {fewest} tokens (no token of {} stands for more than {longest} bytes), beyond the model's whole context of {context} (max_position_embeddings in config.json)",
+                    self.tokenizer.path().display(),
+                )));
+            }
+        }
+        let prompt = model
+            .encode(text)
+            .map_err(|err| ApiError::invalid(format!("{err:#}")))?;
+        if let Some(read) = &prompt.misread {
+            // The request's own text: only at -v, and only its start.
+            tracing::debug!(
+                "[prompt] {} cannot represent all of a prompt; the model reads {}",
+                self.tokenizer.path().display(),
+                excerpt(read)
+            );
+        }
+        Ok((prompt.ids, prompt.text))
     }
 
     /// `grammar` started for `job`'s answer; an invalid one is the request's fault: of a

@@ -1,12 +1,13 @@
 //! `coli serve` against clients that misbehave, written byte by byte on raw sockets: heads
 //! and bodies that stall or break off, malformed chunks, more connections than allowed,
-//! requests from other sites' pages (their `Host`, `Origin` and `Content-Type`).
+//! requests from other sites' pages (their `Host`, `Origin` and `Content-Type`); prompts far
+//! beyond the context, or that the tokenizer cannot represent.
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::time::Duration;
 
-use serde_json::Value;
+use serde_json::{json, Value};
 
 use crate::server::{completion, snapshot_copy, Server};
 
@@ -279,4 +280,77 @@ fn json_bodies_need_their_content_type_and_other_sites_are_refused() {
         &body,
     );
     assert_eq!(status(&answer), 403, "{answer}");
+}
+
+#[test]
+fn a_prompt_far_beyond_the_context_is_refused_by_its_length_alone() {
+    let temp = tempfile::tempdir().unwrap();
+    let snap = snapshot_copy(temp.path());
+    let server = Server::start(&snap, &["64", "16", "16", "USAGE_SAVE=0"], &[]);
+    // 4096 positions; no token of the fixture's vocabulary stands for more than 66 bytes.
+    let prompt = "word ".repeat(200_000);
+    for body in [
+        json!({"prompt": prompt, "max_tokens": 1}),
+        json!({"messages": [{"role": "user", "content": prompt}], "max_tokens": 1}),
+    ] {
+        let path = if body.get("prompt").is_some() {
+            "/v1/completions"
+        } else {
+            "/v1/chat/completions"
+        };
+        let (status, reply) = server.post(path, &body);
+        assert_eq!(status, 400, "{path}");
+        assert_eq!(reply["error"]["code"], "context_length_exceeded");
+        let said = reply["error"]["message"].as_str().unwrap();
+        assert!(said.contains("bytes are at least"), "{said}");
+    }
+    // One that fits its bound is tokenized, and refused by its count.
+    let prompt = "word ".repeat(20_000);
+    let (status, reply) = server.post(
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 1}),
+    );
+    assert_eq!(status, 400);
+    let said = reply["error"]["message"].as_str().unwrap();
+    assert!(said.starts_with("the prompt takes"), "{said}");
+}
+
+#[test]
+fn a_prompt_the_tokenizer_cannot_represent_stays_out_of_the_log() {
+    let temp = tempfile::tempdir().unwrap();
+    let snap = temp.path().join("olmoe_tiny");
+    crate::common::copy_fixture_to("olmoe_tiny", &snap);
+    // Characters the tiny vocabulary lacks, after a mark the log must not repeat.
+    let prompt = format!("MARK-{}{}", "中".repeat(2000), "x".repeat(2000));
+    for verbose in [false, true] {
+        let mut extra = vec!["64", "16", "16", "USAGE_SAVE=0"];
+        if verbose {
+            extra.insert(0, "-v");
+        }
+        let server = Server::start(&snap, &extra, &[]);
+        for path in ["/v1/completions", "/v1/chat/completions"] {
+            let body = if path == "/v1/completions" {
+                json!({"prompt": prompt, "max_tokens": 1})
+            } else {
+                json!({"messages": [{"role": "user", "content": prompt}], "max_tokens": 1})
+            };
+            let (status, reply) = server.post(path, &body);
+            assert_eq!(status, 200, "{reply}");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        let log = server.log.lock().unwrap().clone();
+        let misread: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains("cannot represent"))
+            .collect();
+        if verbose {
+            assert_eq!(misread.len(), 2, "{log}");
+            for line in misread {
+                assert!(line.contains("bytes)") && line.len() < 400, "{line}");
+            }
+        } else {
+            assert!(misread.is_empty(), "{log}");
+            assert!(!log.contains("MARK-"), "{log}");
+        }
+    }
 }
