@@ -302,11 +302,11 @@ fn authorize(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
     };
     let bearer = headers
         .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
+        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "));
     // Anthropic's clients send `x-api-key`.
-    let x_api_key = headers.get("x-api-key").and_then(|v| v.to_str().ok());
-    if bearer == Some(key.as_str()) || x_api_key == Some(key.as_str()) {
+    let x_api_key = headers.get("x-api-key").map(|v| v.as_bytes());
+    let matches = |given: Option<&[u8]>| given.is_some_and(|given| same_key(given, key.as_bytes()));
+    if matches(bearer) | matches(x_api_key) {
         Ok(())
     } else {
         Err(ApiError {
@@ -318,6 +318,16 @@ fn authorize(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
                     .to_string(),
         })
     }
+}
+
+/// Whether `given` is `key`, in a time that depends on their lengths alone (not on where
+/// they first differ, which a client timing its attempts could otherwise learn byte by byte).
+fn same_key(given: &[u8], key: &[u8]) -> bool {
+    let mut differ = u8::from(given.len() != key.len());
+    for (i, &k) in key.iter().enumerate() {
+        differ |= k ^ given.get(i).copied().unwrap_or(!k);
+    }
+    differ == 0
 }
 
 async fn not_found() -> Response {
@@ -1322,4 +1332,17 @@ fn stream(
         }
     });
     Sse::new(chunks).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::same_key;
+
+    #[test]
+    fn keys_match_only_whole() {
+        assert!(same_key(b"s3cret", b"s3cret"));
+        for given in [&b"s3cres"[..], b"s3cre", b"s3crett", b"", b"S3cret"] {
+            assert!(!same_key(given, b"s3cret"), "{given:?}");
+        }
+    }
 }

@@ -278,6 +278,10 @@ impl<'a> Scheduler<'a> {
                 return;
             }
         };
+        if count == 0 && !(echo.is_some() && job.logprobs.is_some()) {
+            self.answer_without_forward(&job, prompt.len(), echo);
+            return;
+        }
         let engine = self.engine;
         let echo = echo.map(|text| {
             // The first token's log-probability: nothing predicts it.
@@ -345,6 +349,36 @@ impl<'a> Scheduler<'a> {
             return;
         }
         self.active.push(sequence);
+    }
+
+    /// A request for no tokens and no scores of its prompt (`max_tokens` 0): every choice is
+    /// its echo, if asked, and ends at its length; the prompt is counted, never computed, so
+    /// the history and the kept states are as they were.
+    fn answer_without_forward(&mut self, job: &Job, prompt: usize, echo: Option<String>) {
+        let usage = Usage {
+            prompt,
+            ..Usage::default()
+        };
+        let _ = job.events.send(Event::Started(usage));
+        for choice in 0..job.choices.max(1) {
+            if let Some(text) = &echo {
+                let _ = job.events.send(Event::Text {
+                    choice,
+                    text: text.clone(),
+                    logprobs: Vec::new(),
+                });
+            }
+            let _ = job.events.send(Event::Done {
+                choice,
+                finish: Finish::Length,
+                usage,
+                routed: job.routed_experts.then(Vec::new),
+                logprobs: Vec::new(),
+                first_token: None,
+                decode_rate: None,
+            });
+        }
+        self.metrics.queue(0, -1);
     }
 
     /// The prompt's ids, the token count, the sampler of each choice of `job` and the

@@ -1,7 +1,7 @@
 //! `coli serve` against clients that misbehave, written byte by byte on raw sockets: heads
 //! and bodies that stall or break off, malformed chunks, more connections than allowed,
-//! requests from other sites' pages (their `Host`, `Origin` and `Content-Type`); prompts far
-//! beyond the context, or that the tokenizer cannot represent.
+//! requests from other sites' pages (their `Host`, `Origin` and `Content-Type`); and requests
+//! for nothing (`max_tokens` 0) or for far more than the context holds.
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpStream};
@@ -280,6 +280,59 @@ fn json_bodies_need_their_content_type_and_other_sites_are_refused() {
         &body,
     );
     assert_eq!(status(&answer), 403, "{answer}");
+}
+
+#[test]
+fn max_tokens_0_is_refused_on_chat_and_answered_without_a_forward_on_completions() {
+    let temp = tempfile::tempdir().unwrap();
+    let snap = snapshot_copy(temp.path());
+    let server = Server::start(&snap, &["64", "16", "16", "USAGE_SAVE=0"], &[]);
+    let hi = json!([{"role": "user", "content": "Hi"}]);
+    for (path, body, field) in [
+        (
+            "/v1/chat/completions",
+            json!({"messages": hi, "max_tokens": 0}),
+            "max_tokens 0",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": hi, "max_completion_tokens": 0, "max_tokens": 5}),
+            "max_completion_tokens 0",
+        ),
+        (
+            "/v1/messages",
+            json!({"messages": hi, "max_tokens": 0}),
+            "max_tokens 0",
+        ),
+        (
+            "/v1/responses",
+            json!({"input": "Hi", "max_output_tokens": 0}),
+            "max_output_tokens 0",
+        ),
+    ] {
+        let (status, reply) = server.post(path, &body);
+        assert_eq!(status, 400, "{path}: {reply}");
+        let said = reply["error"]["message"].as_str().unwrap();
+        assert!(said.starts_with(field), "{path}: {said}");
+    }
+    let text = "The history of the river";
+    let (_, counted) = server.post("/tokenize", &json!({ "prompt": text }));
+    for echo in [false, true] {
+        let (status, reply) = server.post(
+            "/v1/completions",
+            &json!({"prompt": text, "max_tokens": 0, "echo": echo, "n": 2}),
+        );
+        assert_eq!(status, 200, "{reply}");
+        for choice in reply["choices"].as_array().unwrap() {
+            assert_eq!(choice["text"], if echo { text } else { "" }, "{reply}");
+            assert_eq!(choice["finish_reason"], "length", "{reply}");
+        }
+        assert_eq!(reply["usage"]["prompt_tokens"], counted["count"], "{reply}");
+        assert_eq!(reply["usage"]["completion_tokens"], 0, "{reply}");
+    }
+    // Nothing was computed.
+    assert_eq!(server.metric("coli_steps_total"), 0.0);
+    assert_eq!(server.metric("coli_prompt_tokens_total"), 0.0);
 }
 
 #[test]
