@@ -4,7 +4,7 @@
 //! origins. A page of another site can neither drive the server (a refused `Origin`), nor
 //! read it through a name it rebinds to this address (a refused `Host`).
 
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
@@ -95,19 +95,20 @@ impl Guard {
         if name == "localhost" {
             return loopback_bind;
         }
-        match name
-            .trim_start_matches('[')
-            .trim_end_matches(']')
-            .parse::<IpAddr>()
-        {
-            // An address is never a name a page's site could rebind; it must be this one's.
-            Ok(ip) => {
-                ip == self.bound
-                    || self.bound.is_unspecified()
-                    || (ip.is_loopback() && self.bound.is_loopback())
-            }
-            Err(_) => false,
-        }
+        // An IPv6 address in brackets, as `Host` writes it; an IPv4 address bare.
+        let ip = match name.strip_prefix('[') {
+            Some(rest) => rest
+                .strip_suffix(']')
+                .and_then(|inner| inner.parse::<Ipv6Addr>().ok())
+                .map(IpAddr::V6),
+            None => name.parse::<Ipv4Addr>().ok().map(IpAddr::V4),
+        };
+        // An address is never a name a page's site could rebind; it must be this one's.
+        ip.is_some_and(|ip| {
+            ip == self.bound
+                || self.bound.is_unspecified()
+                || (ip.is_loopback() && self.bound.is_loopback())
+        })
     }
 
     /// Whether a request from a page of `origin`, naming `host`, may be answered.
