@@ -951,6 +951,9 @@ async fn read_body(app: &App, headers: &HeaderMap, body: Body) -> Result<Bytes, 
     let mut stopping = app.stopping.clone();
     loop {
         let next = tokio::select! {
+            // Bytes already here are taken before the drain is looked at: only a body that
+            // is still arriving is refused for it.
+            biased;
             next = tokio::time::timeout(app.body_timeout, stream.next()) => next,
             _ = stopping.wait_for(|stopping| *stopping) => {
                 return Err(ApiError::server(
