@@ -100,9 +100,24 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 4000.0, value_name = "MB")]
     pub kv_dir_mb: f64,
     /// A web page origin (`https://chat.example`) whose scripts may call the server (CORS);
-    /// repeat it for more, `*` for any. Without it browsers refuse cross-origin calls.
+    /// repeat it for more, `*` for any. Without it a request from another origin's page is
+    /// refused (403).
     #[arg(long, value_name = "ORIGIN")]
     pub cors_origin: Vec<String>,
+    /// A host name requests may give in `Host` besides the address listened on (and
+    /// `localhost` on loopback), e.g. behind a proxy; repeat it for more, `*` for any.
+    #[arg(long, value_name = "NAME")]
+    pub allowed_host: Vec<String>,
+    /// Seconds a request's head (request line and headers) may take to arrive; a connection
+    /// waiting longer, a kept-alive one between requests included, is closed.
+    #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
+    pub header_timeout: f64,
+    /// Seconds a request body may go without a byte arriving (then 408).
+    #[arg(long, default_value_t = 30.0, value_name = "SECONDS")]
+    pub body_timeout: f64,
+    /// Connections open at once; one more is answered 503 with Retry-After and closed.
+    #[arg(long, default_value_t = 256, value_name = "N")]
+    pub max_connections: usize,
     /// Only server errors in the per-request log (one line per request by default).
     #[arg(short, long, conflicts_with = "verbose")]
     pub quiet: bool,
@@ -198,11 +213,27 @@ pub fn run(argv: impl IntoIterator<Item = OsString>) -> Result<ExitCode> {
                     .clone()
                     .map(|dir| (dir, (args.kv_dir_mb * 1e6) as u64)),
             };
+            // At most a day: the deadlines are instants, which a larger span could overflow.
+            let seconds = |flag: &str, value: f64| {
+                if value > 0.0 && value <= 86_400.0 {
+                    Ok(std::time::Duration::from_secs_f64(value))
+                } else {
+                    Err(anyhow::anyhow!(
+                        "{flag} {value}: expected a number of seconds above 0, at most 86400"
+                    ))
+                }
+            };
             let listen = crate::serve::Listen {
                 host: args.host.clone(),
                 port: args.port,
                 queue: args.queue,
                 cors_origins: args.cors_origin.clone(),
+                allowed_hosts: args.allowed_host.clone(),
+                limits: crate::serve::Limits {
+                    header_timeout: seconds("--header-timeout", args.header_timeout)?,
+                    body_timeout: seconds("--body-timeout", args.body_timeout)?,
+                    max_connections: args.max_connections,
+                },
                 log: if args.quiet {
                     tracing::Level::WARN
                 } else if args.verbose {

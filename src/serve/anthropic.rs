@@ -69,9 +69,12 @@ pub fn request(body: &[u8]) -> Result<Request, ApiError> {
             )));
         }
     }
-    let max_tokens = parsed
-        .max_tokens
-        .ok_or_else(|| ApiError::invalid("max_tokens: required"))?;
+    let max_tokens = match parsed.max_tokens {
+        None => return Err(ApiError::invalid("max_tokens: required")),
+        // Anthropic's minimum.
+        Some(0) => return Err(ApiError::invalid("max_tokens 0: expected at least 1")),
+        Some(n) => n,
+    };
     let thinking = thinking(parsed.thinking.as_ref(), max_tokens)?;
     if parsed.messages.is_empty() {
         return Err(ApiError::invalid("messages: give at least one message"));

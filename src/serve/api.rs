@@ -270,6 +270,17 @@ pub fn chat_request(body: &[u8]) -> Result<Request, ApiError> {
             "top_logprobs: give it with \"logprobs\": true",
         ));
     }
+    // OpenAI's chat refuses a limit below 1 (`integer_below_min_value`); only
+    // /v1/completions takes 0, to echo or score a prompt.
+    let limit = match chat.common.max_completion_tokens {
+        Some(n) => Some(("max_completion_tokens", n)),
+        None => chat.common.max_tokens.map(|n| ("max_tokens", n)),
+    };
+    if let Some((field, 0)) = limit {
+        return Err(ApiError::invalid(format!(
+            "{field} 0: expected at least 1 (an answer has a token at least)"
+        )));
+    }
     let mut conversation = Conversation {
         messages: chat_messages(chat.messages)?,
         tools: chat.extras.tools.unwrap_or_default(),

@@ -1,7 +1,9 @@
 //! `coli serve`: an OpenAI-compatible HTTP server (axum on tokio) in front of one engine;
 //! and `coli chat` ([`chat`]), the same engine thread behind a terminal.
-//! This module owns the HTTP side: binding, authentication, body limits, the routes, the
-//! bounded queue (429 when full), and server-sent events. The engine runs on a thread of
+//! This module owns the HTTP side: binding, authentication, reading bodies (their type,
+//! size limit and idle timeout), the routes, the bounded queue (429 when full), and
+//! server-sent events; connections and their limits are [`connections`]', the checks of
+//! `Host` and `Origin` and the CORS answers [`guard`]'s. The engine runs on a thread of
 //! its own ([`worker`]), whose [`scheduler`] batches up to `--parallel` generations a step;
 //! the handlers only queue jobs and relay their events; nothing here touches the engine or
 //! the telemetry.
@@ -9,6 +11,8 @@
 mod anthropic;
 mod api;
 pub mod chat;
+mod connections;
+mod guard;
 pub mod kv_dir;
 mod metrics;
 mod pool;
@@ -21,7 +25,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
 use axum::body::{Body, Bytes};
@@ -33,19 +37,23 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures_util::StreamExt;
 use serde_json::{json, Value};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 use crate::settings::Settings;
 use crate::startup::Positionals;
 use crate::text::tool_calls::ParsedCall;
-use crate::text::ToolCall;
+use crate::text::{excerpt, ToolCall};
 use api::{ApiError, Endpoint, Identity, Request, Usage};
+pub use connections::Limits;
 use metrics::Metrics;
 use worker::{Event, Job, ModelInfo};
 pub use worker::{Serving, DEFAULT_PREFILL_CHUNK};
 
 /// The largest request body accepted.
 const BODY_LIMIT: usize = 4 << 20;
+
+/// The characters of an error message the request log keeps.
+const LOGGED_ERROR_CHARS: usize = 400;
 
 struct App {
     jobs: mpsc::Sender<Job>,
@@ -60,9 +68,16 @@ struct App {
     queue: usize,
     /// Starts every response id, so that ids stay unique across restarts.
     id_prefix: String,
+    /// `--body-timeout`: the most time a request body may go without a byte arriving.
+    body_timeout: Duration,
+    /// Set when the drain begins: a body still arriving then is not waited for.
+    stopping: watch::Receiver<bool>,
+    /// `/tokenize` and `count_tokens` encode one request at a time.
+    encoding: tokio::sync::Semaphore,
 }
 
-/// Where and how the server listens: `--host`, `--port`, `--queue`, `--cors-origin`.
+/// Where and how the server listens: `--host`, `--port`, `--queue`, `--cors-origin`,
+/// `--allowed-host`, the connections' limits.
 #[derive(Debug, Clone)]
 pub struct Listen {
     pub host: String,
@@ -70,47 +85,12 @@ pub struct Listen {
     pub queue: usize,
     /// Origins whose pages may call the server; `*` for any; none: no CORS headers.
     pub cors_origins: Vec<String>,
+    /// Names a request's `Host` may give besides the bound address (and, on loopback,
+    /// `localhost`); `*` for any.
+    pub allowed_hosts: Vec<String>,
+    pub limits: Limits,
     /// The request log's level: `-q` WARN, `-v` DEBUG, else INFO.
     pub log: tracing::Level,
-}
-
-/// The CORS layer `--cors-origin` asks for, or why an origin is not one.
-fn cors(origins: &[String]) -> Result<Option<tower_http::cors::CorsLayer>> {
-    use tower_http::cors::{AllowHeaders, AllowOrigin, CorsLayer};
-    if origins.is_empty() {
-        return Ok(None);
-    }
-    let allow = if origins.iter().any(|o| o == "*") {
-        AllowOrigin::any()
-    } else {
-        let parsed = origins
-            .iter()
-            .map(|origin| {
-                let rest = origin
-                    .strip_prefix("http://")
-                    .or_else(|| origin.strip_prefix("https://"));
-                // Scheme, host and port: a path can never match a browser's `Origin`.
-                let valid = rest.is_some_and(|rest| {
-                    let host = rest.trim_end_matches('/');
-                    !host.is_empty() && !host.contains(|c: char| c == '/' || c.is_whitespace())
-                });
-                if !valid {
-                    bail!("--cors-origin {origin:?}: expected an origin such as https://chat.example (scheme, host and port, no path), or * for any");
-                }
-                header::HeaderValue::from_str(origin.trim_end_matches('/'))
-                    .with_context(|| format!("--cors-origin {origin:?}"))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        AllowOrigin::list(parsed)
-    };
-    Ok(Some(
-        CorsLayer::new()
-            .allow_origin(allow)
-            .allow_methods([axum::http::Method::GET, axum::http::Method::POST])
-            // Mirrored, not `*`: browsers do not let `*` cover `Authorization`.
-            .allow_headers(AllowHeaders::mirror_request())
-            .expose_headers([header::RETRY_AFTER]),
-    ))
 }
 
 /// Serve the model the settings name on `host:port` until SIGINT or SIGTERM; then the
@@ -128,6 +108,8 @@ pub fn run(
         port,
         queue,
         cors_origins,
+        allowed_hosts,
+        limits,
         log,
     } = listen;
     // The request log, on stderr with the server's other lines.
@@ -138,9 +120,11 @@ pub fn run(
         .with_ansi(false)
         .try_init();
     let host = host.as_str();
-    let cors = cors(&cors_origins)?;
     if serving.parallel == 0 || serving.prefill_chunk == 0 || queue == 0 {
         bail!("--parallel, --prefill-chunk and --queue take a count of at least 1");
+    }
+    if limits.max_connections == 0 {
+        bail!("--max-connections takes a count of at least 1");
     }
     let ip: IpAddr = match host {
         "localhost" => IpAddr::from([127, 0, 0, 1]),
@@ -148,6 +132,8 @@ pub fn run(
             format!("--host {host:?}: expected an IP address such as 127.0.0.1 or 0.0.0.0")
         })?,
     };
+    let guard = Arc::new(guard::Guard::new(ip, &allowed_hosts, &cors_origins)?);
+    let cors = guard.cors()?;
     let api_key = settings.api_key.clone();
     if !ip.is_loopback() && api_key.is_none() {
         bail!("--host {host}: listening beyond this machine needs API_KEY=<token> (clients then send `Authorization: Bearer <token>`); or keep the default --host 127.0.0.1");
@@ -180,6 +166,7 @@ pub fn run(
         metrics.clone(),
     )?;
     let info_id = info.id.clone();
+    let (stopping, stopping_seen) = watch::channel(false);
     let app = Arc::new(App {
         jobs,
         model: info,
@@ -190,6 +177,9 @@ pub fn run(
         temperature,
         queue,
         id_prefix: id_prefix(),
+        body_timeout: limits.body_timeout,
+        stopping: stopping_seen,
+        encoding: tokio::sync::Semaphore::new(1),
     });
     let router = Router::new()
         .route("/health", get(health))
@@ -211,6 +201,8 @@ pub fn run(
         Some(layer) => router.layer(layer),
         None => router,
     };
+    // Outermost: a refused Host or Origin reaches neither CORS nor a handler.
+    let router = router.layer(axum::middleware::from_fn_with_state(guard, guard::check));
     let id = info_id.clone();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -223,9 +215,8 @@ pub fn run(
         eprintln!(
             "[serve] {id} on http://{address}/v1 (up to {parallel} generations at once; SIGINT/SIGTERM drain and save)"
         );
-        axum::serve(listener, router)
-            .with_graceful_shutdown(shutdown())
-            .await
+        connections::serve(listener, router, limits, shutdown(), stopping).await;
+        Ok::<_, std::io::Error>(())
     });
     // Dropping the runtime drops the router and with it the queue's last sender.
     drop(runtime);
@@ -311,11 +302,11 @@ fn authorize(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
     };
     let bearer = headers
         .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
+        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "));
     // Anthropic's clients send `x-api-key`.
-    let x_api_key = headers.get("x-api-key").and_then(|v| v.to_str().ok());
-    if bearer == Some(key.as_str()) || x_api_key == Some(key.as_str()) {
+    let x_api_key = headers.get("x-api-key").map(|v| v.as_bytes());
+    let matches = |given: Option<&[u8]>| given.is_some_and(|given| same_key(given, key.as_bytes()));
+    if matches(bearer) | matches(x_api_key) {
         Ok(())
     } else {
         Err(ApiError {
@@ -327,6 +318,16 @@ fn authorize(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
                     .to_string(),
         })
     }
+}
+
+/// Whether `given` is `key`, in a time that depends on their lengths alone (not on where
+/// they first differ, which a client timing its attempts could otherwise learn byte by byte).
+fn same_key(given: &[u8], key: &[u8]) -> bool {
+    let mut differ = u8::from(given.len() != key.len());
+    for (i, &k) in key.iter().enumerate() {
+        differ |= k ^ given.get(i).copied().unwrap_or(!k);
+    }
+    differ == 0
 }
 
 async fn not_found() -> Response {
@@ -396,7 +397,8 @@ fn unknown_model(app: &App, name: &str) -> ApiError {
         kind: "invalid_request_error",
         code: Some("model_not_found"),
         message: format!(
-            "model {name:?}: this server runs {:?} (GET /v1/models)",
+            "model {}: this server runs {:?} (GET /v1/models)",
+            excerpt(name),
             app.model.id
         ),
     }
@@ -512,7 +514,16 @@ fn log_request(
         }
     }
     if let Some(error) = error {
-        line += &format!(" | {error}");
+        // The messages name what they refuse and quote little of it; this bounds any that
+        // would quote more, so that no request's text reaches the log at length.
+        line += " | ";
+        match error.char_indices().nth(LOGGED_ERROR_CHARS) {
+            Some((cut, _)) => {
+                line += &error[..cut];
+                line += &format!("… ({} bytes)", error.len());
+            }
+            None => line += error,
+        }
     }
     if status >= 500 {
         tracing::warn!("{line}");
@@ -521,9 +532,19 @@ fn log_request(
     }
 }
 
-/// The ids the engine would compute for `input`, or why it cannot be encoded.
-fn encode(app: &App, input: &api::Tokenize) -> Result<Vec<u32>, ApiError> {
-    let model = app.model.texts.model();
+/// The ids the engine would compute for `input`, or why it cannot be encoded: off the
+/// runtime's threads (a long text takes seconds), one request at a time (and hundreds of MB).
+async fn encode(app: &App, input: api::Tokenize) -> Result<Vec<u32>, ApiError> {
+    let failed = || ApiError::server(500, "encoding stopped before it finished");
+    let _turn = app.encoding.acquire().await.map_err(|_| failed())?;
+    let texts = app.model.texts.clone();
+    tokio::task::spawn_blocking(move || encode_now(&texts, &input))
+        .await
+        .map_err(|_| failed())?
+}
+
+fn encode_now(texts: &worker::Texts, input: &api::Tokenize) -> Result<Vec<u32>, ApiError> {
+    let model = texts.model();
     let ids = match input {
         api::Tokenize::Text {
             text,
@@ -551,10 +572,10 @@ fn check_model(app: &App, model: Option<&str>) -> Result<(), ApiError> {
 async fn tokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
     let answer = async {
         authorize(&app, &headers)?;
-        let bytes = read_body(&headers, body).await?;
+        let bytes = read_body(&app, &headers, body).await?;
         let (input, model) = api::tokenize_request(&bytes)?;
         check_model(&app, model.as_deref())?;
-        let tokens = encode(&app, &input)?;
+        let tokens = encode(&app, input).await?;
         Ok::<_, ApiError>(Json(json!({
             "tokens": tokens,
             "count": tokens.len(),
@@ -587,7 +608,7 @@ fn anthropic_error_response(err: &ApiError) -> Response {
 async fn detokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
     let answer = async {
         authorize(&app, &headers)?;
-        let bytes = read_body(&headers, body).await?;
+        let bytes = read_body(&app, &headers, body).await?;
         let tokens = api::detokenize_request(&bytes)?;
         let vocab = app.model.texts.vocab;
         if let Some(bad) = tokens.iter().find(|&&id| id as usize >= vocab) {
@@ -612,13 +633,13 @@ async fn detokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body)
 async fn count_tokens(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
     let answer = async {
         authorize(&app, &headers)?;
-        let bytes = read_body(&headers, body).await?;
+        let bytes = read_body(&app, &headers, body).await?;
         let request = anthropic::count_request(&bytes)?;
         check_model(&app, request.model.as_deref())?;
         let api::Input::Chat(messages) = request.input else {
             unreachable!("a Messages body is a chat")
         };
-        let tokens = encode(&app, &api::Tokenize::Chat(messages))?;
+        let tokens = encode(&app, api::Tokenize::Chat(messages)).await?;
         Ok::<_, ApiError>(Json(json!({ "input_tokens": tokens.len() })))
     };
     let answer = answer.await.map(IntoResponse::into_response);
@@ -642,7 +663,7 @@ async fn answer_messages(
 ) -> Result<Response, ApiError> {
     authorize(app, headers)?;
     let received = Instant::now();
-    let bytes = read_body(headers, body).await?;
+    let bytes = read_body(app, headers, body).await?;
     let request = anthropic::request(&bytes)?;
     let (mut events, prompt) = submit(app, &request, received).await?;
     let id = format!(
@@ -777,7 +798,7 @@ async fn answer_responses(
 ) -> Result<Response, ApiError> {
     authorize(app, headers)?;
     let received = Instant::now();
-    let bytes = read_body(headers, body).await?;
+    let bytes = read_body(app, headers, body).await?;
     let (request, mut echo) = responses::request(&bytes)?;
     let (mut events, _) = submit(app, &request, received)
         .await
@@ -889,13 +910,34 @@ fn stream_responses(
     Sse::new(futures_util::stream::iter(start).chain(rest)).into_response()
 }
 
-async fn read_body(headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
-    let too_large = || ApiError {
-        status: 413,
+/// A JSON request body: `Content-Type: application/json` (415 otherwise: a web page can send
+/// other types to any server without asking, JSON only to those that allow its origin), at
+/// most [`BODY_LIMIT`] bytes (413), no pause of `--body-timeout` (408) and none once the
+/// drain began (503); a body that breaks off or whose chunks are malformed is a 400 saying so.
+async fn read_body(app: &App, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
+    let refusal = |status: u16, message: String| ApiError {
+        status,
         kind: "invalid_request_error",
         code: None,
-        message: format!("the request body is over {BODY_LIMIT} bytes"),
+        message,
     };
+    let content_type = headers
+        .get(header::CONTENT_TYPE)
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+    let json = content_type.as_deref().is_some_and(|value| {
+        let media = value.split(';').next().unwrap_or_default().trim();
+        media.eq_ignore_ascii_case("application/json")
+    });
+    if !json {
+        let found = content_type
+            .as_deref()
+            .map_or("missing".to_string(), excerpt);
+        return Err(refusal(
+            415,
+            format!("Content-Type {found}: this endpoint takes a JSON body; send Content-Type: application/json"),
+        ));
+    }
+    let too_large = || refusal(413, format!("the request body is over {BODY_LIMIT} bytes"));
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
@@ -903,9 +945,68 @@ async fn read_body(headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
     if declared.is_some_and(|n| n > BODY_LIMIT) {
         return Err(too_large());
     }
-    axum::body::to_bytes(body, BODY_LIMIT)
-        .await
-        .map_err(|_| too_large())
+    let mut stream = body.into_data_stream();
+    // Grown as bytes arrive, not from Content-Length: a declared size costs nothing until sent.
+    let mut bytes = Vec::new();
+    let mut stopping = app.stopping.clone();
+    loop {
+        let next = tokio::select! {
+            // Bytes already here are taken before the drain is looked at: only a body that
+            // is still arriving is refused for it.
+            biased;
+            next = tokio::time::timeout(app.body_timeout, stream.next()) => next,
+            _ = stopping.wait_for(|stopping| *stopping) => {
+                return Err(ApiError::server(
+                    503,
+                    "the server is stopping: it finishes the requests it has and takes no more",
+                ));
+            }
+        };
+        match next {
+            Ok(None) => return Ok(Bytes::from(bytes)),
+            Ok(Some(Ok(chunk))) => {
+                if bytes.len() + chunk.len() > BODY_LIMIT {
+                    return Err(too_large());
+                }
+                bytes.extend_from_slice(&chunk);
+            }
+            Ok(Some(Err(err))) => {
+                return Err(refusal(
+                    400,
+                    format!(
+                        "the request body could not be read after {} bytes ({}): send the whole body its Content-Length or chunked encoding declares",
+                        bytes.len(),
+                        causes(&err)
+                    ),
+                ))
+            }
+            Err(_) => {
+                return Err(refusal(
+                    408,
+                    format!(
+                        "the request body: nothing arrived for {} s (--body-timeout) after {} bytes",
+                        app.body_timeout.as_secs_f64(),
+                        bytes.len()
+                    ),
+                ))
+            }
+        }
+    }
+}
+
+/// An error and its sources, `: `-separated.
+fn causes(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        let more = cause.to_string();
+        if !text.contains(&more) {
+            text += ": ";
+            text += &more;
+        }
+        source = cause.source();
+    }
+    text
 }
 
 async fn answer(
@@ -917,7 +1018,7 @@ async fn answer(
 ) -> Result<Response, ApiError> {
     authorize(app, headers)?;
     let received = Instant::now();
-    let bytes = read_body(headers, body).await?;
+    let bytes = read_body(app, headers, body).await?;
     let request = match endpoint {
         Endpoint::Chat => api::chat_request(&bytes)?,
         Endpoint::Completion => api::completion_request(&bytes)?,
@@ -1234,4 +1335,17 @@ fn stream(
         }
     });
     Sse::new(chunks).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::same_key;
+
+    #[test]
+    fn keys_match_only_whole() {
+        assert!(same_key(b"s3cret", b"s3cret"));
+        for given in [&b"s3cres"[..], b"s3cre", b"s3crett", b"", b"S3cret"] {
+            assert!(!same_key(given, b"s3cret"), "{given:?}");
+        }
+    }
 }

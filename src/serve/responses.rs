@@ -103,9 +103,16 @@ pub fn request(body: &[u8]) -> Result<(Request, Echo), ApiError> {
     parsed.rest.remove("reasoning");
     parsed.rest.remove("include");
     api::refuse_unknown(&parsed.rest, "")?;
+    // OpenAI's floor is 16; below 1 there is no answer to give.
+    if parsed.max_output_tokens == Some(0) {
+        return Err(ApiError::invalid(
+            "max_output_tokens 0: expected at least 1",
+        ));
+    }
     if let Some(other) = parsed.truncation.as_deref().filter(|t| *t != "disabled") {
         return Err(ApiError::invalid(format!(
-            "truncation {other:?}: this server does not drop input; give \"disabled\" (a prompt beyond the context is a 400) or leave it out"
+            "truncation {}: this server does not drop input; give \"disabled\" (a prompt beyond the context is a 400) or leave it out",
+            crate::text::excerpt(other)
         )));
     }
     let instructions = match parsed.instructions {

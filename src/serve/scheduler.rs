@@ -33,7 +33,7 @@ use crate::session::Session;
 use crate::snapshot::Snapshot;
 use crate::text::reasoning::ThinkScan;
 use crate::text::tool_calls::{self, Marker, Scanned, ToolScan};
-use crate::text::{TextModel, TextStream, TextTokenizer};
+use crate::text::{excerpt, PromptText, TextModel, TextStream, TextTokenizer};
 
 /// A request made ready to start ([`Scheduler::check`]).
 struct Checked {
@@ -278,6 +278,10 @@ impl<'a> Scheduler<'a> {
                 return;
             }
         };
+        if count == 0 && !(echo.is_some() && job.logprobs.is_some()) {
+            self.answer_without_forward(&job, prompt.len(), echo);
+            return;
+        }
         let engine = self.engine;
         let echo = echo.map(|text| {
             // The first token's log-probability: nothing predicts it.
@@ -347,6 +351,36 @@ impl<'a> Scheduler<'a> {
         self.active.push(sequence);
     }
 
+    /// A request for no tokens and no scores of its prompt (`max_tokens` 0): every choice is
+    /// its echo, if asked, and ends at its length; the prompt is counted, never computed, so
+    /// the history and the kept states are as they were.
+    fn answer_without_forward(&mut self, job: &Job, prompt: usize, echo: Option<String>) {
+        let usage = Usage {
+            prompt,
+            ..Usage::default()
+        };
+        let _ = job.events.send(Event::Started(usage));
+        for choice in 0..job.choices.max(1) {
+            if let Some(text) = &echo {
+                let _ = job.events.send(Event::Text {
+                    choice,
+                    text: text.clone(),
+                    logprobs: Vec::new(),
+                });
+            }
+            let _ = job.events.send(Event::Done {
+                choice,
+                finish: Finish::Length,
+                usage,
+                routed: job.routed_experts.then(Vec::new),
+                logprobs: Vec::new(),
+                first_token: None,
+                decode_rate: None,
+            });
+        }
+        self.metrics.queue(0, -1);
+    }
+
     /// The prompt's ids, the token count, the sampler of each choice of `job` and the
     /// scanner of its calls (with tools), or why it cannot be served (HTTP 400).
     fn check(&mut self, job: &Job) -> Result<Checked, ApiError> {
@@ -359,11 +393,15 @@ impl<'a> Scheduler<'a> {
         }
         let model = TextModel::new(self.tokenizer, self.snapshot, engine);
         let (prompt, text) = match &job.input {
-            Input::Chat(messages) => model.chat_prompt(messages).map(|p| (p.ids, p.text)),
-            Input::Text(text) => model.prompt(text, false).map(|p| (p.ids, p.text)),
-            Input::Ids(ids) => Ok((ids.clone(), String::new())),
-        }
-        .map_err(|err| ApiError::invalid(format!("{err:#}")))?;
+            Input::Chat(messages) => {
+                let rendered = model
+                    .render(messages)
+                    .map_err(|err| ApiError::invalid(format!("{err:#}")))?;
+                self.encode(&model, rendered)?
+            }
+            Input::Text(text) => self.encode(&model, PromptText::plain(text.clone()))?,
+            Input::Ids(ids) => (ids.clone(), String::new()),
+        };
         // A prompt that ends by opening the model's thinking block: the answer thinks first.
         let think = engine
             .prompt_convention()
@@ -499,6 +537,33 @@ impl<'a> Scheduler<'a> {
             think,
             echo,
         })
+    }
+
+    /// A prompt's ids and text, encoded once; refused before that, its tokenizer's time and
+    /// memory unspent, when its length alone shows it cannot fit the context.
+    fn encode(&self, model: &TextModel, text: PromptText) -> Result<(Vec<u32>, String), ApiError> {
+        if let (Some(context), Some(longest)) = (self.context, self.tokenizer.bytes_per_token()) {
+            let bytes = text.text.len();
+            let fewest = bytes.div_ceil(longest);
+            if fewest >= context {
+                return Err(context_error(format!(
+                    "the prompt's {bytes} bytes are at least {fewest} tokens (no token of {} stands for more than {longest} bytes), beyond the model's whole context of {context} (max_position_embeddings in config.json)",
+                    self.tokenizer.path().display(),
+                )));
+            }
+        }
+        let prompt = model
+            .encode(text)
+            .map_err(|err| ApiError::invalid(format!("{err:#}")))?;
+        if let Some(read) = &prompt.misread {
+            // The request's own text: only at -v, and only its start.
+            tracing::debug!(
+                "[prompt] {} cannot represent all of a prompt; the model reads {}",
+                self.tokenizer.path().display(),
+                excerpt(read)
+            );
+        }
+        Ok((prompt.ids, prompt.text))
     }
 
     /// `grammar` started for `job`'s answer; an invalid one is the request's fault: of a

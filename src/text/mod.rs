@@ -26,6 +26,19 @@ use crate::snapshot::{model_stop_ids, token_ids, Snapshot};
 pub use chat::{called_tool, ChatMessage, ChatTemplate, Conversation, ToolCall};
 pub use tokenizer::{TextStream, TextTokenizer};
 
+/// `text` quoted for a message: whole when short, else its first [`EXCERPT_CHARS`]
+/// characters, an ellipsis and its length, so that no message repeats a request's text at
+/// length.
+pub fn excerpt(text: &str) -> String {
+    match text.char_indices().nth(EXCERPT_CHARS) {
+        None => format!("{text:?}"),
+        Some((cut, _)) => format!("{:?} ({} bytes)", format!("{}…", &text[..cut]), text.len()),
+    }
+}
+
+/// The characters of a text [`excerpt`] quotes.
+pub const EXCERPT_CHARS: usize = 80;
+
 /// A prompt ready for the model.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Prompt {
@@ -34,6 +47,31 @@ pub struct Prompt {
     pub text: String,
     /// Where the chat template came from, with `CHAT=1`.
     pub template: Option<String>,
+    /// What the model reads instead of `text` where the tokenizer cannot represent all of it
+    /// (characters its vocabulary lacks).
+    pub misread: Option<String>,
+}
+
+/// A prompt's text before it is encoded: as given, or a rendered chat template.
+#[derive(Debug, Clone)]
+pub struct PromptText {
+    pub text: String,
+    /// Add what the tokenizer's post-processor adds (text as given; a rendered template
+    /// carries its own special tokens).
+    post_process: bool,
+    /// Where the chat template came from.
+    template: Option<String>,
+}
+
+impl PromptText {
+    /// Text as given, encoded as text mode and `/v1/completions` encode a prompt.
+    pub fn plain(text: String) -> PromptText {
+        PromptText {
+            text,
+            post_process: true,
+            template: None,
+        }
+    }
 }
 
 /// A model directory's tokenizer and config seen through an engine's convention.
@@ -68,14 +106,18 @@ impl<'a> TextModel<'a> {
             let conversation = Conversation::from(vec![ChatMessage::text("user", text)]);
             return self.chat_prompt(&conversation);
         }
-        let body = self.tokenizer.encode(text, true)?;
-        self.finish(body, text.to_string(), None)
+        self.encode(PromptText::plain(text.to_string()))
     }
 
     /// The ids that start the answer to the last of the conversation's messages, rendered
     /// through the chat template; then the BOS and the convention's prefix, as
     /// [`TextModel::prompt`].
     pub fn chat_prompt(&self, conversation: &Conversation) -> Result<Prompt> {
+        self.encode(self.render(conversation)?)
+    }
+
+    /// The conversation rendered through the chat template, not encoded yet.
+    pub fn render(&self, conversation: &Conversation) -> Result<PromptText> {
         let tokenizer = self.tokenizer;
         let template = ChatTemplate::find(
             self.dir,
@@ -89,14 +131,23 @@ impl<'a> TextModel<'a> {
             config.bos_token.as_deref(),
             config.eos_token.as_deref(),
         )?;
-        // A rendered template carries its own special tokens, as transformers encodes it.
-        let body = tokenizer.encode(&rendered, false)?;
-        self.finish(body, rendered, Some(template.source().to_string()))
+        Ok(PromptText {
+            text: rendered,
+            // A rendered template carries its own special tokens, as transformers encodes it.
+            post_process: false,
+            template: Some(template.source().to_string()),
+        })
     }
 
-    /// `body` (the encoded text) behind the BOS and the convention's prefix.
-    fn finish(&self, body: Vec<u32>, encoded: String, template: Option<String>) -> Result<Prompt> {
+    /// `text` encoded (once), behind the BOS and the convention's prefix.
+    pub fn encode(&self, text: PromptText) -> Result<Prompt> {
         let tokenizer = self.tokenizer;
+        let PromptText {
+            text,
+            post_process,
+            template,
+        } = text;
+        let (body, misread) = tokenizer.encode_checked(&text, post_process)?;
         let mut start = Vec::new();
         if self.convention.bos || tokenizer.config().add_bos_token {
             match self.bos_id()? {
@@ -120,18 +171,11 @@ impl<'a> TextModel<'a> {
         }
         let mut ids = without_repeat(&start, &body);
         ids.extend_from_slice(&body);
-        // Read back without what a post-processor adds, which is not in the text.
-        let read_back = tokenizer.decode_all(&tokenizer.encode(&encoded, false)?)?;
-        if read_back != encoded {
-            eprintln!(
-                "[prompt] {} cannot represent all of the prompt; the model reads {read_back:?}",
-                tokenizer.path().display()
-            );
-        }
         Ok(Prompt {
             ids,
-            text: encoded,
+            text,
             template,
+            misread,
         })
     }
 
@@ -221,6 +265,13 @@ impl TextMode {
     pub fn prepare(&self, snapshot: &Snapshot, engine: &dyn Engine) -> Result<TextJob<'_>> {
         let model = TextModel::new(&self.tokenizer, snapshot, engine);
         let prompt = model.prompt(&self.prompt, self.chat)?;
+        if let Some(read) = &prompt.misread {
+            eprintln!(
+                "[prompt] {} cannot represent all of the prompt; the model reads {}",
+                self.tokenizer.path().display(),
+                excerpt(read)
+            );
+        }
         let vocab = engine.vocab_size();
         if let Some(bad) = prompt.ids.iter().find(|&&id| id as usize >= vocab) {
             bail!(

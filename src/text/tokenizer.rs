@@ -77,6 +77,8 @@ pub struct TextTokenizer {
     path: PathBuf,
     config: TokenizerConfig,
     config_path: PathBuf,
+    /// See [`TextTokenizer::bytes_per_token`].
+    bytes_per_token: Option<usize>,
 }
 
 impl TextTokenizer {
@@ -106,6 +108,7 @@ impl TextTokenizer {
             TokenizerConfig::default()
         };
         Ok(TextTokenizer {
+            bytes_per_token: longest_token(&inner),
             inner,
             path,
             config,
@@ -133,6 +136,36 @@ impl TextTokenizer {
             .encode(text, add_special_tokens)
             .map_err(|err| anyhow!("{}: encoding failed: {err}", self.path.display()))?;
         Ok(encoding.get_ids().to_vec())
+    }
+
+    /// The ids of `text`, encoded once, and what they read back as where that is not `text`
+    /// (characters the vocabulary cannot hold are dropped); with `add_special_tokens`, what
+    /// the post-processor adds (not part of the text, so not read back).
+    pub fn encode_checked(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<(Vec<u32>, Option<String>)> {
+        let failed = |err| anyhow!("{}: encoding failed: {err}", self.path.display());
+        let encoding = self.inner.encode(text, false).map_err(failed)?;
+        let read_back = self.decode_all(encoding.get_ids())?;
+        let misread = (read_back != text).then_some(read_back);
+        let encoding = if add_special_tokens {
+            self.inner
+                .post_process(encoding, None, true)
+                .map_err(failed)?
+        } else {
+            encoding
+        };
+        Ok((encoding.get_ids().to_vec(), misread))
+    }
+
+    /// The most bytes of text one token stands for, where that bounds every text's count
+    /// of tokens from below (a text of B bytes is at least B / this many tokens, known
+    /// without encoding it); `None` where this tokenizer allows no such bound
+    /// ([`longest_token`]).
+    pub fn bytes_per_token(&self) -> Option<usize> {
+        self.bytes_per_token
     }
 
     /// The text of `ids` as printed: special tokens left out, bytes that do not form UTF-8
@@ -258,4 +291,69 @@ impl TextStream<'_> {
             ),
         }
     }
+}
+
+/// The most bytes of text one token of `tokenizer` can stand for, where that bounds a text's
+/// tokens from below: nothing drops or shrinks text on its way to the model (no normalizer,
+/// no truncation, no pre-tokenizer that removes what it splits on, no added token that strips
+/// the spaces beside it) and every byte ends up in a token (a byte-level BPE whose vocabulary
+/// holds all 256 bytes, byte fallback with its 256 byte tokens, or an unknown token for each
+/// character not in the vocabulary). Then every token stands for at most the bytes of its
+/// longest vocabulary entry or added token (a byte-level entry's UTF-8 is at least the bytes
+/// it stands for), so a text of B bytes is at least B / that many tokens.
+fn longest_token(tokenizer: &tokenizers::Tokenizer) -> Option<usize> {
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    use tokenizers::pre_tokenizers::PreTokenizerWrapper as Pre;
+    use tokenizers::ModelWrapper;
+    use tokenizers::SplitDelimiterBehavior::Removed;
+
+    if tokenizer.get_normalizer().is_some() || tokenizer.get_truncation().is_some() {
+        return None;
+    }
+    /// Whether `pre` keeps every byte, and whether it maps them to byte-level characters.
+    fn keeps(pre: &Pre) -> Option<bool> {
+        match pre {
+            Pre::ByteLevel(_) => Some(true),
+            Pre::Split(split) if split.behavior != Removed => Some(false),
+            Pre::Punctuation(punctuation) if punctuation.behavior != Removed => Some(false),
+            Pre::Digits(_) | Pre::Metaspace(_) => Some(false),
+            Pre::Sequence(sequence) => sequence
+                .as_ref()
+                .iter()
+                .try_fold(false, |byte_level, pre| Some(byte_level | keeps(pre)?)),
+            _ => None,
+        }
+    }
+    let byte_level = match tokenizer.get_pre_tokenizer() {
+        None => false,
+        Some(pre) => keeps(pre)?,
+    };
+    let ModelWrapper::BPE(bpe) = tokenizer.get_model() else {
+        return None;
+    };
+    let vocab = bpe.get_vocab();
+    let every_byte = (byte_level
+        && ByteLevel::alphabet()
+            .iter()
+            .all(|c| vocab.contains_key(&c.to_string())))
+        || (bpe.byte_fallback && (0..=255u8).all(|b| vocab.contains_key(&format!("<0x{b:02X}>"))));
+    let unknown_each = bpe.unk_token.is_some() && !bpe.fuse_unk;
+    if !(every_byte || unknown_each) {
+        return None;
+    }
+    let added = tokenizer.get_added_tokens_decoder();
+    if added.values().any(|token| token.lstrip || token.rstrip) {
+        return None;
+    }
+    let longest = vocab
+        .keys()
+        .map(String::len)
+        .chain(added.values().map(|token| token.content.len()))
+        .max()?;
+    // An unknown token stands for one character, up to 4 bytes.
+    Some(if unknown_each {
+        longest.max(4)
+    } else {
+        longest
+    })
 }

@@ -346,3 +346,83 @@ fn every_fixture_has_a_tokenizer_that_fits_its_model() {
         }
     }
 }
+
+/// The text whose every token is as long as the vocabulary allows: its longest entry, read
+/// back as text, over and over.
+fn longest_entries(dir: &Path, times: usize) -> String {
+    let tokenizer = tokenizer(dir);
+    let vocab = read_json(&dir.join("tokenizer.json"))["model"]["vocab"]
+        .as_object()
+        .unwrap()
+        .len() as u32;
+    let longest = (0..vocab)
+        .map(|id| tokenizer.decode_all(&[id]).unwrap())
+        .max_by_key(String::len)
+        .unwrap();
+    longest.repeat(times)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+    /// The server refuses a prompt by its bytes alone where the tokenizer bounds its tokens
+    /// by them; no text may encode to fewer tokens than that bound says.
+    #[test]
+    fn no_text_encodes_to_fewer_tokens_than_its_bytes_bound(
+        pieces in prop::collection::vec(
+            prop::sample::select(vec![
+                "a", "word", " ", "   ", "\n", "\n\n", "\t", "é", "中", "🙂", "<|endoftext|>",
+                "0123456789", "!!", "'s", "\u{7f}", "\u{0}",
+            ]),
+            0..200,
+        )
+    ) {
+        let dir = common::fixture("olmoe_trained");
+        let tokenizer = tokenizer(&dir);
+        let longest = tokenizer.bytes_per_token().unwrap();
+        let text: String = pieces.concat();
+        let ids = tokenizer.encode(&text, false).unwrap();
+        prop_assert!(ids.len() >= text.len().div_ceil(longest), "{} ids for {:?}", ids.len(), text);
+    }
+}
+
+#[test]
+fn a_bound_of_tokens_by_bytes_only_where_every_byte_is_a_token_s() {
+    let trained = common::fixture("olmoe_trained");
+    let longest = tokenizer(&trained).bytes_per_token();
+    assert_eq!(
+        longest,
+        Some(66),
+        "the vocabulary's longest entry, in UTF-8"
+    );
+    // Its longest entries back to back: as few tokens a byte as any text can have.
+    let text = longest_entries(&trained, 100);
+    let ids = tokenizer(&trained).encode(&text, false).unwrap();
+    assert!(ids.len() >= text.len().div_ceil(66), "{}", ids.len());
+    // Vocabularies without every byte drop what they cannot hold: no bound.
+    for name in TOKENIZERS {
+        assert_eq!(
+            tokenizer(&tokenizer_dir(name)).bytes_per_token(),
+            None,
+            "{name}"
+        );
+    }
+}
+
+#[test]
+fn a_prompt_is_encoded_once_with_what_it_reads_back_as() {
+    for dir in [common::fixture("olmoe_trained"), tokenizer_dir("olmoe_128")] {
+        let tokenizer = tokenizer(&dir);
+        for text in ["The history of the river", "中文 and é", ""] {
+            for special in [false, true] {
+                let (ids, misread) = tokenizer.encode_checked(text, special).unwrap();
+                assert_eq!(ids, tokenizer.encode(text, special).unwrap(), "{text:?}");
+                let back = tokenizer
+                    .decode_all(&tokenizer.encode(text, false).unwrap())
+                    .unwrap();
+                assert_eq!(misread, (back != text).then_some(back), "{text:?}");
+            }
+        }
+    }
+    let tiny = tokenizer(&tokenizer_dir("olmoe_128"));
+    assert!(tiny.encode_checked("中", false).unwrap().1.is_some());
+}
