@@ -621,10 +621,12 @@ fn recent_heat_follows_the_workload_and_ranks_when_asked() {
     assert!(PinRank::from_setting(Some("newest")).is_err());
 }
 
-/// The `-3`/`-4` records of a saved history, as (source cell, destination layer,
-/// [(expert, count)]) groups in file order.
-fn transition_groups(text: &str) -> Vec<(i64, i64, Vec<(i64, i64)>)> {
-    let mut groups: Vec<(i64, i64, Vec<(i64, i64)>)> = Vec::new();
+/// A `-3` group: source cell, destination layer, [(expert, count)].
+type Group = (i64, i64, Vec<(i64, i64)>);
+
+/// The `-3`/`-4` records of a saved history, as groups in file order.
+fn transition_groups(text: &str) -> Vec<Group> {
+    let mut groups: Vec<Group> = Vec::new();
     for line in text.lines() {
         let f: Vec<i64> = line.split(' ').map(|x| x.parse().unwrap()).collect();
         match f[0] {
