@@ -13,6 +13,7 @@
 //! and renamed over the target, so a process killed at any point leaves the old file or
 //! the new one. A symlinked history is written through to its target.
 
+use std::collections::BTreeMap;
 use std::io::{self, Read as _, Seek as _, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
@@ -181,18 +182,22 @@ pub fn render(table: &Counters, engine: EngineId) -> String {
         );
     }
     // Only hot sources' groups are written, so the transitions stay a fraction of the
-    // file: a source whose expert was chosen at least as often as its layer's mean.
-    let ne = table.n_experts();
-    let mut layer_mean = vec![0u64; table.n_layers() + 1];
-    for (l, _, c) in table.nonzero() {
-        layer_mean[l] += u64::from(c);
-    }
-    let hot = |cell: usize| {
-        let (l, e) = (cell / ne, cell % ne);
-        l < layer_mean.len() && u64::from(table.get(l, e)) * ne as u64 >= layer_mean[l].max(1)
-    };
-    for r in table.transitions().records(hot) {
-        record(&mut out, r);
+    // file: a source whose expert was chosen at least as often as its layer's mean. (By
+    // row present, not by declared shape, which a crafted file can make huge.)
+    if !table.transitions().is_empty() {
+        let ne = table.n_experts();
+        let layer_total: BTreeMap<usize, u64> = table
+            .nonzero_rows()
+            .map(|(l, row)| (l, row.iter().map(|&(_, c)| u64::from(c)).sum()))
+            .collect();
+        let hot = |cell: usize| {
+            let (l, e) = (cell / ne, cell % ne);
+            let total = layer_total.get(&l).copied().unwrap_or(0);
+            total > 0 && u64::from(table.get(l, e)) * ne as u64 >= total
+        };
+        for r in table.transitions().records(hot) {
+            record(&mut out, r);
+        }
     }
     out
 }
