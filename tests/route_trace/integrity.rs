@@ -343,6 +343,31 @@ fn a_symlinked_history_is_saved_through_the_link() {
     assert!(!dir.path().join(".coli_usage.olmoe").exists());
 }
 
+/// This engine's history beside another's (`.coli_usage.olmoe`), when it is a link into
+/// the snapshot's weights, is refused before the model loads (exit 2, naming the link and
+/// its target), before any line says where the counts will be saved; the weights are
+/// unchanged.
+#[test]
+fn a_history_linked_to_the_weights_is_refused_before_the_run() {
+    let dir = copy_fixture("olmoe_tiny");
+    let history = dir.path().join(".coli_usage");
+    fs::write(&history, format!("-1 3 8\n-2 1 {GLM_ID}\n0 1 5\n")).unwrap();
+    let weights = dir.path().join("model.safetensors");
+    let before = fs::read(&weights).unwrap();
+    let link = dir.path().join(".coli_usage.olmoe");
+    std::os::unix::fs::symlink(&weights, &link).unwrap();
+
+    let out = generate(dir.path(), 4, &[], &[]);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(&link.display().to_string()) && err.contains("model.safetensors"),
+        "the refusal does not name the link and its target: {err}"
+    );
+    assert!(!err.contains("[USAGE] history:"), "{err}");
+    assert!(fs::read(&weights).unwrap() == before, "{err}");
+}
+
 /// A saved history keeps its mode and its owner.
 #[test]
 fn a_saved_history_keeps_its_mode_and_owner() {
