@@ -393,6 +393,7 @@ impl Session {
         }
         if let Err(err) = telemetry.flush_trace() {
             eprintln!("[ROUTE_TRACE] write failed: {err}");
+            failed = true;
         }
         if failed {
             ExitCode::from(1)

@@ -749,6 +749,40 @@ fn a_failed_save_still_writes_stats_and_the_trace() {
     assert!(fs::metadata(&trace).unwrap().len() > 0);
 }
 
+/// A trace the disk refuses (`/dev/full` fails every write with "no space left") makes the
+/// run exit 1, as a failed save does, saying how many trace lines were lost; the history is
+/// still saved and the tokens printed.
+#[test]
+fn a_trace_that_cannot_be_written_fails_the_run_and_says_what_was_lost() {
+    let full = Path::new("/dev/full");
+    if !full.exists() {
+        eprintln!("skipped: this system has no /dev/full to refuse the trace's writes");
+        return;
+    }
+    let dir = copy_fixture("olmoe_tiny");
+    let out = generate(dir.path(), 4, &["ROUTE_TRACE=/dev/full"], &[]);
+    let (text, err) = (stdout(&out), stderr(&out));
+    assert_eq!(out.status.code(), Some(1), "{text}{err}");
+    let failed = err
+        .lines()
+        .find(|l| l.starts_with("[ROUTE_TRACE] write failed: /dev/full: "))
+        .unwrap_or_else(|| panic!("no trace failure line: {err}"));
+    // 6 prompt rows + 3 decoded tokens, 3 layers: every line lost.
+    assert!(
+        failed.ends_with("0 trace lines reached the file, 27 were lost"),
+        "{failed}"
+    );
+    assert!(
+        read_olmoe(&dir.path().join(".coli_usage")).total > 0,
+        "{err}"
+    );
+    assert!(
+        text.lines()
+            .any(|l| !l.is_empty() && l.chars().all(|c| c.is_ascii_digit() || c == ' ')),
+        "no tokens printed: {text}"
+    );
+}
+
 /// A history that arrived with records on rows the model does not route (a dense layer,
 /// an MTP row it has no head for) is saved without them: the classic C reader's total of
 /// the saved file is the `[STATS]` total, on every engine with dense layers.
