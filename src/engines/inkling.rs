@@ -423,7 +423,7 @@ impl Inkling {
     pub fn load(snapshot: &Snapshot, options: LoadOptions) -> Result<Inkling> {
         let config = Config::read(snapshot)?;
         config.validate()?;
-        let stop = snapshot.stop_ids(DEFAULT_EOS)?;
+        let stop = snapshot.stop_ids(DEFAULT_EOS, config.logit_count())?;
         let names = Names::find(|name| snapshot.contains(name))
             .map_err(|err| anyhow!("{}: {err}", snapshot.dir().display()))?;
         super::check_config(

@@ -817,7 +817,7 @@ pub struct KimiK3 {
 impl KimiK3 {
     pub fn load(snapshot: &Snapshot, options: LoadOptions) -> Result<KimiK3> {
         let config = Config::read(snapshot)?;
-        let stop = snapshot.stop_ids(&[])?;
+        let stop = snapshot.stop_ids(&[], config.vocab_size)?;
         let prefix = tensor_prefix(snapshot)?;
         let (d, n_layers) = (config.hidden_size, config.num_hidden_layers);
         let weights = Weights::new(snapshot, options.dense_width);

@@ -184,8 +184,8 @@ const DEFAULT_EOS: &[u32] = &[50279];
 impl Olmoe {
     pub fn load(snapshot: &Snapshot, options: LoadOptions) -> Result<Olmoe> {
         let config: Config = snapshot.config()?;
-        let stop = snapshot.stop_ids(DEFAULT_EOS)?;
         config.validate()?;
+        let stop = snapshot.stop_ids(DEFAULT_EOS, config.vocab_size)?;
         super::check_config(
             snapshot,
             "model.layers.",
