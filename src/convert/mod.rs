@@ -38,7 +38,7 @@ use rayon::prelude::*;
 
 use crate::engines;
 use crate::quant::{self, Format, Matrix, Width};
-use crate::snapshot::{Dtype, Snapshot, TensorView};
+use crate::snapshot::{guard, Dtype, Snapshot, TensorView};
 use writer::{Entry, ShardWriter};
 
 /// The group sizes a reader can detect from the scale count.
@@ -685,7 +685,12 @@ fn write_shards(
         }
         let mut writer = ShardWriter::create(&path, entries, &metadata)?;
         for job in jobs {
-            run_job(snapshot, &job.job, &mut writer)?;
+            // A source shard that changed under the job made its bytes meaningless (and a
+            // read of a truncated mapping may fail as a bad address): that is what is said,
+            // and the shard is never finished.
+            let done = run_job(snapshot, &job.job, &mut writer);
+            guard::check()?;
+            done?;
             bar.inc(job.source_bytes);
         }
         writer.finish()?;

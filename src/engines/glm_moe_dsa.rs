@@ -1094,7 +1094,7 @@ impl Engine for GlmMoeDsa {
         } else {
             final_norm(&x, &self.final_norm, eps, &wanted)
         };
-        let logits = lm_head(&self.lm_head, &normed);
+        let logits = lm_head(&self.lm_head, &normed)?;
         Ok(rows.split_logits(logits, self.config.vocab_size))
     }
 

@@ -927,7 +927,7 @@ impl Engine for Inkling {
         let mut normed = final_norm(&x, &self.final_norm, eps, &rows.output_rows());
         let multiplier = self.config.logits_mup_width_multiplier as f32;
         normed.iter_mut().for_each(|v| *v /= multiplier);
-        let logits = lm_head(&self.lm_head, &normed);
+        let logits = lm_head(&self.lm_head, &normed)?;
         let kept = self.config.logit_count();
         let logits = if kept == vocab {
             logits

@@ -1022,7 +1022,7 @@ impl Engine for KimiK3 {
         }
         drop(routed);
         let counts: Vec<usize> = hidden.iter().map(|h| h.len() / d).collect();
-        let logits = lm_head(&self.lm_head, &hidden.concat());
+        let logits = lm_head(&self.lm_head, &hidden.concat())?;
         let vocab = self.config.vocab_size;
         let mut rest = &logits[..];
         Ok(counts

@@ -522,7 +522,7 @@ impl Engine for Olmoe {
         }
         let eps = self.config.rms_norm_eps;
         let normed = final_norm(&x, &self.final_norm, eps, &rows.output_rows());
-        Ok(rows.split_logits(lm_head(&self.lm_head, &normed), vocab))
+        Ok(rows.split_logits(lm_head(&self.lm_head, &normed)?, vocab))
     }
 
     fn stop_tokens(&self) -> &[u32] {

@@ -4,8 +4,11 @@
 //! This module owns the mapping of files and the validation of what they declare: every
 //! `*.safetensors` file in the directory is mapped once, its header parsed, and every tensor
 //! becomes a [`TensorView`], a window into the mapping that costs nothing to clone. It does
-//! not interpret weights (that is `quant`) and it never copies tensor data.
+//! not interpret weights (that is `quant`) and it never copies tensor data. A shard that
+//! changes under the running process is caught by `guard` and said by
+//! [`guard::check`].
 
+pub mod guard;
 mod shard;
 mod stamp;
 
@@ -17,7 +20,7 @@ use anyhow::{bail, Context, Result};
 use serde::de::DeserializeOwned;
 
 use shard::Shard;
-pub use shard::{Dtype, MappedBytes, TensorView};
+pub use shard::{Dtype, MappedBytes, Mapping, TensorView};
 
 /// Where a tensor lives: which shard, and its header entry.
 #[derive(Debug, Clone)]
