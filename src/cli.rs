@@ -285,16 +285,7 @@ fn convert(args: &ConvertArgs) -> Result<ExitCode> {
         shard_bytes: (args.shard_gb * 1e9) as u64,
         model: args.model.clone(),
     };
-    let summary = crate::convert::convert(&args.src, &args.dst, &options).map_err(|err| {
-        if args.dst.join(".coli-convert.json").is_file() {
-            err.context(format!(
-                "{}: the conversion stopped; rerun the same command to resume from its complete shards (the .partial files are removed then)",
-                args.dst.display()
-            ))
-        } else {
-            err
-        }
-    })?;
+    let summary = crate::convert::convert(&args.src, &args.dst, &options)?;
     println!("{}", crate::convert::report(&summary, &args.dst));
     Ok(ExitCode::SUCCESS)
 }

@@ -658,6 +658,8 @@ pub fn serve(
         }
         let refs: Vec<&Assignment> = assignments.iter().collect();
         let outputs = host_outputs(&mut store, layer, &input, &refs, width, activation)?;
+        // Experts this rank computed from a shard that changed are not the model's.
+        crate::snapshot::guard::check().with_context(|| format!("rank {}", job.rank))?;
         root.send_with_tag(&outputs.concat()[..], TAG_OUTPUT);
     }
 }

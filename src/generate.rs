@@ -12,6 +12,30 @@ use crate::engines::{Engine, Logits, State};
 use crate::interrupt;
 use crate::sampling::Sampler;
 
+/// The context of a forward's failure after the prompt: the tokens generated before it,
+/// for a caller that still shows them (`anyhow`'s `downcast_ref` finds it).
+#[derive(Debug)]
+pub struct FailedAfter {
+    pub tokens: Vec<u32>,
+}
+
+impl fmt::Display for FailedAfter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "the generation stopped after {} tokens",
+            self.tokens.len()
+        )
+    }
+}
+
+/// `err` of a decode forward, with the tokens generated before it.
+fn failed_after(err: anyhow::Error, tokens: &[u32]) -> anyhow::Error {
+    err.context(FailedAfter {
+        tokens: tokens.to_vec(),
+    })
+}
+
 /// Called after each forward that emitted tokens, with how many it emitted (placement
 /// passes such as `REPIN` run here).
 pub type OnTokens<'a> = &'a mut dyn FnMut(&dyn Engine, u64) -> Result<()>;
@@ -224,7 +248,9 @@ pub fn generate_after(
             ending = Ending::Interrupted;
             break;
         }
-        logits = engine.forward_one(state, &[token], Logits::Last)?;
+        logits = engine
+            .forward_one(state, &[token], Logits::Last)
+            .map_err(|err| failed_after(err, &tokens))?;
     }
     Ok(Generation {
         tokens,
@@ -306,7 +332,9 @@ fn speculate(
         let mut feed = Vec::with_capacity(drafts.len() + 1);
         feed.push(next);
         feed.extend_from_slice(&drafts);
-        let rows = engine.forward_one(state, &feed, Logits::All)?;
+        let rows = engine
+            .forward_one(state, &feed, Logits::All)
+            .map_err(|err| failed_after(err, &tokens))?;
         stats.forwards += 1;
         stats.drafted += drafts.len();
         let mut kept = 0;

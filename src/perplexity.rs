@@ -34,6 +34,7 @@ use anyhow::{bail, Context, Result};
 
 use crate::engines::{Engine, Logits};
 use crate::files;
+use crate::interrupt;
 use crate::oracle::Reference;
 use crate::sampling::LogProbs;
 use crate::settings::Settings;
@@ -143,6 +144,11 @@ impl Job {
         println!("{}", measured.line());
         match (&self.base, &self.base_path) {
             (Some(base), _) => println!("{}", base.compare(&measured)?.line()),
+            // A base is every position of the text: a part of it would refuse the next run.
+            (None, Some(path)) if measured.stopped.is_some() => eprintln!(
+                "[KLD_BASE] {} not written: the run was stopped before every position was scored",
+                path.display()
+            ),
             (None, Some(path)) => {
                 Base::write(path, vocab, &ids, self.windows, &measured)?;
                 eprintln!(
@@ -218,11 +224,21 @@ pub struct Measured {
     /// Tokens the engine ran (context included) and the seconds it took.
     forwarded: usize,
     seconds: f64,
+    /// When a signal stopped the run: the windows scored, of how many.
+    pub stopped: Option<(usize, usize)>,
 }
 
 impl Measured {
     pub fn tokens(&self) -> usize {
         self.nll.len()
+    }
+
+    /// Keep the first `n` scored positions.
+    fn truncate(&mut self, n: usize) {
+        self.nll.truncate(n);
+        self.positions.truncate(n);
+        self.kld.truncate(n);
+        self.same_top.truncate(n);
     }
 
     pub fn mean_nll(&self) -> f64 {
@@ -245,9 +261,10 @@ impl Measured {
         self.perplexity() * (var / n as f64).sqrt()
     }
 
-    /// `PPL: X over N tokens (±err)`.
+    /// `PPL: X over N tokens (±err)`, and where a signal stopped the run, after how many
+    /// windows.
     pub fn line(&self) -> String {
-        format!(
+        let mut line = format!(
             "PPL: {:.4} over {} tokens (\u{b1}{:.4}) | mean NLL {:.6} nats | {} tokens forwarded at {:.1} tok/s",
             self.perplexity(),
             self.tokens(),
@@ -255,12 +272,20 @@ impl Measured {
             self.mean_nll(),
             self.forwarded,
             self.forwarded as f64 / self.seconds.max(1e-9)
-        )
+        );
+        if let Some((done, of)) = self.stopped {
+            line.push_str(&format!(
+                " | stopped by a signal after {done} of {of} windows"
+            ));
+        }
+        line
     }
 }
 
 /// Score `ids` in `windows`: one teacher-forced pass per window from an empty cache; with
-/// a `base` (already [`Base::check`]ed), compare each position with it.
+/// a `base` (already [`Base::check`]ed), compare each position with it. A signal stops it
+/// between windows (a window's forward stops between layers and the window is dropped):
+/// what was scored is every position of the windows before.
 pub fn measure(
     engine: &dyn Engine,
     ids: &[u32],
@@ -281,14 +306,31 @@ pub fn measure(
         same_top: Vec::new(),
         forwarded: 0,
         seconds: 0.0,
+        stopped: None,
     };
     let started = Instant::now();
-    for (begin, end, first) in windows.spans(ids.len()) {
+    let spans = windows.spans(ids.len());
+    'windows: for (done, &(begin, end, first)) in spans.iter().enumerate() {
+        let scored = measured.positions.len();
         let mut state = engine.new_state();
         let mut at = begin;
         while at < end {
             let upto = (at + CHUNK).min(end);
-            let logits = engine.forward_one(&mut state, &ids[at..upto], Logits::All)?;
+            let forward = interrupt::abortable(|| {
+                if interrupt::requested() {
+                    return Err(interrupt::Interrupted.into());
+                }
+                engine.forward_one(&mut state, &ids[at..upto], Logits::All)
+            });
+            let logits = match forward {
+                Ok(logits) => logits,
+                Err(err) if err.is::<interrupt::Interrupted>() => {
+                    measured.truncate(scored);
+                    measured.stopped = Some((done, spans.len()));
+                    break 'windows;
+                }
+                Err(err) => return Err(err),
+            };
             measured.forwarded += upto - at;
             // Row r of this call predicts token at + r + 1.
             for (r, row) in logits.chunks_exact(vocab).enumerate() {
@@ -541,19 +583,22 @@ impl Base {
         Ok(())
     }
 
-    /// This run against the base it was measured with.
+    /// This run against the base it was measured with: over every position, or over those
+    /// scored before a signal stopped the run.
     pub fn compare(&self, measured: &Measured) -> Result<Divergence> {
-        if measured.kld.len() != self.positions.len() {
+        let scored = measured.kld.len();
+        let whole = scored == self.positions.len();
+        let stopped_early = measured.stopped.is_some() && scored < self.positions.len();
+        if !(whole || stopped_early) {
             bail!(
                 "KLD_BASE: {} holds {} positions, this run scored {}",
                 self.path.display(),
                 self.positions.len(),
-                measured.kld.len()
+                scored
             );
         }
-        let n = measured.kld.len().max(1) as f64;
-        let base_nll = -self
-            .positions
+        let n = scored.max(1) as f64;
+        let base_nll = -self.positions[..scored]
             .iter()
             .map(|p| f64::from(p.target_logp))
             .sum::<f64>()
@@ -713,6 +758,7 @@ mod tests {
             same_top: Vec::new(),
             forwarded: 0,
             seconds: 0.0,
+            stopped: None,
         };
         let ids = [1, 2, 3, 4];
         let w = Windows::new(4, 2).unwrap();

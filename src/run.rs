@@ -11,7 +11,7 @@ use anyhow::{bail, Result};
 
 use crate::engines::{Engine, Logits, State, Step};
 use crate::experts::budget::proc_field;
-use crate::generate::{greedy_with, Ending};
+use crate::generate::{greedy_with, Ending, FailedAfter};
 use crate::interrupt;
 use crate::oracle::{self, Reference};
 use crate::perplexity;
@@ -169,7 +169,14 @@ impl Run<'_> {
         })
     }
 
-    /// `IDS=` as given, within the vocabulary.
+    /// The end of a generating run that failed part-way (a shard that changed, an expert
+    /// that cannot be read): what it generated is still folded into the history, `STATS`
+    /// written and the trace flushed, as at a finished run's end; then `err` ends the run.
+    fn failed(&self, session: &mut Session, err: anyhow::Error) -> anyhow::Error {
+        session.finish(self.engine(), RunKind::Generating);
+        err
+    }
+
     /// [`Run::begin`] of a generating run over `IDS` (then `NGEN` more when `then_ngen`),
     /// every id checked against the vocabulary.
     fn begin_ids(&self, ids: &[u32], then_ngen: bool) -> Result<Begun> {
@@ -224,7 +231,10 @@ impl Run<'_> {
         } = self.begin(RunKind::Generating, Some(prompt))?;
         let mut on_tokens =
             |engine: &dyn Engine, emitted: u64| session.after_tokens(engine, emitted);
-        let generation = job.run(engine, ngen, &mut on_tokens, &mut std::io::stdout())?;
+        let generation = match job.run(engine, ngen, &mut on_tokens, &mut std::io::stdout()) {
+            Ok(generation) => generation,
+            Err(err) => return Err(self.failed(&mut session, err)),
+        };
         if generation.non_finite {
             eprintln!("[text] non-finite logits during generation");
         }
@@ -247,7 +257,10 @@ impl Run<'_> {
             started,
             ..
         } = self.begin_ids(ids, false)?;
-        let line = replay(engine, ids, self.settings.batch, &mut session)?;
+        let line = match replay(engine, ids, self.settings.batch, &mut session) {
+            Ok(line) => line,
+            Err(err) => return Err(self.failed(&mut session, err)),
+        };
         println!("{line}");
         println!("{}", report_line(engine, 0.0));
         println!("{}", profile_line(engine, &started));
@@ -266,7 +279,15 @@ impl Run<'_> {
         // A generation ends where the model says it ends, as in text mode.
         let stops = engine.stop_tokens().to_vec();
         let mut state = engine.new_state();
-        let generation = greedy_with(engine, &mut state, ids, ngen, &stops, &mut on_tokens)?;
+        let generation = match greedy_with(engine, &mut state, ids, ngen, &stops, &mut on_tokens) {
+            Ok(generation) => generation,
+            Err(err) => {
+                if let Some(failed) = err.downcast_ref::<FailedAfter>() {
+                    println!("{}", oracle::join(&failed.tokens));
+                }
+                return Err(self.failed(&mut session, err));
+            }
+        };
         if generation.stopped_in_prefill() {
             eprintln!(
                 "[coli] stopped during the prefill of {} tokens: nothing generated",

@@ -83,8 +83,9 @@ fn is_model_file(path: &Path, snap: &Path) -> bool {
 impl Session {
     /// The checks of every file the session will read or write that can be made before
     /// the weights load, so that a run that must be refused is refused at once: the
-    /// history, `PIN=<path>`, and the `ROUTE_TRACE` and `STATS` outputs, which must not
-    /// name the snapshot's model files or the history.
+    /// history (and this engine's file beside it, neither of which may link into the
+    /// snapshot's model files), `PIN=<path>`, and the `ROUTE_TRACE` and `STATS` outputs,
+    /// which must not name the snapshot's model files or the history.
     pub fn preflight(settings: &Settings, snap: &Path, engine: &str) -> Result<()> {
         let history = history_path(settings, snap);
         regular_or_missing(
@@ -95,6 +96,22 @@ impl Session {
             },
             &history,
         )?;
+        // The history and this engine's file beside it are the files a save may write: a
+        // link from either into the weights is refused now, before the start-up line says
+        // where the counts will be saved.
+        let own = crate::route_trace::save::sibling_path(&history, engine);
+        for file in [&history, &own] {
+            let Ok(target) = crate::files::resolve_link(file) else {
+                continue;
+            };
+            if target != *file && is_model_file(&target, snap) {
+                bail!(
+                    "the history {} links to {}, one of the snapshot's model files; coli never writes into them (remove the link, or set COLI_USAGE to another path)",
+                    file.display(),
+                    target.display()
+                );
+            }
+        }
         if let PinSetting::Path(p) = &settings.pin {
             regular_or_missing("PIN", p)?;
         }
@@ -112,7 +129,6 @@ impl Session {
                     out.display()
                 );
             }
-            let own = crate::route_trace::save::sibling_path(&history, engine);
             for file in [&history, &own] {
                 let lock = crate::files::lock_path(file);
                 if [file, &lock]
@@ -384,6 +400,7 @@ impl Session {
         }
         if let Err(err) = telemetry.flush_trace() {
             eprintln!("[ROUTE_TRACE] write failed: {err}");
+            failed = true;
         }
         if failed {
             ExitCode::from(1)

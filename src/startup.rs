@@ -12,7 +12,6 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use crate::backend;
 use crate::engines::{self, Engine, LoadOptions};
 use crate::experts::{Budget, StoreOptions};
-use crate::oracle;
 use crate::quant::Width;
 use crate::session::{RunKind, Session};
 use crate::settings::Settings;
@@ -212,7 +211,7 @@ pub fn load_for(
         eprintln!(
             "[stop] {} stop tokens: {}",
             stops.len(),
-            oracle::join(stops)
+            crate::snapshot::show_stop_ids(stops)
         );
     }
     Ok(Loaded {

@@ -38,7 +38,7 @@ use rayon::prelude::*;
 
 use crate::engines;
 use crate::quant::{self, Format, Matrix, Width};
-use crate::snapshot::{Dtype, Snapshot, TensorView};
+use crate::snapshot::{guard, Dtype, Snapshot, TensorView};
 use writer::{Entry, ShardWriter};
 
 /// The group sizes a reader can detect from the scale count.
@@ -625,7 +625,27 @@ pub fn convert(src: &Path, dst: &Path, options: &Options) -> Result<Summary> {
         }).collect::<Vec<_>>(),
     });
     prepare_destination(dst, &manifest)?;
+    // From here the destination is this conversion's: what stops it leaves complete shards
+    // that the same command resumes from.
+    let mut summary = write_shards(&snapshot, src, dst, &shard_plan).with_context(|| {
+        format!(
+            "{}: the conversion stopped; rerun the same command to resume from its complete shards (the .partial files are removed then)",
+            dst.display()
+        )
+    })?;
+    summary.seconds = started.elapsed().as_secs_f64();
+    Ok(summary)
+}
 
+/// Write the shards of `shard_plan` into `dst` (those already complete are skipped), then
+/// copy the side files of `src`.
+fn write_shards(
+    snapshot: &Snapshot,
+    src: &Path,
+    dst: &Path,
+    shard_plan: &[Vec<Planned>],
+) -> Result<Summary> {
+    let count = shard_plan.len();
     let total: u64 = shard_plan.iter().flatten().map(|j| j.source_bytes).sum();
     let bar = progress_bar(total);
     let mut summary = Summary {
@@ -665,7 +685,12 @@ pub fn convert(src: &Path, dst: &Path, options: &Options) -> Result<Summary> {
         }
         let mut writer = ShardWriter::create(&path, entries, &metadata)?;
         for job in jobs {
-            run_job(&snapshot, &job.job, &mut writer)?;
+            // A source shard that changed under the job made its bytes meaningless (and a
+            // read of a truncated mapping may fail as a bad address): that is what is said,
+            // and the shard is never finished.
+            let done = run_job(snapshot, &job.job, &mut writer);
+            guard::check()?;
+            done?;
             bar.inc(job.source_bytes);
         }
         writer.finish()?;
@@ -680,7 +705,6 @@ pub fn convert(src: &Path, dst: &Path, options: &Options) -> Result<Summary> {
             writer::write_atomic(&dst.join(&name), &bytes)?;
         }
     }
-    summary.seconds = started.elapsed().as_secs_f64();
     Ok(summary)
 }
 
@@ -694,15 +718,12 @@ fn prepare_destination(dst: &Path, manifest: &serde_json::Value) -> Result<()> {
             .next()
             .is_some();
         if manifest_path.exists() {
-            let previous: serde_json::Value = std::fs::read_to_string(&manifest_path)
-                .ok()
-                .and_then(|text| serde_json::from_str(&text).ok())
-                .unwrap_or(serde_json::Value::Null);
+            let previous = read_manifest(&manifest_path)?;
             if previous != *manifest {
                 bail!(
-                    "{} holds a conversion from another source or with other options ({}); remove it or choose another destination",
+                    "{} holds {}; remove it or choose another destination",
                     dst.display(),
-                    manifest_path.display()
+                    describe_other(dst, &previous, manifest)
                 );
             }
         } else if has_files {
@@ -732,6 +753,74 @@ fn prepare_destination(dst: &Path, manifest: &serde_json::Value) -> Result<()> {
         &manifest_path,
         serde_json::to_string_pretty(manifest)?.as_bytes(),
     )
+}
+
+/// The manifest an earlier run left at `path`: a JSON object, or an error that says the
+/// file cannot tell what the directory holds.
+fn read_manifest(path: &Path) -> Result<serde_json::Value> {
+    let unreadable = |why: String| {
+        anyhow::anyhow!(
+            "{}: {why}, so what its directory holds is unknown (a conversion's record is a JSON object written by coli convert); remove the directory, or choose another destination",
+            path.display()
+        )
+    };
+    let text =
+        std::fs::read_to_string(path).map_err(|e| unreadable(format!("cannot read it ({e})")))?;
+    match serde_json::from_str::<serde_json::Value>(&text) {
+        Ok(value) if value.is_object() => Ok(value),
+        Ok(_) => Err(unreadable("it is JSON but not an object".to_string())),
+        Err(e) => Err(unreadable(format!("it is not valid JSON ({e})"))),
+    }
+}
+
+/// What the conversion recorded in `previous` is, said against the one `wanted` asks for:
+/// finished (every planned shard written) or not, and each setting that differs.
+fn describe_other(dst: &Path, previous: &serde_json::Value, wanted: &serde_json::Value) -> String {
+    let planned: Vec<&str> = previous
+        .get("shards")
+        .and_then(|s| s.as_array())
+        .map(|shards| {
+            shards
+                .iter()
+                .filter_map(|s| s.get("file").and_then(|f| f.as_str()))
+                .collect()
+        })
+        .unwrap_or_default();
+    let finished = !planned.is_empty() && planned.iter().all(|f| dst.join(f).is_file());
+    let state = if finished {
+        "a finished conversion"
+    } else {
+        "an unfinished conversion"
+    };
+    let mut differences = Vec::new();
+    if previous.get("source") != wanted.get("source") {
+        differences.push("of another source (its tensors differ)".to_string());
+    }
+    for (key, flag) in [
+        ("engine", "--model"),
+        ("expert_bits", "--expert-bits"),
+        ("dense_bits", "--dense-bits"),
+        ("io_bits", "--io-bits"),
+        ("group_size", "--group-size"),
+    ] {
+        let (there, here) = (previous.get(key), wanted.get(key));
+        if there != here {
+            let show = |v: Option<&serde_json::Value>| match v {
+                Some(serde_json::Value::String(s)) => s.clone(),
+                Some(v) => v.to_string(),
+                None => "unset".to_string(),
+            };
+            differences.push(format!(
+                "{flag} {} (this command: {})",
+                show(there),
+                show(here)
+            ));
+        }
+    }
+    if differences.is_empty() && previous.get("shards") != wanted.get("shards") {
+        differences.push("another shard layout (--shard-gb)".to_string());
+    }
+    format!("{state} made with {}", differences.join(", "))
 }
 
 fn progress_bar(total: u64) -> ProgressBar {

@@ -815,7 +815,7 @@ impl GlmMoeDsa {
     pub fn load(snapshot: &Snapshot, options: LoadOptions) -> Result<GlmMoeDsa> {
         let config: Config = snapshot.config()?;
         config.validate()?;
-        let stop = snapshot.stop_ids(DEFAULT_EOS)?;
+        let stop = snapshot.stop_ids(DEFAULT_EOS, config.vocab_size)?;
         // The MTP head, when the checkpoint has it, is layer `num_hidden_layers`.
         super::check_config(
             snapshot,
@@ -1094,7 +1094,7 @@ impl Engine for GlmMoeDsa {
         } else {
             final_norm(&x, &self.final_norm, eps, &wanted)
         };
-        let logits = lm_head(&self.lm_head, &normed);
+        let logits = lm_head(&self.lm_head, &normed)?;
         Ok(rows.split_logits(logits, self.config.vocab_size))
     }
 

@@ -434,7 +434,7 @@ impl Inkling {
     pub fn load(snapshot: &Snapshot, options: LoadOptions) -> Result<Inkling> {
         let config = Config::read(snapshot)?;
         config.validate()?;
-        let stop = snapshot.stop_ids(DEFAULT_EOS)?;
+        let stop = snapshot.stop_ids(DEFAULT_EOS, config.logit_count())?;
         let names = Names::find(|name| snapshot.contains(name))
             .map_err(|err| anyhow!("{}: {err}", snapshot.dir().display()))?;
         super::check_config(
@@ -933,7 +933,7 @@ impl Engine for Inkling {
         let mut normed = final_norm(&x, &self.final_norm, eps, &rows.output_rows());
         let multiplier = self.config.logits_mup_width_multiplier as f32;
         normed.iter_mut().for_each(|v| *v /= multiplier);
-        let logits = lm_head(&self.lm_head, &normed);
+        let logits = lm_head(&self.lm_head, &normed)?;
         let kept = self.config.logit_count();
         let logits = if kept == vocab {
             logits

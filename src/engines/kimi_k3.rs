@@ -817,7 +817,7 @@ pub struct KimiK3 {
 impl KimiK3 {
     pub fn load(snapshot: &Snapshot, options: LoadOptions) -> Result<KimiK3> {
         let config = Config::read(snapshot)?;
-        let stop = snapshot.stop_ids(&[])?;
+        let stop = snapshot.stop_ids(&[], config.vocab_size)?;
         let prefix = tensor_prefix(snapshot)?;
         let (d, n_layers) = (config.hidden_size, config.num_hidden_layers);
         let weights = Weights::new(snapshot, options.dense_width);
@@ -1022,7 +1022,7 @@ impl Engine for KimiK3 {
         }
         drop(routed);
         let counts: Vec<usize> = hidden.iter().map(|h| h.len() / d).collect();
-        let logits = lm_head(&self.lm_head, &hidden.concat());
+        let logits = lm_head(&self.lm_head, &hidden.concat())?;
         let vocab = self.config.vocab_size;
         let mut rest = &logits[..];
         Ok(counts

@@ -13,6 +13,7 @@ use super::weights::Weights;
 use crate::activation::{swiglu, Activation};
 use crate::profile::{self, Phase};
 use crate::quant::{matmul_shared_input, Matrix};
+use crate::snapshot::guard;
 
 /// The embedding rows of `tokens`, `tokens.len() x embed.cols()`: a forward's first step in
 /// every engine, refusing an empty forward and an id outside the config's `vocab`.
@@ -68,12 +69,15 @@ pub fn final_norm(x: &[f32], weight: &[f32], eps: f64, picked: &[usize]) -> Vec<
 }
 
 /// The LM head over the final-normalised `rows` (each `head.cols()` wide): one row of
-/// `head.rows()` logits each, timed as the `PROFILE:` line's `lm_head`.
-pub fn lm_head(head: &Matrix, rows: &[f32]) -> Vec<f32> {
+/// `head.rows()` logits each, timed as the `PROFILE:` line's `lm_head`. It ends every
+/// forward, so it is where a shard that changed under the forward is said
+/// ([`guard::check`]), before any of the logits is used.
+pub fn lm_head(head: &Matrix, rows: &[f32]) -> Result<Vec<f32>> {
     let m = rows.len() / head.cols();
     let mut logits = vec![0f32; m * head.rows()];
     profile::time(Phase::LmHead, || head.matmul(rows, m, &mut logits));
-    logits
+    guard::check()?;
+    Ok(logits)
 }
 
 /// `a · b` over the shorter length, in eight interleaved partial sums (element `8c + l`

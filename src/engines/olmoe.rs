@@ -184,8 +184,8 @@ const DEFAULT_EOS: &[u32] = &[50279];
 impl Olmoe {
     pub fn load(snapshot: &Snapshot, options: LoadOptions) -> Result<Olmoe> {
         let config: Config = snapshot.config()?;
-        let stop = snapshot.stop_ids(DEFAULT_EOS)?;
         config.validate()?;
+        let stop = snapshot.stop_ids(DEFAULT_EOS, config.vocab_size)?;
         super::check_config(
             snapshot,
             "model.layers.",
@@ -522,7 +522,7 @@ impl Engine for Olmoe {
         }
         let eps = self.config.rms_norm_eps;
         let normed = final_norm(&x, &self.final_norm, eps, &rows.output_rows());
-        Ok(rows.split_logits(lm_head(&self.lm_head, &normed), vocab))
+        Ok(rows.split_logits(lm_head(&self.lm_head, &normed)?, vocab))
     }
 
     fn stop_tokens(&self) -> &[u32] {

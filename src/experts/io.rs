@@ -27,11 +27,11 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
-use memmap2::{Mmap, MmapMut, MmapOptions};
+use memmap2::{MmapMut, MmapOptions};
 
 use super::{Expert, ExpertTensors};
 use crate::quant::Width;
-use crate::snapshot::{MappedBytes, TensorView};
+use crate::snapshot::{MappedBytes, Mapping, TensorView};
 
 /// File offsets, lengths and buffer positions are multiples of this, as `O_DIRECT` needs
 /// on every common file system and device.
@@ -286,7 +286,7 @@ impl Files {
         &self,
         tensors: &ExpertTensors,
         plan: &ReadPlan,
-        buffer: &Arc<Mmap>,
+        buffer: &Arc<Mapping>,
     ) -> ExpertTensors {
         let moved = |view: &TensorView| -> TensorView {
             let file = self.index(&view.file).unwrap_or(usize::MAX);
@@ -374,7 +374,7 @@ fn drop_cached(file: &File, offset: u64, len: usize) {
 pub struct Loaded {
     /// Boxed: a slot's state is this or nothing (being read), so keep the two small alike.
     pub weights: Box<Expert>,
-    pub buffer: Option<Arc<Mmap>>,
+    pub buffer: Option<Arc<Mapping>>,
 }
 
 /// A read the store asked for.
@@ -431,11 +431,11 @@ impl Shared {
         }
     }
 
-    fn recycle(&self, buffer: Arc<Mmap>) {
+    fn recycle(&self, buffer: Arc<Mapping>) {
         let Ok(mapping) = Arc::try_unwrap(buffer) else {
             return;
         };
-        let Ok(writable) = mapping.make_mut() else {
+        let Ok(writable) = mapping.into_buffer().make_mut() else {
             return;
         };
         let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
@@ -447,11 +447,11 @@ impl Shared {
     fn load(&self, tensors: &ExpertTensors, plan: &ReadPlan) -> Result<Loaded> {
         let mut buffer = self.buffer(plan.buffer_len)?;
         self.files.read(plan, &mut buffer)?;
-        let buffer = Arc::new(
+        let buffer = Arc::new(Mapping::buffer(
             buffer
                 .make_read_only()
                 .context("cannot protect an expert slot")?,
-        );
+        ));
         let weights = Box::new(Expert::load(
             &self.files.rebase(tensors, plan, &buffer),
             self.width,
@@ -660,7 +660,7 @@ mod tests {
     fn cached_pages(path: &Path) -> usize {
         let file = File::open(path).unwrap();
         // SAFETY: a read-only mapping of a file no one else writes during the test.
-        let map = unsafe { Mmap::map(&file) }.unwrap();
+        let map = unsafe { memmap2::Mmap::map(&file) }.unwrap();
         let pages = map.len().div_ceil(ALIGN);
         let mut resident = vec![0u8; pages];
         // SAFETY: `resident` has one byte per page of the mapping, as mincore needs.

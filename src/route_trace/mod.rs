@@ -45,7 +45,7 @@ pub use identity::{EngineId, FORMAT_VERSION, KNOWN_ENGINES, UNKNOWN_ENGINE};
 pub use placement::{PinGb, PinPlan, PinRank, PinRequest, PinSetting, PinSource};
 pub use repin::{RepinSchedule, SessionHeat, Swap};
 pub use save::{Decay, Diverted, SaveError, SaveOptions, SaveOutcome};
-pub use trace_stream::TraceStream;
+pub use trace_stream::{TraceLost, TraceStream};
 
 /// The per-run telemetry facility: one per process, owned by the engine's driver.
 ///
@@ -242,8 +242,8 @@ impl RouteTrace {
     }
 
     /// Pushes buffered trace lines to the file (call at exit and on SIGINT/SIGTERM);
-    /// returns the first write error the trace met, if any.
-    pub fn flush_trace(&mut self) -> io::Result<()> {
+    /// returns the first write error the trace met, if any, with what it cost.
+    pub fn flush_trace(&mut self) -> Result<(), TraceLost> {
         self.trace.as_mut().map_or(Ok(()), TraceStream::flush)
     }
 

@@ -6,7 +6,8 @@
 //!
 //! Owns the file, its buffering, the line bytes (gates as C `%.4f`) and the `call` number.
 //! It is measurement only: nothing here may feed back into routing, and a write error stops
-//! the trace instead of interrupting the run (it is reported by [`TraceStream::flush`]).
+//! the trace instead of interrupting the run (it is reported by [`TraceStream::flush`],
+//! with how many lines reached the file and how many were lost).
 //! The stream is fully buffered like colibri's stdio stream; lines reach the disk when the
 //! buffer fills, on [`TraceStream::flush`], and when the stream is dropped.
 
@@ -24,6 +25,21 @@ pub struct TraceStream {
     call: u64,
     line: String,
     error: Option<io::Error>,
+    /// Lines handed to the buffer (those after an error are not).
+    lines: u64,
+    /// Lines dropped after a write error.
+    dropped: u64,
+}
+
+/// A trace that could not be written whole: the error, and where the file stops.
+#[derive(Debug, thiserror::Error)]
+#[error("{source} \u{2014} {written} trace lines reached the file, {lost} were lost")]
+pub struct TraceLost {
+    pub source: io::Error,
+    /// Lines on disk (the last one may be cut short).
+    pub written: u64,
+    /// Lines that never reached it.
+    pub lost: u64,
 }
 
 impl TraceStream {
@@ -40,6 +56,8 @@ impl TraceStream {
             call: 0,
             line: String::with_capacity(256),
             error: None,
+            lines: 0,
+            dropped: 0,
         })
     }
 
@@ -57,12 +75,17 @@ impl TraceStream {
     /// paired in order; `k = 0` writes just the three leading fields.
     pub fn write(&mut self, row: usize, layer: usize, ids: &[usize], gates: &[f32]) {
         if self.error.is_some() {
+            self.dropped += 1;
             return;
         }
         self.line.clear();
         format_line(&mut self.line, self.call, row, layer, ids, gates);
-        if let Err(e) = self.out.write_all(self.line.as_bytes()) {
-            self.error = Some(e);
+        match self.out.write_all(self.line.as_bytes()) {
+            Ok(()) => self.lines += 1,
+            Err(e) => {
+                self.error = Some(e);
+                self.dropped += 1;
+            }
         }
     }
 
@@ -71,15 +94,29 @@ impl TraceStream {
         self.call += 1;
     }
 
-    /// Pushes buffered lines to the file; returns the first write error seen, if any.
-    pub fn flush(&mut self) -> io::Result<()> {
-        let named = |e: io::Error, path: &Path| {
-            io::Error::new(e.kind(), format!("{}: {e}", path.display()))
+    /// Pushes buffered lines to the file; returns the first write error seen, if any, with
+    /// how many lines reached the file and how many did not. After an error the trace
+    /// stays stopped: every later line is counted as lost.
+    pub fn flush(&mut self) -> Result<(), TraceLost> {
+        let failed = match self.error.take() {
+            Some(e) => Some(e),
+            None => self.out.flush().err(),
         };
-        if let Some(e) = self.error.take() {
-            return Err(named(e, &self.path));
-        }
-        self.out.flush().map_err(|e| named(e, &self.path))
+        let Some(e) = failed else {
+            return Ok(());
+        };
+        // What the buffer still holds never reached the file.
+        let buffered = self.out.buffer().iter().filter(|&&b| b == b'\n').count() as u64;
+        let lost = buffered + self.dropped;
+        let written = self.lines - buffered;
+        // Stopped for good: later lines are dropped and counted, and the next flush says
+        // the same again with the totals grown.
+        self.error = Some(io::Error::new(e.kind(), e.to_string()));
+        Err(TraceLost {
+            source: io::Error::new(e.kind(), format!("{}: {e}", self.path.display())),
+            written,
+            lost,
+        })
     }
 }
 

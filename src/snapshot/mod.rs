@@ -4,8 +4,11 @@
 //! This module owns the mapping of files and the validation of what they declare: every
 //! `*.safetensors` file in the directory is mapped once, its header parsed, and every tensor
 //! becomes a [`TensorView`], a window into the mapping that costs nothing to clone. It does
-//! not interpret weights (that is `quant`) and it never copies tensor data.
+//! not interpret weights (that is `quant`) and it never copies tensor data. A shard that
+//! changes under the running process is caught by `guard` and said by
+//! [`guard::check`].
 
+pub mod guard;
 mod shard;
 mod stamp;
 
@@ -17,7 +20,7 @@ use anyhow::{bail, Context, Result};
 use serde::de::DeserializeOwned;
 
 use shard::Shard;
-pub use shard::{Dtype, MappedBytes, TensorView};
+pub use shard::{Dtype, MappedBytes, Mapping, TensorView};
 
 /// Where a tensor lives: which shard, and its header entry.
 #[derive(Debug, Clone)]
@@ -124,10 +127,11 @@ impl Snapshot {
         &self.config
     }
 
-    /// The ids that end a generation by the model's own files ([`model_stop_ids`]);
-    /// `absent`: what the engine's transformers config class defaults to when `config.json`
-    /// has no `eos_token_id`.
-    pub fn stop_ids(&self, absent: &[u32]) -> Result<Vec<u32>> {
+    /// The ids that end a generation by the model's own files ([`model_stop_ids`], each
+    /// checked against `vocab`, the logits' width); `absent`: what the engine's transformers
+    /// config class defaults to when `config.json` has no `eos_token_id`. Read once, at
+    /// load: everything after asks the engine for them.
+    pub fn stop_ids(&self, absent: &[u32], vocab: usize) -> Result<Vec<u32>> {
         let key = "eos_token_id";
         let given = self.config.get(key).is_some()
             || self
@@ -135,15 +139,9 @@ impl Snapshot {
                 .get("text_config")
                 .and_then(|t| t.get(key))
                 .is_some();
-        let read = model_stop_ids(&self.dir, &self.config)?;
+        let read = model_stop_ids(&self.dir, &self.config, vocab)?;
         let defaults = if given { &[][..] } else { absent };
-        let mut ids = Vec::with_capacity(defaults.len() + read.len());
-        for id in defaults.iter().chain(&read) {
-            if !ids.contains(id) {
-                ids.push(*id);
-            }
-        }
-        Ok(ids)
+        Ok(first_seen(defaults.iter().chain(&read).copied()))
     }
 
     /// `config.json` as a typed engine configuration; serde's message names the key.
@@ -234,48 +232,105 @@ fn check_index(dir: &Path, shard_paths: &[PathBuf]) -> Result<()> {
     Ok(())
 }
 
+/// The most ids a stop list may hold: a model has a handful, and every generated token is
+/// looked up in the list.
+pub const MAX_STOP_IDS: usize = 4096;
+
+/// How many ids of a long list a report line shows.
+const SHOWN_STOP_IDS: usize = 16;
+
 /// The ids that end a generation by the files of the model in `dir` (`config`: its
 /// `config.json`): `eos_token_id` of `config.json` (the top level, else its `text_config`),
 /// then of `generation_config.json` when there is one, each id once, first seen first.
-/// Every engine's stop list and text mode's start from these.
-pub fn model_stop_ids(dir: &Path, config: &serde_json::Value) -> Result<Vec<u32>> {
+/// Every id must be below `vocab`. Every engine's stop list and text mode's start from
+/// these.
+pub fn model_stop_ids(dir: &Path, config: &serde_json::Value, vocab: usize) -> Result<Vec<u32>> {
     let key = "eos_token_id";
     let top = config.get(key).filter(|v| !v.is_null());
     let text = config.get("text_config").and_then(|t| t.get(key));
-    let mut ids = token_ids(top.or(text), key, &dir.join("config.json"))?;
+    let config_path = dir.join("config.json");
+    let mut ids = stop_ids_in(top.or(text), key, &config_path, vocab)?;
     let path = dir.join("generation_config.json");
     if path.is_file() {
         let text = std::fs::read_to_string(&path)
             .with_context(|| format!("cannot read {}", path.display()))?;
         let json: serde_json::Value = serde_json::from_str(&text)
             .with_context(|| format!("{} is not valid JSON", path.display()))?;
-        ids.extend(token_ids(json.get(key), key, &path)?);
+        ids.extend(stop_ids_in(json.get(key), key, &path, vocab)?);
     }
-    let mut seen = Vec::with_capacity(ids.len());
-    for id in ids {
-        if !seen.contains(&id) {
-            seen.push(id);
+    Ok(first_seen(ids))
+}
+
+/// The stop ids of `key` in the file at `path` ([`token_ids`]), at most [`MAX_STOP_IDS`]
+/// of them, each below `vocab`.
+fn stop_ids_in(
+    value: Option<&serde_json::Value>,
+    key: &str,
+    path: &Path,
+    vocab: usize,
+) -> Result<Vec<u32>> {
+    if let Some(items) = value.and_then(|v| v.as_array()) {
+        if items.len() > MAX_STOP_IDS {
+            bail!(
+                "{}: {key} lists {} ids; at most {MAX_STOP_IDS} are taken (a model ends its text with a handful)",
+                path.display(),
+                items.len()
+            );
         }
     }
-    Ok(seen)
+    let ids = token_ids(value, key, path)?;
+    if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+        bail!(
+            "{}: {key} holds {bad}, outside the model's vocabulary (vocab_size {vocab})",
+            path.display()
+        );
+    }
+    Ok(ids)
+}
+
+/// `ids` without repeats, each where it first appears.
+fn first_seen(ids: impl IntoIterator<Item = u32>) -> Vec<u32> {
+    let mut seen = std::collections::HashSet::new();
+    ids.into_iter().filter(|id| seen.insert(*id)).collect()
+}
+
+/// `ids` for a report line: all of a short list, else the first [`SHOWN_STOP_IDS`] and how
+/// many more there are.
+pub fn show_stop_ids(ids: &[u32]) -> String {
+    let shown: Vec<String> = ids
+        .iter()
+        .take(SHOWN_STOP_IDS)
+        .map(u32::to_string)
+        .collect();
+    match ids.len().saturating_sub(SHOWN_STOP_IDS) {
+        0 => shown.join(" "),
+        more => format!("{} ... ({more} more)", shown.join(" ")),
+    }
 }
 
 /// The token ids of `key` in the file at `path`: one id, a list of ids, or null or absent
 /// (none).
 pub fn token_ids(value: Option<&serde_json::Value>, key: &str, path: &Path) -> Result<Vec<u32>> {
     let as_id = |v: &serde_json::Value| v.as_u64().and_then(|id| u32::try_from(id).ok());
-    let ids = match value {
-        None | Some(serde_json::Value::Null) => Some(Vec::new()),
-        Some(serde_json::Value::Array(items)) => items.iter().map(as_id).collect(),
-        Some(single) => as_id(single).map(|id| vec![id]),
-    };
-    match ids {
-        Some(ids) => Ok(ids),
-        None => bail!(
-            "{}: {key} must be a token id or a list of token ids (or null), found {}",
-            path.display(),
-            value.map_or(String::new(), ToString::to_string)
-        ),
+    let expected = "must be a token id or a list of token ids (or null)";
+    match value {
+        None | Some(serde_json::Value::Null) => Ok(Vec::new()),
+        Some(serde_json::Value::Array(items)) => items
+            .iter()
+            .enumerate()
+            .map(|(at, item)| {
+                as_id(item).ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "{}: {key} {expected}, found {item} at index {at}",
+                        path.display()
+                    )
+                })
+            })
+            .collect(),
+        Some(single) => match as_id(single) {
+            Some(id) => Ok(vec![id]),
+            None => bail!("{}: {key} {expected}, found {single}", path.display()),
+        },
     }
 }
 
@@ -301,7 +356,7 @@ mod tests {
     #[test]
     fn stop_ids_come_from_the_top_level_first_then_the_generation_config() {
         let dir = tempfile::tempdir().unwrap();
-        let stops = |config: serde_json::Value| model_stop_ids(dir.path(), &config).unwrap();
+        let stops = |config: serde_json::Value| model_stop_ids(dir.path(), &config, 16).unwrap();
         let text = serde_json::json!({"eos_token_id": 4});
         assert_eq!(stops(serde_json::json!({"text_config": text})), vec![4]);
         assert_eq!(

@@ -18,9 +18,39 @@ pub struct ShardEntry {
     pub end: usize,
 }
 
+/// Bytes the views point into: a shard's mapping, watched for as long as it lives (see
+/// `guard`), or a buffer the expert store read an expert into.
+pub struct Mapping {
+    /// Declared before the map, so that the watch ends before the pages are unmapped.
+    watch: Option<super::guard::Watch>,
+    map: Mmap,
+}
+
+impl Mapping {
+    /// A buffer that is no file's mapping.
+    pub fn buffer(map: Mmap) -> Mapping {
+        Mapping { watch: None, map }
+    }
+
+    /// The buffer back, for reuse.
+    pub fn into_buffer(self) -> Mmap {
+        let Mapping { watch, map } = self;
+        drop(watch);
+        map
+    }
+}
+
+impl std::ops::Deref for Mapping {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        &self.map
+    }
+}
+
 pub struct Shard {
     path: PathBuf,
-    mapping: Arc<Mmap>,
+    mapping: Arc<Mapping>,
     entries: Vec<(String, ShardEntry)>,
     /// The header's `__metadata__` strings (e.g. the `colibri.fmt` container stamp).
     metadata: std::collections::HashMap<String, String>,
@@ -44,10 +74,14 @@ impl Shard {
             );
         }
         let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
-        // SAFETY: the mapping is read-only; a shard rewritten underneath a running process is
-        // outside what any reader of memory-mapped weights can defend against.
-        let mapping = unsafe { Mmap::map(&file) }
+        // SAFETY: the mapping is read-only; a shard truncated underneath the process reads as
+        // zeros from then on and is reported by `guard::check` (see `guard`).
+        let map = unsafe { Mmap::map(&file) }
             .with_context(|| format!("cannot memory-map {}", path.display()))?;
+        let mapping = Mapping {
+            watch: Some(super::guard::watch(&map, file, path)),
+            map,
+        };
         let (header_len, metadata) =
             SafeTensors::read_metadata(&mapping).map_err(|err| describe(path, &mapping, err))?;
         let data_start = 8 + header_len;
@@ -77,7 +111,7 @@ impl Shard {
         &self.path
     }
 
-    pub fn mapping(&self) -> Arc<Mmap> {
+    pub fn mapping(&self) -> Arc<Mapping> {
         Arc::clone(&self.mapping)
     }
 
@@ -194,13 +228,13 @@ fn declared_data_len(bytes: &[u8]) -> Option<(usize, usize)> {
 /// A window into a mapped shard; cloning it shares the mapping.
 #[derive(Clone)]
 pub struct MappedBytes {
-    mapping: Arc<Mmap>,
+    mapping: Arc<Mapping>,
     start: usize,
     end: usize,
 }
 
 impl MappedBytes {
-    pub fn new(mapping: Arc<Mmap>, start: usize, end: usize) -> MappedBytes {
+    pub fn new(mapping: Arc<Mapping>, start: usize, end: usize) -> MappedBytes {
         MappedBytes {
             mapping,
             start,

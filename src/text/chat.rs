@@ -33,6 +33,31 @@ pub const CHAT_TEMPLATE_FILE: &str = "chat_template.jinja";
 /// The variables a template is rendered with, for messages.
 const PROVIDED: &str = "messages (role, content; tool_calls, tool_call_id, name where given), tools (when given), add_generation_prompt, bos_token, eos_token, raise_exception(), the request's chat_template_kwargs";
 
+/// A render's fuel (minijinja's budget of instructions and of data created, one unit per 64
+/// bytes) before what the conversation adds: far more than any published template spends
+/// on a short conversation, and a fraction of a second of rendering.
+const FUEL_BASE: u64 = 2_000_000;
+
+/// Fuel per byte of the conversation as the template receives it (its JSON): room to read
+/// every byte of it many times over.
+const FUEL_PER_BYTE: u64 = 1;
+
+/// Fuel per message and per tool: each is a few hundred instructions in a template's loops,
+/// however short its text.
+const FUEL_PER_ITEM: u64 = 2_000;
+
+/// The most bytes a rendering may hold before what the conversation adds: a prompt longer
+/// than any model's context is a template that never stops growing.
+const OUTPUT_BASE: usize = 16 << 20;
+
+/// Output bytes per byte of the conversation.
+const OUTPUT_PER_BYTE: usize = 8;
+
+/// Macro and block nesting a template may reach: below minijinja's own ceiling, so that a
+/// template calling itself ends with an error on a thread's default 2 MiB stack too (the
+/// server renders on its engine thread).
+const RECURSION_LIMIT: usize = 200;
+
 /// The variables coli sets itself, which a request's own variables may not replace.
 const RESERVED: [&str; 5] = [
     "messages",
@@ -235,18 +260,70 @@ impl ChatTemplate {
         context.insert("add_generation_prompt".into(), true.into());
         context.insert("bos_token".into(), bos_token.unwrap_or("").into());
         context.insert("eos_token".into(), eos_token.unwrap_or("").into());
+        // What the template may spend grows with what it is given; a template that loops
+        // or builds text without end runs out of fuel (time and memory) or of room for its
+        // output, and says so, instead of holding the thread forever.
+        let given = serde_json::to_string(&context).map_or(0, |json| json.len());
+        let items = (conversation.messages.len() + conversation.tools.len()) as u64;
+        env.set_fuel(Some(
+            FUEL_BASE + FUEL_PER_BYTE * given as u64 + FUEL_PER_ITEM * items,
+        ));
+        env.set_recursion_limit(RECURSION_LIMIT);
+        let room = OUTPUT_BASE + OUTPUT_PER_BYTE * given;
         let context = Value::from(minijinja::value::Serde(&context));
         let prefill = &conversation.prefill;
         let failed = |err: Error| {
+            let why = match err.kind() {
+                ErrorKind::OutOfFuel => format!(
+                    "it did more work than a prompt of {given} bytes of messages and tools can need (an endless loop, or text built without end); {err:#}"
+                ),
+                ErrorKind::WriteFailure => format!(
+                    "it rendered more than {room} bytes from {given} bytes of messages and tools"
+                ),
+                _ => format!("{err:#}"),
+            };
             anyhow!(
-                "chat template ({}): {err:#}\n(coli renders chat templates with: {PROVIDED})",
+                "chat template ({}): {why}\n(coli renders chat templates with: {PROVIDED})",
                 self.source
             )
         };
         let template = env
             .template_from_named_str("chat_template", &self.text)
             .map_err(failed)?;
-        Ok(template.render(context).map_err(failed)? + prefill)
+        let mut out = Bounded {
+            text: Vec::new(),
+            room,
+        };
+        template
+            .render_captured_to(context, &mut out)
+            .map_err(failed)?;
+        let text = String::from_utf8(out.text).map_err(|_| {
+            anyhow!(
+                "chat template ({}): it rendered text that is not UTF-8",
+                self.source
+            )
+        })?;
+        Ok(text + prefill)
+    }
+}
+
+/// A template's output, refused past `room` bytes.
+struct Bounded {
+    text: Vec<u8>,
+    room: usize,
+}
+
+impl std::io::Write for Bounded {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        if self.text.len() + bytes.len() > self.room {
+            return Err(std::io::Error::other("the rendered prompt is too long"));
+        }
+        self.text.extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 

@@ -21,7 +21,7 @@ use crate::engines::{Engine, PromptConvention};
 use crate::generate::{generate_with, Ending, Flow, Generation, OnTokens, Policy};
 use crate::sampling::{Sampler, Shaping};
 use crate::settings::Settings;
-use crate::snapshot::{model_stop_ids, token_ids, Snapshot};
+use crate::snapshot::{token_ids, Snapshot};
 
 pub use chat::{called_tool, ChatMessage, ChatTemplate, Conversation, ToolCall};
 pub use tokenizer::{TextStream, TextTokenizer};
@@ -179,15 +179,15 @@ impl<'a> TextModel<'a> {
         })
     }
 
-    /// Every id that ends a generation: `eos_token_id` of `config.json` (or its
-    /// `text_config`) and of `generation_config.json`, `tokenizer_config.json`'s `eos_token`,
-    /// the engine's own, and with [`PromptConvention::stop_on_special`] every special token.
+    /// Every id that ends a generation: the engine's own (`eos_token_id` of `config.json`,
+    /// or its `text_config`, and of `generation_config.json`, read once when it loaded),
+    /// `tokenizer_config.json`'s `eos_token`, and with [`PromptConvention::stop_on_special`]
+    /// every special token.
     pub fn stop_ids(&self, engine_stops: &[u32]) -> Result<Vec<u32>> {
-        let mut ids = model_stop_ids(self.dir, self.config)?;
+        let mut ids = engine_stops.to_vec();
         if let Some(eos) = &self.tokenizer.config().eos_token {
             ids.push(self.tokenizer.config_token_id("eos_token", eos)?);
         }
-        ids.extend_from_slice(engine_stops);
         if self.convention.stop_on_special {
             ids.extend(self.tokenizer.special_ids());
         }

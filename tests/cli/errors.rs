@@ -163,6 +163,57 @@ fn config_errors_name_the_key() {
     );
 }
 
+/// `generation_config.json`'s stop ids: a list of millions is refused at once (naming the
+/// file, the key and the count), an id beyond the vocabulary is refused naming it, and a
+/// long list that is taken is shown shortened.
+#[test]
+fn stop_ids_are_bounded_and_within_the_vocabulary() {
+    let dir = copy_fixture("olmoe_tiny");
+    let path = dir.path().join("generation_config.json");
+    let run = [snap_arg(dir.path()), "IDS=3 11".into(), "NGEN=1".into()];
+    let run: Vec<&str> = run
+        .iter()
+        .map(String::as_str)
+        .chain(["64", "16", "16"])
+        .collect();
+    let many: Vec<u32> = (0..3_000_000).map(|i| i % 100).collect();
+    std::fs::write(
+        &path,
+        serde_json::json!({ "eos_token_id": many }).to_string(),
+    )
+    .unwrap();
+    assert_refused(
+        &run,
+        &[],
+        &["generation_config.json", "eos_token_id lists 3000000 ids"],
+    );
+
+    std::fs::write(&path, r#"{"eos_token_id": [7, 500]}"#).unwrap();
+    assert_refused(
+        &run,
+        &[],
+        &[
+            "generation_config.json",
+            "eos_token_id holds 500",
+            "vocab_size 128",
+        ],
+    );
+
+    let forty: Vec<u32> = (60..100).collect();
+    std::fs::write(
+        &path,
+        serde_json::json!({ "eos_token_id": forty }).to_string(),
+    )
+    .unwrap();
+    let out = coli(&run, &[("USAGE_SAVE", "0")]);
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("[stop] 40 stop tokens: 60 61 62 63 64 65 66 67 68 69 70 71 72 73 74 75 ... (24 more)\n"),
+        "{err}"
+    );
+}
+
 #[test]
 fn malformed_reference_names_the_problem() {
     let dir = copy_fixture("olmoe_tiny");

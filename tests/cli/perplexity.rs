@@ -224,3 +224,97 @@ fn bad_perplexity_input_is_refused_and_touches_nothing() {
     );
     assert_eq!(fs::read(&base).unwrap(), written);
 }
+
+/// The first SIGTERM stops a perplexity run between windows: it prints the figures of the
+/// windows scored, writes no partial `KLD_BASE`, and exits 128 + 15.
+#[test]
+fn sigterm_stops_scoring_between_windows_and_prints_what_was_scored() {
+    use std::io::{BufRead as _, BufReader, Read as _};
+    use std::process::Stdio;
+    use std::time::{Duration, Instant};
+
+    let dir = tempfile::tempdir().unwrap();
+    let text = dir.path().join("long.txt");
+    // Far more windows of two tokens than a run scores before the signal comes.
+    fs::write(
+        &text,
+        "the quick brown fox jumps over the lazy dog\n".repeat(20_000),
+    )
+    .unwrap();
+    let base = dir.path().join("b.kld");
+    let mut child = common::coli_command(
+        &[
+            &snap("olmoe_tiny"),
+            "PPL=1",
+            &format!("PPL_FILE={}", text.display()),
+            &format!("KLD_BASE={}", base.display()),
+            "CTX=2",
+            "PPL_STRIDE=1",
+            "64",
+            "16",
+            "16",
+        ],
+        &[],
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let mut out = child.stdout.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        out.read_to_string(&mut text).unwrap();
+        text
+    });
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut err = String::new();
+    // Scoring begins after the `[PPL]` line.
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        err.push_str(&line);
+        err.push('\n');
+        if line.starts_with("[PPL] ") {
+            break;
+        }
+    }
+    assert!(err.contains("[PPL] "), "coli ended before scoring: {err}");
+    // SAFETY: kill has no memory preconditions; the pid is our child's, not yet waited on.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > Duration::from_secs(120) {
+            child.kill().unwrap();
+            panic!("SIGTERM did not stop the perplexity run: {err}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    for line in lines {
+        err.push_str(&line.unwrap());
+        err.push('\n');
+    }
+    let text = reader.join().unwrap();
+    assert_eq!(status.code(), Some(128 + 15), "{text}{err}");
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("PPL: "))
+        .unwrap_or_else(|| panic!("no PPL line: {text}{err}"));
+    assert!(line.contains("| stopped by a signal after "), "{line}");
+    let (done, of) = {
+        let tail = &line[line.find("after ").unwrap() + 6..];
+        let mut words = tail.split(' ');
+        let done: usize = words.next().unwrap().parse().unwrap();
+        let of: usize = words.nth(1).unwrap().parse().unwrap();
+        (done, of)
+    };
+    assert!(done < of, "{line}");
+    // Each window of two tokens scores one.
+    assert_eq!(number_after(line, " over") as usize, done, "{line}");
+    assert!(
+        err.contains("[KLD_BASE]") && err.contains("not written"),
+        "{err}"
+    );
+    assert!(!base.exists());
+}

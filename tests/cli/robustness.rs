@@ -388,3 +388,113 @@ fn a_conversion_that_stops_says_a_rerun_resumes() {
         ],
     );
 }
+
+/// A shard truncated under a running generation, its experts mapped or read with direct
+/// I/O, ends the run with exit 2 naming the shard (not SIGBUS); the tokens generated before
+/// are printed, the history is saved with their routing and the trace is flushed.
+/// The shard is cut once the trace's buffer first reached its file, so that tokens have
+/// been generated whatever the machine's speed.
+#[test]
+fn a_shard_truncated_under_a_running_generation_is_named_and_the_history_kept() {
+    use std::io::{BufRead as _, BufReader, Read as _};
+    use std::process::Stdio;
+    use std::time::{Duration, Instant};
+
+    for io in ["EXPERT_IO=mmap", "EXPERT_IO=direct"] {
+        let dir = copy_fixture("olmoe_tiny");
+        let outputs = tempfile::tempdir().unwrap();
+        let shard = dir.path().join("model.safetensors");
+        let trace = outputs.path().join("trace.txt");
+        let mut child = coli_command(
+            &[
+                &snap_arg(dir.path()),
+                "IDS=3 11 29",
+                "NGEN=100000000",
+                "LONG_CONTEXT=1",
+                io,
+                &format!("ROUTE_TRACE={}", trace.display()),
+                "64",
+                "16",
+                "16",
+            ],
+            &[],
+        )
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+        let mut out = child.stdout.take().unwrap();
+        let reader = std::thread::spawn(move || {
+            let mut text = String::new();
+            out.read_to_string(&mut text).unwrap();
+            text
+        });
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let mut err = String::new();
+        // The generation starts once the history is located.
+        for line in lines.by_ref() {
+            let line = line.unwrap();
+            err.push_str(&line);
+            err.push('\n');
+            if line.starts_with("[USAGE] history:") {
+                break;
+            }
+        }
+        assert!(err.contains("[USAGE] history:"), "{io}: {err}");
+        // The trace reaches its file when its buffer first fills, hundreds of tokens in.
+        let started = Instant::now();
+        while std::fs::metadata(&trace).map_or(0, |m| m.len()) == 0 {
+            assert!(
+                started.elapsed() < Duration::from_secs(120) && child.try_wait().unwrap().is_none(),
+                "{io}: no trace written: {err}"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let size = std::fs::metadata(&shard).unwrap().len();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&shard)
+            .unwrap()
+            .set_len(size / 2)
+            .unwrap();
+        let started = Instant::now();
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if started.elapsed() > Duration::from_secs(120) {
+                child.kill().unwrap();
+                panic!("{io}: the run went on after its shard was truncated: {err}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        for line in lines {
+            err.push_str(&line.unwrap());
+            err.push('\n');
+        }
+        let text = reader.join().unwrap();
+        assert_eq!(status.code(), Some(2), "{io}: {status:?}\n{text}{err}");
+        let message = err
+            .lines()
+            .find(|l| l.starts_with("error: "))
+            .unwrap_or_else(|| panic!("{io}: no error line: {err}"));
+        assert!(
+            message.contains(&shard.display().to_string()),
+            "{io}: the error does not name the shard: {message}"
+        );
+        assert!(!err.contains("panicked"), "{io}: {err}");
+        let history = dir.path().join(".coli_usage");
+        assert!(
+            err.contains(&format!("-> {}", history.display())),
+            "{io}: no [STATS] line for the saved history: {err}"
+        );
+        let saved = std::fs::read_to_string(&history).unwrap();
+        assert!(saved.lines().count() > 2, "{io}: {saved}");
+        assert!(std::fs::metadata(&trace).unwrap().len() > 0, "{io}: {err}");
+        assert!(
+            text.lines()
+                .any(|l| !l.is_empty() && l.chars().all(|c| c.is_ascii_digit() || c == ' ')),
+            "{io}: the tokens generated are not printed: {text}"
+        );
+    }
+}

@@ -293,12 +293,41 @@ fn an_interrupted_conversion_resumes_and_a_foreign_one_is_refused() {
         ],
         &[],
     );
-    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    // A finished conversion is said to be one, with what differs; nothing was stopped, so
+    // there is nothing to resume.
     assert!(
-        stderr(&out).contains("another source or with other options"),
-        "{}",
-        stderr(&out)
+        err.contains("holds a finished conversion made with --expert-bits 8 (this command: 4)"),
+        "{err}"
     );
+    assert!(!err.contains("rerun"), "{err}");
+    // A record that cannot be read is said to be that, naming it.
+    let record = dst.join(".coli-convert.json");
+    let kept = std::fs::read(&record).unwrap();
+    std::fs::write(&record, b"{\"source\": ").unwrap();
+    let out = coli(
+        &[
+            "convert",
+            fixture("olmoe_tiny").to_str().unwrap(),
+            dst.to_str().unwrap(),
+            "--shard-gb",
+            "0.00005",
+        ],
+        &[],
+    );
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(&format!("{}: it is not valid JSON", record.display()))
+            && err.contains("remove the directory"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("other options") && !err.contains("rerun"),
+        "{err}"
+    );
+    std::fs::write(&record, kept).unwrap();
     let out = coli(
         &[
             "convert",

@@ -344,6 +344,31 @@ fn a_symlinked_history_is_saved_through_the_link() {
     assert!(!dir.path().join(".coli_usage.olmoe").exists());
 }
 
+/// This engine's history beside another's (`.coli_usage.olmoe`), when it is a link into
+/// the snapshot's weights, is refused before the model loads (exit 2, naming the link and
+/// its target), before any line says where the counts will be saved; the weights are
+/// unchanged.
+#[test]
+fn a_history_linked_to_the_weights_is_refused_before_the_run() {
+    let dir = copy_fixture("olmoe_tiny");
+    let history = dir.path().join(".coli_usage");
+    fs::write(&history, format!("-1 3 8\n-2 1 {GLM_ID}\n0 1 5\n")).unwrap();
+    let weights = dir.path().join("model.safetensors");
+    let before = fs::read(&weights).unwrap();
+    let link = dir.path().join(".coli_usage.olmoe");
+    std::os::unix::fs::symlink(&weights, &link).unwrap();
+
+    let out = generate(dir.path(), 4, &[], &[]);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(&link.display().to_string()) && err.contains("model.safetensors"),
+        "the refusal does not name the link and its target: {err}"
+    );
+    assert!(!err.contains("[USAGE] history:"), "{err}");
+    assert!(fs::read(&weights).unwrap() == before, "{err}");
+}
+
 /// A saved history keeps its mode and its owner.
 #[test]
 fn a_saved_history_keeps_its_mode_and_owner() {
@@ -723,6 +748,40 @@ fn a_failed_save_still_writes_stats_and_the_trace() {
     assert_eq!(total, 9 * 3 * 2);
     assert_eq!(read_olmoe(&stats).total, total);
     assert!(fs::metadata(&trace).unwrap().len() > 0);
+}
+
+/// A trace the disk refuses (`/dev/full` fails every write with "no space left") makes the
+/// run exit 1, as a failed save does, saying how many trace lines were lost; the history is
+/// still saved and the tokens printed.
+#[test]
+fn a_trace_that_cannot_be_written_fails_the_run_and_says_what_was_lost() {
+    let full = Path::new("/dev/full");
+    if !full.exists() {
+        eprintln!("skipped: this system has no /dev/full to refuse the trace's writes");
+        return;
+    }
+    let dir = copy_fixture("olmoe_tiny");
+    let out = generate(dir.path(), 4, &["ROUTE_TRACE=/dev/full"], &[]);
+    let (text, err) = (stdout(&out), stderr(&out));
+    assert_eq!(out.status.code(), Some(1), "{text}{err}");
+    let failed = err
+        .lines()
+        .find(|l| l.starts_with("[ROUTE_TRACE] write failed: /dev/full: "))
+        .unwrap_or_else(|| panic!("no trace failure line: {err}"));
+    // 6 prompt rows + 3 decoded tokens, 3 layers: every line lost.
+    assert!(
+        failed.ends_with("0 trace lines reached the file, 27 were lost"),
+        "{failed}"
+    );
+    assert!(
+        read_olmoe(&dir.path().join(".coli_usage")).total > 0,
+        "{err}"
+    );
+    assert!(
+        text.lines()
+            .any(|l| !l.is_empty() && l.chars().all(|c| c.is_ascii_digit() || c == ' ')),
+        "no tokens printed: {text}"
+    );
 }
 
 /// A history that arrived with records on rows the model does not route (a dense layer,

@@ -298,6 +298,68 @@ fn an_unknown_template_variable_is_an_error_naming_the_template() {
     );
 }
 
+/// A template that loops without end, builds text without end, prints without end or calls
+/// itself without end is stopped with an error naming its file, on a thread with the
+/// default 2 MiB stack (as the server's engine thread renders); a short conversation's
+/// template still renders.
+#[test]
+fn a_template_without_end_is_stopped_naming_its_file() {
+    let dir = text_fixture("olmoe_tiny", "olmoe_128");
+    let file = dir.path().join("chat_template.jinja");
+    let cases = [
+        (
+            "{% for a in range(100000) %}{% for b in range(100000) %}{{ '' }}{% endfor %}{% endfor %}",
+            "did more work than",
+        ),
+        (
+            "{% set ns = namespace(s='x') %}{% for i in range(28) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+            "did more work than",
+        ),
+        (
+            "{% for i in range(20000) %}{{ 'x' * 1000 }}{% endfor %}",
+            "rendered more than",
+        ),
+        (
+            "{% macro deeper(n) %}{{ deeper(n + 1) }}{% endmacro %}{{ deeper(0) }}",
+            "recursion",
+        ),
+        ("Q: {{ messages[0]['content'] }}\nA:", ""),
+    ];
+    for (template, why) in cases {
+        std::fs::write(&file, template).unwrap();
+        let path = dir.path().to_path_buf();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .stack_size(2 << 20)
+            .spawn(move || {
+                let tokenizer = tokenizer(&path);
+                let template = ChatTemplate::find(&path, &tokenizer, None, "olmoe").unwrap();
+                let rendered = template
+                    .render(
+                        &Conversation::from(vec![ChatMessage::text("user", "Hi")]),
+                        None,
+                        None,
+                    )
+                    .map(|text| text.len())
+                    .map_err(|err| format!("{err:#}"));
+                let _ = tx.send(rendered);
+            })
+            .unwrap();
+        // A guard against a render that never returns, far beyond what any of these takes.
+        let rendered = rx
+            .recv_timeout(std::time::Duration::from_secs(300))
+            .unwrap_or_else(|_| panic!("{template}: the render did not return"));
+        match (rendered, why) {
+            (Ok(_), "") => {}
+            (Ok(len), _) => panic!("{template}: rendered {len} bytes, expected an error"),
+            (Err(err), why) => assert!(
+                !why.is_empty() && err.contains(&file.display().to_string()) && err.contains(why),
+                "{template}: {err}"
+            ),
+        }
+    }
+}
+
 #[test]
 fn the_stop_set_joins_every_source() {
     let dir = text_fixture("inkling_tiny", "inkling_250");
