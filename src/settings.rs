@@ -1093,6 +1093,29 @@ mod tests {
     }
 
     #[test]
+    fn given_lists_arguments_and_environment_but_no_default() {
+        let env = |name: &str| (name == "TOP_P").then(|| "0.5".to_string());
+        let settings = Settings::resolve(&pairs(&[("NGEN", "3")]), env).unwrap();
+        assert_eq!(
+            settings.given(),
+            [
+                Given {
+                    key: "NGEN",
+                    value: "3".into(),
+                    source: Source::Argument
+                },
+                Given {
+                    key: "TOP_P",
+                    value: "0.5".into(),
+                    source: Source::Environment
+                },
+            ]
+        );
+        assert!(settings.argument("NGEN"));
+        assert!(!settings.argument("TOP_P") && !settings.argument("CTX"));
+    }
+
+    #[test]
     fn unknown_key_names_the_nearest() {
         let err = Settings::resolve(&pairs(&[("NGNE", "3")]), no_env)
             .err()
