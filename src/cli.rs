@@ -21,7 +21,7 @@ const EXAMPLES: &str = "\
 Examples (from the repository's root):
   coli SNAP=fixtures/olmoe_trained PROMPT=\"The licence grants you\" NGEN=40 TEMP=0
       text after a prompt, greedy; the text alone on stdout
-  coli SNAP=fixtures/olmoe_trained -p \"The licence grants you\" -n 40 -q
+  coli SNAP=fixtures/olmoe_trained -p \"The licence grants you\" -n 40 TEMP=0 -q
       the same with flags, and no start-up or statistics lines on stderr
   echo \"The licence grants you\" | coli SNAP=fixtures/olmoe_trained -f -
       the prompt from standard input (or -f FILE), sampled at TEMP=0.7
