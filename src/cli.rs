@@ -1,14 +1,40 @@
-//! The command line: `coli [--model ENGINE] [KEY=VALUE ...] [CAP [EBITS [DBITS]]]` and the
-//! subcommands. This module parses and dispatches; it holds no model logic.
+//! The command line: `coli [--model ENGINE] [-p TEXT | -f PATH] [-n N] [-q | -v]
+//! [KEY=VALUE ...] [CAP [EBITS [DBITS]]]` and the subcommands. This module parses and
+//! dispatches, turning the flags that stand for a setting into that setting; it holds no
+//! model logic.
 
 use std::ffi::OsString;
+use std::io::Read;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 
 use crate::settings::{self, Settings};
 use crate::startup::{self, Positionals};
+use crate::verbosity::{self, Level};
+
+/// What `--help` ends with: the main job's modes and the subcommands on the committed trained
+/// fixture, each a command that runs as written from the repository's root.
+const EXAMPLES: &str = "\
+Examples (from the repository's root):
+  coli SNAP=fixtures/olmoe_trained PROMPT=\"The licence grants you\" NGEN=40 TEMP=0
+      text after a prompt, greedy; the text alone on stdout
+  coli SNAP=fixtures/olmoe_trained -p \"The licence grants you\" -n 40 TEMP=0 -q
+      the same with flags, and no start-up or statistics lines on stderr
+  echo \"The licence grants you\" | coli SNAP=fixtures/olmoe_trained -f -
+      the prompt from standard input (or -f FILE), sampled at TEMP=0.7
+  coli chat SNAP=fixtures/olmoe_trained
+      a conversation in the terminal, through the model's chat template
+  coli serve SNAP=fixtures/olmoe_trained --port 8080
+      OpenAI and Anthropic APIs over HTTP (docs/serve.md)
+  coli SNAP=fixtures/olmoe_trained ORACLE_STRICT=1 64 16 16
+      without a prompt or ids: the oracle check against SNAP/ref.json, exact f32
+  coli SNAP=fixtures/olmoe_trained TF=1 ORACLE_STRICT=1 1 16 16
+      the same teacher-forced, one expert slot per layer
+  coli settings
+      every KEY with its type, default and description";
 
 #[derive(Parser, Debug)]
 #[command(
@@ -16,18 +42,40 @@ use crate::startup::{self, Positionals};
     version,
     about = "Run mixture-of-experts models over memory-mapped expert shards",
     args_conflicts_with_subcommands = true,
-    after_help = "Examples:\n  coli --model olmoe SNAP=fixtures/olmoe_tiny 64 16 16       greedy oracle check, exact f32\n  coli SNAP=fixtures/olmoe_tiny TF=1 ORACLE_STRICT=1 1 16 16  teacher-forced, one slot per layer\n  coli SNAP=fixtures/olmoe_tiny IDS=\"1 2 3\" NGEN=8            generate token ids\n  coli settings                                              every KEY with its default"
+    after_help = EXAMPLES
 )]
 pub struct Cli {
     /// Engine to run; defaults to model_type in SNAP/config.json.
     #[arg(long, value_name = "ENGINE", value_parser = engine_names())]
     pub model: Option<String>,
 
+    /// Generate text after TEXT (the same as PROMPT=TEXT).
+    #[arg(short, long, value_name = "TEXT")]
+    pub prompt: Option<String>,
+
+    /// Generate text after the prompt in this file (`-` reads standard input); one final
+    /// newline is not part of the prompt.
+    #[arg(short, long, value_name = "PATH", conflicts_with = "prompt")]
+    pub file: Option<PathBuf>,
+
+    /// Tokens to generate (the same as NGEN=N).
+    #[arg(short = 'n', value_name = "N")]
+    pub ngen: Option<u64>,
+
+    /// Print only what the run produces (a prompt's text on stdout) and its errors and
+    /// warnings: no start-up or statistics lines on stderr.
+    #[arg(short, long, conflicts_with = "verbose")]
+    pub quiet: bool,
+
+    /// Also print the settings given and where each came from, and the prompt's token ids.
+    #[arg(short, long)]
+    pub verbose: bool,
+
     /// KEY=VALUE settings, then up to three numbers: CAP (expert slots per MoE layer,
     /// 0 = auto), EBITS (bits for float experts, >=16 = f32), DBITS (dense, default EBITS).
     #[arg(
         value_name = "KEY=VALUE | CAP [EBITS [DBITS]]",
-        allow_hyphen_values = true
+        allow_negative_numbers = true
     )]
     pub args: Vec<String>,
 
@@ -254,10 +302,81 @@ pub fn run(argv: impl IntoIterator<Item = OsString>) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         None => {
-            let (settings, positionals) = resolve(&cli.args)?;
-            main_job(cli.model.as_deref(), &settings, positionals)
+            verbosity::set(if cli.quiet {
+                Level::Quiet
+            } else if cli.verbose {
+                Level::Verbose
+            } else {
+                Level::Normal
+            });
+            let (mut pairs, numbers) = split_args(&cli.args)?;
+            pairs.extend(cli.flag_settings(&pairs)?);
+            let settings = Settings::from_process(&pairs)?;
+            main_job(
+                cli.model.as_deref(),
+                &settings,
+                Positionals::from_numbers(&numbers),
+            )
         }
     }
+}
+
+impl Cli {
+    /// The flags that stand for a setting, as `KEY=VALUE` pairs to go after `pairs` (the
+    /// arguments'): `-p` and `-f` give PROMPT, `-n` NGEN. A flag whose key `pairs` also
+    /// gives is refused naming both, before a prompt file is read.
+    fn flag_settings(&self, pairs: &Pairs) -> Result<Pairs> {
+        let given = [
+            ("-p/--prompt", "PROMPT", self.prompt.is_some()),
+            ("-f/--file", "PROMPT", self.file.is_some()),
+            ("-n", "NGEN", self.ngen.is_some()),
+        ];
+        for (flag, key, _) in given.iter().filter(|(_, _, given)| *given) {
+            if pairs.iter().any(|(name, _)| name == key) {
+                bail!("{flag} and {key}= both give {key}: keep one of them");
+            }
+        }
+        let mut flags = Vec::new();
+        if let Some(prompt) = &self.prompt {
+            flags.push(("PROMPT".to_string(), prompt.clone()));
+        }
+        if let Some(path) = &self.file {
+            flags.push(("PROMPT".to_string(), read_prompt(path)?));
+        }
+        if let Some(ngen) = self.ngen {
+            flags.push(("NGEN".to_string(), ngen.to_string()));
+        }
+        Ok(flags)
+    }
+}
+
+/// `-f PATH`: the prompt in the file at `path`, or on standard input for `-`, as UTF-8 text
+/// less one final newline (which an editor or `echo` adds, and a tokenizer would read).
+fn read_prompt(path: &Path) -> Result<String> {
+    let (bytes, name) = if path == Path::new("-") {
+        let mut bytes = Vec::new();
+        std::io::stdin()
+            .read_to_end(&mut bytes)
+            .context("-f -: cannot read the prompt from standard input")?;
+        (bytes, "standard input".to_string())
+    } else {
+        let bytes = crate::files::read_input(path)
+            .with_context(|| format!("-f {}: cannot read the prompt file", path.display()))?;
+        (bytes, path.display().to_string())
+    };
+    let mut text = String::from_utf8(bytes).map_err(|err| {
+        anyhow::anyhow!(
+            "-f: the prompt in {name} is not UTF-8 text (byte {})",
+            err.utf8_error().valid_up_to()
+        )
+    })?;
+    if text.ends_with('\n') {
+        text.pop();
+        if text.ends_with('\r') {
+            text.pop();
+        }
+    }
+    Ok(text)
 }
 
 /// The settings and positionals of `args`: `KEY=VALUE` over the environment, then the

@@ -12,8 +12,9 @@
 //! - [`generate`] runs prefill and decode; [`oracle`] compares against a reference;
 //! - [`text`] turns a prompt into ids and streams the generated text, [`sampling`] picking
 //!   each token, [`guide`] restricting the choice where a grammar or JSON schema is asked for;
-//! - [`route_trace`] counts every routing decision and keeps the usage history.
-//! - [`tools`] reads those histories and traces offline (`coli usage`, `coli trace`).
+//! - [`route_trace`] counts every routing decision and keeps the usage history;
+//! - [`tools`] reads those histories and traces offline (`coli usage`, `coli trace`);
+//! - [`verbosity`] is how much a run says on stderr (`-q`, `-v`).
 pub mod activation;
 pub mod backend;
 pub mod cli;
@@ -41,3 +42,4 @@ pub mod snapshot;
 pub mod startup;
 pub mod text;
 pub mod tools;
+pub mod verbosity;

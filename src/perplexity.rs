@@ -71,6 +71,14 @@ impl Job {
             if let Some((key, _)) = given.iter().find(|(_, given)| *given) {
                 bail!("{key} is read by perplexity runs only: add PPL=1");
             }
+            // The windows' keys have defaults, so only an argument says they were meant; an
+            // environment's CTX may be another program's.
+            if let Some(key) = ["CTX", "PPL_STRIDE"]
+                .into_iter()
+                .find(|key| settings.argument(key))
+            {
+                bail!("{key} sets the windows of a perplexity run (PPL=1) and nothing else: a PROMPT or IDS run generates NGEN tokens within config.json's max_position_embeddings (LONG_CONTEXT=1 goes beyond), and an oracle run reads its reference; drop {key}, or add PPL=1 to score windows of CTX tokens");
+            }
             return Ok(None);
         }
         let other_mode = if settings.prompt.is_some() {

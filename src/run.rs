@@ -16,7 +16,7 @@ use crate::interrupt;
 use crate::oracle::{self, Reference};
 use crate::perplexity;
 use crate::session::{RunKind, Session};
-use crate::settings::Settings;
+use crate::settings::{Settings, Source};
 use crate::snapshot::Snapshot;
 use crate::startup::{self, Loaded, Positionals};
 use crate::text::TextMode;
@@ -63,15 +63,97 @@ impl<'s> Mode<'s> {
             (None, true) => {
                 bail!("REPLAY=1 decodes the ids given with IDS=\"...\"; IDS is not set")
             }
-            (None, false) => Mode::Oracle {
-                teacher_forced: settings.tf,
-                strict: settings.oracle_strict,
-            },
+            (None, false) => {
+                // A first run often names a model and nothing else: say what this mode is and
+                // what to run instead before the weights load, not after.
+                if settings.reference.is_none() && !reference_path(settings, dir).exists() {
+                    bail!("{}", no_reference(settings, dir));
+                }
+                Mode::Oracle {
+                    teacher_forced: settings.tf,
+                    strict: settings.oracle_strict,
+                }
+            }
         })
     }
 }
 
+/// `REF`, else the snapshot's `ref.json`: the oracle's reference.
+fn reference_path(settings: &Settings, dir: &Path) -> PathBuf {
+    settings
+        .reference
+        .clone()
+        .unwrap_or_else(|| dir.join("ref.json"))
+}
+
+/// What a run with no prompt, no ids and no reference is told: that it asked for the oracle
+/// check, what that reads, and the commands that generate text instead, with its `SNAP`.
+fn no_reference(settings: &Settings, dir: &Path) -> String {
+    let snap = shell_word(
+        &settings
+            .snap
+            .as_deref()
+            .unwrap_or(dir)
+            .display()
+            .to_string(),
+    );
+    let instead = [
+        (
+            format!("coli SNAP={snap} PROMPT=\"The licence grants you\" NGEN=40"),
+            "text after a prompt (or -p TEXT, -f FILE)",
+        ),
+        (
+            format!("coli chat SNAP={snap}"),
+            "a conversation in the terminal",
+        ),
+        (
+            format!("coli serve SNAP={snap}"),
+            "OpenAI and Anthropic APIs on 127.0.0.1:8080",
+        ),
+    ];
+    let width = instead
+        .iter()
+        .map(|(command, _)| command.len())
+        .max()
+        .unwrap_or(0);
+    let mut message = format!(
+        "no PROMPT=, IDS= or reference: without a prompt or ids a run is the oracle mode, a check of the model against a transformers reference (greedy, or teacher-forced with TF=1), and it reads {} (or REF=<path>), which is not there.\nTo generate text, chat or serve the model instead:",
+        reference_path(settings, dir).display()
+    );
+    for (command, what) in instead {
+        message.push_str(&format!("\n  {command:<width$}   {what}"));
+    }
+    message
+}
+
+/// `word` as a shell reads it back: as it is when it holds no character the shell treats
+/// specially, else in single quotes.
+fn shell_word(word: &str) -> String {
+    let plain = !word.is_empty()
+        && word
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "_-./,:@%+=".contains(c));
+    if plain {
+        word.to_string()
+    } else {
+        format!("'{}'", word.replace('\'', "'\\''"))
+    }
+}
+
 fn job(model: Option<&str>, settings: &Settings, positionals: Positionals) -> Result<ExitCode> {
+    if crate::verbosity::verbose() {
+        for given in settings.given() {
+            let from = match given.source {
+                Source::Argument => "argument",
+                Source::Environment => "environment",
+            };
+            eprintln!(
+                "[settings] {}={} ({from})",
+                given.key,
+                crate::text::excerpt(&given.value)
+            );
+        }
+    }
     let (snapshot, name) = startup::open(model, settings)?;
     let mode = Mode::resolve(settings, snapshot.dir())?;
     let loaded = startup::load(settings, positionals, &snapshot, name)?;
@@ -122,12 +204,8 @@ impl Run<'_> {
         self.loaded.engine.as_ref()
     }
 
-    /// `REF`, else the snapshot's `ref.json`.
     fn reference_path(&self) -> PathBuf {
-        self.settings
-            .reference
-            .clone()
-            .unwrap_or_else(|| self.snapshot.dir().join("ref.json"))
+        reference_path(self.settings, self.snapshot.dir())
     }
 
     /// What every mode does before its first forward: its prompt checked against the
@@ -239,14 +317,14 @@ impl Run<'_> {
             eprintln!("[text] non-finite logits during generation");
         }
         if let Some(speculation) = &generation.speculation {
-            eprintln!("{speculation}");
+            crate::note!("{speculation}");
         }
-        eprintln!("{}", job.summary(&generation));
-        eprintln!(
+        crate::note!("{}", job.summary(&generation));
+        crate::note!(
             "{}",
             report_line(engine, generation.decode_tokens_per_second())
         );
-        eprintln!("{}", profile_line(engine, &started));
+        crate::note!("{}", profile_line(engine, &started));
         Ok(session.finish(engine, RunKind::Generating))
     }
 
@@ -491,4 +569,19 @@ fn process_read_bytes() -> Option<u64> {
 
 fn resident_set_bytes() -> u64 {
     proc_field("/proc/self/status", "VmRSS:").map_or(0, |kib| kib * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_snapshot_path_is_quoted_only_where_a_shell_needs_it() {
+        assert_eq!(
+            shell_word("fixtures/olmoe_trained"),
+            "fixtures/olmoe_trained"
+        );
+        assert_eq!(shell_word("/models/my model"), "'/models/my model'");
+        assert_eq!(shell_word("/models/it's"), "'/models/it'\\''s'");
+    }
 }

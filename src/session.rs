@@ -199,7 +199,7 @@ impl Session {
                 (true, RunKind::Scoring) => Some("a scoring run folds nothing into the history"),
                 (true, RunKind::Generating) => None,
             };
-            eprintln!("{}", home.line(not_saving));
+            crate::note!("{}", home.line(not_saving));
         }
         let every = settings.repin;
         Ok(Session {
@@ -285,7 +285,7 @@ impl Session {
             );
         }
         if let Some(line) = plan.line(vram, started.elapsed().as_secs_f64()) {
-            eprintln!("{line}");
+            crate::note!("{line}");
         }
 
         // The abstain rule watches pins chosen from a history, where experts stream and

@@ -448,10 +448,20 @@ pub enum SettingsError {
     },
 }
 
+/// A setting a run was given rather than defaulted: its key, the value as given and where it
+/// came from (`-v` lists them; a mode refuses one it would ignore).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Given {
+    pub key: &'static str,
+    pub value: String,
+    pub source: Source,
+}
+
 /// Every setting's raw value after resolution: argument over environment over default,
 /// parsed by its `Kind`. [`Settings::build`] reads each key out of it exactly once.
 struct Resolved {
     values: HashMap<&'static str, Value>,
+    given: Vec<Given>,
     read: Vec<&'static str>,
 }
 
@@ -469,28 +479,38 @@ impl Resolved {
             given.insert(key.name, (value.clone(), Source::Argument));
         }
         let mut values = HashMap::new();
+        let mut listed = Vec::new();
         for key in KEYS {
+            // `None`: the registry's default, which no message or listing calls given.
             let (raw, source) = match given.remove(key.name) {
-                Some(found) => found,
+                Some((value, source)) => (value, Some(source)),
                 None => match env(key)? {
-                    Some(value) => (value, Source::Environment),
+                    Some(value) => (value, Some(Source::Environment)),
                     None if key.default.is_empty() => continue,
-                    None => (key.default.to_string(), Source::Argument),
+                    None => (key.default.to_string(), None),
                 },
             };
             let value = parse(key.kind, &raw).ok_or_else(|| SettingsError::BadValue {
                 origin: match source {
-                    Source::Argument => "setting".to_string(),
-                    Source::Environment => "environment variable".to_string(),
+                    Some(Source::Environment) => "environment variable".to_string(),
+                    _ => "setting".to_string(),
                 },
                 key: key.name,
                 value: raw.clone(),
                 kind: key.kind,
             })?;
             values.insert(key.name, value);
+            if let Some(source) = source {
+                listed.push(Given {
+                    key: key.name,
+                    value: raw,
+                    source,
+                });
+            }
         }
         Ok(Resolved {
             values,
+            given: listed,
             read: Vec::new(),
         })
     }
@@ -645,6 +665,8 @@ pub struct Settings {
     pub pin_gb: PinGb,
     pub autopin: bool,
     pub repin: u64,
+    /// The settings given as arguments or in the environment, in [`KEYS`] order.
+    given: Vec<Given>,
 }
 
 impl Settings {
@@ -744,6 +766,7 @@ impl Settings {
             pin_gb: PinGb::from_setting(r.text("PIN_GB").as_deref())?,
             autopin: r.flag("AUTOPIN"),
             repin: r.count_u64("REPIN").unwrap_or(0),
+            given: std::mem::take(&mut r.given),
         };
         debug_assert_eq!(r.read.len(), KEYS.len(), "every declared key is read");
         if settings.batch == 0 {
@@ -753,6 +776,19 @@ impl Settings {
             bail!("BATCH={}: only REPLAY=1 decodes sequences together (add REPLAY=1 and IDS=, or drop BATCH)", settings.batch);
         }
         Ok(settings)
+    }
+
+    /// The settings given as arguments or in the environment (not defaulted), in the order
+    /// `coli settings` lists them.
+    pub fn given(&self) -> &[Given] {
+        &self.given
+    }
+
+    /// Whether `key` was given as a `KEY=VALUE` argument (or a flag that stands for it).
+    pub fn argument(&self, key: &str) -> bool {
+        self.given
+            .iter()
+            .any(|given| given.key == key && given.source == Source::Argument)
     }
 
     /// `SEED`, else a seed from the clock (the `[sample]` line shows it, so that a run can
@@ -885,29 +921,40 @@ fn edit_distance(a: &str, b: &str) -> usize {
     row[b.len()]
 }
 
-/// The table `coli settings` prints.
+/// The table `coli settings` prints, each column as wide as its widest entry.
 pub fn table() -> String {
-    let mut out = format!(
-        "{:<14} {:<7} {:<8} {}\n",
-        "KEY", "TYPE", "DEFAULT", "DESCRIPTION"
-    );
-    for key in KEYS {
-        let kind = match key.kind {
-            Kind::Bool => "bool",
-            Kind::Count => "integer",
-            Kind::Number => "number",
-            Kind::Path => "path",
-            Kind::Ids => "ids",
-            Kind::Text => "text",
-        };
-        let default = if key.default.is_empty() {
-            "-"
-        } else {
-            key.default
-        };
+    let rows: Vec<[&str; 4]> = KEYS
+        .iter()
+        .map(|key| {
+            let kind = match key.kind {
+                Kind::Bool => "bool",
+                Kind::Count => "integer",
+                Kind::Number => "number",
+                Kind::Path => "path",
+                Kind::Ids => "ids",
+                Kind::Text => "text",
+            };
+            let default = if key.default.is_empty() {
+                "-"
+            } else {
+                key.default
+            };
+            [key.name, kind, default, key.doc]
+        })
+        .collect();
+    let header = ["KEY", "TYPE", "DEFAULT", "DESCRIPTION"];
+    let width = |column: usize| {
+        rows.iter()
+            .chain([&header])
+            .map(|row| row[column].chars().count())
+            .max()
+            .unwrap_or(0)
+    };
+    let (key_width, kind_width, default_width) = (width(0), width(1), width(2));
+    let mut out = String::new();
+    for [name, kind, default, doc] in std::iter::once(&header).chain(&rows) {
         out.push_str(&format!(
-            "{:<14} {:<7} {:<8} {}\n",
-            key.name, kind, default, key.doc
+            "{name:<key_width$} {kind:<kind_width$} {default:<default_width$} {doc}\n"
         ));
     }
     out.push_str("\nEvery KEY may be given as a KEY=VALUE argument or as an environment variable; the argument wins.\n");
@@ -1043,6 +1090,29 @@ mod tests {
         let defaults = Settings::resolve(&[], no_env).unwrap();
         assert_eq!(defaults.ngen, 32);
         assert!(defaults.snap.is_none());
+    }
+
+    #[test]
+    fn given_lists_arguments_and_environment_but_no_default() {
+        let env = |name: &str| (name == "TOP_P").then(|| "0.5".to_string());
+        let settings = Settings::resolve(&pairs(&[("NGEN", "3")]), env).unwrap();
+        assert_eq!(
+            settings.given(),
+            [
+                Given {
+                    key: "NGEN",
+                    value: "3".into(),
+                    source: Source::Argument
+                },
+                Given {
+                    key: "TOP_P",
+                    value: "0.5".into(),
+                    source: Source::Environment
+                },
+            ]
+        );
+        assert!(settings.argument("NGEN"));
+        assert!(!settings.argument("TOP_P") && !settings.argument("CTX"));
     }
 
     #[test]

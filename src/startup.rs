@@ -12,7 +12,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use crate::backend;
 use crate::engines::{self, Engine, LoadOptions};
 use crate::experts::{Budget, StoreOptions};
-use crate::quant::Width;
+use crate::quant::{Format, Width};
 use crate::session::{RunKind, Session};
 use crate::settings::Settings;
 use crate::snapshot::Snapshot;
@@ -104,8 +104,11 @@ pub struct Loaded {
 
 impl Loaded {
     /// The banner, on stdout, or on stderr where stdout carries the mode's output alone
-    /// (text mode, the server).
+    /// (text mode, the server); not at all in a quiet run (`-q`).
     pub fn print_banner(&self, on_stderr: bool) {
+        if !crate::verbosity::notes() {
+            return;
+        }
         for line in &self.banner {
             if on_stderr {
                 eprintln!("{line}");
@@ -191,9 +194,9 @@ pub fn load_for(
     let engine = loaded?;
     let banner = [
         format!(
-            "== coli {name} | cache={} experts/layer | experts@{}-bit dense@{}-bit ==",
+            "== coli {name} | cache={} experts/layer | experts@{} dense@{}-bit ==",
             engine.cache_capacity(),
-            expert_width.bits(),
+            expert_label(engine.routed().store.format(), expert_width),
             dense_width.bits()
         ),
         format!(
@@ -202,13 +205,13 @@ pub fn load_for(
             engine.resident_bytes() as f64 / 1e6
         ),
     ];
-    eprintln!("{}", engine.routed().store.summary());
+    crate::note!("{}", engine.routed().store.summary());
     for note in engine.notes() {
-        eprintln!("{note}");
+        crate::note!("{note}");
     }
     let stops = engine.stop_tokens();
     if !stops.is_empty() {
-        eprintln!(
+        crate::note!(
             "[stop] {} stop tokens: {}",
             stops.len(),
             crate::snapshot::show_stop_ids(stops)
@@ -219,6 +222,19 @@ pub fn load_for(
         budget,
         banner,
     })
+}
+
+/// The banner's width of the routed experts: what they compute in, which for a
+/// pre-quantised container is its own format whatever EBITS asks; float experts keep the
+/// width EBITS gives them (32 on the exact path, bf16 and f16 included, which compute
+/// exactly).
+fn expert_label(format: Option<Format>, width: Width) -> String {
+    match format {
+        Some(Format::Int8Row) => "8-bit".to_string(),
+        Some(Format::Int4Row | Format::Int4Grouped { .. }) => "4-bit".to_string(),
+        Some(format) if !format.is_float() => format.name().to_string(),
+        _ => format!("{}-bit", width.bits()),
+    }
 }
 
 /// A spinner on stderr while the engine maps and prepares its weights; drawn only when

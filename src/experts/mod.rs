@@ -40,7 +40,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 
-use crate::quant::{Matrix, Width};
+use crate::quant::{Format, Matrix, Width};
 use crate::snapshot::{Dtype, Snapshot, TensorView};
 pub use ahead::MIN_PRECISION;
 pub use budget::Budget;
@@ -238,6 +238,22 @@ impl ExpertStore {
             room: (0, 0, 0),
             summary: String::new(),
         }
+    }
+
+    /// The format the routed experts compute in: a pre-quantised container's own (the
+    /// first expert's stands for all: a container quantises every expert alike), else the
+    /// store's width applied to float weights; `None` for a store without experts.
+    pub fn format(&self) -> Option<Format> {
+        let gate = &self.layers.first()?.tensors.first()?.gate;
+        let [rows, cols] = gate.shape[..] else {
+            return None;
+        };
+        let stored = crate::quant::format::infer(gate, rows, cols).ok()?;
+        Some(if stored.is_float() && self.width != Width::F32 {
+            self.width.format()
+        } else {
+            stored
+        })
     }
 
     /// Number of layers the store was built with.

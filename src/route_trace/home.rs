@@ -197,7 +197,7 @@ pub struct Loaded {
 /// Takes a file's counts into the history, with colibri's `[USAGE] expert history` line.
 fn use_counts(home: &mut Home, counts: &mut Counters, path: &Path, file: &Counters) {
     if file.total() > 0 {
-        eprintln!("{}", usage_line(file.total(), path));
+        crate::note!("{}", usage_line(file.total(), path));
     }
     counts.absorb(file);
     home.read.push(path.to_path_buf());

@@ -455,7 +455,7 @@ pub(super) fn merge_save(
     if let Some(d) = &diverted {
         eprintln!("{}", diverted_line(d, &home.save_to));
     }
-    eprintln!("{}", stats_line(total, distinct, &home.save_to));
+    crate::note!("{}", stats_line(total, distinct, &home.save_to));
     Ok((
         SaveOutcome::Saved {
             path: home.save_to.clone(),

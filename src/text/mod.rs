@@ -290,18 +290,23 @@ impl TextMode {
             let _ = write!(line, " (chat template: {template})");
         }
         let _ = write!(line, " | {} stop ids", stops.len());
-        eprintln!("{line}");
+        crate::note!("{line}");
+        if crate::verbosity::verbose() {
+            eprintln!("[prompt] ids: {}", crate::oracle::join(&prompt.ids));
+        }
         if sampler.is_greedy() {
-            eprintln!("[sample] greedy (TEMP=0)");
+            crate::note!("[sample] greedy (TEMP=0)");
         } else {
-            eprintln!(
+            crate::note!(
                 "[sample] TEMP={} TOP_P={} SEED={}",
-                self.temperature, self.top_p, self.seed
+                self.temperature,
+                self.top_p,
+                self.seed
             );
         }
         if self.shaping != Shaping::default() {
             let s = &self.shaping;
-            eprintln!(
+            crate::note!(
                 "[sample] TOP_K={} MIN_P={} PRESENCE_PENALTY={} FREQUENCY_PENALTY={} REPETITION_PENALTY={}",
                 s.top_k, s.min_p, s.presence_penalty, s.frequency_penalty, s.repetition_penalty
             );

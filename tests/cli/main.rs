@@ -1,11 +1,14 @@
-//! Bad and hostile input through the binary and the library, one test binary: every refusal
-//! exits 2 naming the problem and touches no file; property tests over `config.json` and a
-//! shard's header; and the perplexity and divergence runs (`PPL=1`, `KLD_BASE`).
+//! The command line through the binary and the library, one test binary: bad and hostile
+//! input (every refusal exits 2 naming the problem and touches no file); property tests over
+//! `config.json` and a shard's header; what it tells a new user (the oracle mode named, the
+//! prompt flags, `-q`/`-v`, `--help`, `coli settings`, the banner); and the perplexity and
+//! divergence runs (`PPL=1`, `KLD_BASE`).
 
 #[path = "../common/mod.rs"]
 mod common;
 
 mod errors;
 mod fuzz_inputs;
+mod guide;
 mod perplexity;
 mod robustness;
