@@ -485,7 +485,7 @@ fn replay(engine: &dyn Engine, ids: &[u32], batch: usize, session: &mut Session)
             .zip(&streams)
             .map(|(state, stream)| Step::new(state, &stream[t..=t], Logits::Last))
             .collect();
-        engine.forward(&mut steps)?;
+        engine.forward_whole(&mut steps)?;
         steps_done += 1;
         session.after_tokens(engine, batch as u64)?;
     }

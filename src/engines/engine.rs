@@ -59,9 +59,20 @@ pub trait Engine: Send + Sync {
     /// batch's states partly filled: the caller starts them again.
     fn forward(&self, batch: &mut [Step]) -> Result<Vec<Vec<f32>>>;
 
-    /// [`Engine::forward`] of one sequence.
+    /// [`Engine::forward`] of a run's own sequences (not a server's), whose selections join
+    /// the counts only when it completes: a forward that fails part-way (an expert rank that
+    /// stopped answering, a shard that changed, a signal between layers) leaves the history
+    /// as the last whole forward left it.
+    fn forward_whole(&self, batch: &mut [Step]) -> Result<Vec<Vec<f32>>> {
+        self.routed().telemetry.hold_step();
+        let out = self.forward(batch);
+        self.routed().telemetry.end_step(out.is_ok());
+        out
+    }
+
+    /// [`Engine::forward_whole`] of one sequence.
     fn forward_one(&self, state: &mut State, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
-        let mut out = self.forward(&mut [Step::new(state, tokens, logits)])?;
+        let mut out = self.forward_whole(&mut [Step::new(state, tokens, logits)])?;
         Ok(out.pop().unwrap_or_default())
     }
 

@@ -92,6 +92,10 @@ pub struct RowOwner {
     pub sequence: u64,
 }
 
+/// The sequence that owns a run's forward while [`RouteTrace::hold_step`] holds it (a
+/// server's sequences are numbered from 0 and never reach it).
+const RUN_STEP: u64 = u64::MAX;
+
 /// Who owns the rows of the forward in progress, and the rows whose routing is kept.
 #[derive(Debug, Default)]
 struct Owners {
@@ -161,6 +165,23 @@ impl RouteTrace {
             }
         }
         self.owners.owners.retain(|o| o.sequence != sequence);
+    }
+
+    /// A forward of a run's own (not a server sequence's) begins: its selections are held
+    /// until [`RouteTrace::end_step`], so that a forward that fails part-way (an expert rank
+    /// that stopped answering, a shard that changed under it) adds nothing to the history.
+    pub fn hold_step(&mut self) {
+        let whole = RowOwner {
+            rows: 0..usize::MAX,
+            sequence: RUN_STEP,
+        };
+        self.own_rows(vec![whole], &[]);
+    }
+
+    /// The forward begun by [`RouteTrace::hold_step`] ended: its selections join the counts
+    /// when it `completed`, and are dropped when it failed.
+    pub fn end_step(&mut self, completed: bool) {
+        self.end_turn(RUN_STEP, completed);
     }
 
     /// The engine name given at construction.
