@@ -60,13 +60,18 @@ pub trait Engine: Send + Sync {
     fn forward(&self, batch: &mut [Step]) -> Result<Vec<Vec<f32>>>;
 
     /// [`Engine::forward`] of a run's own sequences (not a server's), whose selections join
-    /// the counts only when it completes: a forward that fails part-way (an expert rank that
-    /// stopped answering, a shard that changed, a signal between layers) leaves the history
-    /// as the last whole forward left it.
+    /// the counts only when it completes or is stopped by a signal between layers (what it
+    /// routed was traced, and the layers it ran are whole): a forward that fails part-way (an
+    /// expert rank that stopped answering, a shard that changed) leaves the history as the
+    /// last whole forward left it.
     fn forward_whole(&self, batch: &mut [Step]) -> Result<Vec<Vec<f32>>> {
         self.routed().telemetry.hold_step();
         let out = self.forward(batch);
-        self.routed().telemetry.end_step(out.is_ok());
+        let kept = match &out {
+            Ok(_) => true,
+            Err(err) => err.is::<crate::interrupt::Interrupted>(),
+        };
+        self.routed().telemetry.end_step(kept);
         out
     }
 
