@@ -25,11 +25,14 @@ use coli::experts::{Budget, StoreOptions};
 use coli::generate::greedy;
 use coli::quant::Width;
 use coli::snapshot::Snapshot;
-use common::{container, expert_bytes, load_average, source_model, stored_bytes};
+use common::{container, expert_bytes, source_model};
 use common::{CONTAINERS, EXPERTS, TOP_K, VOCAB};
-use rayon::prelude::*;
+use machine::{bandwidth, load_average, touch};
+use random_model::stored_bytes;
 
 mod common;
+mod machine;
+mod random_model;
 
 const PROMPT: usize = 32;
 /// A long prompt, timed on its own (one forward, the last position's logits).
@@ -65,30 +68,6 @@ fn args() -> Args {
     parsed
 }
 
-/// Read bandwidth: a multi-threaded sum over 1 GiB, best of five.
-fn bandwidth() -> f64 {
-    let buffer: Vec<u64> = (0..(1usize << 30) / 8).map(|i| i as u64).collect();
-    let mut best = 0f64;
-    for _ in 0..5 {
-        let started = Instant::now();
-        let sum = buffer
-            .par_chunks(1 << 16)
-            .map(|chunk| {
-                let mut acc = [0u64; 4];
-                for quad in chunk.chunks_exact(4) {
-                    for lane in 0..4 {
-                        acc[lane] = acc[lane].wrapping_add(quad[lane]);
-                    }
-                }
-                acc.iter().fold(0u64, |a, &v| a.wrapping_add(v))
-            })
-            .reduce(|| 0, u64::wrapping_add);
-        std::hint::black_box(sum);
-        best = best.max((buffer.len() * 8) as f64 / started.elapsed().as_secs_f64());
-    }
-    best
-}
-
 /// Weight bytes one decoded token reads: every attention projection and router, the
 /// top-k experts of every layer, and the LM head (the embedding row is negligible).
 fn bytes_per_token(snapshot: &Snapshot, layers: usize) -> usize {
@@ -102,25 +81,6 @@ fn bytes_per_token(snapshot: &Snapshot, layers: usize) -> usize {
         total += TOP_K * expert_bytes(snapshot, l);
     }
     total
-}
-
-/// Touch every page of every tensor through the snapshot's mappings, so no decode step
-/// pays a page fault.
-fn touch(snapshot: &Snapshot) {
-    let names: Vec<&str> = snapshot.names().collect();
-    let sum: u64 = names
-        .par_iter()
-        .map(|name| {
-            let view = snapshot.tensor(name).expect("tensor");
-            view.bytes
-                .as_slice()
-                .iter()
-                .step_by(4096)
-                .map(|&b| u64::from(b))
-                .sum::<u64>()
-        })
-        .sum();
-    std::hint::black_box(sum);
 }
 
 struct Figures {
@@ -187,7 +147,7 @@ fn main() {
         let dst = container(&source, &args.dir, args.layers, spec);
         rows.push((spec.label.to_string(), dst.clone(), false));
         // `ACT_BITS=8` multiplies integer and MXFP4 weights; FP8 keeps f32 activations.
-        if spec.bits != Precision::Fp8 {
+        if spec.expert_bits != Precision::Fp8 {
             integer.push((format!("{} act8", spec.label), dst, true));
         }
     }

@@ -19,7 +19,8 @@ use std::time::Duration;
 
 use coli::quant::{Format, Matrix};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use rayon::prelude::*;
+
+mod machine;
 
 /// Shapes `[rows, cols]`: an OLMoE expert's gate/up, a GLM-5.2 attention projection, a
 /// Kimi-style wide projection.
@@ -59,23 +60,7 @@ fn memory_bandwidth(c: &mut Criterion) {
     let mut group = c.benchmark_group("memory");
     group.throughput(Throughput::Bytes((buffer.len() * 8) as u64));
     group.bench_function("read 1 GiB", |b| {
-        b.iter(|| {
-            black_box(
-                buffer
-                    .par_chunks(1 << 16)
-                    .map(|chunk| {
-                        // Four independent sums so the adds keep up with the loads.
-                        let mut acc = [0u64; 4];
-                        for quad in chunk.chunks_exact(4) {
-                            for lane in 0..4 {
-                                acc[lane] = acc[lane].wrapping_add(quad[lane]);
-                            }
-                        }
-                        acc.iter().fold(0u64, |a, &v| a.wrapping_add(v))
-                    })
-                    .reduce(|| 0, u64::wrapping_add),
-            )
-        })
+        b.iter(|| black_box(machine::sum(&buffer)))
     });
     group.finish();
 }
@@ -85,66 +70,15 @@ fn memory_bandwidth(c: &mut Criterion) {
 /// compute ceiling the batched (prefill) kernels are measured against, in multiply-adds
 /// per second.
 fn fma_peak(c: &mut Criterion) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::*;
-        const STEPS: usize = 1 << 20;
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn chains256(seed: f32) -> f32 {
-            let mut acc = [_mm256_set1_ps(seed); 12];
-            let (a, b) = (_mm256_set1_ps(0.999_9), _mm256_set1_ps(1e-4));
-            for _ in 0..STEPS {
-                for v in acc.iter_mut() {
-                    *v = _mm256_fmadd_ps(*v, a, b);
-                }
-            }
-            let mut lanes = [0f32; 8];
-            _mm256_storeu_ps(
-                lanes.as_mut_ptr(),
-                acc.iter()
-                    .fold(_mm256_setzero_ps(), |s, &v| _mm256_add_ps(s, v)),
-            );
-            lanes.iter().sum()
-        }
-        #[target_feature(enable = "avx512f")]
-        unsafe fn chains512(seed: f32) -> f32 {
-            let mut acc = [_mm512_set1_ps(seed); 12];
-            let (a, b) = (_mm512_set1_ps(0.999_9), _mm512_set1_ps(1e-4));
-            for _ in 0..STEPS {
-                for v in acc.iter_mut() {
-                    *v = _mm512_fmadd_ps(*v, a, b);
-                }
-            }
-            let mut total = _mm512_setzero_ps();
-            for v in acc {
-                total = _mm512_add_ps(total, v);
-            }
-            _mm512_reduce_add_ps(total)
-        }
-        if !is_x86_feature_detected!("avx2") || !is_x86_feature_detected!("fma") {
-            return;
-        }
-        let threads = rayon::current_num_threads();
-        let mut group = c.benchmark_group("compute");
-        let mut peak = |name: &str, lanes: usize, chains: unsafe fn(f32) -> f32| {
-            group.throughput(Throughput::Elements((threads * STEPS * 12 * lanes) as u64));
-            group.bench_function(name, |b| {
-                b.iter(|| {
-                    let sum: f32 = (0..threads)
-                        .into_par_iter()
-                        // SAFETY: the instruction sets were detected before this is called.
-                        .map(|t| unsafe { chains(t as f32 * 1e-3) })
-                        .sum();
-                    black_box(sum)
-                })
-            });
-        };
-        peak("avx2 fma peak", 8, chains256);
-        if is_x86_feature_detected!("avx512f") {
-            peak("avx512 fma peak", 16, chains512);
-        }
-        group.finish();
+    let threads = rayon::current_num_threads();
+    let mut group = c.benchmark_group("compute");
+    for kernel in machine::fma_kernels() {
+        group.throughput(Throughput::Elements(kernel.multiply_adds(threads) as u64));
+        group.bench_function(kernel.name, |b| {
+            b.iter(|| black_box(kernel.run_on(threads)))
+        });
     }
+    group.finish();
 }
 
 fn matvec(c: &mut Criterion) {

@@ -30,9 +30,12 @@ use std::process::Command;
 use std::time::Instant;
 
 use coli::snapshot::Snapshot;
-use common::{container, expert_bytes, load_average, source_model, CONTAINERS, VOCAB};
+use common::{container, expert_bytes, source_model, CONTAINERS, VOCAB};
+use machine::load_average;
 
 mod common;
+mod machine;
+mod random_model;
 
 /// The configurations compared at every limit; the second one is traced.
 const CONFIGS: [[&str; 2]; 3] = [

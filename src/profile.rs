@@ -1,6 +1,7 @@
 //! Where a run's time goes, for the `PROFILE:` line: wall time accumulated per phase by
-//! the code that runs it (attention in the engines, the expert FFNs in the MoE pass, the
-//! LM head, an MPI job's exchanges with its expert ranks), as process-wide counters. The expert store's own read and wait times are in
+//! the code that runs it (attention in the engines and the DSA indexer within it, the
+//! expert FFNs in the MoE pass, shared experts, dense MLPs, the LM head, an MPI job's
+//! exchanges with its expert ranks), as process-wide counters. The expert store's own read and wait times are in
 //! its [`CacheStats`](crate::experts::CacheStats).
 //!
 //! It only measures; nothing reads it to decide anything.
@@ -16,14 +17,16 @@ pub enum Phase {
     LmHead,
     /// An MPI job's trunk sending requests to the expert ranks and waiting for answers.
     Exchange,
+    /// The DSA indexer's projections and its scan over the keys: part of `Attention`, which
+    /// contains it.
+    Indexer,
+    /// Shared experts, run on every row beside the routed ones.
+    SharedExpert,
+    /// The dense MLP of a layer without experts.
+    DenseFfn,
 }
 
-static NANOS: [AtomicU64; 4] = [
-    AtomicU64::new(0),
-    AtomicU64::new(0),
-    AtomicU64::new(0),
-    AtomicU64::new(0),
-];
+static NANOS: [AtomicU64; 7] = [const { AtomicU64::new(0) }; 7];
 
 /// Run `f`, adding its wall time to `phase`.
 pub fn time<R>(phase: Phase, f: impl FnOnce() -> R) -> R {

@@ -526,10 +526,19 @@ fn profile_line(engine: &dyn Engine, started: &Instant) -> String {
     let attention = total(Phase::Attention).as_secs_f64();
     let head = total(Phase::LmHead).as_secs_f64();
     let exchange = total(Phase::Exchange).as_secs_f64();
-    let other = (wall - wait - matmul - attention - head - exchange).max(0.0);
+    let (shared, dense) = (
+        total(Phase::SharedExpert).as_secs_f64(),
+        total(Phase::DenseFfn).as_secs_f64(),
+    );
+    // The indexer runs within attention, whose time holds it.
+    let indexer = match total(Phase::Indexer).as_secs_f64() {
+        0.0 => String::new(),
+        seconds => format!(" (indexer {seconds:.2} s)"),
+    };
+    let other = (wall - wait - matmul - attention - head - exchange - shared - dense).max(0.0);
     let wasted = stats.ahead_wasted + engine.routed().store.ahead_unused();
     format!(
-        "PROFILE: expert-disk {:.2} s service / {wait:.2} s wait | expert-matmul {matmul:.2} s | attention {attention:.2} s | lm_head {head:.2} s | other {other:.2} s | prefetch {} useful / {wasted} wasted{}{}",
+        "PROFILE: expert-disk {:.2} s service / {wait:.2} s wait | expert-matmul {matmul:.2} s | shared-expert {shared:.2} s | dense-ffn {dense:.2} s | attention {attention:.2} s{indexer} | lm_head {head:.2} s | other {other:.2} s | prefetch {} useful / {wasted} wasted{}{}",
         stats.read_nanos as f64 / 1e9,
         stats.ahead_useful,
         if stats.predicted > 0 {

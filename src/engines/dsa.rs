@@ -18,6 +18,7 @@ use rayon::prelude::*;
 use super::layers::{layer_norm, top_k, Rope};
 use super::state_io::{self, expect};
 use super::weights::Weights;
+use crate::profile::{self, Phase};
 use crate::quant::Matrix;
 
 /// `nn.LayerNorm` epsilon of the indexer's key norm.
@@ -141,6 +142,18 @@ impl Indexer {
     /// always, the queries and head weights only `with_queries` (some row sees more than
     /// `top_k` positions, or `DSA_FORCE`).
     pub fn project(&self, x: &[f32], q_resid: &[f32], n: usize, with_queries: bool) -> IndexerRows {
+        profile::time(Phase::Indexer, || {
+            self.project_untimed(x, q_resid, n, with_queries)
+        })
+    }
+
+    fn project_untimed(
+        &self,
+        x: &[f32],
+        q_resid: &[f32],
+        n: usize,
+        with_queries: bool,
+    ) -> IndexerRows {
         let IndexerShape {
             heads, head_dim, ..
         } = self.shape;
@@ -191,6 +204,19 @@ impl Indexer {
     /// always with `keep_all`. `None` when no row has anything to drop and `keep_all` is
     /// off: plain causal attention.
     pub fn select(
+        &self,
+        projected: &IndexerRows,
+        rows: Range<usize>,
+        rope: &Rope,
+        cache: &IndexKeys,
+        keep_all: bool,
+    ) -> Option<Vec<Vec<usize>>> {
+        profile::time(Phase::Indexer, || {
+            self.select_untimed(projected, rows, rope, cache, keep_all)
+        })
+    }
+
+    fn select_untimed(
         &self,
         projected: &IndexerRows,
         rows: Range<usize>,

@@ -748,12 +748,12 @@ impl Layer {
     fn ffn(&self, id: usize, pass: &mut Pass, h: &[f32]) -> Result<Vec<f32>> {
         let n = pass.rows.len();
         match &self.ffn {
-            Ffn::Dense(mlp) => Ok(mlp.forward(h, n)),
+            Ffn::Dense(mlp) => Ok(mlp.forward_dense(h, n)),
             Ffn::Moe { shared } => {
                 let mut out = pass.routed.forward(id, h, n)?.routed;
                 // transformers adds the shared expert after the routed sum.
                 if let Some(shared) = shared {
-                    add_in_place(&mut out, &shared.forward(h, n));
+                    add_in_place(&mut out, &shared.forward_shared(h, n));
                 }
                 Ok(out)
             }

@@ -793,7 +793,7 @@ impl Layer {
         let d = config.hidden_size;
         let shared = match &self.mlp {
             Mlp::Dense { mlp, global_scale } => {
-                let mut out = mlp.forward(h, n);
+                let mut out = mlp.forward_dense(h, n);
                 out.iter_mut().for_each(|x| *x *= global_scale);
                 return Ok(out);
             }
@@ -804,7 +804,7 @@ impl Layer {
         // The router weighs the shared experts together with the routed ones.
         let mut shared_sum = vec![0f32; n * d];
         for (j, expert) in shared.iter().enumerate() {
-            let y = expert.forward(h, n);
+            let y = expert.forward_shared(h, n);
             for ((sum, y), weights) in shared_sum
                 .chunks_exact_mut(d)
                 .zip(y.chunks_exact(d))

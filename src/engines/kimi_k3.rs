@@ -746,7 +746,7 @@ impl Layer {
             pass.config.rms_norm_eps,
         );
         let moe = match &self.ffn {
-            Ffn::Dense(mlp) => return Ok(mlp.forward(h, n)),
+            Ffn::Dense(mlp) => return Ok(mlp.forward_dense(h, n)),
             Ffn::Moe(moe) => moe,
         };
         let latent = moe.down.rows();
@@ -765,7 +765,7 @@ impl Layer {
         let mut out = vec![0f32; n * d];
         moe.up.matmul(&routed, n, &mut out);
         if let Some(shared) = &moe.shared {
-            for (o, s) in out.iter_mut().zip(shared.forward(h, n)) {
+            for (o, s) in out.iter_mut().zip(shared.forward_shared(h, n)) {
                 *o += s;
             }
         }

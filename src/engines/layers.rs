@@ -294,7 +294,17 @@ impl GatedMlp {
         })
     }
 
-    pub fn forward(&self, input: &[f32], n: usize) -> Vec<f32> {
+    /// `n` rows of a layer's dense MLP, timed as the `PROFILE:` line's `dense-ffn`.
+    pub fn forward_dense(&self, input: &[f32], n: usize) -> Vec<f32> {
+        profile::time(Phase::DenseFfn, || self.forward(input, n))
+    }
+
+    /// `n` rows of a shared expert, timed as the `PROFILE:` line's `shared-expert`.
+    pub fn forward_shared(&self, input: &[f32], n: usize) -> Vec<f32> {
+        profile::time(Phase::SharedExpert, || self.forward(input, n))
+    }
+
+    fn forward(&self, input: &[f32], n: usize) -> Vec<f32> {
         glu_ffn(&self.gate, &self.up, &self.down, input, n, |g, u| {
             self.act.apply(g, u)
         })

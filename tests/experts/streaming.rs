@@ -258,7 +258,7 @@ fn replay_decodes_the_ids_and_reports_with_a_profile() {
     for part in [
         " s service / ",
         " s wait | expert-matmul ",
-        " | attention ",
+        " | shared-expert 0.00 s | dense-ffn 0.00 s | attention ",
         " | lm_head ",
         " | other ",
         " | prefetch ",
@@ -267,9 +267,45 @@ fn replay_decodes_the_ids_and_reports_with_a_profile() {
     ] {
         assert!(profile.contains(part), "{profile}");
     }
+    // OLMoE has neither shared experts, nor dense layers, nor an indexer.
+    assert!(!profile.contains("(indexer "), "{profile}");
     let out = coli(&[&snap, "REPLAY=1", "2", "16", "16"], &[]);
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).contains("IDS"), "{}", stderr(&out));
+}
+
+/// The time of `phase` in a `PROFILE:` line (`... | phase X s ...`).
+fn phase_seconds(profile: &str, phase: &str) -> f64 {
+    let after = profile
+        .split(&format!("{phase} "))
+        .nth(1)
+        .unwrap_or_else(|| panic!("no {phase} in {profile}"));
+    after.split(' ').next().unwrap().parse().unwrap()
+}
+
+#[test]
+fn the_profile_times_the_indexer_the_shared_experts_and_the_dense_layers() {
+    // GLM's fixture: a dense first layer, one shared expert beside the routed ones, and a
+    // DSA indexer that runs within attention (so its time is at most attention's).
+    let snap = format!("SNAP={}", fixture("glm_moe_dsa_tiny").display());
+    let ids = (0..40).map(|i| ((i * 7) % 100 + 3).to_string());
+    let ids = format!("IDS={}", ids.collect::<Vec<_>>().join(" "));
+    let out = coli(
+        &[&snap, "USAGE_SAVE=0", &ids, "REPLAY=1", "8", "16", "16"],
+        &[],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    let profile = text
+        .lines()
+        .find(|l| l.starts_with("PROFILE: "))
+        .unwrap_or_else(|| panic!("{text}"));
+    let indexer = phase_seconds(profile, "(indexer");
+    assert!(indexer <= phase_seconds(profile, "attention"), "{profile}");
+    // Present, with a number of seconds (too small on a fixture to compare).
+    for phase in ["shared-expert", "dense-ffn"] {
+        phase_seconds(profile, phase);
+    }
 }
 
 #[test]
