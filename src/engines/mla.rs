@@ -272,27 +272,38 @@ pub fn attend_plain(
     let mut expanded = vec![0f32; total * width];
     kv_b.matmul(&cache.latents, total, &mut expanded);
     let every: Vec<usize> = (0..total).collect();
-    out.par_chunks_mut(v).enumerate().for_each(|(index, out)| {
-        let (row, head) = (index / heads, index % heads);
-        let query = &queries[(row * heads + head) * qk..][..qk];
-        let (q_nope, q_rope) = query.split_at(nope);
-        let seen = positions(keys, &every, first, row);
-        let mut scores: Vec<f32> = seen
-            .iter()
-            .map(|&pos| {
-                let key = &expanded[pos * width + head * rows..][..nope];
-                (dot(q_nope, key) + dot(q_rope, cache.rope_key(pos))) * scale
-            })
-            .collect();
-        softmax(&mut scores);
-        out.fill(0.0);
-        for (&pos, &p) in seen.iter().zip(&scores) {
-            let value = &expanded[pos * width + head * rows + nope..][..v];
-            for (y, &x) in out.iter_mut().zip(value) {
-                *y += p * x;
+    // Head-major: the threads' consecutive tasks read one head's keys and values, which
+    // stay in cache from one query row to the next; a row-major order read every head's
+    // between two rows of the same head.
+    let mut by_head = vec![0f32; n * heads * v];
+    by_head
+        .par_chunks_mut(v)
+        .enumerate()
+        .for_each(|(index, out)| {
+            let (head, row) = (index / n, index % n);
+            let query = &queries[(row * heads + head) * qk..][..qk];
+            let (q_nope, q_rope) = query.split_at(nope);
+            let seen = positions(keys, &every, first, row);
+            let mut scores: Vec<f32> = seen
+                .iter()
+                .map(|&pos| {
+                    let key = &expanded[pos * width + head * rows..][..nope];
+                    (dot(q_nope, key) + dot(q_rope, cache.rope_key(pos))) * scale
+                })
+                .collect();
+            softmax(&mut scores);
+            out.fill(0.0);
+            for (&pos, &p) in seen.iter().zip(&scores) {
+                let value = &expanded[pos * width + head * rows + nope..][..v];
+                for (y, &x) in out.iter_mut().zip(value) {
+                    *y += p * x;
+                }
             }
-        }
-    });
+        });
+    for (index, head_out) in by_head.chunks_exact(v).enumerate() {
+        let (head, row) = (index / n, index % n);
+        out[(row * heads + head) * v..][..v].copy_from_slice(head_out);
+    }
 }
 
 /// The same attention as [`attend_plain`] without expanding the cache: per head the query

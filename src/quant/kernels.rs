@@ -1170,8 +1170,14 @@ impl<'a> OutputRows<'a> {
 /// Row `row` dequantised (`value · scale`) into `out`.
 pub fn dequantize_row<D: Codes>(view: View<'_, D::Elem>, row: usize, out: &mut [f32]) {
     let data = row_of::<D>(view.data, view.cols, row);
-    for (i, y) in out.iter_mut().enumerate() {
-        *y = D::value(data, i) * view.scaling.element_scale(row, i);
+    // The scale looked up once per group (once per row without groups): MLA's absorbed
+    // decode reads thousands of rows a token this way.
+    let group = view.scaling.group_size().unwrap_or(out.len()).max(1);
+    for (g, chunk) in out.chunks_mut(group).enumerate() {
+        let scale = view.scaling.element_scale(row, g * group);
+        for (j, y) in chunk.iter_mut().enumerate() {
+            *y = D::value(data, g * group + j) * scale;
+        }
     }
 }
 
