@@ -164,7 +164,7 @@ enum Cursor {
 impl Cursor {
     /// Where the cursor is once `piece` is written after it (`thinking`: to stderr).
     fn after(self, piece: &str, thinking: bool) -> Cursor {
-        match piece.chars().last() {
+        match piece.chars().next_back() {
             None => self,
             Some('\n') => Cursor::LineStart,
             Some(_) if thinking => Cursor::InThinking,
