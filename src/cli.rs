@@ -111,6 +111,9 @@ pub enum Command {
 
 #[derive(clap::Args, Debug)]
 pub struct ChatArgs {
+    /// The system prompt the conversation starts with (`/system` changes it).
+    #[arg(long, value_name = "TEXT")]
+    pub system: Option<String>,
     /// KEY=VALUE settings, then up to three numbers: CAP EBITS DBITS, as for a run.
     #[arg(value_name = "KEY=VALUE | CAP [EBITS [DBITS]]")]
     pub args: Vec<String>,
@@ -260,6 +263,7 @@ pub fn run(argv: impl IntoIterator<Item = OsString>) -> Result<ExitCode> {
                     .kv_dir
                     .clone()
                     .map(|dir| (dir, (args.kv_dir_mb * 1e6) as u64)),
+                front: crate::serve::Front::Server,
             };
             // At most a day: the deadlines are instants, which a larger span could overflow.
             let seconds = |flag: &str, value: f64| {
@@ -295,7 +299,12 @@ pub fn run(argv: impl IntoIterator<Item = OsString>) -> Result<ExitCode> {
         Some(Command::Chat(args)) => {
             refuse_mpirun("coli chat")?;
             let (settings, positionals) = resolve(&args.args)?;
-            crate::serve::chat::run(cli.model.as_deref(), settings, positionals)
+            crate::serve::chat::run(
+                cli.model.as_deref(),
+                settings,
+                positionals,
+                args.system.clone(),
+            )
         }
         Some(Command::Settings) => {
             print!("{}", settings::table());

@@ -603,7 +603,7 @@ pub fn serve(
 ) -> Result<ExitCode> {
     // A Ctrl-C or SIGTERM reaches every rank; only the trunk acts on it (it ends the run
     // between tokens and saves), and this rank answers until the trunk says stop.
-    crate::interrupt::install();
+    crate::interrupt::install(crate::interrupt::Stopping::Run);
     let (snapshot, name) = startup::open(model, settings)?;
     let engine = startup::load_for(settings, positionals, &snapshot, name, false)?.engine;
     // Only the store answers requests: the trunk's weights go before any expert is read,

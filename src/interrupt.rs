@@ -1,7 +1,8 @@
 //! SIGINT, SIGTERM and SIGHUP (Ctrl-C elsewhere): the first one asks the running generation
 //! to stop after the current token, so the run ends normally, still saves its routing
 //! history and flushes its trace, and then exits `128 + signal` (130, 143, 129) so a script
-//! can tell it from a finished run; a second one exits at once.
+//! can tell it from a finished run; a second one exits at once. In `coli chat` the first one
+//! stops the answer in progress and the chat goes on ([`Stopping::Answer`]).
 //!
 //! A prefill is one forward over the whole prompt (each layer's experts read once for every
 //! token, which is what makes it affordable when they stream from disk), so it stops between
@@ -11,9 +12,22 @@
 use std::cell::Cell;
 use std::fmt;
 use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::OnceLock;
 
 /// The signal that asked for a stop, 0 for none.
 static REQUESTED: AtomicI32 = AtomicI32::new(0);
+
+/// What a first signal stops, which its line on stderr says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stopping {
+    /// The run (or the server's generations, or a rank's work).
+    Run,
+    /// `coli chat`'s answer in progress; the chat goes on.
+    Answer,
+}
+
+/// Set once, by [`install`].
+static STOPPING: OnceLock<Stopping> = OnceLock::new();
 
 #[cfg(unix)]
 const SIGNALS: [(i32, &str); 3] = [
@@ -26,15 +40,22 @@ fn received(signal: i32, name: &str) {
     if REQUESTED.swap(signal, Ordering::SeqCst) != 0 {
         std::process::exit(128 + signal);
     }
-    eprintln!(
-        "\n[coli] {name}: stopping after this token, or in a prefill after this layer (send it again to quit at once)"
-    );
+    match STOPPING.get() {
+        Some(Stopping::Answer) => eprintln!(
+            "\n[chat] {name}: the answer stops after this token (send it again to quit at once)"
+        ),
+        _ => eprintln!(
+            "\n[coli] {name}: stopping after this token, or in a prefill after this layer (send it again to quit at once)"
+        ),
+    }
 }
 
-/// Install the handler (once per process; later calls do nothing).
-pub fn install() {
+/// Install the handler, for a first signal to stop what `stopping` says (once per process;
+/// later calls do nothing).
+pub fn install(stopping: Stopping) {
     static INSTALLED: std::sync::Once = std::sync::Once::new();
     INSTALLED.call_once(|| {
+        let _ = STOPPING.set(stopping);
         #[cfg(unix)]
         match signal_hook::iterator::Signals::new(SIGNALS.map(|(signal, _)| signal)) {
             Ok(mut signals) => {

@@ -233,7 +233,7 @@ impl Run<'_> {
                 ngen = limit - positions;
             }
         }
-        interrupt::install();
+        interrupt::install(interrupt::Stopping::Run);
         let started = Instant::now();
         let session = self
             .loaded

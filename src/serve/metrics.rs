@@ -173,6 +173,12 @@ impl Metrics {
         });
     }
 
+    /// The generated tokens of the turns so far and the expert cache as of the last
+    /// (`coli chat`'s `/stats`).
+    pub fn totals(&self) -> (u64, CacheStats) {
+        self.with(|m| (m.completion_tokens, m.cache))
+    }
+
     pub fn render(&self) -> String {
         self.with(|m| {
             let mut out = String::new();

@@ -47,7 +47,7 @@ use api::{ApiError, Endpoint, Identity, Request, Usage};
 pub use connections::Limits;
 use metrics::Metrics;
 use worker::{Event, Job, ModelInfo};
-pub use worker::{Serving, DEFAULT_PREFILL_CHUNK};
+pub use worker::{Front, Serving, DEFAULT_PREFILL_CHUNK};
 
 /// The largest request body accepted.
 const BODY_LIMIT: usize = 4 << 20;

@@ -65,6 +65,8 @@ enum Next {
 struct Sequence<'t> {
     id: u64,
     job: Job,
+    /// What the engine thread's messages begin with ([`super::worker::Front::tag`]).
+    tag: &'static str,
     /// Which of the request's choices (`n`) this is.
     choice: usize,
     /// The samplers of the request's other choices, forked from this one's state when its
@@ -144,6 +146,8 @@ pub struct Scheduler<'a> {
     default_tokens: usize,
     parallel: usize,
     prefill_chunk: usize,
+    /// What the engine thread's messages begin with ([`super::worker::Front::tag`]).
+    tag: &'static str,
     /// Ids that end an answer.
     stops: Vec<u32>,
     pool: Pool,
@@ -178,6 +182,7 @@ impl<'a> Scheduler<'a> {
             default_tokens,
             parallel: serving.parallel.max(1),
             prefill_chunk: serving.prefill_chunk.max(1),
+            tag: serving.front.tag(),
             pool: Pool::new(cache_bytes, disk),
             stops,
             active: Vec::new(),
@@ -312,6 +317,7 @@ impl<'a> Scheduler<'a> {
         let sampler = samplers.remove(0);
         let sequence = Sequence {
             id,
+            tag: self.tag,
             choice: 0,
             forks: samplers,
             routed: job.routed_experts.then(Vec::new),
@@ -876,7 +882,7 @@ impl<'a> Scheduler<'a> {
         }
         if emitted > 0 {
             if let Err(err) = session.after_tokens(engine, emitted) {
-                eprintln!("[serve] placement after a step failed: {err:#}");
+                eprintln!("{} placement after a step failed: {err:#}", self.tag);
             }
         }
         self.retire_all(ended, session);
@@ -914,7 +920,7 @@ impl<'a> Scheduler<'a> {
     fn retire(&mut self, mut sequence: Sequence, end: End, session: &mut Session) {
         let engine = self.engine;
         if let End::Failed(message) = end {
-            eprintln!("[serve] generation failed: {message}");
+            eprintln!("{} generation failed: {message}", self.tag);
             engine.routed().telemetry.end_turn(sequence.id, false);
             let _ = sequence.job.events.send(Event::Failed(ApiError::server(
                 500,
@@ -942,7 +948,10 @@ impl<'a> Scheduler<'a> {
                     };
                     send_text(&mut sequence, tail, true);
                 }
-                Err(err) => eprintln!("[serve] the answer's last text cannot be decoded: {err:#}"),
+                Err(err) => eprintln!(
+                    "{} the answer's last text cannot be decoded: {err:#}",
+                    self.tag
+                ),
             }
         }
         let finish = match (sequence.text.matched(), &end) {
@@ -1003,7 +1012,7 @@ impl<'a> Scheduler<'a> {
     /// Answer every active sequence with a server error; their states are unknown now and
     /// their selections of the turn are dropped.
     fn fail_all(&mut self, message: &str) {
-        eprintln!("[serve] {message}");
+        eprintln!("{} {message}", self.tag);
         let engine = self.engine;
         for sequence in self.active.drain(..) {
             engine.routed().telemetry.end_turn(sequence.id, false);
@@ -1056,6 +1065,7 @@ fn fork_choices<'t>(
             *next_id += 1;
             Sequence {
                 id,
+                tag: sequence.tag,
                 job: sequence.job.clone(),
                 choice: j + 1,
                 forks: Vec::new(),
@@ -1216,7 +1226,10 @@ fn hand_out(sequence: &mut Sequence, token: u32) -> Option<End> {
         Ok(Some(piece)) => piece,
         Ok(None) => return None,
         Err(err) => {
-            eprintln!("[serve] a generated token cannot be decoded: {err:#}");
+            eprintln!(
+                "{} a generated token cannot be decoded: {err:#}",
+                sequence.tag
+            );
             return Some(End::StopString);
         }
     };

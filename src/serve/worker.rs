@@ -154,16 +154,38 @@ pub struct Serving {
     /// `--kv-dir` and `--kv-dir-mb`: where kept states go when evicted and at shutdown,
     /// and the bytes its files of this model may take.
     pub kv_dir: Option<(PathBuf, u64)>,
+    /// Who the engine thread serves, which its messages on stderr begin with.
+    pub front: Front,
+}
+
+/// Who the engine thread serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Front {
+    /// `coli serve`: HTTP clients.
+    Server,
+    /// `coli chat`: a person at a terminal.
+    Chat,
+}
+
+impl Front {
+    /// What the engine thread's messages begin with.
+    pub fn tag(self) -> &'static str {
+        match self {
+            Front::Server => "[serve]",
+            Front::Chat => "[chat]",
+        }
+    }
 }
 
 impl Serving {
     /// One conversation at a time (`coli chat`), with the default cache.
-    pub fn one() -> Serving {
+    pub fn chat() -> Serving {
         Serving {
             parallel: 1,
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
             cache_bytes: None,
             kv_dir: None,
+            front: Front::Chat,
         }
     }
 
@@ -187,6 +209,7 @@ fn run(
     metrics: Arc<Metrics>,
     ready: std::sync::mpsc::Sender<Result<ModelInfo>>,
 ) -> ExitCode {
+    let tag = serving.front.tag();
     let loaded = (|| -> Result<_> {
         let (snapshot, name) = startup::open(model.as_deref(), &settings)?;
         let tokenizer = Arc::new(TextTokenizer::load(snapshot.dir())?);
@@ -198,10 +221,10 @@ fn run(
                 let identity = KvIdentity::of(&snapshot, name, dense, experts)?;
                 let (disk, notes) = KvDir::open(dir, *limit, identity)?;
                 for note in notes {
-                    eprintln!("[serve] --kv-dir {note}");
+                    eprintln!("{tag} --kv-dir {note}");
                 }
                 eprintln!(
-                    "[serve] --kv-dir {}: {} kept states of this model, {:.1} MB",
+                    "{tag} --kv-dir {}: {} kept states of this model, {:.1} MB",
                     dir.display(),
                     disk.entries(),
                     disk.bytes() as f64 / 1e6
@@ -240,17 +263,20 @@ fn run(
         return ExitCode::from(2);
     }
     let cache_bytes = serving.cache_bytes(&settings);
-    eprintln!(
-        "[serve] up to {} sequences a step, prompts fed {} tokens a step, {:.0} MB of kept conversation states{}",
-        serving.parallel,
-        serving.prefill_chunk,
-        cache_bytes as f64 / 1e6,
-        if serving.cache_bytes.is_none() {
-            " (half the memory the expert store leaves for the rest of the run; --cache-mb sets it)"
-        } else {
-            ""
-        }
-    );
+    // A chat runs one conversation, with none of the flags this line speaks of.
+    if serving.front == Front::Server {
+        eprintln!(
+            "{tag} up to {} sequences a step, prompts fed {} tokens a step, {:.0} MB of kept conversation states{}",
+            serving.parallel,
+            serving.prefill_chunk,
+            cache_bytes as f64 / 1e6,
+            if serving.cache_bytes.is_none() {
+                " (half the memory the expert store leaves for the rest of the run; --cache-mb sets it)"
+            } else {
+                ""
+            }
+        );
+    }
     let mut scheduler = match Scheduler::new(
         engine.as_ref(),
         &tokenizer,
@@ -264,12 +290,15 @@ fn run(
     ) {
         Ok(scheduler) => scheduler,
         Err(err) => {
-            eprintln!("[serve] {err:#}");
+            eprintln!("{tag} {err:#}");
             return ExitCode::from(2);
         }
     };
     scheduler.serve(&mut jobs, &mut session);
-    eprintln!("[serve] queue closed; saving");
+    match serving.front {
+        Front::Server => eprintln!("{tag} queue closed; saving"),
+        Front::Chat => crate::note!("{tag} saving"),
+    }
     // Every turn saved its selections; saving again would decay the history once more.
     let kind = if engine.routed().telemetry.unsaved_selections() > 0 {
         RunKind::Generating
