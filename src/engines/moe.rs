@@ -16,7 +16,7 @@ use super::layers::{add_in_place, glu_ffn, softmax, top_k};
 use crate::activation::Activation;
 use crate::backend::{self, ExpertGroup, GroupExpert};
 use crate::experts::tier::ExpertTier;
-use crate::experts::{CacheStats, Expert, ExpertStore, ExpertTensors, StoreOptions};
+use crate::experts::{CacheStats, Expert, ExpertStore, ExpertTensors, Residence, StoreOptions};
 use crate::profile::{self, Phase};
 use crate::quant::{Matrix, Width};
 use crate::route_trace::RouteTrace;
@@ -337,6 +337,20 @@ impl RoutedExperts {
             }
         }
         pinned
+    }
+
+    /// Where each expert of each layer lives now: the VRAM tier, pinned, a cache slot, or
+    /// nowhere (the store's view; experts other processes compute are not resident here).
+    pub fn residence(&self) -> Vec<Vec<Residence>> {
+        let mut residence = self.store.residence();
+        for (layer, experts) in residence.iter_mut().enumerate() {
+            for (expert, place) in experts.iter_mut().enumerate() {
+                if self.tier.contains(layer, expert) {
+                    *place = Residence::Vram;
+                }
+            }
+        }
+        residence
     }
 
     /// Pins a store had no slot for.

@@ -47,7 +47,7 @@ pub use budget::Budget;
 use io::{Loaded, Loader, ReadPlan};
 pub use provision::{ExpertIo, StoreOptions};
 use slots::LayerCache;
-pub use slots::Policy;
+pub use slots::{Policy, Residence};
 pub use stats::CacheStats;
 
 /// The tensors of one expert's SwiGLU FFN in the snapshot: gate and up `[inter, hidden]`,

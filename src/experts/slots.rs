@@ -39,6 +39,31 @@ impl Policy {
     }
 }
 
+/// Where a routed expert lives, from the farthest to the nearest the compute.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Residence {
+    /// Not in memory: a lookup reads it (or, mapped, the kernel faults it in).
+    Absent,
+    /// In one of its layer's cache slots, which the policy may give to another.
+    Slot,
+    /// Pinned in memory, never evicted.
+    Pinned,
+    /// Uploaded to the GPU's expert tier (`GPU_EXPERT_GB`).
+    Vram,
+}
+
+impl Residence {
+    /// The name the server's routing events give it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Residence::Absent => "none",
+            Residence::Slot => "slot",
+            Residence::Pinned => "pin",
+            Residence::Vram => "vram",
+        }
+    }
+}
+
 pub(super) struct Slot {
     pub(super) expert: usize,
     /// The layer's lookup clock at its last use.
@@ -294,6 +319,29 @@ impl ExpertStore {
         self.layers
             .iter()
             .map(|cache| cache.pinned.iter().map(|(e, _)| *e).collect())
+            .collect()
+    }
+
+    /// Where each expert of each layer is now: pinned, in a slot (or being read into one),
+    /// or not resident; by layer, one entry per expert of the layer (none for a layer
+    /// without experts).
+    pub fn residence(&self) -> Vec<Vec<Residence>> {
+        self.layers
+            .iter()
+            .map(|cache| {
+                let mut layer = vec![Residence::Absent; cache.tensors.len()];
+                for slot in &cache.slots {
+                    if let Some(place) = layer.get_mut(slot.expert) {
+                        *place = Residence::Slot;
+                    }
+                }
+                for (expert, _) in &cache.pinned {
+                    if let Some(place) = layer.get_mut(*expert) {
+                        *place = Residence::Pinned;
+                    }
+                }
+                layer
+            })
             .collect()
     }
 

@@ -81,6 +81,9 @@ pub struct RouteTrace {
     /// By batch row: the layer of its last routing decision and the experts chosen, from
     /// which its next decision counts a transition.
     last_routes: Vec<(usize, Vec<usize>)>,
+    /// When a live view asked ([`RouteTrace::count_steps`]): the selections of each
+    /// (layer, expert) since the last [`RouteTrace::take_steps`], row-major.
+    steps: Option<Vec<u32>>,
 }
 
 /// A sequence's rows in the forward in progress (`coli serve`'s batches): their
@@ -123,7 +126,30 @@ impl RouteTrace {
             owners: Owners::default(),
             row_map: None,
             last_routes: Vec::new(),
+            steps: None,
         })
+    }
+
+    /// From now on, also count each routing layer's selections apart, until they are
+    /// taken with [`RouteTrace::take_steps`] (`coli serve`'s live view of the routing).
+    pub fn count_steps(&mut self) {
+        let cells = (self.counts.n_layers() + 1).saturating_mul(self.counts.n_experts());
+        self.steps.get_or_insert_with(|| vec![0; cells]);
+    }
+
+    /// The selections of each (layer, expert) since the last call (row-major, rows
+    /// `0..=n_layers` of `n_experts`), swapped into `into` (whose old values are zeroed
+    /// and become the next count); `into` is left empty when [`RouteTrace::count_steps`]
+    /// was never called.
+    pub fn take_steps(&mut self, into: &mut Vec<u32>) {
+        match self.steps.as_mut() {
+            Some(steps) => {
+                into.clear();
+                into.resize(steps.len(), 0);
+                std::mem::swap(steps, into);
+            }
+            None => into.clear(),
+        }
     }
 
     /// The next forwards' rows `owners[i].rows` belong to sequence `owners[i].sequence`
@@ -414,6 +440,14 @@ impl MoeCall<'_> {
             // Only a step to the next routing layer counts (a new forward starts over).
             counts.count_transition(last.0, &last.1, self.layer, ids);
             rt.heat.record(self.layer, ids);
+            if let Some(steps) = rt.steps.as_mut() {
+                let n_experts = rt.counts.n_experts();
+                for &id in ids.iter().filter(|&&id| id < n_experts) {
+                    if let Some(cell) = steps.get_mut(self.layer * n_experts + id) {
+                        *cell = cell.saturating_add(1);
+                    }
+                }
+            }
         }
         last.0 = self.layer;
         last.1.clear();

@@ -15,8 +15,10 @@ mod connections;
 mod guard;
 pub mod kv_dir;
 mod metrics;
+mod page;
 mod pool;
 mod responses;
+mod routing;
 mod scheduler;
 mod worker;
 
@@ -182,6 +184,10 @@ pub fn run(
         encoding: tokio::sync::Semaphore::new(1),
     });
     let router = Router::new()
+        .route("/", get(page::index))
+        .route("/page/app.js", get(page::script))
+        .route("/page/style.css", get(page::style))
+        .route("/routing", get(routing_events))
         .route("/health", get(health))
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model_by_id))
@@ -335,7 +341,7 @@ async fn not_found() -> Response {
         status: 404,
         kind: "invalid_request_error",
         code: None,
-        message: "no such endpoint: coli serves /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/messages/count_tokens, /tokenize, /detokenize, /v1/models, /health and /metrics".to_string(),
+        message: "no such endpoint: coli serves /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/messages/count_tokens, /tokenize, /detokenize, /v1/models, /routing, /health, /metrics and its page at /".to_string(),
     })
 }
 
@@ -356,7 +362,7 @@ async fn method_not_allowed() -> Response {
         status: 405,
         kind: "invalid_request_error",
         code: None,
-        message: "method not allowed: completions are POST, /v1/models, /health and /metrics GET"
+        message: "method not allowed: completions are POST; /v1/models, /routing, /health, /metrics and the page at / GET"
             .to_string(),
     })
 }
@@ -402,6 +408,19 @@ fn unknown_model(app: &App, name: &str) -> ApiError {
             app.model.id
         ),
     }
+}
+
+/// `GET /routing`: the experts at work, as server-sent events ([`routing`]).
+async fn routing_events(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    if let Err(err) = authorize(&app, &headers) {
+        return error_response(&err);
+    }
+    routing::events(
+        &app.model.routing,
+        &app.model.id,
+        app.model.engine,
+        app.stopping.clone(),
+    )
 }
 
 async fn metrics_text(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {

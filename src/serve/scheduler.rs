@@ -22,6 +22,7 @@ use super::api::{ApiError, Finish, Input, Routed, TokenLogprob, ToolChoice, Usag
 use super::kv_dir::KvDir;
 use super::metrics::{Metrics, StepFigures, Turn};
 use super::pool::{Pool, Start};
+use super::routing::Feed;
 use super::worker::{Event, Job, Serving, StopScan};
 use crate::engines::{Engine, Logits, State, Step};
 use crate::experts::CacheStats;
@@ -157,6 +158,8 @@ pub struct Scheduler<'a> {
     next_id: u64,
     /// The grammar compiler, built for the first request with a grammar.
     guides: Option<Guides>,
+    /// What `GET /routing` streams: each step's routing, residence and rates.
+    feed: Feed,
 }
 
 impl<'a> Scheduler<'a> {
@@ -171,6 +174,7 @@ impl<'a> Scheduler<'a> {
         serving: &Serving,
         cache_bytes: u64,
         disk: Option<KvDir>,
+        feed: Feed,
     ) -> Result<Scheduler<'a>> {
         let stops = TextModel::new(tokenizer, snapshot, engine).stop_ids(engine.stop_tokens())?;
         Ok(Scheduler {
@@ -189,6 +193,7 @@ impl<'a> Scheduler<'a> {
             held: None,
             next_id: 1,
             guides: None,
+            feed,
         })
     }
 
@@ -200,6 +205,9 @@ impl<'a> Scheduler<'a> {
                 let job = if let Some(job) = self.held.take() {
                     Some(job)
                 } else if self.active.is_empty() {
+                    // Nothing to do until a job comes: the routing view gets the last
+                    // step's state now.
+                    self.feed.idle(self.engine);
                     jobs.blocking_recv()
                 } else {
                     match jobs.try_recv() {
@@ -746,7 +754,8 @@ impl<'a> Scheduler<'a> {
         })?;
         let seconds = started.elapsed().as_secs_f64();
         drop(steps);
-        let (experts_taken, experts_read) = experts_taken(&before, &engine.cache_stats());
+        let after = engine.cache_stats();
+        let (experts_taken, experts_read) = experts_taken(&before, &after);
         self.metrics.step(StepFigures {
             sequences: parts.len(),
             rows,
@@ -880,6 +889,7 @@ impl<'a> Scheduler<'a> {
                 }
             }
         }
+        self.feed.step(engine, started, &before, &after, emitted);
         if emitted > 0 {
             if let Err(err) = session.after_tokens(engine, emitted) {
                 eprintln!("{} placement after a step failed: {err:#}", self.tag);

@@ -15,6 +15,7 @@ use tokio::sync::mpsc::{Receiver, UnboundedSender};
 use super::api::{ApiError, Finish, Input, Routed, TokenLogprob, Tools, Usage};
 use super::kv_dir::{KvDir, KvIdentity};
 use super::metrics::Metrics;
+use super::routing::{Feed, Routing};
 use super::scheduler::Scheduler;
 use crate::engines::PromptConvention;
 use crate::experts::budget;
@@ -141,6 +142,8 @@ pub struct ModelInfo {
     /// `LONG_CONTEXT=1` ([`startup::context_limit`]).
     pub context: Option<usize>,
     pub texts: Texts,
+    /// The engine's routing as `GET /routing` streams it.
+    pub routing: Routing,
 }
 
 /// How the engine thread serves: `--parallel`, `--prefill-chunk`, `--cache-mb`.
@@ -246,6 +249,7 @@ fn run(
             return ExitCode::from(2);
         }
     };
+    let (feed, routing) = Feed::new(engine.as_ref());
     let info = ModelInfo {
         id: model_id(snapshot.dir()),
         engine: name,
@@ -258,6 +262,7 @@ fn run(
             convention: engine.prompt_convention(),
             vocab: engine.vocab_size(),
         },
+        routing,
     };
     if ready.send(Ok(info.clone())).is_err() {
         return ExitCode::from(2);
@@ -287,6 +292,7 @@ fn run(
         &serving,
         cache_bytes,
         disk,
+        feed,
     ) {
         Ok(scheduler) => scheduler,
         Err(err) => {

@@ -1,6 +1,6 @@
 //! `coli serve`, one test binary: the server driven with `curl` (and the engine behind it
 //! through the library), against clients that misbehave on raw sockets, then through the
-//! official `openai` Python client.
+//! official `openai` Python client, and its page in headless Chromium.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -9,5 +9,6 @@ mod batching;
 mod hostile;
 mod kv_dir;
 mod openai;
+mod page;
 mod sampling;
 mod server;

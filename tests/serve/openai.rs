@@ -106,7 +106,7 @@ impl Server {
 }
 
 /// The interpreter to run the client with, checked to have `package`.
-fn python(package: &str) -> String {
+pub(crate) fn python(package: &str) -> String {
     let python = std::env::var("COLI_TEST_PYTHON").unwrap_or_else(|_| "python3".to_string());
     let fix = format!(
         "install it with `python3 -m pip install {package}`, or point COLI_TEST_PYTHON at a \
@@ -127,7 +127,7 @@ fn python(package: &str) -> String {
 }
 
 /// Runs `command` to its end, or kills it after `limit` and fails the test.
-fn run_limited(mut command: Command, limit: Duration, what: &str) -> Output {
+pub(crate) fn run_limited(mut command: Command, limit: Duration, what: &str) -> Output {
     let mut child = command
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
