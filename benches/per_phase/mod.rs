@@ -147,10 +147,10 @@ pub const ROWS: [Row; 5] = [
 /// are read once per forward.
 pub struct Work {
     rows: &'static [Row],
-    pub bytes: Vec<usize>,
-    pub multiply_adds: Vec<usize>,
-    pub other_bytes: usize,
-    pub other_multiply_adds: usize,
+    bytes: Vec<usize>,
+    multiply_adds: Vec<usize>,
+    other_bytes: usize,
+    other_multiply_adds: usize,
 }
 
 impl Work {
