@@ -21,7 +21,7 @@ use anyhow::Result;
 use super::layers::{dot, rms_norm, rms_norm_in_place, softmax};
 use super::state_io::{self, expect};
 use super::weights::Weights;
-use crate::quant::Matrix;
+use crate::quant::{selected_simd, Isa, Matrix};
 
 /// Sizes of one MLA layer. A query head is `[nope | rope]` wide; `kv_b` maps a latent to
 /// `heads x [nope key | v value]`.
@@ -273,73 +273,121 @@ pub fn attend_plain(
     keys: &Keys,
     out: &mut [f32],
 ) {
-    let MlaShape {
-        heads,
-        nope,
-        v,
-        scale,
-        ..
-    } = shape;
-    let (qk, rows) = (shape.qk(), shape.kv_rows());
+    let (heads, v) = (shape.heads, shape.v);
     let total = cache.len();
     let first = total - n;
-    let width = heads * rows;
-    let mut expanded = vec![0f32; total * width];
+    let mut expanded = vec![0f32; total * heads * shape.kv_rows()];
     kv_b.matmul(&cache.latents, total, &mut expanded);
     let every: Vec<usize> = (0..total).collect();
+    let heads_of = ExpandedHeads {
+        shape,
+        queries,
+        first,
+        cache,
+        keys,
+        every: &every,
+        expanded: &expanded,
+    };
     let mut by_head = vec![0f32; n * heads * v];
     by_head
         .par_chunks_mut(n * v)
         .enumerate()
-        .for_each(|(head, head_out)| {
-            let mut slab = vec![0f32; total * rows];
-            for (pos, key_value) in slab.chunks_exact_mut(rows).enumerate() {
-                key_value.copy_from_slice(&expanded[pos * width + head * rows..][..rows]);
-            }
-            for (block, block_out) in head_out.chunks_mut(QUERY_BLOCK * v).enumerate() {
-                let block_rows = block * QUERY_BLOCK..block * QUERY_BLOCK + block_out.len() / v;
-                let seen: Vec<&[usize]> = block_rows
-                    .clone()
-                    .map(|row| positions(keys, &every, first, row))
-                    .collect();
-                let mut scores: Vec<Vec<f32>> = seen
-                    .iter()
-                    .map(|list| Vec::with_capacity(list.len()))
-                    .collect();
-                let mut next = vec![0usize; seen.len()];
-                for end in (KEY_BLOCK..total + KEY_BLOCK).step_by(KEY_BLOCK) {
-                    for (i, row) in block_rows.clone().enumerate() {
-                        let query = &queries[(row * heads + head) * qk..][..qk];
-                        let (q_nope, q_rope) = query.split_at(nope);
-                        while let Some(&pos) = seen[i].get(next[i]).filter(|&&pos| pos < end) {
-                            let key = &slab[pos * rows..][..nope];
-                            scores[i].push(
-                                (dot(q_nope, key) + dot(q_rope, cache.rope_key(pos))) * scale,
-                            );
-                            next[i] += 1;
-                        }
-                    }
-                }
-                scores.iter_mut().for_each(|row| softmax(row));
-                block_out.fill(0.0);
-                next.fill(0);
-                for end in (KEY_BLOCK..total + KEY_BLOCK).step_by(KEY_BLOCK) {
-                    for (i, row_out) in block_out.chunks_exact_mut(v).enumerate() {
-                        while let Some(&pos) = seen[i].get(next[i]).filter(|&&pos| pos < end) {
-                            let p = scores[i][next[i]];
-                            let value = &slab[pos * rows + nope..][..v];
-                            for (y, &x) in row_out.iter_mut().zip(value) {
-                                *y += p * x;
-                            }
-                            next[i] += 1;
-                        }
-                    }
-                }
-            }
-        });
+        .for_each(|(head, head_out)| heads_of.attend(head, head_out));
     for (index, head_out) in by_head.chunks_exact(v).enumerate() {
         let (head, row) = (index / n, index % n);
         out[(row * heads + head) * v..][..v].copy_from_slice(head_out);
+    }
+}
+
+/// What every head's task of [`attend_plain`] reads.
+struct ExpandedHeads<'a> {
+    shape: MlaShape,
+    queries: &'a [f32],
+    /// The position of the first query row.
+    first: usize,
+    cache: &'a LatentCache,
+    keys: &'a Keys<'a>,
+    /// `0..cache.len()`, the causal rows' positions.
+    every: &'a [usize],
+    /// `kv_b` times every cached latent: per position, every head's key then value.
+    expanded: &'a [f32],
+}
+
+impl ExpandedHeads<'_> {
+    /// Head `head`'s context for every query row into `out` (`n x v`), in 256-bit vectors
+    /// where the kernels' instruction set has them: every step is a separate multiply and
+    /// add per lane, so the width does not change the bits.
+    fn attend(&self, head: usize, out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if matches!(selected_simd(), Isa::Avx2 | Isa::Avx512) {
+            // SAFETY: the kernels select an instruction set only where the CPU has it.
+            return unsafe { self.attend_avx2(head, out) };
+        }
+        self.attend_head(head, out)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn attend_avx2(&self, head: usize, out: &mut [f32]) {
+        self.attend_head(head, out)
+    }
+
+    #[inline(always)]
+    fn attend_head(&self, head: usize, head_out: &mut [f32]) {
+        let MlaShape {
+            heads,
+            nope,
+            v,
+            scale,
+            ..
+        } = self.shape;
+        let (qk, rows) = (self.shape.qk(), self.shape.kv_rows());
+        let total = self.cache.len();
+        let width = heads * rows;
+        let mut slab = vec![0f32; total * rows];
+        for (pos, key_value) in slab.chunks_exact_mut(rows).enumerate() {
+            key_value.copy_from_slice(&self.expanded[pos * width + head * rows..][..rows]);
+        }
+        for (block, block_out) in head_out.chunks_mut(QUERY_BLOCK * v).enumerate() {
+            let block_rows = block * QUERY_BLOCK..block * QUERY_BLOCK + block_out.len() / v;
+            let seen: Vec<&[usize]> = block_rows
+                .clone()
+                .map(|row| positions(self.keys, self.every, self.first, row))
+                .collect();
+            let mut scores: Vec<Vec<f32>> = seen
+                .iter()
+                .map(|list| Vec::with_capacity(list.len()))
+                .collect();
+            let mut next = vec![0usize; seen.len()];
+            for end in (KEY_BLOCK..total + KEY_BLOCK).step_by(KEY_BLOCK) {
+                for (i, row) in block_rows.clone().enumerate() {
+                    let query = &self.queries[(row * heads + head) * qk..][..qk];
+                    let (q_nope, q_rope) = query.split_at(nope);
+                    while let Some(&pos) = seen[i].get(next[i]).filter(|&&pos| pos < end) {
+                        let key = &slab[pos * rows..][..nope];
+                        scores[i].push(
+                            (dot(q_nope, key) + dot(q_rope, self.cache.rope_key(pos))) * scale,
+                        );
+                        next[i] += 1;
+                    }
+                }
+            }
+            scores.iter_mut().for_each(|row| softmax(row));
+            block_out.fill(0.0);
+            next.fill(0);
+            for end in (KEY_BLOCK..total + KEY_BLOCK).step_by(KEY_BLOCK) {
+                for (i, row_out) in block_out.chunks_exact_mut(v).enumerate() {
+                    while let Some(&pos) = seen[i].get(next[i]).filter(|&&pos| pos < end) {
+                        let p = scores[i][next[i]];
+                        let value = &slab[pos * rows + nope..][..v];
+                        for (y, &x) in row_out.iter_mut().zip(value) {
+                            *y += p * x;
+                        }
+                        next[i] += 1;
+                    }
+                }
+            }
+        }
     }
 }
 
