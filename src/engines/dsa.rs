@@ -15,7 +15,7 @@ use std::ops::Range;
 use anyhow::Result;
 use rayon::prelude::*;
 
-use super::layers::{layer_norm, top_k, Rope};
+use super::layers::{dot, layer_norm, top_k, Rope};
 use super::state_io::{self, expect};
 use super::weights::Weights;
 use crate::profile::{self, Phase};
@@ -261,10 +261,7 @@ impl Indexer {
                         query
                             .chunks_exact(head_dim)
                             .zip(&w)
-                            .map(|(q, &w)| {
-                                let s: f32 = q.iter().zip(key).map(|(a, b)| a * b).sum();
-                                w * (s * softmax_scale).max(0.0)
-                            })
+                            .map(|(q, &w)| w * (dot(q, key) * softmax_scale).max(0.0))
                             .sum()
                     })
                     .collect();
