@@ -11,7 +11,8 @@ measured for that fraction of the experts, and divides:
     decode s/token  = RAM bytes / (RAM bandwidth x coli's measured fraction of it)
                     + VRAM bytes / (HBM bandwidth x the fraction assumed for the GPU)
                     + missed expert bytes / (disk bandwidth x coli's measured fraction)
-    prefill s       = multiply-adds / (FMA peak x coli's measured fraction of it)
+    prefill s       = weight multiply-adds / (FMA peak x coli's measured fraction of it)
+                    + attention's over the context / (FMA peak x its measured fraction)
                     + expert bytes not in memory / (disk bandwidth x measured fraction)
 
 Every input is a constant below with where it comes from; `--markdown` prints the tables
@@ -35,6 +36,11 @@ DECODE_OF_BW = 0.89
 # Prefill of 512 tokens, int4-g64 experts: 26% of the f32 FMA peak with f32 activations,
 # 42% with ACT_BITS=8 (same section).
 PREFILL_OF_PEAK = {"f32": 0.26, "ACT_BITS=8": 0.42}
+# Attention's products over the context (scores and weighted sums) in a 4,096-token prefill
+# of GLM-5.2: 6.2e11 multiply-adds in about 55 s of the 83 s of attention (the rest its
+# projections), 11 G/s, 5% of the FMA peak ("Against llama.cpp on the same weights, and
+# 4,096-token prompts").
+CONTEXT_OF_PEAK = 0.05
 # The expert store reads at about 85% of the disk's bandwidth ("Out of core").
 DISK_OF_BW = 0.85
 # Assumed, not measured: GPU products at 70% of the card's bandwidth.
@@ -160,33 +166,19 @@ def inkling():
 # Read bandwidth assumed at 80% of the channels' rate (what a read probe such as this
 # repository's gets on current DDR5 machines; an assumption); FMA peaks from the cores'
 # published vector units at their all-core clock.
+EPYC = {
+    "name": "64-core EPYC, 12-channel DDR5-4800, 512 GB, NVMe RAID0 17.9 GB/s",
+    "ram_bw": 0.8 * 12 * 38.4 * GB,
+    "ram": 512 * GB,
+    "vram": 0,
+    "disk_bw": 17.9 * GB,
+    # Zen 4: two 256-bit FMA pipes, 16 f32 multiply-adds a cycle, ~3.1 GHz all-core.
+    "fma": 64 * 16 * 3.1e9,
+}
 MACHINES = [
-    {
-        "name": "64-core EPYC, 12-channel DDR5-4800, 512 GB, NVMe RAID0 17.9 GB/s",
-        "ram_bw": 0.8 * 12 * 38.4 * GB,
-        "ram": 512 * GB,
-        "vram": 0,
-        "disk_bw": 17.9 * GB,
-        # Zen 4: two 256-bit FMA pipes, 16 f32 multiply-adds a cycle, ~3.1 GHz all-core.
-        "fma": 64 * 16 * 3.1e9,
-    },
-    {
-        "name": "the same EPYC at colibri's published 97% hits",
-        "ram_bw": 0.8 * 12 * 38.4 * GB,
-        "ram": 512 * GB,
-        "vram": 0,
-        "disk_bw": 17.9 * GB,
-        "fma": 64 * 16 * 3.1e9,
-        "hits": (0.97, 0.97),
-    },
-    {
-        "name": "the same EPYC with 256 GB",
-        "ram_bw": 0.8 * 12 * 38.4 * GB,
-        "ram": 256 * GB,
-        "vram": 0,
-        "disk_bw": 17.9 * GB,
-        "fma": 64 * 16 * 3.1e9,
-    },
+    EPYC,
+    {**EPYC, "name": "the same EPYC at colibri's published 97% hits", "hits": (0.97, 0.97)},
+    {**EPYC, "name": "the same EPYC with 256 GB", "ram": 256 * GB},
     {
         "name": "16-core desktop, dual-channel DDR5-6000, 128 GB, one NVMe 7 GB/s",
         "ram_bw": 0.8 * 2 * 48.0 * GB,
@@ -197,13 +189,12 @@ MACHINES = [
         "fma": 16 * 32 * 5.0e9,
     },
     {
+        **EPYC,
         "name": "one H200 (141 GB, 4.8 TB/s) with 240 GB of RAM on the EPYC above, one NVMe 7 GB/s",
-        "ram_bw": 0.8 * 12 * 38.4 * GB,
         "ram": 240 * GB,
         "vram": 141 * GB,
         "hbm_bw": 4.8e12,
         "disk_bw": 7.0 * GB,
-        "fma": 64 * 16 * 3.1e9,
     },
 ]
 
@@ -247,7 +238,8 @@ def prefill(model, machine, tokens, activations):
     step = max(tokens // 100, 1)
     context = sum(model["attention_macs"](p) * step for p in range(0, tokens, step))
     macs = tokens * weights + context + model["head"]
-    compute = macs / (machine["fma"] * PREFILL_OF_PEAK[activations])
+    compute = (macs - context) / (machine["fma"] * PREFILL_OF_PEAK[activations])
+    compute += context / (machine["fma"] * CONTEXT_OF_PEAK)
     # One forward over the prompt reads every expert once: what memory does not hold
     # comes from disk (no overlap with compute assumed).
     from_disk = experts * max(1.0 - in_vram - in_ram, 0.0)
