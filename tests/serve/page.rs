@@ -70,6 +70,22 @@ impl Drop for EventStream {
     }
 }
 
+/// A layer-by-expert table of numbers from the routing events.
+fn counts(table: &Value) -> Vec<Vec<u64>> {
+    table
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|row| {
+            row.as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap())
+                .collect()
+        })
+        .collect()
+}
+
 #[test]
 fn routing_events_name_the_experts_each_step_took_in_the_shape_given_first() {
     let temp = tempfile::tempdir().unwrap();
@@ -128,29 +144,9 @@ fn routing_events_name_the_experts_each_step_took_in_the_shape_given_first() {
     );
     assert_eq!(status, 200, "{answer}");
     let moe: Vec<u64> = (0..4).collect();
-    let mut heat: Vec<Vec<u64>> = shape["heat"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|row| {
-            row.as_array()
-                .unwrap()
-                .iter()
-                .map(|v| v.as_u64().unwrap())
-                .collect()
-        })
-        .collect();
+    let mut heat = counts(&shape["heat"]);
     let before: u64 = heat.iter().flatten().sum();
-    let mut residence: Vec<Vec<u64>> = rows
-        .iter()
-        .map(|row| {
-            row.as_array()
-                .unwrap()
-                .iter()
-                .map(|v| v.as_u64().unwrap())
-                .collect()
-        })
-        .collect();
+    let mut residence = counts(&shape["residence"]);
     let mut routed_cells = 0;
     let mut last_step = 0;
     let deadline = Instant::now() + Duration::from_secs(30);
