@@ -255,7 +255,11 @@ impl Indexer {
                     .iter()
                     .map(|&w| w * head_scale)
                     .collect();
+                // A decoded row is one task of the loop over rows: its positions are
+                // scored by every thread.
                 let scores: Vec<f32> = (0..visible)
+                    .into_par_iter()
+                    .with_min_len(1024)
                     .map(|t| {
                         let key = cache.key(t);
                         query

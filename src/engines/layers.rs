@@ -225,9 +225,12 @@ pub fn softmax(x: &mut [f32]) {
 
 /// The `k` largest entries of `scores` as `(index, score)`, largest first; ties go to the
 /// lower index and NaN never wins over a number.
+///
+/// The order is total (no two indices compare equal), so the `k` are found by a selection
+/// and only they are sorted: the same entries in the same order as sorting all of them, in
+/// time linear in `scores` (the DSA indexer keeps 2,048 of a context's scores every step).
 pub fn top_k(scores: &[f32], k: usize) -> Vec<(usize, f32)> {
-    let mut order: Vec<usize> = (0..scores.len()).collect();
-    order.sort_by(|&a, &b| {
+    let before = |&a: &usize, &b: &usize| {
         let (x, y) = (scores[a], scores[b]);
         match (x.is_nan(), y.is_nan()) {
             (true, true) => a.cmp(&b),
@@ -235,7 +238,13 @@ pub fn top_k(scores: &[f32], k: usize) -> Vec<(usize, f32)> {
             (false, true) => std::cmp::Ordering::Less,
             _ => y.total_cmp(&x).then(a.cmp(&b)),
         }
-    });
+    };
+    let mut order: Vec<usize> = (0..scores.len()).collect();
+    if k > 0 && k < order.len() {
+        order.select_nth_unstable_by(k - 1, before);
+        order.truncate(k);
+    }
+    order.sort_by(before);
     order.into_iter().take(k).map(|i| (i, scores[i])).collect()
 }
 
@@ -361,6 +370,34 @@ mod tests {
             vec![1, 2]
         );
         assert_eq!(top_k(&[f32::NAN, 0.5, 0.25], 2)[0].0, 1);
+    }
+
+    #[test]
+    fn top_k_by_selection_is_the_head_of_the_full_sort() {
+        // Ties, NaNs and both signs of zero, at every k.
+        let scores: Vec<f32> = (0..97u32)
+            .map(|i| match i % 11 {
+                0 => f32::NAN,
+                1 => 0.5,
+                2 => -0.0,
+                3 => 0.0,
+                _ => (i.wrapping_mul(2_654_435_761) % 1000) as f32 / 100.0 - 5.0,
+            })
+            .collect();
+        let mut sorted: Vec<usize> = (0..scores.len()).collect();
+        sorted.sort_by(|&a, &b| {
+            let (x, y) = (scores[a], scores[b]);
+            match (x.is_nan(), y.is_nan()) {
+                (true, true) => a.cmp(&b),
+                (true, false) => std::cmp::Ordering::Greater,
+                (false, true) => std::cmp::Ordering::Less,
+                _ => y.total_cmp(&x).then(a.cmp(&b)),
+            }
+        });
+        for k in 0..=scores.len() + 1 {
+            let picked: Vec<usize> = top_k(&scores, k).iter().map(|&(i, _)| i).collect();
+            assert_eq!(picked, sorted[..k.min(scores.len())], "k = {k}");
+        }
     }
 
     #[test]
