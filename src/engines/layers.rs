@@ -223,6 +223,18 @@ pub fn softmax(x: &mut [f32]) {
     }
 }
 
+/// How index `a` ranks against `b` in [`top_k`]: the larger score first, NaN after every
+/// number, the lower index first among equals.
+fn ranked(scores: &[f32], a: usize, b: usize) -> std::cmp::Ordering {
+    let (x, y) = (scores[a], scores[b]);
+    match (x.is_nan(), y.is_nan()) {
+        (true, true) => a.cmp(&b),
+        (true, false) => std::cmp::Ordering::Greater,
+        (false, true) => std::cmp::Ordering::Less,
+        _ => y.total_cmp(&x).then(a.cmp(&b)),
+    }
+}
+
 /// The `k` largest entries of `scores` as `(index, score)`, largest first; ties go to the
 /// lower index and NaN never wins over a number.
 ///
@@ -230,15 +242,7 @@ pub fn softmax(x: &mut [f32]) {
 /// and only they are sorted: the same entries in the same order as sorting all of them, in
 /// time linear in `scores` (the DSA indexer keeps 2,048 of a context's scores every step).
 pub fn top_k(scores: &[f32], k: usize) -> Vec<(usize, f32)> {
-    let before = |&a: &usize, &b: &usize| {
-        let (x, y) = (scores[a], scores[b]);
-        match (x.is_nan(), y.is_nan()) {
-            (true, true) => a.cmp(&b),
-            (true, false) => std::cmp::Ordering::Greater,
-            (false, true) => std::cmp::Ordering::Less,
-            _ => y.total_cmp(&x).then(a.cmp(&b)),
-        }
-    };
+    let before = |&a: &usize, &b: &usize| ranked(scores, a, b);
     let mut order: Vec<usize> = (0..scores.len()).collect();
     if k > 0 && k < order.len() {
         order.select_nth_unstable_by(k - 1, before);
@@ -385,15 +389,7 @@ mod tests {
             })
             .collect();
         let mut sorted: Vec<usize> = (0..scores.len()).collect();
-        sorted.sort_by(|&a, &b| {
-            let (x, y) = (scores[a], scores[b]);
-            match (x.is_nan(), y.is_nan()) {
-                (true, true) => a.cmp(&b),
-                (true, false) => std::cmp::Ordering::Greater,
-                (false, true) => std::cmp::Ordering::Less,
-                _ => y.total_cmp(&x).then(a.cmp(&b)),
-            }
-        });
+        sorted.sort_by(|&a, &b| ranked(&scores, a, b));
         for k in 0..=scores.len() + 1 {
             let picked: Vec<usize> = top_k(&scores, k).iter().map(|&(i, _)| i).collect();
             assert_eq!(picked, sorted[..k.min(scores.len())], "k = {k}");
