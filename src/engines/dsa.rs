@@ -19,7 +19,10 @@ use super::layers::{dot, layer_norm, top_k, Rope};
 use super::state_io::{self, expect};
 use super::weights::Weights;
 use crate::profile::{self, Phase};
-use crate::quant::Matrix;
+use crate::quant::{dots, Matrix};
+
+/// Positions a task of [`Indexer::select`] scores.
+const SCORE_BLOCK: usize = 1024;
 
 /// `nn.LayerNorm` epsilon of the indexer's key norm.
 const K_NORM_EPS: f64 = 1e-6;
@@ -256,19 +259,44 @@ impl Indexer {
                     .map(|&w| w * head_scale)
                     .collect();
                 // A decoded row is one task of the loop over rows: its positions are
-                // scored by every thread.
-                let scores: Vec<f32> = (0..visible)
-                    .into_par_iter()
-                    .with_min_len(1024)
-                    .map(|t| {
-                        let key = cache.key(t);
-                        query
-                            .chunks_exact(head_dim)
-                            .zip(&w)
-                            .map(|(q, &w)| w * (dot(q, key) * softmax_scale).max(0.0))
-                            .sum()
-                    })
-                    .collect();
+                // scored by every thread, four at a time (each head's query read once for
+                // the four keys; each score summed over the heads in order as alone).
+                let mut scores = vec![0f32; visible];
+                scores
+                    .par_chunks_mut(SCORE_BLOCK)
+                    .enumerate()
+                    .for_each(|(block, scores)| {
+                        let mut products = vec![[0f32; 4]; heads];
+                        for (quad, scores) in scores.chunks_mut(4).enumerate() {
+                            let first = block * SCORE_BLOCK + 4 * quad;
+                            let score = |products: &[[f32; 4]], j: usize| -> f32 {
+                                products
+                                    .iter()
+                                    .zip(&w)
+                                    .map(|(p, &w)| w * (p[j] * softmax_scale).max(0.0))
+                                    .sum()
+                            };
+                            if let [a, b, c, d] = scores {
+                                let keys: [&[f32]; 4] =
+                                    std::array::from_fn(|j| cache.key(first + j));
+                                for (p, q) in products.iter_mut().zip(query.chunks_exact(head_dim))
+                                {
+                                    *p = dots(q, keys);
+                                }
+                                [*a, *b, *c, *d] = std::array::from_fn(|j| score(&products, j));
+                            } else {
+                                for (j, s) in scores.iter_mut().enumerate() {
+                                    let key = cache.key(first + j);
+                                    for (p, q) in
+                                        products.iter_mut().zip(query.chunks_exact(head_dim))
+                                    {
+                                        p[0] = dot(q, key);
+                                    }
+                                    *s = score(&products, 0);
+                                }
+                            }
+                        }
+                    });
                 let quota = if keep_all { visible } else { keep.min(visible) };
                 let mut kept: Vec<usize> =
                     top_k(&scores, quota).into_iter().map(|(t, _)| t).collect();

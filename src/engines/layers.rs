@@ -81,27 +81,15 @@ pub fn lm_head(head: &Matrix, rows: &[f32]) -> Result<Vec<f32>> {
 }
 
 /// `a · b` over the shorter length, in eight interleaved partial sums (element `8c + l`
-/// goes to sum `l`; the eight are added pairwise at the end, the tail last): independent
-/// chains the compiler vectorises, where one running sum is a chain of dependent adds. The
-/// order is fixed, so prefill and decode give the same bits.
+/// goes to sum `l`; the eight are added pairwise at the end, the tail last;
+/// [`crate::quant::dots`]): independent chains in one vector register, where one running
+/// sum is a chain of dependent adds. The order is fixed, so prefill and decode give the
+/// same bits.
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
-    let (a, b) = (&a[..n], &b[..n]);
-    let mut lanes = [0f32; 8];
-    for (x, y) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
-        for l in 0..8 {
-            lanes[l] += x[l] * y[l];
-        }
-    }
-    let tail: f32 = a[n / 8 * 8..]
-        .iter()
-        .zip(&b[n / 8 * 8..])
-        .map(|(x, y)| x * y)
-        .sum();
-    ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6]))
-        + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]))
-        + tail
+    let [product] = crate::quant::dots(&a[..n], [&b[..n]]);
+    product
 }
 
 /// `out = x / sqrt(mean(x^2) + eps) * weight`, for each row of `x` (`weight.len()` wide).

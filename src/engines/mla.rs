@@ -21,7 +21,7 @@ use anyhow::Result;
 use super::layers::{dot, rms_norm, rms_norm_in_place, softmax};
 use super::state_io::{self, expect};
 use super::weights::Weights;
-use crate::quant::{selected_simd, Isa, Matrix};
+use crate::quant::{add_weighted, dots, Matrix};
 
 /// Sizes of one MLA layer. A query head is `[nope | rope]` wide; `kv_b` maps a latent to
 /// `heads x [nope key | v value]`.
@@ -314,26 +314,8 @@ struct ExpandedHeads<'a> {
 }
 
 impl ExpandedHeads<'_> {
-    /// Head `head`'s context for every query row into `out` (`n x v`), in 256-bit vectors
-    /// where the kernels' instruction set has them: every step is a separate multiply and
-    /// add per lane, so the width does not change the bits.
-    fn attend(&self, head: usize, out: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if matches!(selected_simd(), Isa::Avx2 | Isa::Avx512) {
-            // SAFETY: the kernels select an instruction set only where the CPU has it.
-            return unsafe { self.attend_avx2(head, out) };
-        }
-        self.attend_head(head, out)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2")]
-    unsafe fn attend_avx2(&self, head: usize, out: &mut [f32]) {
-        self.attend_head(head, out)
-    }
-
-    #[inline(always)]
-    fn attend_head(&self, head: usize, head_out: &mut [f32]) {
+    /// Head `head`'s context for every query row into `out` (`n x v`).
+    fn attend(&self, head: usize, head_out: &mut [f32]) {
         let MlaShape {
             heads,
             nope,
@@ -379,10 +361,7 @@ impl ExpandedHeads<'_> {
                 for (i, row_out) in block_out.chunks_exact_mut(v).enumerate() {
                     while let Some(&pos) = seen[i].get(next[i]).filter(|&&pos| pos < end) {
                         let p = scores[i][next[i]];
-                        let value = &slab[pos * rows + nope..][..v];
-                        for (y, &x) in row_out.iter_mut().zip(value) {
-                            *y += p * x;
-                        }
+                        add_weighted(row_out, [p], [&slab[pos * rows + nope..][..v]]);
                         next[i] += 1;
                     }
                 }
@@ -391,9 +370,24 @@ impl ExpandedHeads<'_> {
     }
 }
 
+/// Selected positions one task of [`attend_absorbed`] scores for every head, reading each
+/// latent once for all of them.
+const LATENT_BLOCK: usize = 64;
+/// Heads whose contexts one task of [`attend_absorbed`] sums, reading each selected latent
+/// once for all of them: eight of GLM-5.2's 512-wide contexts take 16 KB, which stays in
+/// the first-level cache.
+const HEAD_BLOCK: usize = 8;
+
 /// The same attention as [`attend_plain`] without expanding the cache: per head the query
 /// becomes `W_k^T q_nope` in latent space, scores are `(q_lat · latent_t + q_rope · rope_t)
 /// * scale`, and the output is `W_v (Σ a_t latent_t)`.
+///
+/// A decoded row's heads all read the same positions, so each position's latent is read
+/// from memory once for every head ([`LatentRow`]) rather than once per head: with 64
+/// heads and a DSA selection scattered over a long cache, reading per head made the step
+/// grow with the cache's length (every head's pass missing the address translations of
+/// its 2,048 scattered positions again). Each score and each context element is computed
+/// with the operations in the order of one head alone.
 pub fn attend_absorbed(
     shape: MlaShape,
     kv_b: &Matrix,
@@ -408,42 +402,159 @@ pub fn attend_absorbed(
         nope,
         v,
         kv_lora,
-        scale,
         ..
     } = shape;
     let (qk, rows) = (shape.qk(), shape.kv_rows());
     let first = cache.len() - n;
     let every: Vec<usize> = (0..cache.len()).collect();
-    out.par_chunks_mut(v).enumerate().for_each(|(index, out)| {
-        let (row, head) = (index / heads, index % heads);
-        let query = &queries[(row * heads + head) * qk..][..qk];
-        let (q_nope, q_rope) = query.split_at(nope);
-        let mut q_latent = vec![0f32; kv_lora];
-        let mut w_row = vec![0f32; kv_lora];
-        for (d, &q) in q_nope.iter().enumerate() {
-            kv_b.row_into(head * rows + d, &mut w_row);
-            for (acc, &w) in q_latent.iter_mut().zip(&w_row) {
-                *acc += q * w;
+    let mut q_latents = vec![0f32; n * heads * kv_lora];
+    q_latents
+        .par_chunks_mut(kv_lora)
+        .enumerate()
+        .for_each(|(index, q_latent)| {
+            let head = index % heads;
+            let q_nope = &queries[index * qk..][..nope];
+            // Four rows of W_k at a time, added in order.
+            let mut w_rows = vec![0f32; 4 * kv_lora];
+            for (quad, q) in q_nope.chunks(4).enumerate() {
+                let w_rows = &mut w_rows[..q.len() * kv_lora];
+                for (j, w_row) in w_rows.chunks_exact_mut(kv_lora).enumerate() {
+                    kv_b.row_into(head * rows + 4 * quad + j, w_row);
+                }
+                match *q {
+                    [q0, q1, q2, q3] => {
+                        let w: Vec<&[f32]> = w_rows.chunks_exact(kv_lora).collect();
+                        add_weighted(q_latent, [q0, q1, q2, q3], [w[0], w[1], w[2], w[3]]);
+                    }
+                    _ => {
+                        for (&q, w_row) in q.iter().zip(w_rows.chunks_exact(kv_lora)) {
+                            add_weighted(q_latent, [q], [w_row]);
+                        }
+                    }
+                }
+            }
+        });
+    for (row, out) in out.chunks_exact_mut(heads * v).enumerate() {
+        let context = LatentRow {
+            shape,
+            q_latents: &q_latents[row * heads * kv_lora..][..heads * kv_lora],
+            queries: &queries[row * heads * qk..][..heads * qk],
+            cache,
+            seen: positions(keys, &every, first, row),
+        }
+        .context();
+        out.par_chunks_mut(v).enumerate().for_each(|(head, out)| {
+            let context = &context[head * kv_lora..][..kv_lora];
+            kv_b.rows_dot(head * rows + nope, context, out);
+        });
+    }
+}
+
+/// One query row of [`attend_absorbed`]: every head's latent-space query against the
+/// positions the row reads.
+struct LatentRow<'a> {
+    shape: MlaShape,
+    /// `heads x kv_lora`.
+    q_latents: &'a [f32],
+    /// The row's `heads x (nope + rope)` queries (the rope part rotated).
+    queries: &'a [f32],
+    cache: &'a LatentCache,
+    seen: &'a [usize],
+}
+
+impl LatentRow<'_> {
+    /// Every head's `Σ_t a_t latent_t` (`heads x kv_lora`): the scores of
+    /// [`LATENT_BLOCK`] positions a task, every head's softmax, then the sums of
+    /// [`HEAD_BLOCK`] heads a task.
+    fn context(&self) -> Vec<f32> {
+        let MlaShape { heads, kv_lora, .. } = self.shape;
+        let count = self.seen.len();
+        let mut by_position = vec![0f32; count * heads];
+        by_position
+            .par_chunks_mut(LATENT_BLOCK * heads)
+            .enumerate()
+            .for_each(|(block, scores)| self.score(block, scores));
+        let mut weights = vec![0f32; heads * count];
+        weights
+            .par_chunks_mut(count)
+            .enumerate()
+            .for_each(|(head, weights)| {
+                for (w, scores) in weights.iter_mut().zip(by_position.chunks_exact(heads)) {
+                    *w = scores[head];
+                }
+                softmax(weights);
+            });
+        let mut context = vec![0f32; heads * kv_lora];
+        context
+            .par_chunks_mut(HEAD_BLOCK * kv_lora)
+            .enumerate()
+            .for_each(|(block, context)| self.sum(block, &weights, context));
+        context
+    }
+
+    /// Every head's score of the positions of block `block` into `scores` (position-major).
+    fn score(&self, block: usize, scores: &mut [f32]) {
+        let MlaShape {
+            heads,
+            nope,
+            kv_lora,
+            scale,
+            ..
+        } = self.shape;
+        let qk = self.shape.qk();
+        let q_heads = |head: usize| {
+            let q_rope = &self.queries[head * qk + nope..qk * (head + 1)];
+            (&self.q_latents[head * kv_lora..][..kv_lora], q_rope)
+        };
+        let positions = &self.seen
+            [block * LATENT_BLOCK..(block * LATENT_BLOCK + LATENT_BLOCK).min(self.seen.len())];
+        let quads = positions.chunks_exact(4);
+        let rest = quads.remainder();
+        for (quad, scores) in quads.zip(scores.chunks_exact_mut(4 * heads)) {
+            let latents: [&[f32]; 4] = std::array::from_fn(|j| self.cache.latent(quad[j]));
+            let ropes: [&[f32]; 4] = std::array::from_fn(|j| self.cache.rope_key(quad[j]));
+            for head in 0..heads {
+                let (q_latent, q_rope) = q_heads(head);
+                let (by_latent, by_rope) = (dots(q_latent, latents), dots(q_rope, ropes));
+                for j in 0..4 {
+                    scores[j * heads + head] = (by_latent[j] + by_rope[j]) * scale;
+                }
             }
         }
-        let seen = positions(keys, &every, first, row);
-        let mut scores: Vec<f32> = seen
+        let done = positions.len() - rest.len();
+        for (&pos, scores) in rest
             .iter()
-            .map(|&pos| {
-                (dot(&q_latent, cache.latent(pos)) + dot(q_rope, cache.rope_key(pos))) * scale
-            })
-            .collect();
-        softmax(&mut scores);
-        let mut context = vec![0f32; kv_lora];
-        for (&pos, &p) in seen.iter().zip(&scores) {
-            for (c, &l) in context.iter_mut().zip(cache.latent(pos)) {
-                *c += p * l;
+            .zip(scores[done * heads..].chunks_exact_mut(heads))
+        {
+            let (latent, rope_key) = (self.cache.latent(pos), self.cache.rope_key(pos));
+            for (head, score) in scores.iter_mut().enumerate() {
+                let (q_latent, q_rope) = q_heads(head);
+                *score = (dot(q_latent, latent) + dot(q_rope, rope_key)) * scale;
             }
         }
-        for (j, y) in out.iter_mut().enumerate() {
-            *y = kv_b.row_dot(head * rows + nope + j, &context);
+    }
+
+    /// `Σ_t weights_t latent_t` of the heads of block `block` into `context`, in ascending
+    /// position order. `weights` is `heads x seen`.
+    fn sum(&self, block: usize, weights: &[f32], context: &mut [f32]) {
+        let (count, kv_lora) = (self.seen.len(), self.shape.kv_lora);
+        let weights = &weights[block * HEAD_BLOCK * count..];
+        let quads = self.seen.chunks_exact(4);
+        let done = count - quads.remainder().len();
+        for (q, quad) in quads.enumerate() {
+            let latents: [&[f32]; 4] = std::array::from_fn(|j| self.cache.latent(quad[j]));
+            for (i, context) in context.chunks_exact_mut(kv_lora).enumerate() {
+                let p: [f32; 4] = weights[i * count + 4 * q..][..4].try_into().expect("four");
+                add_weighted(context, p, latents);
+            }
         }
-    });
+        for (t, &pos) in self.seen.iter().enumerate().skip(done) {
+            let latent = self.cache.latent(pos);
+            for (i, context) in context.chunks_exact_mut(kv_lora).enumerate() {
+                add_weighted(context, [weights[i * count + t]], [latent]);
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -625,9 +736,14 @@ mod tests {
             &mut out,
         );
         for head in 0..shape.heads {
-            for j in 0..shape.v {
-                let want = kv_b.row_dot(head * shape.kv_rows() + shape.nope + j, cache.latent(3));
-                assert!((out[head * shape.v + j] - want).abs() < 1e-6);
+            let mut want = vec![0f32; shape.v];
+            kv_b.rows_dot(
+                head * shape.kv_rows() + shape.nope,
+                cache.latent(3),
+                &mut want,
+            );
+            for (got, want) in out[head * shape.v..][..shape.v].iter().zip(&want) {
+                assert!((got - want).abs() < 1e-6);
             }
         }
     }

@@ -608,6 +608,29 @@ unsafe fn dot_pairs<D: Pair, const P: usize, const T: usize>(
     out
 }
 
+/// [`kernels::add_weighted`] sixteen elements to a register (each element's sum is its
+/// own, so the width changes no bit), the last fewer than sixteen on AVX2.
+/// # Safety
+/// As [`kernels::add_weighted_on`], with AVX-512.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+pub(super) unsafe fn add_weighted<const N: usize>(
+    acc: &mut [f32],
+    weights: [f32; N],
+    rows: [&[f32]; N],
+) {
+    let body = acc.len() / 16 * 16;
+    let splats = weights.map(|w| _mm512_set1_ps(w));
+    for i in (0..body).step_by(16) {
+        let at = acc.as_mut_ptr().add(i);
+        let mut sum = _mm512_loadu_ps(at);
+        for (w, row) in splats.iter().zip(&rows) {
+            sum = _mm512_add_ps(sum, _mm512_mul_ps(*w, _mm512_loadu_ps(row.as_ptr().add(i))));
+        }
+        _mm512_storeu_ps(at, sum);
+    }
+    kernels::add_weighted_on::<Avx2, N>(&mut acc[body..], weights, rows.map(|row| &row[body..]));
+}
+
 /// [`rows_on`] compiled for AVX-512.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
 unsafe fn rows<D: Pair>(view: &View<'_, D::Elem>, first: usize, x: &[f32], out: &mut [f32]) {

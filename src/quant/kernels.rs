@@ -43,6 +43,11 @@ pub trait Lanes: Copy {
     /// # Safety
     /// As [`Lanes::zero`].
     unsafe fn fma(a: Self, b: Self, c: Self) -> Self;
+    /// `c + a * b` with the product rounded before the add: plain `f32` arithmetic, the
+    /// step of [`dots`] and [`add_weighted`].
+    /// # Safety
+    /// As [`Lanes::zero`].
+    unsafe fn add_product(a: Self, b: Self, c: Self) -> Self;
     /// `((l0+l4)+(l2+l6))+((l1+l5)+(l3+l7))`.
     /// # Safety
     /// As [`Lanes::zero`].
@@ -812,6 +817,10 @@ impl Lanes for Scalar {
         Scalar(std::array::from_fn(|l| a.0[l].mul_add(b.0[l], c.0[l])))
     }
     #[inline(always)]
+    unsafe fn add_product(a: Self, b: Self, c: Self) -> Self {
+        Scalar(std::array::from_fn(|l| c.0[l] + a.0[l] * b.0[l]))
+    }
+    #[inline(always)]
     unsafe fn sum(self) -> f32 {
         let a = self.0;
         ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
@@ -1009,25 +1018,141 @@ where
     }
 }
 
-/// Row `row` dotted with `x`, with `isa`.
-pub fn row_dot<D>(isa: Isa, view: View<'_, D::Elem>, row: usize, x: &[f32]) -> f32
+/// Rows `first..first + out.len()` each dotted with `x`, with `isa`.
+pub fn rows_dot<D>(isa: Isa, view: View<'_, D::Elem>, first: usize, x: &[f32], out: &mut [f32])
 where
     D: Decode<Scalar> + SimdDecode,
 {
-    assert_eq!(x.len(), view.cols, "row_dot input width");
-    assert!(row < view.rows, "row {row} of {}", view.rows);
-    let mut out = [0f32];
+    assert_eq!(x.len(), view.cols, "rows_dot input width");
+    assert!(
+        first + out.len() <= view.rows,
+        "rows {first}..{} of {}",
+        first + out.len(),
+        view.rows
+    );
     let isa = if isa.supported() { isa } else { Isa::Scalar };
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => super::x86::Avx2Block::<D>(view).rows(row, x, &mut out),
+        Isa::Avx2 => super::x86::Avx2Block::<D>(view).rows(first, x, out),
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => super::avx512::Avx512Block::<D>::new(view).rows(row, x, &mut out),
+        Isa::Avx512 => super::avx512::Avx512Block::<D>::new(view).rows(first, x, out),
         #[cfg(target_arch = "aarch64")]
-        Isa::Neon => super::neon::NeonBlock::<D>(view).rows(row, x, &mut out),
-        _ => ScalarBlock::<D>(view).rows(row, x, &mut out),
+        Isa::Neon => super::neon::NeonBlock::<D>(view).rows(first, x, out),
+        _ => ScalarBlock::<D>(view).rows(first, x, out),
     }
-    out[0]
+}
+
+/// `a · b` for each `b` of `others` (each as long as `a`): element `8c + l` of the product
+/// goes to partial sum `l`, the eight are added as [`Lanes::sum`] adds them, then the
+/// products of the last `len % 8` elements in order; every step rounds as plain `f32`
+/// arithmetic does. Computed together, each chunk of `a` is read once for all of them and
+/// their chains of adds run side by side (one dot alone waits on each add).
+pub fn dots<const N: usize>(a: &[f32], others: [&[f32]; N]) -> [f32; N] {
+    dots_with(selected(), a, others)
+}
+
+/// [`dots`] with `isa`.
+pub(super) fn dots_with<const N: usize>(isa: Isa, a: &[f32], others: [&[f32]; N]) -> [f32; N] {
+    for b in &others {
+        assert_eq!(b.len(), a.len(), "dots: every vector as long as the first");
+    }
+    let isa = if isa.supported() { isa } else { Isa::Scalar };
+    // SAFETY: `isa` is supported, and every vector is as long as `a`.
+    unsafe {
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 | Isa::Avx512 => super::x86::dots(a, others),
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => super::neon::dots(a, others),
+            _ => dots_on::<Scalar, N>(a, others),
+        }
+    }
+}
+
+/// [`dots`] on lanes `L`.
+/// # Safety
+/// The CPU must have `L`'s instruction set; every `others` as long as `a`.
+#[inline(always)]
+pub(super) unsafe fn dots_on<L: Lanes, const N: usize>(a: &[f32], others: [&[f32]; N]) -> [f32; N] {
+    let n = a.len();
+    let mut sums = [L::zero(); N];
+    for c in 0..n / 8 {
+        let x = L::load(a.as_ptr().add(8 * c));
+        for (sum, b) in sums.iter_mut().zip(&others) {
+            *sum = L::add_product(x, L::load(b.as_ptr().add(8 * c)), *sum);
+        }
+    }
+    let body = n / 8 * 8;
+    std::array::from_fn(|j| {
+        let tail: f32 = a[body..]
+            .iter()
+            .zip(&others[j][body..])
+            .map(|(x, y)| x * y)
+            .sum();
+        sums[j].sum() + tail
+    })
+}
+
+/// `acc[i] += weights[j] * rows[j][i]` for `j = 0, 1, ..`, element by element (each row as
+/// long as `acc`; each product rounded before its add): `N` passes of plain `f32`
+/// arithmetic, bit for bit, reading and writing `acc` once.
+pub fn add_weighted<const N: usize>(acc: &mut [f32], weights: [f32; N], rows: [&[f32]; N]) {
+    add_weighted_with(selected(), acc, weights, rows)
+}
+
+/// [`add_weighted`] with `isa`.
+pub(super) fn add_weighted_with<const N: usize>(
+    isa: Isa,
+    acc: &mut [f32],
+    weights: [f32; N],
+    rows: [&[f32]; N],
+) {
+    for row in &rows {
+        assert_eq!(
+            row.len(),
+            acc.len(),
+            "add_weighted: every row as long as the sum"
+        );
+    }
+    let isa = if isa.supported() { isa } else { Isa::Scalar };
+    // SAFETY: `isa` is supported, and every row is as long as `acc`.
+    unsafe {
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => super::x86::add_weighted(acc, weights, rows),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => super::avx512::add_weighted(acc, weights, rows),
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => super::neon::add_weighted(acc, weights, rows),
+            _ => add_weighted_on::<Scalar, N>(acc, weights, rows),
+        }
+    }
+}
+
+/// [`add_weighted`] on lanes `L`.
+/// # Safety
+/// The CPU must have `L`'s instruction set; every row as long as `acc`.
+#[inline(always)]
+pub(super) unsafe fn add_weighted_on<L: Lanes, const N: usize>(
+    acc: &mut [f32],
+    weights: [f32; N],
+    rows: [&[f32]; N],
+) {
+    let n = acc.len();
+    let splats = weights.map(|w| L::splat(w));
+    for c in 0..n / 8 {
+        let at = acc.as_mut_ptr().add(8 * c);
+        let mut sum = L::load(at);
+        for (w, row) in splats.iter().zip(&rows) {
+            sum = L::add_product(*w, L::load(row.as_ptr().add(8 * c)), sum);
+        }
+        sum.store(at);
+    }
+    for i in n / 8 * 8..n {
+        for (w, row) in weights.iter().zip(&rows) {
+            acc[i] += w * row[i];
+        }
+    }
 }
 
 /// The decoders every compiled instruction set provides.
@@ -1168,14 +1293,49 @@ impl<'a> OutputRows<'a> {
 }
 
 /// Row `row` dequantised (`value · scale`) into `out`.
-pub fn dequantize_row<D: Codes>(view: View<'_, D::Elem>, row: usize, out: &mut [f32]) {
+pub fn dequantize_row<D>(isa: Isa, view: View<'_, D::Elem>, row: usize, out: &mut [f32])
+where
+    D: Decode<Scalar> + SimdDecode,
+{
+    assert_eq!(out.len(), view.cols, "dequantize_row width");
+    assert!(row < view.rows, "row {row} of {}", view.rows);
+    let isa = if isa.supported() { isa } else { Isa::Scalar };
+    // SAFETY: `isa` is supported and `out` is the row's width.
+    unsafe {
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 | Isa::Avx512 => super::x86::dequantize_row::<D>(view, row, out),
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => super::neon::dequantize_row::<D>(view, row, out),
+            _ => dequantize_row_on::<Scalar, D>(view, row, out),
+        }
+    }
+}
+
+/// [`dequantize_row`] on lanes `L`: eight elements at a time where a group is a whole
+/// number of chunks, each `value * scale` (as an FMA onto -0, which adds nothing to any
+/// product, so the bits of the scalar product).
+/// # Safety
+/// The CPU must have `L`'s instruction set; `out` is `view.cols` wide and `row` a row.
+#[inline(always)]
+pub(super) unsafe fn dequantize_row_on<L: Lanes, D: Decode<L>>(
+    view: View<'_, D::Elem>,
+    row: usize,
+    out: &mut [f32],
+) {
     let data = row_of::<D>(view.data, view.cols, row);
     // The scale looked up once per group (once per row without groups): MLA's absorbed
     // decode reads thousands of rows a token this way.
     let group = view.scaling.group_size().unwrap_or(out.len()).max(1);
-    for (g, chunk) in out.chunks_mut(group).enumerate() {
+    for (g, values) in out.chunks_mut(group).enumerate() {
         let scale = view.scaling.element_scale(row, g * group);
-        for (j, y) in chunk.iter_mut().enumerate() {
+        let (splat, nothing) = (L::splat(scale), L::splat(-0.0));
+        let whole = if group % 8 == 0 { values.len() / 8 } else { 0 };
+        for c in 0..whole {
+            let decoded = D::chunk(data, g * group / 8 + c);
+            L::fma(decoded, splat, nothing).store(values.as_mut_ptr().add(8 * c));
+        }
+        for (j, y) in values.iter_mut().enumerate().skip(8 * whole) {
             *y = D::value(data, g * group + j) * scale;
         }
     }
@@ -1184,6 +1344,67 @@ pub fn dequantize_row<D: Codes>(view: View<'_, D::Elem>, row: usize, out: &mut [
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// [`dots`] and [`add_weighted`] on every instruction set against the plain loops they
+    /// stand for, bit for bit, at lengths with and without a tail and with zeros of both
+    /// signs.
+    #[test]
+    fn dots_and_weighted_sums_are_plain_f32_arithmetic_on_every_instruction_set() {
+        let noise = |len: usize, seed: u32| -> Vec<f32> {
+            (0..len as u32)
+                .map(|i| match (i + seed) % 13 {
+                    0 => -0.0,
+                    1 => 0.0,
+                    _ => {
+                        (i.wrapping_mul(2_654_435_761).wrapping_add(seed * 40_503) % 2000) as f32
+                            / 997.0
+                            - 1.0
+                    }
+                })
+                .collect()
+        };
+        for len in [0, 1, 7, 8, 9, 63, 64, 65, 130, 576] {
+            let a = noise(len, 1);
+            let others = [noise(len, 2), noise(len, 3), noise(len, 4)];
+            let plain_dot = |b: &[f32]| {
+                let mut lanes = [0f32; 8];
+                for (x, y) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
+                    for l in 0..8 {
+                        lanes[l] += x[l] * y[l];
+                    }
+                }
+                let tail: f32 = a[len / 8 * 8..]
+                    .iter()
+                    .zip(&b[len / 8 * 8..])
+                    .map(|(x, y)| x * y)
+                    .sum();
+                ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6]))
+                    + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]))
+                    + tail
+            };
+            let weights = [0.75f32, -1.5, -0.0];
+            let mut plain_sum = noise(len, 5);
+            for (w, row) in weights.iter().zip(&others) {
+                for (acc, x) in plain_sum.iter_mut().zip(row) {
+                    *acc += w * x;
+                }
+            }
+            for isa in Isa::available() {
+                let got = dots_with(isa, &a, [&others[0], &others[1], &others[2]]);
+                for (got, b) in got.iter().zip(&others) {
+                    assert_eq!(
+                        got.to_bits(),
+                        plain_dot(b).to_bits(),
+                        "{isa:?} dot of {len}"
+                    );
+                }
+                let mut sum = noise(len, 5);
+                add_weighted_with(isa, &mut sum, weights, [&others[0], &others[1], &others[2]]);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&sum), bits(&plain_sum), "{isa:?} sum of {len}");
+            }
+        }
+    }
 
     fn reference_dot(w: &[f32], x: &[f32]) -> f32 {
         let mut acc = [0f32; 8];

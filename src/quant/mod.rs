@@ -40,14 +40,14 @@ pub use codec::{
     quantize_mxfp4,
 };
 pub use format::{Format, DEFAULT_INT4_GROUP};
-pub use kernels::{select as select_simd, selected as selected_simd, Isa};
+pub use kernels::{add_weighted, dots, select as select_simd, selected as selected_simd, Isa};
 
 use crate::backend::{self, Residency};
 use crate::layout::{RawMatrix, RawScales};
 use crate::snapshot::{Dtype, MappedBytes, TensorView};
 use kernels::{
-    Bf16Codes, Codes, Decode, E2m1Codes, E4m3Codes, F16Codes, F32Codes, I8Codes, Int4Codes,
-    Scaling, SimdDecode, View,
+    Bf16Codes, Decode, E2m1Codes, E4m3Codes, F16Codes, F32Codes, I8Codes, Int4Codes, Scaling,
+    SimdDecode, View,
 };
 
 /// The storage width a bit-count selects for float tensors, as colibri maps its
@@ -538,24 +538,35 @@ impl Matrix {
 
     /// Row `row` as f32, scale applied (an embedding lookup).
     pub fn row_into(&self, row: usize, out: &mut [f32]) {
-        assert_eq!(out.len(), self.cols, "row width");
-        fn run<D: Codes>(view: View<'_, D::Elem>, row: usize, out: &mut [f32]) {
-            kernels::dequantize_row::<D>(view, row, out)
-        }
-        with_view!(self, |view, C| run::<C>(view, row, out))
+        self.row_into_with(kernels::selected(), row, out)
     }
 
-    /// Row `row` of the matrix dotted with `x` (`cols` wide): one output element of
-    /// [`Matrix::matmul`], for callers that need only some rows (e.g. one head's slice).
-    pub fn row_dot(&self, row: usize, x: &[f32]) -> f32 {
+    /// [`Matrix::row_into`] with the kernels of `isa` (the same bits with every one).
+    pub fn row_into_with(&self, isa: Isa, row: usize, out: &mut [f32]) {
         fn run<D: Decode<kernels::Scalar> + SimdDecode>(
+            isa: Isa,
             view: View<'_, D::Elem>,
             row: usize,
-            x: &[f32],
-        ) -> f32 {
-            kernels::row_dot::<D>(kernels::selected(), view, row, x)
+            out: &mut [f32],
+        ) {
+            kernels::dequantize_row::<D>(isa, view, row, out)
         }
-        with_view!(self, |view, C| run::<C>(view, row, x))
+        with_view!(self, |view, C| run::<C>(isa, view, row, out))
+    }
+
+    /// Rows `first..first + out.len()` of the matrix each dotted with `x` (`cols` wide):
+    /// those output elements of [`Matrix::matmul`], for callers that need only some rows
+    /// (e.g. one head's slice).
+    pub fn rows_dot(&self, first: usize, x: &[f32], out: &mut [f32]) {
+        fn run<D: Decode<kernels::Scalar> + SimdDecode>(
+            view: View<'_, D::Elem>,
+            first: usize,
+            x: &[f32],
+            out: &mut [f32],
+        ) {
+            kernels::rows_dot::<D>(kernels::selected(), view, first, x, out)
+        }
+        with_view!(self, |view, C| run::<C>(view, first, x, out))
     }
 
     /// Every element as f32 (scales applied), row-major.

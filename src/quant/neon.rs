@@ -36,12 +36,48 @@ impl Lanes for Neon {
         Neon(vfmaq_f32(c.0, a.0, b.0), vfmaq_f32(c.1, a.1, b.1))
     }
     #[inline(always)]
+    unsafe fn add_product(a: Self, b: Self, c: Self) -> Self {
+        Neon(
+            vaddq_f32(c.0, vmulq_f32(a.0, b.0)),
+            vaddq_f32(c.1, vmulq_f32(a.1, b.1)),
+        )
+    }
+    #[inline(always)]
     unsafe fn sum(self) -> f32 {
         // (l0+l4, l1+l5, l2+l6, l3+l7), then pairs two apart, then the last two.
         let halves = vaddq_f32(self.0, self.1);
         let pairs = vadd_f32(vget_low_f32(halves), vget_high_f32(halves));
         vpadds_f32(pairs)
     }
+}
+
+/// [`super::kernels::dots`] in Advanced SIMD registers.
+/// # Safety
+/// As [`super::kernels::dots_on`].
+pub(super) unsafe fn dots<const N: usize>(a: &[f32], others: [&[f32]; N]) -> [f32; N] {
+    super::kernels::dots_on::<Neon, N>(a, others)
+}
+
+/// [`super::kernels::add_weighted`] in Advanced SIMD registers.
+/// # Safety
+/// As [`super::kernels::add_weighted_on`].
+pub(super) unsafe fn add_weighted<const N: usize>(
+    acc: &mut [f32],
+    weights: [f32; N],
+    rows: [&[f32]; N],
+) {
+    super::kernels::add_weighted_on::<Neon, N>(acc, weights, rows)
+}
+
+/// [`super::kernels::dequantize_row`] in Advanced SIMD registers.
+/// # Safety
+/// As [`super::kernels::dequantize_row_on`].
+pub(super) unsafe fn dequantize_row<D: Decode<Neon>>(
+    view: View<'_, D::Elem>,
+    row: usize,
+    out: &mut [f32],
+) {
+    super::kernels::dequantize_row_on::<Neon, D>(view, row, out)
 }
 
 /// Eight u16 widened to two u32x4.

@@ -35,6 +35,10 @@ impl Lanes for Avx2 {
         Avx2(_mm256_fmadd_ps(a.0, b.0, c.0))
     }
     #[inline(always)]
+    unsafe fn add_product(a: Self, b: Self, c: Self) -> Self {
+        Avx2(_mm256_add_ps(c.0, _mm256_mul_ps(a.0, b.0)))
+    }
+    #[inline(always)]
     unsafe fn sum(self) -> f32 {
         // (l0+l4, l1+l5, l2+l6, l3+l7), then pairs two apart, then the last two.
         let halves = _mm_add_ps(
@@ -143,6 +147,38 @@ impl Decode<Avx2> for E2m1Codes {
         let values = _mm_shuffle_epi8(table, codes);
         Avx2(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(values)))
     }
+}
+
+/// [`super::kernels::dots`] in 256-bit registers.
+/// # Safety
+/// As [`super::kernels::dots_on`], with AVX2.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn dots<const N: usize>(a: &[f32], others: [&[f32]; N]) -> [f32; N] {
+    super::kernels::dots_on::<Avx2, N>(a, others)
+}
+
+/// [`super::kernels::add_weighted`] in 256-bit registers.
+/// # Safety
+/// As [`super::kernels::add_weighted_on`], with AVX2.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn add_weighted<const N: usize>(
+    acc: &mut [f32],
+    weights: [f32; N],
+    rows: [&[f32]; N],
+) {
+    super::kernels::add_weighted_on::<Avx2, N>(acc, weights, rows)
+}
+
+/// [`super::kernels::dequantize_row`] in 256-bit registers.
+/// # Safety
+/// As [`super::kernels::dequantize_row_on`], with AVX2.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn dequantize_row<D: Decode<Avx2>>(
+    view: View<'_, D::Elem>,
+    row: usize,
+    out: &mut [f32],
+) {
+    super::kernels::dequantize_row_on::<Avx2, D>(view, row, out)
 }
 
 pub(super) struct Avx2Block<'a, D: Decode<Avx2>>(pub View<'a, D::Elem>);
