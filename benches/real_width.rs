@@ -22,14 +22,24 @@
 //!   per second against the measured FMA peak, with f32 and (`act8` rows) int8 activations;
 //! - the state's bytes per token of context;
 //! - a decode step after `--context` tokens of context (none by default: each costs a
-//!   prefill of that length), against the step at the 32-token prompt.
+//!   prefill of that length), against the step at the 32-token prompt;
+//! - the part of one layer's decode step that grows with the context, at `--long-context`
+//!   tokens ([`long_context`]: 65,536 tokens of prefill would take hours here).
 //!
 //! `cargo bench --bench real_width`, `-- --only int8-row --prefill 512 --context 2048`.
 //! The models are kept in `--dir` (default: `coli-glm52-bench` in the system temporary
 //! directory; about 8 GB of bf16 source and 3-4 GB per container) and reused.
 
+use std::path::Path;
+use std::time::{Duration, Instant};
+
 use coli::convert::Precision;
+use coli::engines::dsa::{IndexKeys, Indexer, IndexerShape};
+use coli::engines::layers::Rope;
+use coli::engines::mla::{attend_absorbed, Keys, LatentCache, MlaShape};
+use coli::engines::weights::Weights;
 use coli::profile::Phase;
+use coli::quant::Width;
 use coli::snapshot::Snapshot;
 use per_phase::{
     mla_matrices, mlp_tensors, Model, Row, Shape, Work, ATTENTION, DENSE, INT4_G64, INT8_ROW,
@@ -97,6 +107,7 @@ const MODEL: Model = Model {
     config: Shape::config,
     tensors: Shape::tensors,
     work,
+    long_context: Some(long_context),
 };
 
 impl Shape {
@@ -240,4 +251,96 @@ fn work(snapshot: &Snapshot, shape: Shape) -> Work {
 
 fn main() {
     per_phase::run(&MODEL);
+}
+
+/// Rows of random hidden states projected to indexer keys at a time while a long context is
+/// filled.
+const FILL: usize = 4096;
+
+/// Bytes read before each timed step of [`long_context`], so that it finds its caches
+/// cold, as after the other layers' weights.
+const FLUSH: usize = 256 << 20;
+
+/// The part of a decode step that grows with the context, for one layer (layer 1, its own
+/// weights from the container at `dir`): the DSA indexer (the new row's projections, its key
+/// appended, every cached position scored and the top 2,048 kept) and MLA's absorbed
+/// attention over the kept positions, at each of `contexts` positions of cached keys and
+/// latents. The keys are the layer's own projection of random hidden states and the
+/// latents random (no value changes the time), and each timed step finds them out of the
+/// processor's caches, as in a forward. Everything else a step does is the same at
+/// any context, so a step at a long context is the step at 2,048 tokens plus each layer's
+/// difference measured here.
+fn long_context(dir: &Path, label: &str, contexts: &[usize]) {
+    let snapshot = Snapshot::open(dir).expect("open the container");
+    let weights = Weights::new(&snapshot, Width::Int8Row);
+    let attention = weights.at("model.layers.1.self_attn");
+    let shape = IndexerShape {
+        hidden: HIDDEN,
+        q_lora: Q_LORA,
+        heads: INDEX_HEADS,
+        head_dim: INDEX_DIM,
+        rope: QK_ROPE,
+        top_k: INDEX_TOP_K,
+    };
+    let indexer = Indexer::load(&attention.at("indexer"), shape).expect("the indexer");
+    let kv_rows = HEADS * (QK_NOPE + V_HEAD);
+    let kv_b = attention
+        .matrix("kv_b_proj.weight", [kv_rows, KV_LORA])
+        .expect("kv_b_proj");
+    let mla = MlaShape::new(HEADS, QK_NOPE, QK_ROPE, V_HEAD, KV_LORA);
+    let rope = Rope::new(QK_ROPE, 8e6);
+    let (x, q_resid) = (noise(HIDDEN, 1), noise(Q_LORA, 2));
+    let queries = noise(HEADS * (QK_NOPE + QK_ROPE), 3);
+    let (latent, rope_key) = (noise(KV_LORA, 4), noise(QK_ROPE, 5));
+    let mut out = vec![0f32; HEADS * V_HEAD];
+    let flush: Vec<u64> = (0..FLUSH / 8).map(|i| i as u64).collect();
+    for &context in contexts {
+        let mut keys = IndexKeys::new(INDEX_DIM);
+        let mut latents = LatentCache::new(KV_LORA, QK_ROPE);
+        for start in (0..context).step_by(FILL) {
+            let n = FILL.min(context - start);
+            let rows = indexer.project(&noise(n * HIDDEN, start as u32), &[], n, false);
+            indexer.push_keys(&rows, 0..n, start, &rope, &mut keys);
+            let seed = start as u32 + 7;
+            latents.push(&noise(n * KV_LORA, seed), &noise(n * QK_ROPE, seed + 1));
+        }
+        let (mut indexing, mut attending) = (Duration::MAX, Duration::MAX);
+        for _ in 0..5 {
+            // In a step the layer's caches come cold, after the other layers' weights.
+            std::hint::black_box(machine::sum(&flush));
+            let started = Instant::now();
+            let rows = indexer.project(&x, &q_resid, 1, true);
+            indexer.push_keys(&rows, 0..1, context, &rope, &mut keys);
+            let selected = indexer.select(&rows, 0..1, &rope, &keys, false);
+            let indexed = started.elapsed();
+            latents.push(&latent, &rope_key);
+            let read = match &selected {
+                Some(lists) => Keys::Selected(lists),
+                None => Keys::Causal,
+            };
+            attend_absorbed(mla, &kv_b, &queries, 1, &latents, &read, &mut out);
+            indexing = indexing.min(indexed);
+            attending = attending.min(started.elapsed() - indexed);
+            keys.truncate(context);
+            latents.truncate(context);
+        }
+        println!(
+            "{label}: one layer's decode work that grows with the context, at {context} tokens: indexer {:.2} ms, attention {:.2} ms",
+            indexing.as_secs_f64() * 1e3,
+            attending.as_secs_f64() * 1e3
+        );
+    }
+}
+
+/// `len` values in [-1, 1) from `seed`.
+fn noise(len: usize, seed: u32) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(2_654_435_761) | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            state as f32 / u32::MAX as f32 * 2.0 - 1.0
+        })
+        .collect()
 }

@@ -69,6 +69,7 @@ const MODEL: Model = Model {
     config: Shape::config,
     tensors: Shape::tensors,
     work,
+    long_context: None,
 };
 
 impl Shape {

@@ -85,6 +85,7 @@ const MODEL: Model = Model {
     config: Shape::config,
     tensors: Shape::tensors,
     work,
+    long_context: None,
 };
 
 /// The text model's tensors are under this prefix, as in the release.

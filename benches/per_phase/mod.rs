@@ -7,8 +7,9 @@
 //! and the [`Work`] of a container.
 //!
 //! Every benchmark takes `--dir`, `--experts` (per MoE layer), `--moe-layers`, `--repeat`
-//! (decode runs, the best kept), `--prefill` and `--context` (comma-separated token counts)
-//! and `--only` (container labels).
+//! (decode runs, the best kept), `--prefill` and `--context` (comma-separated token counts),
+//! `--long-context` (token counts, where the model measures a layer's growing work) and
+//! `--only` (container labels).
 // Each benchmark uses a different subset of these.
 #![allow(dead_code)]
 
@@ -38,6 +39,8 @@ struct Args {
     repeat: usize,
     prefill: Vec<usize>,
     context: Vec<usize>,
+    /// Contexts at which [`Model::long_context`] measures a layer's growing work.
+    long_context: Vec<usize>,
     /// Container labels to run; empty runs all.
     only: Vec<String>,
 }
@@ -52,6 +55,7 @@ fn args(dir: &str, top_k: usize) -> Args {
         repeat: 2,
         prefill: vec![512, 4096],
         context: Vec::new(),
+        long_context: Vec::new(),
         only: Vec::new(),
     };
     let argv: Vec<String> = std::env::args().collect();
@@ -73,6 +77,7 @@ fn args(dir: &str, top_k: usize) -> Args {
             "--repeat" => parsed.repeat = value(i).parse().expect("--repeat takes a number"),
             "--prefill" => parsed.prefill = list(i, "--prefill"),
             "--context" => parsed.context = list(i, "--context"),
+            "--long-context" => parsed.long_context = list(i, "--long-context"),
             "--only" => parsed.only = value(i).split(',').map(str::to_string).collect(),
             _ => {}
         }
@@ -311,6 +316,10 @@ pub struct Model {
     pub tensors: fn(Shape) -> Vec<(String, Vec<usize>)>,
     /// The [`Work`] of a container.
     pub work: fn(&Snapshot, Shape) -> Work,
+    /// Where the model's decode step grows with the context: the part of one layer's step
+    /// that grows, measured at each of `--long-context` tokens (a container's directory and
+    /// label, the contexts).
+    pub long_context: Option<fn(&Path, &str, &[usize])>,
 }
 
 /// Each row's time over `f`, and its wall time.
@@ -578,6 +587,9 @@ pub fn run(model: &Model) {
                 step.as_secs_f64() / wall.as_secs_f64(),
                 attention.join(", ")
             );
+        }
+        if let (Some(measure), false) = (model.long_context, args.long_context.is_empty()) {
+            measure(&dir, spec.label, &args.long_context);
         }
     }
     println!("load average after: {}", load_average());

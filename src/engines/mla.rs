@@ -246,6 +246,17 @@ fn positions<'a>(keys: &'a Keys, every: &'a [usize], first: usize, row: usize) -
     }
 }
 
+/// The positions of the ascending `seen` from its `next`-th on that come before `end`.
+fn in_block(seen: &[usize], next: usize, end: usize) -> &[usize] {
+    let rest = &seen[next..];
+    &rest[..rest.partition_point(|&pos| pos < end)]
+}
+
+/// `vector` of each of four positions.
+fn quad_of<'a>(quad: &[usize], vector: impl Fn(usize) -> &'a [f32]) -> [&'a [f32]; 4] {
+    std::array::from_fn(|j| vector(quad[j]))
+}
+
 /// Query rows of one head that [`attend_plain`] attends together, so that each block of
 /// keys and values is read once for all of them.
 const QUERY_BLOCK: usize = 32;
@@ -345,13 +356,22 @@ impl ExpandedHeads<'_> {
                 for (i, row) in block_rows.clone().enumerate() {
                     let query = &self.queries[(row * heads + head) * qk..][..qk];
                     let (q_nope, q_rope) = query.split_at(nope);
-                    while let Some(&pos) = seen[i].get(next[i]).filter(|&&pos| pos < end) {
+                    let these = in_block(seen[i], next[i], end);
+                    // Four keys a pass, each query chunk read once for them.
+                    let mut quads = these.chunks_exact(4);
+                    for quad in &mut quads {
+                        let keys = quad_of(quad, |pos| &slab[pos * rows..][..nope]);
+                        let ropes = quad_of(quad, |pos| self.cache.rope_key(pos));
+                        let (by_key, by_rope) = (dots(q_nope, keys), dots(q_rope, ropes));
+                        scores[i].extend((0..4).map(|j| (by_key[j] + by_rope[j]) * scale));
+                    }
+                    for &pos in quads.remainder() {
                         let key = &slab[pos * rows..][..nope];
                         scores[i].push(
                             (dot(q_nope, key) + dot(q_rope, self.cache.rope_key(pos))) * scale,
                         );
-                        next[i] += 1;
                     }
+                    next[i] += these.len();
                 }
             }
             scores.iter_mut().for_each(|row| softmax(row));
@@ -359,11 +379,19 @@ impl ExpandedHeads<'_> {
             next.fill(0);
             for end in (KEY_BLOCK..total + KEY_BLOCK).step_by(KEY_BLOCK) {
                 for (i, row_out) in block_out.chunks_exact_mut(v).enumerate() {
-                    while let Some(&pos) = seen[i].get(next[i]).filter(|&&pos| pos < end) {
-                        let p = scores[i][next[i]];
-                        add_weighted(row_out, [p], [&slab[pos * rows + nope..][..v]]);
-                        next[i] += 1;
+                    let these = in_block(seen[i], next[i], end);
+                    let weights = &scores[i][next[i]..][..these.len()];
+                    let value = |pos: usize| &slab[pos * rows + nope..][..v];
+                    let mut quads = these.chunks_exact(4);
+                    for (quad, p) in (&mut quads).zip(weights.chunks_exact(4)) {
+                        let p: [f32; 4] = p.try_into().expect("four weights");
+                        add_weighted(row_out, p, quad_of(quad, value));
                     }
+                    let done = these.len() - quads.remainder().len();
+                    for (&pos, &p) in quads.remainder().iter().zip(&weights[done..]) {
+                        add_weighted(row_out, [p], [value(pos)]);
+                    }
+                    next[i] += these.len();
                 }
             }
         }
@@ -423,8 +451,8 @@ pub fn attend_absorbed(
                 }
                 match *q {
                     [q0, q1, q2, q3] => {
-                        let w: Vec<&[f32]> = w_rows.chunks_exact(kv_lora).collect();
-                        add_weighted(q_latent, [q0, q1, q2, q3], [w[0], w[1], w[2], w[3]]);
+                        let w = std::array::from_fn(|j| &w_rows[j * kv_lora..][..kv_lora]);
+                        add_weighted(q_latent, [q0, q1, q2, q3], w);
                     }
                     _ => {
                         for (&q, w_row) in q.iter().zip(w_rows.chunks_exact(kv_lora)) {
@@ -511,8 +539,8 @@ impl LatentRow<'_> {
         let quads = positions.chunks_exact(4);
         let rest = quads.remainder();
         for (quad, scores) in quads.zip(scores.chunks_exact_mut(4 * heads)) {
-            let latents: [&[f32]; 4] = std::array::from_fn(|j| self.cache.latent(quad[j]));
-            let ropes: [&[f32]; 4] = std::array::from_fn(|j| self.cache.rope_key(quad[j]));
+            let latents = quad_of(quad, |pos| self.cache.latent(pos));
+            let ropes = quad_of(quad, |pos| self.cache.rope_key(pos));
             for head in 0..heads {
                 let (q_latent, q_rope) = q_heads(head);
                 let (by_latent, by_rope) = (dots(q_latent, latents), dots(q_rope, ropes));
@@ -542,7 +570,7 @@ impl LatentRow<'_> {
         let quads = self.seen.chunks_exact(4);
         let done = count - quads.remainder().len();
         for (q, quad) in quads.enumerate() {
-            let latents: [&[f32]; 4] = std::array::from_fn(|j| self.cache.latent(quad[j]));
+            let latents = quad_of(quad, |pos| self.cache.latent(pos));
             for (i, context) in context.chunks_exact_mut(kv_lora).enumerate() {
                 let p: [f32; 4] = weights[i * count + 4 * q..][..4].try_into().expect("four");
                 add_weighted(context, p, latents);
@@ -716,6 +744,87 @@ mod tests {
                 blocked.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
                 reference.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
             );
+        }
+    }
+
+    /// [`attend_absorbed`] one head at a time with one position at a time: the form its
+    /// blocks of positions and heads must give the bits of.
+    fn absorbed_head_by_head(
+        shape: MlaShape,
+        kv_b: &Matrix,
+        queries: &[f32],
+        n: usize,
+        cache: &LatentCache,
+        keys: &Keys,
+    ) -> Vec<f32> {
+        let (qk, rows) = (shape.qk(), shape.kv_rows());
+        let first = cache.len() - n;
+        let every: Vec<usize> = (0..cache.len()).collect();
+        let mut out = vec![0f32; n * shape.heads * shape.v];
+        for (index, out) in out.chunks_exact_mut(shape.v).enumerate() {
+            let (row, head) = (index / shape.heads, index % shape.heads);
+            let query = &queries[index * qk..][..qk];
+            let (q_nope, q_rope) = query.split_at(shape.nope);
+            let mut q_latent = vec![0f32; shape.kv_lora];
+            let mut w_row = vec![0f32; shape.kv_lora];
+            for (d, &q) in q_nope.iter().enumerate() {
+                kv_b.row_into(head * rows + d, &mut w_row);
+                for (acc, &w) in q_latent.iter_mut().zip(&w_row) {
+                    *acc += q * w;
+                }
+            }
+            let seen = positions(keys, &every, first, row);
+            let mut scores: Vec<f32> = seen
+                .iter()
+                .map(|&pos| {
+                    (dot(&q_latent, cache.latent(pos)) + dot(q_rope, cache.rope_key(pos)))
+                        * shape.scale
+                })
+                .collect();
+            softmax(&mut scores);
+            let mut context = vec![0f32; shape.kv_lora];
+            for (&pos, &p) in seen.iter().zip(&scores) {
+                for (c, &l) in context.iter_mut().zip(cache.latent(pos)) {
+                    *c += p * l;
+                }
+            }
+            kv_b.rows_dot(head * rows + shape.nope, &context, out);
+        }
+        out
+    }
+
+    #[test]
+    fn absorbed_blocks_of_positions_and_heads_give_the_bits_of_one_head_at_a_time() {
+        // Heads not a multiple of the head block, a latent width with a tail past its
+        // chunks of eight, and positions over several blocks with a partial last quad.
+        let shape = MlaShape::new(11, 12, 4, 6, 21);
+        let kv_b = Matrix::from_f32(
+            shape.heads * shape.kv_rows(),
+            shape.kv_lora,
+            noise(shape.heads * shape.kv_rows() * shape.kv_lora, 5),
+            Width::Int8Row,
+        );
+        let total = 2 * LATENT_BLOCK + 23;
+        let mut cache = LatentCache::new(shape.kv_lora, shape.rope);
+        cache.push(
+            &noise(total * shape.kv_lora, 6),
+            &noise(total * shape.rope, 7),
+        );
+        let n = 2;
+        let queries = noise(n * shape.heads * shape.qk(), 8);
+        let picked: Vec<Vec<usize>> = (0..n)
+            .map(|row| {
+                (0..total - n + row + 1)
+                    .filter(|pos| pos % 3 != row)
+                    .collect()
+            })
+            .collect();
+        for keys in [Keys::Causal, Keys::Selected(&picked)] {
+            let mut out = vec![0f32; n * shape.heads * shape.v];
+            attend_absorbed(shape, &kv_b, &queries, n, &cache, &keys, &mut out);
+            let want = absorbed_head_by_head(shape, &kv_b, &queries, n, &cache, &keys);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&out), bits(&want));
         }
     }
 
