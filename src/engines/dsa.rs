@@ -19,7 +19,7 @@ use super::layers::{dot, layer_norm, top_k, Rope};
 use super::state_io::{self, expect};
 use super::weights::Weights;
 use crate::profile::{self, Phase};
-use crate::quant::{dots, Matrix};
+use crate::quant::{Matrix, Queries};
 
 /// Positions a task of [`Indexer::select`] scores.
 const SCORE_BLOCK: usize = 1024;
@@ -261,6 +261,7 @@ impl Indexer {
                 // A decoded row is one task of the loop over rows: its positions are
                 // scored by every thread, four at a time (each head's query read once for
                 // the four keys; each score summed over the heads in order as alone).
+                let queries = Queries::new(&query, head_dim);
                 let mut scores = vec![0f32; visible];
                 scores
                     .par_chunks_mut(SCORE_BLOCK)
@@ -277,12 +278,8 @@ impl Indexer {
                                     .sum()
                             };
                             if let [a, b, c, d] = scores {
-                                let keys: [&[f32]; 4] =
-                                    std::array::from_fn(|j| cache.key(first + j));
-                                for (p, q) in products.iter_mut().zip(query.chunks_exact(head_dim))
-                                {
-                                    *p = dots(q, keys);
-                                }
+                                let keys = std::array::from_fn(|j| cache.key(first + j));
+                                queries.dots(keys, &mut products);
                                 [*a, *b, *c, *d] = std::array::from_fn(|j| score(&products, j));
                             } else {
                                 for (j, s) in scores.iter_mut().enumerate() {

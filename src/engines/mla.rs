@@ -21,7 +21,7 @@ use anyhow::Result;
 use super::layers::{dot, rms_norm, rms_norm_in_place, softmax};
 use super::state_io::{self, expect};
 use super::weights::Weights;
-use crate::quant::{add_weighted, dots, Matrix};
+use crate::quant::{add_weighted, dots, Matrix, Queries};
 
 /// Sizes of one MLA layer. A query head is `[nope | rope]` wide; `kv_b` maps a latent to
 /// `heads x [nope key | v value]`.
@@ -463,10 +463,17 @@ pub fn attend_absorbed(
             }
         });
     for (row, out) in out.chunks_exact_mut(heads * v).enumerate() {
+        let q_ropes: Vec<f32> = queries[row * heads * qk..][..heads * qk]
+            .chunks_exact(qk)
+            .flat_map(|query| query[nope..].iter().copied())
+            .collect();
         let context = LatentRow {
             shape,
-            q_latents: &q_latents[row * heads * kv_lora..][..heads * kv_lora],
-            queries: &queries[row * heads * qk..][..heads * qk],
+            q_latents: Queries::new(
+                &q_latents[row * heads * kv_lora..][..heads * kv_lora],
+                kv_lora,
+            ),
+            q_ropes: Queries::new(&q_ropes, shape.rope),
             cache,
             seen: positions(keys, &every, first, row),
         }
@@ -482,10 +489,10 @@ pub fn attend_absorbed(
 /// positions the row reads.
 struct LatentRow<'a> {
     shape: MlaShape,
-    /// `heads x kv_lora`.
-    q_latents: &'a [f32],
-    /// The row's `heads x (nope + rope)` queries (the rope part rotated).
-    queries: &'a [f32],
+    /// Every head's latent-space query (`kv_lora` wide).
+    q_latents: Queries<'a>,
+    /// Every head's rotated rope query (`rope` wide).
+    q_ropes: Queries<'a>,
     cache: &'a LatentCache,
     seen: &'a [usize],
 }
@@ -520,44 +527,37 @@ impl LatentRow<'_> {
         context
     }
 
-    /// Every head's score of the positions of block `block` into `scores` (position-major).
+    /// Every head's score of the positions of block `block` into `scores` (position-major):
+    /// four positions a pass, each head's query read once for the four.
     fn score(&self, block: usize, scores: &mut [f32]) {
-        let MlaShape {
-            heads,
-            nope,
-            kv_lora,
-            scale,
-            ..
-        } = self.shape;
-        let qk = self.shape.qk();
-        let q_heads = |head: usize| {
-            let q_rope = &self.queries[head * qk + nope..qk * (head + 1)];
-            (&self.q_latents[head * kv_lora..][..kv_lora], q_rope)
-        };
+        let MlaShape { heads, scale, .. } = self.shape;
         let positions = &self.seen
             [block * LATENT_BLOCK..(block * LATENT_BLOCK + LATENT_BLOCK).min(self.seen.len())];
+        let (mut by_latent, mut by_rope) = (vec![[0f32; 4]; heads], vec![[0f32; 4]; heads]);
         let quads = positions.chunks_exact(4);
         let rest = quads.remainder();
         for (quad, scores) in quads.zip(scores.chunks_exact_mut(4 * heads)) {
             let latents = quad_of(quad, |pos| self.cache.latent(pos));
             let ropes = quad_of(quad, |pos| self.cache.rope_key(pos));
-            for head in 0..heads {
-                let (q_latent, q_rope) = q_heads(head);
-                let (by_latent, by_rope) = (dots(q_latent, latents), dots(q_rope, ropes));
-                for j in 0..4 {
-                    scores[j * heads + head] = (by_latent[j] + by_rope[j]) * scale;
+            self.q_latents.dots(latents, &mut by_latent);
+            self.q_ropes.dots(ropes, &mut by_rope);
+            for (j, scores) in scores.chunks_exact_mut(heads).enumerate() {
+                for ((score, latent), rope) in scores.iter_mut().zip(&by_latent).zip(&by_rope) {
+                    *score = (latent[j] + rope[j]) * scale;
                 }
             }
         }
         let done = positions.len() - rest.len();
+        let (mut by_latent, mut by_rope) = (vec![[0f32; 1]; heads], vec![[0f32; 1]; heads]);
         for (&pos, scores) in rest
             .iter()
             .zip(scores[done * heads..].chunks_exact_mut(heads))
         {
-            let (latent, rope_key) = (self.cache.latent(pos), self.cache.rope_key(pos));
-            for (head, score) in scores.iter_mut().enumerate() {
-                let (q_latent, q_rope) = q_heads(head);
-                *score = (dot(q_latent, latent) + dot(q_rope, rope_key)) * scale;
+            self.q_latents
+                .dots([self.cache.latent(pos)], &mut by_latent);
+            self.q_ropes.dots([self.cache.rope_key(pos)], &mut by_rope);
+            for ((score, [latent]), [rope]) in scores.iter_mut().zip(&by_latent).zip(&by_rope) {
+                *score = (latent + rope) * scale;
             }
         }
     }

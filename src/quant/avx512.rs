@@ -608,6 +608,74 @@ unsafe fn dot_pairs<D: Pair, const P: usize, const T: usize>(
     out
 }
 
+/// [`kernels::Queries::dots`]: every pair of vectors (`paired`, interleaved chunk by chunk)
+/// against each key, four pairs at a time; an odd last vector on AVX2.
+/// # Safety
+/// The CPU must have AVX-512; `paired` holds `vectors`' pairs, `out` one entry per vector,
+/// every key `len` long.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+pub(super) unsafe fn paired_dots<const K: usize>(
+    paired: &[f32],
+    vectors: &[f32],
+    len: usize,
+    keys: [&[f32]; K],
+    out: &mut [[f32; K]],
+) {
+    let pairs = out.len() / 2;
+    let mut pair = 0;
+    while pair + 4 <= pairs {
+        pairs_against::<4, K>(paired, vectors, len, pair, keys, out);
+        pair += 4;
+    }
+    while pair < pairs {
+        pairs_against::<1, K>(paired, vectors, len, pair, keys, out);
+        pair += 1;
+    }
+    if out.len() % 2 == 1 {
+        let last = &vectors[(out.len() - 1) * len..];
+        out[out.len() - 1] = kernels::dots_on::<Avx2, K>(last, keys);
+    }
+}
+
+/// Pairs `first..first + P` of [`paired_dots`] against every key, `P x K` sums in registers.
+#[inline(always)]
+unsafe fn pairs_against<const P: usize, const K: usize>(
+    paired: &[f32],
+    vectors: &[f32],
+    len: usize,
+    first: usize,
+    keys: [&[f32]; K],
+    out: &mut [[f32; K]],
+) {
+    let chunks = len / 8;
+    let mut sums = [[Two::zero(); K]; P];
+    for c in 0..chunks {
+        let key: [Two; K] = std::array::from_fn(|j| Two::both(keys[j].as_ptr().add(8 * c)));
+        for (p, sums) in sums.iter_mut().enumerate() {
+            let two = Two(_mm512_loadu_ps(
+                paired.as_ptr().add(((first + p) * chunks + c) * 16),
+            ));
+            for (sum, key) in sums.iter_mut().zip(&key) {
+                *sum = Two(_mm512_add_ps(sum.0, _mm512_mul_ps(two.0, key.0)));
+            }
+        }
+    }
+    let body = chunks * 8;
+    for (p, sums) in sums.iter().enumerate() {
+        for (j, sum) in sums.iter().enumerate() {
+            for (half, total) in sum.sums().into_iter().enumerate() {
+                let vector = 2 * (first + p) + half;
+                let tail: f32 = vectors[vector * len + body..(vector + 1) * len]
+                    .iter()
+                    .zip(&keys[j][body..])
+                    .map(|(x, y)| x * y)
+                    .sum();
+                out[vector][j] = total + tail;
+            }
+        }
+    }
+}
+
 /// [`kernels::add_weighted`] sixteen elements to a register (each element's sum is its
 /// own, so the width changes no bit), the last fewer than sixteen on AVX2.
 /// # Safety

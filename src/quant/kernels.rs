@@ -1093,6 +1093,89 @@ pub(super) unsafe fn dots_on<L: Lanes, const N: usize>(a: &[f32], others: [&[f32
     })
 }
 
+/// Vectors of one length that are each dotted with many others: a row's query heads
+/// against every cached key. [`Queries::dots`] gives the bits of [`dots`]. Where the kernels
+/// run AVX-512 the vectors are also kept in pairs, chunk by chunk (eight elements of one,
+/// then the same eight of the next), so that one 512-bit load brings a chunk of two of them
+/// and a key's chunk, loaded into both halves, serves both: each lane's sum is the one an
+/// 8-lane vector keeps, twice as many at a time.
+pub struct Queries<'a> {
+    vectors: &'a [f32],
+    len: usize,
+    isa: Isa,
+    /// Pairs of vectors interleaved chunk by chunk; empty unless the kernels run AVX-512.
+    paired: Vec<f32>,
+}
+
+impl<'a> Queries<'a> {
+    /// The vectors of `len` elements in `vectors` (a whole number of them).
+    pub fn new(vectors: &'a [f32], len: usize) -> Queries<'a> {
+        Queries::with(selected(), vectors, len)
+    }
+
+    /// [`Queries::new`] for the kernels of `isa`.
+    pub(super) fn with(isa: Isa, vectors: &'a [f32], len: usize) -> Queries<'a> {
+        assert!(
+            len > 0 && vectors.len() % len == 0,
+            "queries: a whole number of vectors of {len}"
+        );
+        let isa = if isa.supported() { isa } else { Isa::Scalar };
+        let chunks = len / 8;
+        let paired = if isa == Isa::Avx512 {
+            vectors
+                .chunks_exact(2 * len)
+                .flat_map(|pair| {
+                    let (low, high) = pair.split_at(len);
+                    (0..chunks).flat_map(move |c| {
+                        low[8 * c..8 * c + 8]
+                            .iter()
+                            .chain(&high[8 * c..8 * c + 8])
+                            .copied()
+                    })
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        Queries {
+            vectors,
+            len,
+            isa,
+            paired,
+        }
+    }
+
+    /// How many vectors.
+    pub fn count(&self) -> usize {
+        self.vectors.len() / self.len
+    }
+
+    /// `out[i][j]` = vector `i` · `keys[j]`, for every vector (`out` is [`Queries::count`]
+    /// long, each key as long as a vector), bit for bit as [`dots`] computes it.
+    pub fn dots<const K: usize>(&self, keys: [&[f32]; K], out: &mut [[f32; K]]) {
+        assert_eq!(out.len(), self.count(), "queries: one result per vector");
+        for key in &keys {
+            assert_eq!(
+                key.len(),
+                self.len,
+                "queries: every key as long as a vector"
+            );
+        }
+        match self.isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `isa` is supported, `paired` holds every pair, and the lengths match.
+            Isa::Avx512 => unsafe {
+                super::avx512::paired_dots(&self.paired, self.vectors, self.len, keys, out)
+            },
+            isa => {
+                for (vector, out) in self.vectors.chunks_exact(self.len).zip(out) {
+                    *out = dots_with(isa, vector, keys);
+                }
+            }
+        }
+    }
+}
+
 /// `acc[i] += weights[j] * rows[j][i]` for `j = 0, 1, ..`, element by element (each row as
 /// long as `acc`; each product rounded before its add): `N` passes of plain `f32`
 /// arithmetic, bit for bit, reading and writing `acc` once.
@@ -1402,6 +1485,33 @@ mod tests {
                 add_weighted_with(isa, &mut sum, weights, [&others[0], &others[1], &others[2]]);
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&sum), bits(&plain_sum), "{isa:?} sum of {len}");
+            }
+        }
+    }
+
+    /// [`Queries::dots`] on every instruction set against [`dots`] of each vector alone:
+    /// counts odd and even, lengths with and without a tail.
+    #[test]
+    fn queries_give_the_bits_of_each_vector_alone() {
+        let noise = |len: usize, seed: u32| -> Vec<f32> {
+            (0..len as u32)
+                .map(|i| {
+                    let x = i.wrapping_mul(2_654_435_761).wrapping_add(seed * 40_503);
+                    (x % 2000) as f32 / 997.0 - 1.0
+                })
+                .collect()
+        };
+        for (count, len) in [(1, 8), (2, 16), (3, 21), (9, 128), (32, 128), (11, 64)] {
+            let vectors = noise(count * len, 1);
+            let keys = [noise(len, 2), noise(len, 3), noise(len, 4)];
+            let keys = [&keys[0][..], &keys[1][..], &keys[2][..]];
+            for isa in Isa::available() {
+                let mut got = vec![[0f32; 3]; count];
+                Queries::with(isa, &vectors, len).dots(keys, &mut got);
+                for (vector, got) in vectors.chunks_exact(len).zip(&got) {
+                    let want = dots_with(Isa::Scalar, vector, keys);
+                    assert_eq!(got.map(f32::to_bits), want.map(f32::to_bits), "{isa:?}");
+                }
             }
         }
     }

@@ -40,7 +40,9 @@ pub use codec::{
     quantize_mxfp4,
 };
 pub use format::{Format, DEFAULT_INT4_GROUP};
-pub use kernels::{add_weighted, dots, select as select_simd, selected as selected_simd, Isa};
+pub use kernels::{
+    add_weighted, dots, select as select_simd, selected as selected_simd, Isa, Queries,
+};
 
 use crate::backend::{self, Residency};
 use crate::layout::{RawMatrix, RawScales};
