@@ -1116,7 +1116,7 @@ impl<'a> Queries<'a> {
     /// [`Queries::new`] for the kernels of `isa`.
     pub(super) fn with(isa: Isa, vectors: &'a [f32], len: usize) -> Queries<'a> {
         assert!(
-            len > 0 && vectors.len() % len == 0,
+            len > 0 && vectors.len().is_multiple_of(len),
             "queries: a whole number of vectors of {len}"
         );
         let isa = if isa.supported() { isa } else { Isa::Scalar };
