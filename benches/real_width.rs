@@ -45,7 +45,7 @@ use per_phase::{
     mla_matrices, mlp_tensors, Model, Row, Shape, Work, ATTENTION, DENSE, INT4_G64, INT8_ROW,
     LM_HEAD, ROUTED,
 };
-use random_model::Container;
+use random_model::{random_value, Container};
 
 mod machine;
 mod per_phase;
@@ -334,13 +334,7 @@ fn long_context(dir: &Path, label: &str, contexts: &[usize]) {
 
 /// `len` values in [-1, 1) from `seed`.
 fn noise(len: usize, seed: u32) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(2_654_435_761) | 1;
     (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 17;
-            state ^= state << 5;
-            state as f32 / u32::MAX as f32 * 2.0 - 1.0
-        })
+        .map(|i| 2.0 * random_value(u64::from(seed), i as u64))
         .collect()
 }

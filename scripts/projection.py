@@ -37,10 +37,10 @@ DECODE_OF_BW = 0.89
 # 42% with ACT_BITS=8 (same section).
 PREFILL_OF_PEAK = {"f32": 0.26, "ACT_BITS=8": 0.42}
 # Attention's products over the context (scores and weighted sums) in a 4,096-token prefill
-# of GLM-5.2: 6.2e11 multiply-adds in about 55 s of the 83 s of attention (the rest its
-# projections), 11 G/s, 5% of the FMA peak ("Against llama.cpp on the same weights, and
-# 4,096-token prompts").
-CONTEXT_OF_PEAK = 0.05
+# of GLM-5.2: 6.2e11 multiply-adds in about 36 s of the 64 s of attention (the rest its
+# projections, about 28 s), 17 G/s, 7.5% of the FMA peak ("Against llama.cpp on the same
+# weights, and 4,096-token prompts").
+CONTEXT_OF_PEAK = 0.075
 # The expert store reads at about 85% of the disk's bandwidth ("Out of core").
 DISK_OF_BW = 0.85
 # Assumed, not measured: GPU products at 70% of the card's bandwidth.

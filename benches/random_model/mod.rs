@@ -55,14 +55,7 @@ pub fn write_bf16(dir: &Path, config: &serde_json::Value, tensors: &[(String, Ve
             .into_par_iter()
             .with_min_len(1 << 16)
             .flat_map_iter(|i| {
-                let value = constant.unwrap_or_else(|| {
-                    // A counter-based hash, so the weights do not depend on thread timing.
-                    let mut z =
-                        ((index as u64) << 40 ^ i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-                    z = (z ^ (z >> 31)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-                    z ^= z >> 29;
-                    ((z >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1
-                });
+                let value = constant.unwrap_or_else(|| random_value(index as u64, i as u64) * 0.1);
                 bf16::from_f32(value).to_le_bytes()
             })
             .collect();
@@ -71,6 +64,15 @@ pub fn write_bf16(dir: &Path, config: &serde_json::Value, tensors: &[(String, Ve
     out.flush().expect("write");
     drop(out);
     std::fs::rename(&partial, &shard).expect("rename the shard");
+}
+
+/// A value in [-0.5, 0.5) for element `i` of stream `stream`: a counter-based hash, so that
+/// the values do not depend on thread timing.
+pub fn random_value(stream: u64, i: u64) -> f32 {
+    let mut z = (stream << 40 ^ i).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 31)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z ^= z >> 29;
+    (z >> 40) as f32 / (1u64 << 24) as f32 - 0.5
 }
 
 /// One `coli convert` of a source model: the routed experts at `expert_bits`, the other
