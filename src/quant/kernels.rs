@@ -16,6 +16,11 @@
 //!
 //! Work is split across rayon threads by blocks of output rows; each output element is
 //! computed by one thread in one fixed order, so results do not depend on the thread count.
+//!
+//! Beside the matrices, the f32 vector operations attention runs on activations and caches
+//! ([`dots`], [`add_weighted`], [`Queries`]) use the same lanes with a separate multiply and
+//! add ([`Lanes::add_product`]), the arithmetic of plain `f32` loops, which the engines'
+//! attention was written in and its fixtures were checked with.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
