@@ -588,7 +588,7 @@ pub fn run(model: &Model) {
                 .map(|(row, &t)| format!("{} {:.2} ms", row.name.trim(), ms(t)))
                 .collect();
             println!(
-                "{}: decode step at {context} tokens of context: {:.1} ms ({:.2}x the {PROMPT}-token one; {}); the first after the prefill {:.1} ms",
+                "{}: decode step after {context} tokens of context: {:.1} ms ({:.2}x the {PROMPT}-token one; {}); the first after the prefill {:.1} ms",
                 spec.label,
                 ms(step),
                 step.as_secs_f64() / wall.as_secs_f64(),

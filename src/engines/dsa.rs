@@ -261,7 +261,7 @@ impl Indexer {
                 // A decoded row is one task of the loop over rows: its positions are
                 // scored by every thread, four at a time (each head's query read once for
                 // the four keys; each score summed over the heads in order as alone).
-                let queries = Queries::new(&query, head_dim);
+                let queries = Queries::new(&query, heads);
                 let mut scores = vec![0f32; visible];
                 scores
                     .par_chunks_mut(SCORE_BLOCK)

@@ -435,45 +435,43 @@ pub fn attend_absorbed(
     let (qk, rows) = (shape.qk(), shape.kv_rows());
     let first = cache.len() - n;
     let every: Vec<usize> = (0..cache.len()).collect();
-    let mut q_latents = vec![0f32; n * heads * kv_lora];
-    q_latents
-        .par_chunks_mut(kv_lora)
-        .enumerate()
-        .for_each(|(index, q_latent)| {
-            let head = index % heads;
-            let q_nope = &queries[index * qk..][..nope];
-            // Four rows of W_k at a time, added in order.
-            let mut w_rows = vec![0f32; 4 * kv_lora];
-            for (quad, q) in q_nope.chunks(4).enumerate() {
-                let w_rows = &mut w_rows[..q.len() * kv_lora];
-                for (j, w_row) in w_rows.chunks_exact_mut(kv_lora).enumerate() {
-                    kv_b.row_into(head * rows + 4 * quad + j, w_row);
-                }
-                match *q {
-                    [q0, q1, q2, q3] => {
-                        let w = std::array::from_fn(|j| &w_rows[j * kv_lora..][..kv_lora]);
-                        add_weighted(q_latent, [q0, q1, q2, q3], w);
+    for (row, out) in out.chunks_exact_mut(heads * v).enumerate() {
+        let queries = &queries[row * heads * qk..][..heads * qk];
+        // Every head's query in latent space, `W_k^T q_nope`: four rows of `W_k` at a
+        // time, added in order.
+        let mut q_latents = vec![0f32; heads * kv_lora];
+        q_latents
+            .par_chunks_mut(kv_lora)
+            .enumerate()
+            .for_each(|(head, q_latent)| {
+                let q_nope = &queries[head * qk..][..nope];
+                let mut w_rows = vec![0f32; 4 * kv_lora];
+                for (quad, q) in q_nope.chunks(4).enumerate() {
+                    let w_rows = &mut w_rows[..q.len() * kv_lora];
+                    for (j, w_row) in w_rows.chunks_exact_mut(kv_lora).enumerate() {
+                        kv_b.row_into(head * rows + 4 * quad + j, w_row);
                     }
-                    _ => {
-                        for (&q, w_row) in q.iter().zip(w_rows.chunks_exact(kv_lora)) {
-                            add_weighted(q_latent, [q], [w_row]);
+                    match *q {
+                        [q0, q1, q2, q3] => {
+                            let w = std::array::from_fn(|j| &w_rows[j * kv_lora..][..kv_lora]);
+                            add_weighted(q_latent, [q0, q1, q2, q3], w);
+                        }
+                        _ => {
+                            for (&q, w_row) in q.iter().zip(w_rows.chunks_exact(kv_lora)) {
+                                add_weighted(q_latent, [q], [w_row]);
+                            }
                         }
                     }
                 }
-            }
-        });
-    for (row, out) in out.chunks_exact_mut(heads * v).enumerate() {
-        let q_ropes: Vec<f32> = queries[row * heads * qk..][..heads * qk]
+            });
+        let q_ropes: Vec<f32> = queries
             .chunks_exact(qk)
             .flat_map(|query| query[nope..].iter().copied())
             .collect();
         let context = LatentRow {
             shape,
-            q_latents: Queries::new(
-                &q_latents[row * heads * kv_lora..][..heads * kv_lora],
-                kv_lora,
-            ),
-            q_ropes: Queries::new(&q_ropes, shape.rope),
+            q_latents: Queries::new(&q_latents, heads),
+            q_ropes: Queries::new(&q_ropes, heads),
             cache,
             seen: positions(keys, &every, first, row),
         }
@@ -504,6 +502,10 @@ impl LatentRow<'_> {
     fn context(&self) -> Vec<f32> {
         let MlaShape { heads, kv_lora, .. } = self.shape;
         let count = self.seen.len();
+        if count == 0 {
+            // Nothing to attend to: softmax over no positions sums nothing.
+            return vec![0f32; heads * kv_lora];
+        }
         let mut by_position = vec![0f32; count * heads];
         by_position
             .par_chunks_mut(LATENT_BLOCK * heads)
@@ -819,7 +821,13 @@ mod tests {
                     .collect()
             })
             .collect();
-        for keys in [Keys::Causal, Keys::Selected(&picked)] {
+        // A row may also be given no position at all: it attends to nothing.
+        let none_for_the_first = vec![Vec::new(), picked[1].clone()];
+        for keys in [
+            Keys::Causal,
+            Keys::Selected(&picked),
+            Keys::Selected(&none_for_the_first),
+        ] {
             let mut out = vec![0f32; n * shape.heads * shape.v];
             attend_absorbed(shape, &kv_b, &queries, n, &cache, &keys, &mut out);
             let want = absorbed_head_by_head(shape, &kv_b, &queries, n, &cache, &keys);

@@ -1106,6 +1106,7 @@ pub(super) unsafe fn dots_on<L: Lanes, const N: usize>(a: &[f32], others: [&[f32
 /// 8-lane vector keeps, twice as many at a time.
 pub struct Queries<'a> {
     vectors: &'a [f32],
+    count: usize,
     len: usize,
     isa: Isa,
     /// Pairs of vectors interleaved chunk by chunk; empty unless the kernels run AVX-512.
@@ -1113,20 +1114,21 @@ pub struct Queries<'a> {
 }
 
 impl<'a> Queries<'a> {
-    /// The vectors of `len` elements in `vectors` (a whole number of them).
-    pub fn new(vectors: &'a [f32], len: usize) -> Queries<'a> {
-        Queries::with(selected(), vectors, len)
+    /// The `count` vectors of equal length in `vectors` (of any length, none included).
+    pub fn new(vectors: &'a [f32], count: usize) -> Queries<'a> {
+        Queries::with(selected(), vectors, count)
     }
 
     /// [`Queries::new`] for the kernels of `isa`.
-    pub(super) fn with(isa: Isa, vectors: &'a [f32], len: usize) -> Queries<'a> {
+    pub(super) fn with(isa: Isa, vectors: &'a [f32], count: usize) -> Queries<'a> {
         assert!(
-            len > 0 && vectors.len().is_multiple_of(len),
-            "queries: a whole number of vectors of {len}"
+            count > 0 && vectors.len().is_multiple_of(count),
+            "queries: {count} vectors of one length"
         );
+        let len = vectors.len() / count;
         let isa = if isa.supported() { isa } else { Isa::Scalar };
         let chunks = len / 8;
-        let paired = if isa == Isa::Avx512 {
+        let paired = if isa == Isa::Avx512 && len > 0 {
             vectors
                 .chunks_exact(2 * len)
                 .flat_map(|pair| {
@@ -1144,21 +1146,17 @@ impl<'a> Queries<'a> {
         };
         Queries {
             vectors,
+            count,
             len,
             isa,
             paired,
         }
     }
 
-    /// How many vectors.
-    pub fn count(&self) -> usize {
-        self.vectors.len() / self.len
-    }
-
-    /// `out[i][j]` = vector `i` · `keys[j]`, for every vector (`out` is [`Queries::count`]
-    /// long, each key as long as a vector), bit for bit as [`dots`] computes it.
+    /// `out[i][j]` = vector `i` · `keys[j]`, for every vector (`out` one entry a vector,
+    /// each key as long as a vector), bit for bit as [`dots`] computes it.
     pub fn dots<const K: usize>(&self, keys: [&[f32]; K], out: &mut [[f32; K]]) {
-        assert_eq!(out.len(), self.count(), "queries: one result per vector");
+        assert_eq!(out.len(), self.count, "queries: one result per vector");
         for key in &keys {
             assert_eq!(
                 key.len(),
@@ -1173,8 +1171,8 @@ impl<'a> Queries<'a> {
                 super::avx512::paired_dots(&self.paired, self.vectors, self.len, keys, out)
             },
             isa => {
-                for (vector, out) in self.vectors.chunks_exact(self.len).zip(out) {
-                    *out = dots_with(isa, vector, keys);
+                for (i, out) in out.iter_mut().enumerate() {
+                    *out = dots_with(isa, &self.vectors[i * self.len..][..self.len], keys);
                 }
             }
         }
@@ -1495,7 +1493,7 @@ mod tests {
     }
 
     /// [`Queries::dots`] on every instruction set against [`dots`] of each vector alone:
-    /// counts odd and even, lengths with and without a tail.
+    /// counts odd and even, lengths with and without a tail, and empty vectors.
     #[test]
     fn queries_give_the_bits_of_each_vector_alone() {
         let noise = |len: usize, seed: u32| -> Vec<f32> {
@@ -1506,15 +1504,23 @@ mod tests {
                 })
                 .collect()
         };
-        for (count, len) in [(1, 8), (2, 16), (3, 21), (9, 128), (32, 128), (11, 64)] {
+        for (count, len) in [
+            (1, 8),
+            (2, 16),
+            (3, 21),
+            (9, 128),
+            (32, 128),
+            (11, 64),
+            (4, 0),
+        ] {
             let vectors = noise(count * len, 1);
             let keys = [noise(len, 2), noise(len, 3), noise(len, 4)];
             let keys = [&keys[0][..], &keys[1][..], &keys[2][..]];
             for isa in Isa::available() {
                 let mut got = vec![[0f32; 3]; count];
-                Queries::with(isa, &vectors, len).dots(keys, &mut got);
-                for (vector, got) in vectors.chunks_exact(len).zip(&got) {
-                    let want = dots_with(Isa::Scalar, vector, keys);
+                Queries::with(isa, &vectors, count).dots(keys, &mut got);
+                for (i, got) in got.iter().enumerate() {
+                    let want = dots_with(Isa::Scalar, &vectors[i * len..][..len], keys);
                     assert_eq!(got.map(f32::to_bits), want.map(f32::to_bits), "{isa:?}");
                 }
             }
