@@ -238,6 +238,15 @@ pub enum Keys<'a> {
     Selected(&'a [Vec<usize>]),
 }
 
+/// `0..len`, what [`positions`] hands causal rows; nothing for a selection, which never
+/// reads it (a decode step past the DSA's top-k would otherwise build it every layer).
+fn every_position(keys: &Keys, len: usize) -> Vec<usize> {
+    match keys {
+        Keys::Causal => (0..len).collect(),
+        Keys::Selected(_) => Vec::new(),
+    }
+}
+
 /// The `n` query rows are the last `n` positions of `cache`.
 fn positions<'a>(keys: &'a Keys, every: &'a [usize], first: usize, row: usize) -> &'a [usize] {
     match keys {
@@ -289,7 +298,7 @@ pub fn attend_plain(
     let first = total - n;
     let mut expanded = vec![0f32; total * heads * shape.kv_rows()];
     kv_b.matmul(&cache.latents, total, &mut expanded);
-    let every: Vec<usize> = (0..total).collect();
+    let every = every_position(keys, total);
     let heads_of = ExpandedHeads {
         shape,
         queries,
@@ -434,18 +443,16 @@ pub fn attend_absorbed(
     } = shape;
     let (qk, rows) = (shape.qk(), shape.kv_rows());
     let first = cache.len() - n;
-    let every: Vec<usize> = (0..cache.len()).collect();
+    let every = every_position(keys, cache.len());
     for (row, out) in out.chunks_exact_mut(heads * v).enumerate() {
         let queries = &queries[row * heads * qk..][..heads * qk];
         // Every head's query in latent space, `W_k^T q_nope`: four rows of `W_k` at a
         // time, added in order.
         let mut q_latents = vec![0f32; heads * kv_lora];
-        q_latents
-            .par_chunks_mut(kv_lora)
-            .enumerate()
-            .for_each(|(head, q_latent)| {
+        q_latents.par_chunks_mut(kv_lora).enumerate().for_each_init(
+            || vec![0f32; 4 * kv_lora],
+            |w_rows, (head, q_latent)| {
                 let q_nope = &queries[head * qk..][..nope];
-                let mut w_rows = vec![0f32; 4 * kv_lora];
                 for (quad, q) in q_nope.chunks(4).enumerate() {
                     let w_rows = &mut w_rows[..q.len() * kv_lora];
                     for (j, w_row) in w_rows.chunks_exact_mut(kv_lora).enumerate() {
@@ -463,7 +470,8 @@ pub fn attend_absorbed(
                         }
                     }
                 }
-            });
+            },
+        );
         let q_ropes: Vec<f32> = queries
             .chunks_exact(qk)
             .flat_map(|query| query[nope..].iter().copied())
