@@ -13,6 +13,7 @@
 //! Both read the positions a [`Keys`] names, so a sparse selection (DSA) plugs into either.
 
 use std::io::{self, Read, Write};
+use std::ops::Range;
 
 use rayon::prelude::*;
 
@@ -21,7 +22,7 @@ use anyhow::Result;
 use super::layers::{dot, rms_norm, rms_norm_in_place, softmax};
 use super::state_io::{self, expect};
 use super::weights::Weights;
-use crate::quant::{add_weighted, dots, Matrix, Queries};
+use crate::quant::{add_weighted, add_weighted_tile, dots, Matrix, Queries};
 
 /// Sizes of one MLA layer. A query head is `[nope | rope]` wide; `kv_b` maps a latent to
 /// `heads x [nope key | v value]`.
@@ -256,9 +257,11 @@ fn positions<'a>(keys: &'a Keys, every: &'a [usize], first: usize, row: usize) -
 }
 
 /// The positions of the ascending `seen` from its `next`-th on that come before `end`.
+/// Counted from the front, not searched: the caller reads each of them next, while a binary
+/// search over a long selection misses the cache at every step.
 fn in_block(seen: &[usize], next: usize, end: usize) -> &[usize] {
     let rest = &seen[next..];
-    &rest[..rest.partition_point(|&pos| pos < end)]
+    &rest[..rest.iter().take_while(|&&pos| pos < end).count()]
 }
 
 /// `vector` of each of four positions.
@@ -273,6 +276,14 @@ const QUERY_BLOCK: usize = 32;
 /// GLM-5.2's (192 + 256 floats) take 115 KB, which stays in the second-level cache while
 /// every row of a query block reads it.
 const KEY_BLOCK: usize = 64;
+
+/// A key block's span is scored and summed for every row of a query block at once (two rows
+/// a register against each key, four rows against each value, every key and value loaded
+/// once for all of them) when the rows read at least one in `DENSE_SHARE` of its
+/// row-by-position pairs; otherwise each row scores and sums only the positions it reads.
+/// Every score and sum has the same bits either way, so this only trades wasted products
+/// against loads.
+const DENSE_SHARE: usize = 4;
 
 /// Attention of `n` query rows (`n x heads*(nope+rope)`, rope part already rotated) against
 /// `cache`, whose last `n` positions are theirs, by expanding every cached latent with
@@ -352,55 +363,179 @@ impl ExpandedHeads<'_> {
         }
         for (block, block_out) in head_out.chunks_mut(QUERY_BLOCK * v).enumerate() {
             let block_rows = block * QUERY_BLOCK..block * QUERY_BLOCK + block_out.len() / v;
+            let count = block_rows.len();
             let seen: Vec<&[usize]> = block_rows
                 .clone()
                 .map(|row| positions(self.keys, self.every, self.first, row))
                 .collect();
+            let query =
+                |i: usize| &self.queries[((block_rows.start + i) * heads + head) * qk..][..qk];
+            let (q_nopes, q_ropes): (Vec<f32>, Vec<f32>) = (
+                (0..count)
+                    .flat_map(|i| &query(i)[..nope])
+                    .copied()
+                    .collect(),
+                (0..count)
+                    .flat_map(|i| &query(i)[nope..])
+                    .copied()
+                    .collect(),
+            );
+            let mut together = Tile::new(&q_nopes, &q_ropes, count, scale);
+            let key = |pos: usize| &slab[pos * rows..][..nope];
+            let rope_key = |pos: usize| self.cache.rope_key(pos);
             let mut scores: Vec<Vec<f32>> = seen
                 .iter()
                 .map(|list| Vec::with_capacity(list.len()))
                 .collect();
-            let mut next = vec![0usize; seen.len()];
+            let mut next = vec![0usize; count];
+            let mut these: Vec<&[usize]> = Vec::with_capacity(count);
+            let mut tile = vec![0f32; count * KEY_BLOCK];
             for end in (KEY_BLOCK..total + KEY_BLOCK).step_by(KEY_BLOCK) {
-                for (i, row) in block_rows.clone().enumerate() {
-                    let query = &self.queries[(row * heads + head) * qk..][..qk];
-                    let (q_nope, q_rope) = query.split_at(nope);
-                    let these = in_block(seen[i], next[i], end);
-                    // Four keys a pass, each query chunk read once for them.
-                    let mut quads = these.chunks_exact(4);
-                    for quad in &mut quads {
-                        let keys = quad_of(quad, |pos| &slab[pos * rows..][..nope]);
-                        let ropes = quad_of(quad, |pos| self.cache.rope_key(pos));
-                        let (by_key, by_rope) = (dots(q_nope, keys), dots(q_rope, ropes));
-                        scores[i].extend((0..4).map(|j| (by_key[j] + by_rope[j]) * scale));
+                these.clear();
+                these.extend((0..count).map(|i| in_block(seen[i], next[i], end)));
+                let Some((span, shared)) = span_read(&these) else {
+                    continue;
+                };
+                if shared {
+                    let lo = span.start;
+                    together.score(span, key, rope_key, &mut tile);
+                    for (i, list) in these.iter().enumerate() {
+                        let row = &tile[i * KEY_BLOCK..][..KEY_BLOCK];
+                        scores[i].extend(list.iter().map(|&pos| row[pos - lo]));
                     }
-                    for &pos in quads.remainder() {
-                        let key = &slab[pos * rows..][..nope];
-                        scores[i].push(
-                            (dot(q_nope, key) + dot(q_rope, self.cache.rope_key(pos))) * scale,
-                        );
+                } else {
+                    for (i, list) in these.iter().enumerate() {
+                        let (q_nope, q_rope) = query(i).split_at(nope);
+                        // Four keys a pass, each query chunk read once for them.
+                        let mut quads = list.chunks_exact(4);
+                        for quad in &mut quads {
+                            let by_key = dots(q_nope, quad_of(quad, key));
+                            let by_rope = dots(q_rope, quad_of(quad, rope_key));
+                            scores[i].extend((0..4).map(|j| (by_key[j] + by_rope[j]) * scale));
+                        }
+                        for &pos in quads.remainder() {
+                            scores[i]
+                                .push((dot(q_nope, key(pos)) + dot(q_rope, rope_key(pos))) * scale);
+                        }
                     }
-                    next[i] += these.len();
+                }
+                for (next, list) in next.iter_mut().zip(&these) {
+                    *next += list.len();
                 }
             }
             scores.iter_mut().for_each(|row| softmax(row));
             block_out.fill(0.0);
             next.fill(0);
+            let value = |pos: usize| &slab[pos * rows + nope..][..v];
+            let (mut weights, mut reads, mut values) = (Vec::new(), Vec::new(), Vec::new());
             for end in (KEY_BLOCK..total + KEY_BLOCK).step_by(KEY_BLOCK) {
-                for (i, row_out) in block_out.chunks_exact_mut(v).enumerate() {
-                    let these = in_block(seen[i], next[i], end);
-                    let weights = &scores[i][next[i]..][..these.len()];
-                    let value = |pos: usize| &slab[pos * rows + nope..][..v];
-                    let mut quads = these.chunks_exact(4);
-                    for (quad, p) in (&mut quads).zip(weights.chunks_exact(4)) {
-                        let p: [f32; 4] = p.try_into().expect("four weights");
-                        add_weighted(row_out, p, quad_of(quad, value));
+                these.clear();
+                these.extend((0..count).map(|i| in_block(seen[i], next[i], end)));
+                let Some((span, shared)) = span_read(&these) else {
+                    continue;
+                };
+                if shared {
+                    // Every row's sum over the span at once, each value read once for
+                    // them; a row skips the positions it does not read.
+                    let width = span.len();
+                    weights.clear();
+                    weights.resize(count * width, 0.0);
+                    reads.clear();
+                    for (i, list) in these.iter().enumerate() {
+                        let mut bits = 0u64;
+                        for (&pos, &p) in list.iter().zip(&scores[i][next[i]..]) {
+                            weights[i * width + pos - span.start] = p;
+                            bits |= 1 << (pos - span.start);
+                        }
+                        reads.push(bits);
                     }
-                    let done = these.len() - quads.remainder().len();
-                    for (&pos, &p) in quads.remainder().iter().zip(&weights[done..]) {
-                        add_weighted(row_out, [p], [value(pos)]);
+                    values.clear();
+                    values.extend(span.map(value));
+                    add_weighted_tile(block_out, &weights, &reads, &values);
+                } else {
+                    for (i, row_out) in block_out.chunks_exact_mut(v).enumerate() {
+                        let (list, p) = (these[i], &scores[i][next[i]..]);
+                        // Eight values a pass (the sum read and written once for them),
+                        // then four, then one at a time: the same adds in the same order.
+                        let mut at = 0;
+                        while at + 8 <= list.len() {
+                            let eight: [f32; 8] = p[at..at + 8].try_into().expect("eight");
+                            let rows = std::array::from_fn(|j| value(list[at + j]));
+                            add_weighted(row_out, eight, rows);
+                            at += 8;
+                        }
+                        if at + 4 <= list.len() {
+                            let four: [f32; 4] = p[at..at + 4].try_into().expect("four");
+                            add_weighted(row_out, four, quad_of(&list[at..], value));
+                            at += 4;
+                        }
+                        for (&pos, &p) in list[at..].iter().zip(&p[at..]) {
+                            add_weighted(row_out, [p], [value(pos)]);
+                        }
                     }
-                    next[i] += these.len();
+                }
+                for (next, list) in next.iter_mut().zip(&these) {
+                    *next += list.len();
+                }
+            }
+        }
+    }
+}
+
+/// The positions from the first to the last that any of a query block's rows read in one
+/// key block, and whether the rows read enough of them (one in [`DENSE_SHARE`] of the
+/// row-by-position pairs) to be run together over all of them; `None` if no row reads any.
+fn span_read(these: &[&[usize]]) -> Option<(Range<usize>, bool)> {
+    let lo = these.iter().filter_map(|list| list.first()).min()?;
+    let hi = these.iter().filter_map(|list| list.last()).max()?;
+    let read: usize = these.iter().map(|list| list.len()).sum();
+    Some((
+        *lo..hi + 1,
+        read * DENSE_SHARE >= these.len() * (hi + 1 - lo),
+    ))
+}
+
+/// One head's query rows of a query block, kept for scoring against keys they share.
+struct Tile<'a> {
+    nopes: Queries<'a>,
+    ropes: Queries<'a>,
+    scale: f32,
+    by_key: Vec<[f32; 4]>,
+    by_rope: Vec<[f32; 4]>,
+}
+
+impl<'a> Tile<'a> {
+    fn new(nopes: &'a [f32], ropes: &'a [f32], count: usize, scale: f32) -> Tile<'a> {
+        Tile {
+            nopes: Queries::new(nopes, count),
+            ropes: Queries::new(ropes, count),
+            scale,
+            by_key: vec![[0.0; 4]; count],
+            by_rope: vec![[0.0; 4]; count],
+        }
+    }
+
+    /// Every row's score of every position of `span` (no longer than [`KEY_BLOCK`]), four
+    /// positions a pass: row `i`'s score of `pos` at `out[i * KEY_BLOCK + pos - span.start]`,
+    /// the bits of [`attend_plain`]'s row-by-row score.
+    fn score<'k>(
+        &mut self,
+        span: Range<usize>,
+        key: impl Fn(usize) -> &'k [f32],
+        rope_key: impl Fn(usize) -> &'k [f32],
+        out: &mut [f32],
+    ) {
+        let last = span.end - 1;
+        for start in span.clone().step_by(4) {
+            // A last pass of fewer than four positions repeats the last one.
+            let quad: [usize; 4] = std::array::from_fn(|j| (start + j).min(last));
+            self.nopes.dots(quad.map(&key), &mut self.by_key);
+            self.ropes.dots(quad.map(&rope_key), &mut self.by_rope);
+            let width = (span.end - start).min(4);
+            for (i, (by_key, by_rope)) in self.by_key.iter().zip(&self.by_rope).enumerate() {
+                let row = &mut out[i * KEY_BLOCK + start - span.start..][..width];
+                for (j, score) in row.iter_mut().enumerate() {
+                    *score = (by_key[j] + by_rope[j]) * self.scale;
                 }
             }
         }
@@ -726,8 +861,17 @@ mod tests {
     #[test]
     fn blocks_of_queries_and_keys_give_the_bits_of_one_row_at_a_time() {
         // More query rows than a query block and positions over several key blocks, with a
-        // partial block of each; causal, and a sparse selection that skips whole key blocks.
-        let (shape, kv_b, _, _) = setup();
+        // partial block of each; causal, and a selection that reads a third of the first key
+        // block, skips the second, reads one in eleven of the third (scored row by row) and
+        // all of the last (scored for the whole query block). Widths with eight-lane chunks
+        // and tails.
+        let shape = MlaShape::new(3, 19, 9, 21, 6);
+        let kv_b = Matrix::from_f32(
+            shape.heads * shape.kv_rows(),
+            shape.kv_lora,
+            noise(shape.heads * shape.kv_rows() * shape.kv_lora, 1),
+            Width::F32,
+        );
         let (n, total) = (QUERY_BLOCK + 5, 3 * KEY_BLOCK + 9);
         let mut cache = LatentCache::new(shape.kv_lora, shape.rope);
         cache.push(
@@ -739,7 +883,12 @@ mod tests {
         let selected: Vec<Vec<usize>> = (0..n)
             .map(|row| {
                 (0..=first + row)
-                    .filter(|&pos| pos % 3 == row % 3 && !(KEY_BLOCK..2 * KEY_BLOCK).contains(&pos))
+                    .filter(|&pos| match pos / KEY_BLOCK {
+                        0 => pos % 3 == row % 3,
+                        1 => false,
+                        2 => pos % 11 == row % 11,
+                        _ => true,
+                    })
                     .chain([first + row])
                     .collect::<std::collections::BTreeSet<_>>()
                     .into_iter()

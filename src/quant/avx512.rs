@@ -699,6 +699,86 @@ pub(super) unsafe fn add_weighted<const N: usize>(
     kernels::add_weighted_on::<Avx2, N>(&mut acc[body..], weights, rows.map(|row| &row[body..]));
 }
 
+/// [`kernels::add_weighted_tile`] four sums at a time, sixty-four elements of each (four
+/// registers) in registers while every row goes by: a row's chunk is loaded once for the
+/// four, and a sum that does not read the row keeps its value (a masked add). Tails are
+/// masked loads and stores, and each element's sum is its own, so no width changes a bit.
+/// # Safety
+/// As [`kernels::add_weighted_tile_on`], with AVX-512.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+pub(super) unsafe fn add_weighted_tile(
+    sums: &mut [f32],
+    len: usize,
+    weights: &[f32],
+    reads: &[u64],
+    rows: &[&[f32]],
+) {
+    let mut first = 0;
+    while first + 4 <= reads.len() {
+        sums_of_tile::<4>(sums, len, weights, reads, rows, first);
+        first += 4;
+    }
+    while first < reads.len() {
+        sums_of_tile::<1>(sums, len, weights, reads, rows, first);
+        first += 1;
+    }
+}
+
+/// Sums `first..first + S` of [`add_weighted_tile`].
+#[inline(always)]
+unsafe fn sums_of_tile<const S: usize>(
+    sums: &mut [f32],
+    len: usize,
+    weights: &[f32],
+    reads: &[u64],
+    rows: &[&[f32]],
+    first: usize,
+) {
+    let span = rows.len();
+    let any = reads[first..first + S]
+        .iter()
+        .fold(0, |any, bits| any | bits);
+    let base = sums.as_mut_ptr();
+    let sum_at = |s: usize, at: usize| base.wrapping_add((first + s) * len + at);
+    for at in (0..len).step_by(64) {
+        // Lanes of each of the four registers that lie inside the sums.
+        let lanes: [__mmask16; 4] = std::array::from_fn(|c| {
+            let inside = len.saturating_sub(at + 16 * c).min(16);
+            ((1u32 << inside) - 1) as __mmask16
+        });
+        let mut acc = [[_mm512_setzero_ps(); 4]; S];
+        for (s, acc) in acc.iter_mut().enumerate() {
+            for (c, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm512_maskz_loadu_ps(lanes[c], sum_at(s, at + 16 * c));
+            }
+        }
+        let mut bits = any;
+        while bits != 0 {
+            let j = bits.trailing_zeros() as usize;
+            bits &= bits - 1;
+            let row = rows[j].as_ptr();
+            let chunk: [__m512; 4] = std::array::from_fn(|c| {
+                _mm512_maskz_loadu_ps(lanes[c], row.wrapping_add(at + 16 * c))
+            });
+            for (s, acc) in acc.iter_mut().enumerate() {
+                let reads_row = ((reads[first + s] >> j) as u16 & 1).wrapping_neg();
+                let weight = _mm512_set1_ps(weights[(first + s) * span + j]);
+                for (acc, chunk) in acc.iter_mut().zip(&chunk) {
+                    *acc = _mm512_mask_add_ps(*acc, reads_row, *acc, _mm512_mul_ps(weight, *chunk));
+                }
+            }
+        }
+        for (s, acc) in acc.iter().enumerate() {
+            for (c, acc) in acc.iter().enumerate() {
+                let out = sums
+                    .as_mut_ptr()
+                    .wrapping_add((first + s) * len + at + 16 * c);
+                _mm512_mask_storeu_ps(out, lanes[c], *acc);
+            }
+        }
+    }
+}
+
 /// [`rows_on`] compiled for AVX-512.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
 unsafe fn rows<D: Pair>(view: &View<'_, D::Elem>, first: usize, x: &[f32], out: &mut [f32]) {

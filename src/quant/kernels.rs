@@ -18,7 +18,7 @@
 //! computed by one thread in one fixed order, so results do not depend on the thread count.
 //!
 //! Beside the matrices, the f32 vector operations attention runs on activations and caches
-//! ([`dots`], [`add_weighted`], [`Queries`]) use the same lanes with a separate multiply and
+//! ([`dots`], [`add_weighted`], [`add_weighted_tile`], [`Queries`]) use the same lanes with a separate multiply and
 //! add ([`Lanes::add_product`]), the arithmetic of plain `f32` loops, which the engines'
 //! attention was written in and its fixtures were checked with.
 
@@ -1215,6 +1215,93 @@ pub(super) fn add_weighted_with<const N: usize>(
     }
 }
 
+/// Several sums over one span of rows (at most 64): for each sum `r` (`sums` holds them one
+/// after another, each as long as every row) and each `j` in order whose bit `j` of
+/// `reads[r]` is set, `sum_r += weights[r * rows.len() + j] * rows[j]`. Each sum gets the
+/// bits [`add_weighted`] gives it over the rows it reads; a row it does not read is not
+/// touched, whatever it holds. Where the kernels run AVX-512 each row's chunk is loaded once
+/// for four sums.
+pub fn add_weighted_tile(sums: &mut [f32], weights: &[f32], reads: &[u64], rows: &[&[f32]]) {
+    add_weighted_tile_with(selected(), sums, weights, reads, rows)
+}
+
+/// [`add_weighted_tile`] with `isa`.
+pub(super) fn add_weighted_tile_with(
+    isa: Isa,
+    sums: &mut [f32],
+    weights: &[f32],
+    reads: &[u64],
+    rows: &[&[f32]],
+) {
+    let len = sums.len() / reads.len().max(1);
+    assert!(rows.len() <= 64, "add_weighted_tile: at most 64 rows");
+    assert_eq!(
+        sums.len(),
+        reads.len() * len,
+        "add_weighted_tile: one sum a mask"
+    );
+    assert_eq!(
+        weights.len(),
+        reads.len() * rows.len(),
+        "add_weighted_tile: one weight a sum and row"
+    );
+    for row in rows {
+        assert_eq!(
+            row.len(),
+            len,
+            "add_weighted_tile: every row as long as a sum"
+        );
+    }
+    if len == 0 {
+        return;
+    }
+    let isa = if isa.supported() { isa } else { Isa::Scalar };
+    // SAFETY: `isa` is supported, and the shapes are checked above.
+    unsafe {
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => super::x86::add_weighted_tile(sums, len, weights, reads, rows),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => super::avx512::add_weighted_tile(sums, len, weights, reads, rows),
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => super::neon::add_weighted_tile(sums, len, weights, reads, rows),
+            _ => add_weighted_tile_on::<Scalar>(sums, len, weights, reads, rows),
+        }
+    }
+}
+
+/// [`add_weighted_tile`] on lanes `L`: each sum on its own, the rows it reads eight at a
+/// time through [`add_weighted_on`].
+/// # Safety
+/// The CPU must have `L`'s instruction set; the shapes as [`add_weighted_tile_with`] checks.
+#[inline(always)]
+pub(super) unsafe fn add_weighted_tile_on<L: Lanes>(
+    sums: &mut [f32],
+    len: usize,
+    weights: &[f32],
+    reads: &[u64],
+    rows: &[&[f32]],
+) {
+    let span = rows.len();
+    for (r, sum) in sums.chunks_exact_mut(len).enumerate() {
+        let (mut picked, mut weight, mut count) = ([&[][..]; 8], [0f32; 8], 0);
+        let mut bits = reads[r];
+        while bits != 0 {
+            let j = bits.trailing_zeros() as usize;
+            bits &= bits - 1;
+            (picked[count], weight[count]) = (rows[j], weights[r * span + j]);
+            count += 1;
+            if count == 8 {
+                add_weighted_on::<L, 8>(sum, weight, picked);
+                count = 0;
+            }
+        }
+        for (row, w) in picked.iter().zip(weight).take(count) {
+            add_weighted_on::<L, 1>(sum, [w], [row]);
+        }
+    }
+}
+
 /// [`add_weighted`] on lanes `L`.
 /// # Safety
 /// The CPU must have `L`'s instruction set; every row as long as `acc`.
@@ -1488,6 +1575,52 @@ mod tests {
                 add_weighted_with(isa, &mut sum, weights, [&others[0], &others[1], &others[2]]);
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&sum), bits(&plain_sum), "{isa:?} sum of {len}");
+            }
+        }
+    }
+
+    /// [`add_weighted_tile`] on every instruction set against [`add_weighted`] of the rows
+    /// each sum reads: sums as long as a register's chunk, longer, and with tails; counts
+    /// with and without a last group of fewer than four; masks empty, full and sparse; rows
+    /// that nobody reads holding NaN and infinity.
+    #[test]
+    fn tile_sums_give_the_bits_of_each_sum_over_the_rows_it_reads() {
+        let noise = |len: usize, seed: u32| -> Vec<f32> {
+            (0..len as u32)
+                .map(|i| {
+                    let x = i.wrapping_mul(2_654_435_761).wrapping_add(seed * 40_503);
+                    (x % 2000) as f32 / 997.0 - 1.0
+                })
+                .collect()
+        };
+        for (count, span, len) in [(1, 1, 8), (4, 64, 256), (6, 37, 21), (9, 64, 70), (3, 5, 3)] {
+            let mut values: Vec<Vec<f32>> = (0..span).map(|j| noise(len, 10 + j as u32)).collect();
+            values[span / 2].fill(f32::NAN);
+            values[span - 1][0] = f32::INFINITY;
+            let reads: Vec<u64> = (0..count as u64)
+                .map(|r| match r % 4 {
+                    0 => u64::MAX >> (64 - span),
+                    1 => 0,
+                    _ => 0x9E37_79B9_7F4A_7C15u64.rotate_left(r as u32 * 7) >> (64 - span),
+                })
+                .map(|bits| bits & !(1 << (span / 2)) & !(1 << (span - 1)))
+                .collect();
+            let weights = noise(count * span, 2);
+            let start = noise(count * len, 3);
+            let rows: Vec<&[f32]> = values.iter().map(|v| &v[..]).collect();
+            let mut want = start.clone();
+            for (r, sum) in want.chunks_exact_mut(len).enumerate() {
+                for (j, row) in rows.iter().enumerate() {
+                    if reads[r] >> j & 1 == 1 {
+                        add_weighted_with(Isa::Scalar, sum, [weights[r * span + j]], [row]);
+                    }
+                }
+            }
+            for isa in Isa::available() {
+                let mut got = start.clone();
+                add_weighted_tile_with(isa, &mut got, &weights, &reads, &rows);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{isa:?} {count}x{span}x{len}");
             }
         }
     }

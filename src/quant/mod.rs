@@ -41,7 +41,8 @@ pub use codec::{
 };
 pub use format::{Format, DEFAULT_INT4_GROUP};
 pub use kernels::{
-    add_weighted, dots, select as select_simd, selected as selected_simd, Isa, Queries,
+    add_weighted, add_weighted_tile, dots, select as select_simd, selected as selected_simd, Isa,
+    Queries,
 };
 
 use crate::backend::{self, Residency};

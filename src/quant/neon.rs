@@ -69,6 +69,19 @@ pub(super) unsafe fn add_weighted<const N: usize>(
     super::kernels::add_weighted_on::<Neon, N>(acc, weights, rows)
 }
 
+/// [`super::kernels::add_weighted_tile`] in Advanced SIMD registers.
+/// # Safety
+/// As [`super::kernels::add_weighted_tile_on`].
+pub(super) unsafe fn add_weighted_tile(
+    sums: &mut [f32],
+    len: usize,
+    weights: &[f32],
+    reads: &[u64],
+    rows: &[&[f32]],
+) {
+    super::kernels::add_weighted_tile_on::<Neon>(sums, len, weights, reads, rows)
+}
+
 /// [`super::kernels::dequantize_row`] in Advanced SIMD registers.
 /// # Safety
 /// As [`super::kernels::dequantize_row_on`].

@@ -169,6 +169,20 @@ pub(super) unsafe fn add_weighted<const N: usize>(
     super::kernels::add_weighted_on::<Avx2, N>(acc, weights, rows)
 }
 
+/// [`super::kernels::add_weighted_tile`] in 256-bit registers.
+/// # Safety
+/// As [`super::kernels::add_weighted_tile_on`], with AVX2.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn add_weighted_tile(
+    sums: &mut [f32],
+    len: usize,
+    weights: &[f32],
+    reads: &[u64],
+    rows: &[&[f32]],
+) {
+    super::kernels::add_weighted_tile_on::<Avx2>(sums, len, weights, reads, rows)
+}
+
 /// [`super::kernels::dequantize_row`] in 256-bit registers.
 /// # Safety
 /// As [`super::kernels::dequantize_row_on`], with AVX2.
