@@ -19,10 +19,12 @@ use rayon::prelude::*;
 
 use anyhow::Result;
 
-use super::layers::{dot, rms_norm, rms_norm_in_place, softmax};
+use super::layers::{rms_norm, rms_norm_in_place, softmax};
 use super::state_io::{self, expect};
 use super::weights::Weights;
-use crate::quant::{add_weighted, add_weighted_tile, dots, Matrix, Queries};
+use crate::quant::{
+    add_weighted, fused_add_weighted, fused_add_weighted_tile, fused_dots, Matrix, Queries,
+};
 
 /// Sizes of one MLA layer. A query head is `[nope | rope]` wide; `kv_b` maps a latent to
 /// `heads x [nope key | v value]`.
@@ -294,7 +296,9 @@ const DENSE_SHARE: usize = 4;
 /// its query rows [`QUERY_BLOCK`] at a time and walks the positions [`KEY_BLOCK`] at a time,
 /// every row of the block scoring (then summing) the positions it reads in that key block.
 /// Each row still scores and sums its positions in ascending order with the same
-/// operations, so the result does not depend on the blocking.
+/// operations, so the result does not depend on the blocking. Scores and weighted sums fuse
+/// each product into its add ([`fused_dots`], [`fused_add_weighted`]): half the arithmetic
+/// instructions of plain `f32` products, which a long prompt's attention is bound by.
 pub fn attend_plain(
     shape: MlaShape,
     kv_b: &Matrix,
@@ -357,9 +361,15 @@ impl ExpandedHeads<'_> {
         let (qk, rows) = (self.shape.qk(), self.shape.kv_rows());
         let total = self.cache.len();
         let width = heads * rows;
-        let mut slab = vec![0f32; total * rows];
-        for (pos, key_value) in slab.chunks_exact_mut(rows).enumerate() {
-            key_value.copy_from_slice(&self.expanded[pos * width + head * rows..][..rows]);
+        // Per position: the head's whole key (its part of the expansion, then the shared
+        // rotary key), then its value.
+        let stride = qk + v;
+        let mut slab = vec![0f32; total * stride];
+        for (pos, key_value) in slab.chunks_exact_mut(stride).enumerate() {
+            let expanded = &self.expanded[pos * width + head * rows..][..rows];
+            key_value[..nope].copy_from_slice(&expanded[..nope]);
+            key_value[nope..qk].copy_from_slice(self.cache.rope_key(pos));
+            key_value[qk..].copy_from_slice(&expanded[nope..]);
         }
         for (block, block_out) in head_out.chunks_mut(QUERY_BLOCK * v).enumerate() {
             let block_rows = block * QUERY_BLOCK..block * QUERY_BLOCK + block_out.len() / v;
@@ -370,19 +380,9 @@ impl ExpandedHeads<'_> {
                 .collect();
             let query =
                 |i: usize| &self.queries[((block_rows.start + i) * heads + head) * qk..][..qk];
-            let (q_nopes, q_ropes): (Vec<f32>, Vec<f32>) = (
-                (0..count)
-                    .flat_map(|i| &query(i)[..nope])
-                    .copied()
-                    .collect(),
-                (0..count)
-                    .flat_map(|i| &query(i)[nope..])
-                    .copied()
-                    .collect(),
-            );
-            let mut together = Tile::new(&q_nopes, &q_ropes, count, scale);
-            let key = |pos: usize| &slab[pos * rows..][..nope];
-            let rope_key = |pos: usize| self.cache.rope_key(pos);
+            let block_queries: Vec<f32> = (0..count).flat_map(query).copied().collect();
+            let mut together = Tile::new(&block_queries, count, scale);
+            let key = |pos: usize| &slab[pos * stride..][..qk];
             let mut scores: Vec<Vec<f32>> = seen
                 .iter()
                 .map(|list| Vec::with_capacity(list.len()))
@@ -398,24 +398,21 @@ impl ExpandedHeads<'_> {
                 };
                 if shared {
                     let lo = span.start;
-                    together.score(span, key, rope_key, &mut tile);
+                    together.score(span, key, &mut tile);
                     for (i, list) in these.iter().enumerate() {
                         let row = &tile[i * KEY_BLOCK..][..KEY_BLOCK];
                         scores[i].extend(list.iter().map(|&pos| row[pos - lo]));
                     }
                 } else {
                     for (i, list) in these.iter().enumerate() {
-                        let (q_nope, q_rope) = query(i).split_at(nope);
                         // Four keys a pass, each query chunk read once for them.
                         let mut quads = list.chunks_exact(4);
                         for quad in &mut quads {
-                            let by_key = dots(q_nope, quad_of(quad, key));
-                            let by_rope = dots(q_rope, quad_of(quad, rope_key));
-                            scores[i].extend((0..4).map(|j| (by_key[j] + by_rope[j]) * scale));
+                            let dots = fused_dots(query(i), quad_of(quad, key));
+                            scores[i].extend(dots.map(|dot| dot * scale));
                         }
                         for &pos in quads.remainder() {
-                            scores[i]
-                                .push((dot(q_nope, key(pos)) + dot(q_rope, rope_key(pos))) * scale);
+                            scores[i].push(fused_dots(query(i), [key(pos)])[0] * scale);
                         }
                     }
                 }
@@ -426,7 +423,7 @@ impl ExpandedHeads<'_> {
             scores.iter_mut().for_each(|row| softmax(row));
             block_out.fill(0.0);
             next.fill(0);
-            let value = |pos: usize| &slab[pos * rows + nope..][..v];
+            let value = |pos: usize| &slab[pos * stride + qk..][..v];
             let (mut weights, mut reads, mut values) = (Vec::new(), Vec::new(), Vec::new());
             for end in (KEY_BLOCK..total + KEY_BLOCK).step_by(KEY_BLOCK) {
                 these.clear();
@@ -451,7 +448,7 @@ impl ExpandedHeads<'_> {
                     }
                     values.clear();
                     values.extend(span.map(value));
-                    add_weighted_tile(block_out, &weights, &reads, &values);
+                    fused_add_weighted_tile(block_out, &weights, &reads, &values);
                 } else {
                     for (i, row_out) in block_out.chunks_exact_mut(v).enumerate() {
                         let (list, p) = (these[i], &scores[i][next[i]..]);
@@ -461,16 +458,16 @@ impl ExpandedHeads<'_> {
                         while at + 8 <= list.len() {
                             let eight: [f32; 8] = p[at..at + 8].try_into().expect("eight");
                             let rows = std::array::from_fn(|j| value(list[at + j]));
-                            add_weighted(row_out, eight, rows);
+                            fused_add_weighted(row_out, eight, rows);
                             at += 8;
                         }
                         if at + 4 <= list.len() {
                             let four: [f32; 4] = p[at..at + 4].try_into().expect("four");
-                            add_weighted(row_out, four, quad_of(&list[at..], value));
+                            fused_add_weighted(row_out, four, quad_of(&list[at..], value));
                             at += 4;
                         }
                         for (&pos, &p) in list[at..].iter().zip(&p[at..]) {
-                            add_weighted(row_out, [p], [value(pos)]);
+                            fused_add_weighted(row_out, [p], [value(pos)]);
                         }
                     }
                 }
@@ -497,45 +494,34 @@ fn span_read(these: &[&[usize]]) -> Option<(Range<usize>, bool)> {
 
 /// One head's query rows of a query block, kept for scoring against keys they share.
 struct Tile<'a> {
-    nopes: Queries<'a>,
-    ropes: Queries<'a>,
+    queries: Queries<'a>,
     scale: f32,
-    by_key: Vec<[f32; 4]>,
-    by_rope: Vec<[f32; 4]>,
+    dots: Vec<[f32; 4]>,
 }
 
 impl<'a> Tile<'a> {
-    fn new(nopes: &'a [f32], ropes: &'a [f32], count: usize, scale: f32) -> Tile<'a> {
+    fn new(queries: &'a [f32], count: usize, scale: f32) -> Tile<'a> {
         Tile {
-            nopes: Queries::new(nopes, count),
-            ropes: Queries::new(ropes, count),
+            queries: Queries::fused(queries, count),
             scale,
-            by_key: vec![[0.0; 4]; count],
-            by_rope: vec![[0.0; 4]; count],
+            dots: vec![[0.0; 4]; count],
         }
     }
 
     /// Every row's score of every position of `span` (no longer than [`KEY_BLOCK`]), four
     /// positions a pass: row `i`'s score of `pos` at `out[i * KEY_BLOCK + pos - span.start]`,
     /// the bits of [`attend_plain`]'s row-by-row score.
-    fn score<'k>(
-        &mut self,
-        span: Range<usize>,
-        key: impl Fn(usize) -> &'k [f32],
-        rope_key: impl Fn(usize) -> &'k [f32],
-        out: &mut [f32],
-    ) {
+    fn score<'k>(&mut self, span: Range<usize>, key: impl Fn(usize) -> &'k [f32], out: &mut [f32]) {
         let last = span.end - 1;
         for start in span.clone().step_by(4) {
             // A last pass of fewer than four positions repeats the last one.
             let quad: [usize; 4] = std::array::from_fn(|j| (start + j).min(last));
-            self.nopes.dots(quad.map(&key), &mut self.by_key);
-            self.ropes.dots(quad.map(&rope_key), &mut self.by_rope);
+            self.queries.dots(quad.map(&key), &mut self.dots);
             let width = (span.end - start).min(4);
-            for (i, (by_key, by_rope)) in self.by_key.iter().zip(&self.by_rope).enumerate() {
+            for (i, dots) in self.dots.iter().enumerate() {
                 let row = &mut out[i * KEY_BLOCK + start - span.start..][..width];
-                for (j, score) in row.iter_mut().enumerate() {
-                    *score = (by_key[j] + by_rope[j]) * self.scale;
+                for (score, dot) in row.iter_mut().zip(dots) {
+                    *score = dot * self.scale;
                 }
             }
         }
@@ -733,6 +719,7 @@ impl LatentRow<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engines::layers::dot;
     use crate::quant::Width;
 
     /// A deterministic pseudo-random vector in [-1, 1).
@@ -836,13 +823,13 @@ mod tests {
         for row in 0..n {
             for head in 0..shape.heads {
                 let query = &queries[(row * shape.heads + head) * qk..][..qk];
-                let (q_nope, q_rope) = query.split_at(shape.nope);
                 let seen = positions(keys, &every, total - n, row);
                 let mut scores: Vec<f32> = seen
                     .iter()
                     .map(|&pos| {
                         let key = &expanded[pos * width + head * rows..][..shape.nope];
-                        (dot(q_nope, key) + dot(q_rope, cache.rope_key(pos))) * shape.scale
+                        let key = [key, cache.rope_key(pos)].concat();
+                        fused_dots(query, [&key[..]])[0] * shape.scale
                     })
                     .collect();
                 softmax(&mut scores);
@@ -850,7 +837,7 @@ mod tests {
                 for (&pos, &p) in seen.iter().zip(&scores) {
                     let value = &expanded[pos * width + head * rows + shape.nope..][..shape.v];
                     for (y, &x) in y.iter_mut().zip(value) {
-                        *y += p * x;
+                        *y = p.mul_add(x, *y);
                     }
                 }
             }

@@ -614,7 +614,7 @@ unsafe fn dot_pairs<D: Pair, const P: usize, const T: usize>(
 /// The CPU must have AVX-512; `paired` holds `vectors`' pairs, `out` one entry per vector,
 /// every key `len` long.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
-pub(super) unsafe fn paired_dots<const K: usize>(
+pub(super) unsafe fn paired_dots<const K: usize, const FUSED: bool>(
     paired: &[f32],
     vectors: &[f32],
     len: usize,
@@ -624,22 +624,22 @@ pub(super) unsafe fn paired_dots<const K: usize>(
     let pairs = out.len() / 2;
     let mut pair = 0;
     while pair + 4 <= pairs {
-        pairs_against::<4, K>(paired, vectors, len, pair, keys, out);
+        pairs_against::<4, K, FUSED>(paired, vectors, len, pair, keys, out);
         pair += 4;
     }
     while pair < pairs {
-        pairs_against::<1, K>(paired, vectors, len, pair, keys, out);
+        pairs_against::<1, K, FUSED>(paired, vectors, len, pair, keys, out);
         pair += 1;
     }
     if out.len() % 2 == 1 {
         let last = &vectors[(out.len() - 1) * len..];
-        out[out.len() - 1] = kernels::dots_on::<Avx2, K>(last, keys);
+        out[out.len() - 1] = kernels::dots_on::<Avx2, K, FUSED>(last, keys);
     }
 }
 
 /// Pairs `first..first + P` of [`paired_dots`] against every key, `P x K` sums in registers.
 #[inline(always)]
-unsafe fn pairs_against<const P: usize, const K: usize>(
+unsafe fn pairs_against<const P: usize, const K: usize, const FUSED: bool>(
     paired: &[f32],
     vectors: &[f32],
     len: usize,
@@ -656,7 +656,11 @@ unsafe fn pairs_against<const P: usize, const K: usize>(
                 paired.as_ptr().add(((first + p) * chunks + c) * 16),
             ));
             for (sum, key) in sums.iter_mut().zip(&key) {
-                *sum = Two(_mm512_add_ps(sum.0, _mm512_mul_ps(two.0, key.0)));
+                *sum = Two(if FUSED {
+                    _mm512_fmadd_ps(two.0, key.0, sum.0)
+                } else {
+                    _mm512_add_ps(sum.0, _mm512_mul_ps(two.0, key.0))
+                });
             }
         }
     }
@@ -665,12 +669,8 @@ unsafe fn pairs_against<const P: usize, const K: usize>(
         for (j, sum) in sums.iter().enumerate() {
             for (half, total) in sum.sums().into_iter().enumerate() {
                 let vector = 2 * (first + p) + half;
-                let tail: f32 = vectors[vector * len + body..(vector + 1) * len]
-                    .iter()
-                    .zip(&keys[j][body..])
-                    .map(|(x, y)| x * y)
-                    .sum();
-                out[vector][j] = total + tail;
+                let tail = &vectors[vector * len + body..(vector + 1) * len];
+                out[vector][j] = total + kernels::tail_dot::<FUSED>(tail, &keys[j][body..]);
             }
         }
     }
@@ -681,7 +681,7 @@ unsafe fn pairs_against<const P: usize, const K: usize>(
 /// # Safety
 /// As [`kernels::add_weighted_on`], with AVX-512.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
-pub(super) unsafe fn add_weighted<const N: usize>(
+pub(super) unsafe fn add_weighted<const N: usize, const FUSED: bool>(
     acc: &mut [f32],
     weights: [f32; N],
     rows: [&[f32]; N],
@@ -692,16 +692,25 @@ pub(super) unsafe fn add_weighted<const N: usize>(
         let at = acc.as_mut_ptr().add(i);
         let mut sum = _mm512_loadu_ps(at);
         for (w, row) in splats.iter().zip(&rows) {
-            sum = _mm512_add_ps(sum, _mm512_mul_ps(*w, _mm512_loadu_ps(row.as_ptr().add(i))));
+            let x = _mm512_loadu_ps(row.as_ptr().add(i));
+            sum = if FUSED {
+                _mm512_fmadd_ps(*w, x, sum)
+            } else {
+                _mm512_add_ps(sum, _mm512_mul_ps(*w, x))
+            };
         }
         _mm512_storeu_ps(at, sum);
     }
-    kernels::add_weighted_on::<Avx2, N>(&mut acc[body..], weights, rows.map(|row| &row[body..]));
+    kernels::add_weighted_on::<Avx2, N, FUSED>(
+        &mut acc[body..],
+        weights,
+        rows.map(|row| &row[body..]),
+    );
 }
 
-/// [`kernels::add_weighted_tile`] four sums at a time, sixty-four elements of each (four
+/// [`kernels::fused_add_weighted_tile`] four sums at a time, sixty-four elements of each (four
 /// registers) in registers while every row goes by: a row's chunk is loaded once for the
-/// four, and a sum that does not read the row keeps its value (a masked add). Tails are
+/// four, and a sum that does not read the row keeps its value (a masked fused multiply-add). Tails are
 /// masked loads and stores, and each element's sum is its own, so no width changes a bit.
 /// # Safety
 /// As [`kernels::add_weighted_tile_on`], with AVX-512.
@@ -764,7 +773,7 @@ unsafe fn sums_of_tile<const S: usize>(
                 let reads_row = ((reads[first + s] >> j) as u16 & 1).wrapping_neg();
                 let weight = _mm512_set1_ps(weights[(first + s) * span + j]);
                 for (acc, chunk) in acc.iter_mut().zip(&chunk) {
-                    *acc = _mm512_mask_add_ps(*acc, reads_row, *acc, _mm512_mul_ps(weight, *chunk));
+                    *acc = _mm512_mask3_fmadd_ps(weight, *chunk, *acc, reads_row);
                 }
             }
         }

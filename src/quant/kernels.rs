@@ -18,9 +18,12 @@
 //! computed by one thread in one fixed order, so results do not depend on the thread count.
 //!
 //! Beside the matrices, the f32 vector operations attention runs on activations and caches
-//! ([`dots`], [`add_weighted`], [`add_weighted_tile`], [`Queries`]) use the same lanes with a separate multiply and
+//! ([`dots`], [`add_weighted`], [`Queries`]) use the same lanes with a separate multiply and
 //! add ([`Lanes::add_product`]), the arithmetic of plain `f32` loops, which the engines'
-//! attention was written in and its fixtures were checked with.
+//! decode attention was written in and its fixtures were checked with. Their fused forms
+//! ([`fused_dots`], [`fused_add_weighted`], [`fused_add_weighted_tile`], [`Queries::fused`])
+//! round each product with its add, in the same lanes and order: a prompt's expanded
+//! attention runs on them.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -1053,11 +1056,53 @@ where
 /// arithmetic does. Computed together, each chunk of `a` is read once for all of them and
 /// their chains of adds run side by side (one dot alone waits on each add).
 pub fn dots<const N: usize>(a: &[f32], others: [&[f32]; N]) -> [f32; N] {
-    dots_with(selected(), a, others)
+    dots_with::<N, false>(selected(), a, others)
 }
 
-/// [`dots`] with `isa`.
-pub(super) fn dots_with<const N: usize>(isa: Isa, a: &[f32], others: [&[f32]; N]) -> [f32; N] {
+/// [`dots`] with each product fused into its add (one rounding, [`Lanes::fma`]; the tail's
+/// too), in the same lanes and order: half the arithmetic instructions. The expanded
+/// attention of a prompt runs on it ([`fused_add_weighted`], [`Queries::fused`]).
+pub fn fused_dots<const N: usize>(a: &[f32], others: [&[f32]; N]) -> [f32; N] {
+    dots_with::<N, true>(selected(), a, others)
+}
+
+/// `c + a * b`: rounded once where `FUSED`, else the product rounded before the add.
+#[inline(always)]
+unsafe fn step<L: Lanes, const FUSED: bool>(a: L, b: L, c: L) -> L {
+    if FUSED {
+        L::fma(a, b, c)
+    } else {
+        L::add_product(a, b, c)
+    }
+}
+
+/// [`step`] on one element.
+#[inline(always)]
+fn scalar_step<const FUSED: bool>(a: f32, b: f32, c: f32) -> f32 {
+    if FUSED {
+        a.mul_add(b, c)
+    } else {
+        c + a * b
+    }
+}
+
+/// The products of the elements past the last full chunk, in order: plain, or fused from
+/// zero.
+#[inline(always)]
+pub(super) fn tail_dot<const FUSED: bool>(a: &[f32], b: &[f32]) -> f32 {
+    if FUSED {
+        a.iter().zip(b).fold(0.0, |sum, (x, y)| x.mul_add(*y, sum))
+    } else {
+        a.iter().zip(b).map(|(x, y)| x * y).sum()
+    }
+}
+
+/// [`dots`] (or [`fused_dots`]) with `isa`.
+pub(super) fn dots_with<const N: usize, const FUSED: bool>(
+    isa: Isa,
+    a: &[f32],
+    others: [&[f32]; N],
+) -> [f32; N] {
     for b in &others {
         assert_eq!(b.len(), a.len(), "dots: every vector as long as the first");
     }
@@ -1066,10 +1111,10 @@ pub(super) fn dots_with<const N: usize>(isa: Isa, a: &[f32], others: [&[f32]; N]
     unsafe {
         match isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 | Isa::Avx512 => super::x86::dots(a, others),
+            Isa::Avx2 | Isa::Avx512 => super::x86::dots::<N, FUSED>(a, others),
             #[cfg(target_arch = "aarch64")]
-            Isa::Neon => super::neon::dots(a, others),
-            _ => dots_on::<Scalar, N>(a, others),
+            Isa::Neon => super::neon::dots::<N, FUSED>(a, others),
+            _ => dots_on::<Scalar, N, FUSED>(a, others),
         }
     }
 }
@@ -1078,24 +1123,20 @@ pub(super) fn dots_with<const N: usize>(isa: Isa, a: &[f32], others: [&[f32]; N]
 /// # Safety
 /// The CPU must have `L`'s instruction set; every `others` as long as `a`.
 #[inline(always)]
-pub(super) unsafe fn dots_on<L: Lanes, const N: usize>(a: &[f32], others: [&[f32]; N]) -> [f32; N] {
+pub(super) unsafe fn dots_on<L: Lanes, const N: usize, const FUSED: bool>(
+    a: &[f32],
+    others: [&[f32]; N],
+) -> [f32; N] {
     let n = a.len();
     let mut sums = [L::zero(); N];
     for c in 0..n / 8 {
         let x = L::load(a.as_ptr().add(8 * c));
         for (sum, b) in sums.iter_mut().zip(&others) {
-            *sum = L::add_product(x, L::load(b.as_ptr().add(8 * c)), *sum);
+            *sum = step::<L, FUSED>(x, L::load(b.as_ptr().add(8 * c)), *sum);
         }
     }
     let body = n / 8 * 8;
-    std::array::from_fn(|j| {
-        let tail: f32 = a[body..]
-            .iter()
-            .zip(&others[j][body..])
-            .map(|(x, y)| x * y)
-            .sum();
-        sums[j].sum() + tail
-    })
+    std::array::from_fn(|j| sums[j].sum() + tail_dot::<FUSED>(&a[body..], &others[j][body..]))
 }
 
 /// Vectors of one length that are each dotted with many others: a row's query heads
@@ -1103,12 +1144,14 @@ pub(super) unsafe fn dots_on<L: Lanes, const N: usize>(a: &[f32], others: [&[f32
 /// run AVX-512 the vectors are also kept in pairs, chunk by chunk (eight elements of one,
 /// then the same eight of the next), so that one 512-bit load brings a chunk of two of them
 /// and a key's chunk, loaded into both halves, serves both: each lane's sum is the one an
-/// 8-lane vector keeps, twice as many at a time.
+/// 8-lane vector keeps, twice as many at a time. Built with [`Queries::fused`], it gives
+/// the bits of [`fused_dots`].
 pub struct Queries<'a> {
     vectors: &'a [f32],
     count: usize,
     len: usize,
     isa: Isa,
+    fused: bool,
     /// Pairs of vectors interleaved chunk by chunk; empty unless the kernels run AVX-512.
     paired: Vec<f32>,
 }
@@ -1116,11 +1159,16 @@ pub struct Queries<'a> {
 impl<'a> Queries<'a> {
     /// The `count` vectors of equal length in `vectors` (of any length, none included).
     pub fn new(vectors: &'a [f32], count: usize) -> Queries<'a> {
-        Queries::with(selected(), vectors, count)
+        Queries::with(selected(), vectors, count, false)
     }
 
-    /// [`Queries::new`] for the kernels of `isa`.
-    pub(super) fn with(isa: Isa, vectors: &'a [f32], count: usize) -> Queries<'a> {
+    /// [`Queries::new`], dotted as [`fused_dots`] dots.
+    pub fn fused(vectors: &'a [f32], count: usize) -> Queries<'a> {
+        Queries::with(selected(), vectors, count, true)
+    }
+
+    /// [`Queries::new`] or [`Queries::fused`] for the kernels of `isa`.
+    pub(super) fn with(isa: Isa, vectors: &'a [f32], count: usize, fused: bool) -> Queries<'a> {
         assert!(
             count > 0 && vectors.len().is_multiple_of(count),
             "queries: {count} vectors of one length"
@@ -1149,12 +1197,13 @@ impl<'a> Queries<'a> {
             count,
             len,
             isa,
+            fused,
             paired,
         }
     }
 
     /// `out[i][j]` = vector `i` · `keys[j]`, for every vector (`out` one entry a vector,
-    /// each key as long as a vector), bit for bit as [`dots`] computes it.
+    /// each key as long as a vector), bit for bit as [`dots`] (or [`fused_dots`]) computes it.
     pub fn dots<const K: usize>(&self, keys: [&[f32]; K], out: &mut [[f32; K]]) {
         assert_eq!(out.len(), self.count, "queries: one result per vector");
         for key in &keys {
@@ -1168,11 +1217,21 @@ impl<'a> Queries<'a> {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `isa` is supported, `paired` holds every pair, and the lengths match.
             Isa::Avx512 => unsafe {
-                super::avx512::paired_dots(&self.paired, self.vectors, self.len, keys, out)
+                let (paired, vectors, len) = (&self.paired, self.vectors, self.len);
+                if self.fused {
+                    super::avx512::paired_dots::<K, true>(paired, vectors, len, keys, out)
+                } else {
+                    super::avx512::paired_dots::<K, false>(paired, vectors, len, keys, out)
+                }
             },
             isa => {
                 for (i, out) in out.iter_mut().enumerate() {
-                    *out = dots_with(isa, &self.vectors[i * self.len..][..self.len], keys);
+                    let vector = &self.vectors[i * self.len..][..self.len];
+                    *out = if self.fused {
+                        dots_with::<K, true>(isa, vector, keys)
+                    } else {
+                        dots_with::<K, false>(isa, vector, keys)
+                    };
                 }
             }
         }
@@ -1183,11 +1242,17 @@ impl<'a> Queries<'a> {
 /// long as `acc`; each product rounded before its add): `N` passes of plain `f32`
 /// arithmetic, bit for bit, reading and writing `acc` once.
 pub fn add_weighted<const N: usize>(acc: &mut [f32], weights: [f32; N], rows: [&[f32]; N]) {
-    add_weighted_with(selected(), acc, weights, rows)
+    add_weighted_with::<N, false>(selected(), acc, weights, rows)
 }
 
-/// [`add_weighted`] with `isa`.
-pub(super) fn add_weighted_with<const N: usize>(
+/// [`add_weighted`] with each product fused into its add (`acc[i] = fma(weights[j],
+/// rows[j][i], acc[i])`, one rounding), in the same order.
+pub fn fused_add_weighted<const N: usize>(acc: &mut [f32], weights: [f32; N], rows: [&[f32]; N]) {
+    add_weighted_with::<N, true>(selected(), acc, weights, rows)
+}
+
+/// [`add_weighted`] (or [`fused_add_weighted`]) with `isa`.
+pub(super) fn add_weighted_with<const N: usize, const FUSED: bool>(
     isa: Isa,
     acc: &mut [f32],
     weights: [f32; N],
@@ -1205,27 +1270,27 @@ pub(super) fn add_weighted_with<const N: usize>(
     unsafe {
         match isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => super::x86::add_weighted(acc, weights, rows),
+            Isa::Avx2 => super::x86::add_weighted::<N, FUSED>(acc, weights, rows),
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => super::avx512::add_weighted(acc, weights, rows),
+            Isa::Avx512 => super::avx512::add_weighted::<N, FUSED>(acc, weights, rows),
             #[cfg(target_arch = "aarch64")]
-            Isa::Neon => super::neon::add_weighted(acc, weights, rows),
-            _ => add_weighted_on::<Scalar, N>(acc, weights, rows),
+            Isa::Neon => super::neon::add_weighted::<N, FUSED>(acc, weights, rows),
+            _ => add_weighted_on::<Scalar, N, FUSED>(acc, weights, rows),
         }
     }
 }
 
 /// Several sums over one span of rows (at most 64): for each sum `r` (`sums` holds them one
 /// after another, each as long as every row) and each `j` in order whose bit `j` of
-/// `reads[r]` is set, `sum_r += weights[r * rows.len() + j] * rows[j]`. Each sum gets the
-/// bits [`add_weighted`] gives it over the rows it reads; a row it does not read is not
-/// touched, whatever it holds. Where the kernels run AVX-512 each row's chunk is loaded once
-/// for four sums.
-pub fn add_weighted_tile(sums: &mut [f32], weights: &[f32], reads: &[u64], rows: &[&[f32]]) {
+/// `reads[r]` is set, `sum_r = fma(weights[r * rows.len() + j], rows[j], sum_r)`. Each sum
+/// gets the bits [`fused_add_weighted`] gives it over the rows it reads; a row it does not
+/// read is not touched, whatever it holds. Where the kernels run AVX-512 each row's chunk is
+/// loaded once for four sums.
+pub fn fused_add_weighted_tile(sums: &mut [f32], weights: &[f32], reads: &[u64], rows: &[&[f32]]) {
     add_weighted_tile_with(selected(), sums, weights, reads, rows)
 }
 
-/// [`add_weighted_tile`] with `isa`.
+/// [`fused_add_weighted_tile`] with `isa`.
 pub(super) fn add_weighted_tile_with(
     isa: Isa,
     sums: &mut [f32],
@@ -1234,22 +1299,22 @@ pub(super) fn add_weighted_tile_with(
     rows: &[&[f32]],
 ) {
     let len = sums.len() / reads.len().max(1);
-    assert!(rows.len() <= 64, "add_weighted_tile: at most 64 rows");
+    assert!(rows.len() <= 64, "fused_add_weighted_tile: at most 64 rows");
     assert_eq!(
         sums.len(),
         reads.len() * len,
-        "add_weighted_tile: one sum a mask"
+        "fused_add_weighted_tile: one sum a mask"
     );
     assert_eq!(
         weights.len(),
         reads.len() * rows.len(),
-        "add_weighted_tile: one weight a sum and row"
+        "fused_add_weighted_tile: one weight a sum and row"
     );
     for row in rows {
         assert_eq!(
             row.len(),
             len,
-            "add_weighted_tile: every row as long as a sum"
+            "fused_add_weighted_tile: every row as long as a sum"
         );
     }
     if len == 0 {
@@ -1270,8 +1335,8 @@ pub(super) fn add_weighted_tile_with(
     }
 }
 
-/// [`add_weighted_tile`] on lanes `L`: each sum on its own, the rows it reads eight at a
-/// time through [`add_weighted_on`].
+/// [`fused_add_weighted_tile`] on lanes `L`: each sum on its own, the rows it reads eight at
+/// a time through [`add_weighted_on`].
 /// # Safety
 /// The CPU must have `L`'s instruction set; the shapes as [`add_weighted_tile_with`] checks.
 #[inline(always)]
@@ -1292,12 +1357,12 @@ pub(super) unsafe fn add_weighted_tile_on<L: Lanes>(
             (picked[count], weight[count]) = (rows[j], weights[r * span + j]);
             count += 1;
             if count == 8 {
-                add_weighted_on::<L, 8>(sum, weight, picked);
+                add_weighted_on::<L, 8, true>(sum, weight, picked);
                 count = 0;
             }
         }
         for (row, w) in picked.iter().zip(weight).take(count) {
-            add_weighted_on::<L, 1>(sum, [w], [row]);
+            add_weighted_on::<L, 1, true>(sum, [w], [row]);
         }
     }
 }
@@ -1306,7 +1371,7 @@ pub(super) unsafe fn add_weighted_tile_on<L: Lanes>(
 /// # Safety
 /// The CPU must have `L`'s instruction set; every row as long as `acc`.
 #[inline(always)]
-pub(super) unsafe fn add_weighted_on<L: Lanes, const N: usize>(
+pub(super) unsafe fn add_weighted_on<L: Lanes, const N: usize, const FUSED: bool>(
     acc: &mut [f32],
     weights: [f32; N],
     rows: [&[f32]; N],
@@ -1317,13 +1382,13 @@ pub(super) unsafe fn add_weighted_on<L: Lanes, const N: usize>(
         let at = acc.as_mut_ptr().add(8 * c);
         let mut sum = L::load(at);
         for (w, row) in splats.iter().zip(&rows) {
-            sum = L::add_product(*w, L::load(row.as_ptr().add(8 * c)), sum);
+            sum = step::<L, FUSED>(*w, L::load(row.as_ptr().add(8 * c)), sum);
         }
         sum.store(at);
     }
     for i in n / 8 * 8..n {
         for (w, row) in weights.iter().zip(&rows) {
-            acc[i] += w * row[i];
+            acc[i] = scalar_step::<FUSED>(*w, row[i], acc[i]);
         }
     }
 }
@@ -1519,7 +1584,8 @@ mod tests {
     use super::*;
 
     /// [`dots`] and [`add_weighted`] on every instruction set against the plain loops they
-    /// stand for, bit for bit, at lengths with and without a tail and with zeros of both
+    /// stand for, and [`fused_dots`] and [`fused_add_weighted`] against the same loops with
+    /// `mul_add`, bit for bit, at lengths with and without a tail and with zeros of both
     /// signs.
     #[test]
     fn dots_and_weighted_sums_are_plain_f32_arithmetic_on_every_instruction_set() {
@@ -1539,48 +1605,74 @@ mod tests {
         for len in [0, 1, 7, 8, 9, 63, 64, 65, 130, 576] {
             let a = noise(len, 1);
             let others = [noise(len, 2), noise(len, 3), noise(len, 4)];
-            let plain_dot = |b: &[f32]| {
+            let loop_dot = |b: &[f32], fused: bool| {
+                let step = |x: f32, y: f32, acc: f32| {
+                    if fused {
+                        x.mul_add(y, acc)
+                    } else {
+                        acc + x * y
+                    }
+                };
                 let mut lanes = [0f32; 8];
                 for (x, y) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
                     for l in 0..8 {
-                        lanes[l] += x[l] * y[l];
+                        lanes[l] = step(x[l], y[l], lanes[l]);
                     }
                 }
-                let tail: f32 = a[len / 8 * 8..]
-                    .iter()
-                    .zip(&b[len / 8 * 8..])
-                    .map(|(x, y)| x * y)
-                    .sum();
+                let rest = a[len / 8 * 8..].iter().zip(&b[len / 8 * 8..]);
+                let tail: f32 = if fused {
+                    rest.fold(0.0, |acc, (x, y)| step(*x, *y, acc))
+                } else {
+                    rest.map(|(x, y)| x * y).sum()
+                };
                 ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6]))
                     + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]))
                     + tail
             };
             let weights = [0.75f32, -1.5, -0.0];
-            let mut plain_sum = noise(len, 5);
-            for (w, row) in weights.iter().zip(&others) {
-                for (acc, x) in plain_sum.iter_mut().zip(row) {
-                    *acc += w * x;
+            let loop_sum = |fused: bool| {
+                let mut sum = noise(len, 5);
+                for (w, row) in weights.iter().zip(&others) {
+                    for (acc, x) in sum.iter_mut().zip(row) {
+                        *acc = if fused {
+                            w.mul_add(*x, *acc)
+                        } else {
+                            *acc + w * x
+                        };
+                    }
                 }
-            }
+                sum
+            };
+            let rows = [&others[0][..], &others[1][..], &others[2][..]];
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             for isa in Isa::available() {
-                let got = dots_with(isa, &a, [&others[0], &others[1], &others[2]]);
-                for (got, b) in got.iter().zip(&others) {
+                let plain = dots_with::<3, false>(isa, &a, rows);
+                let fused = dots_with::<3, true>(isa, &a, rows);
+                for ((plain, fused), b) in plain.iter().zip(&fused).zip(&others) {
+                    let want = (loop_dot(b, false), loop_dot(b, true));
+                    assert_eq!(plain.to_bits(), want.0.to_bits(), "{isa:?} dot of {len}");
                     assert_eq!(
-                        got.to_bits(),
-                        plain_dot(b).to_bits(),
-                        "{isa:?} dot of {len}"
+                        fused.to_bits(),
+                        want.1.to_bits(),
+                        "{isa:?} fused dot of {len}"
                     );
                 }
                 let mut sum = noise(len, 5);
-                add_weighted_with(isa, &mut sum, weights, [&others[0], &others[1], &others[2]]);
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&sum), bits(&plain_sum), "{isa:?} sum of {len}");
+                add_weighted_with::<3, false>(isa, &mut sum, weights, rows);
+                assert_eq!(bits(&sum), bits(&loop_sum(false)), "{isa:?} sum of {len}");
+                let mut sum = noise(len, 5);
+                add_weighted_with::<3, true>(isa, &mut sum, weights, rows);
+                assert_eq!(
+                    bits(&sum),
+                    bits(&loop_sum(true)),
+                    "{isa:?} fused sum of {len}"
+                );
             }
         }
     }
 
-    /// [`add_weighted_tile`] on every instruction set against [`add_weighted`] of the rows
-    /// each sum reads: sums as long as a register's chunk, longer, and with tails; counts
+    /// [`fused_add_weighted_tile`] on every instruction set against [`fused_add_weighted`]
+    /// of the rows each sum reads: sums as long as a register's chunk, longer, and with tails; counts
     /// with and without a last group of fewer than four; masks empty, full and sparse; rows
     /// that nobody reads holding NaN and infinity.
     #[test]
@@ -1612,7 +1704,8 @@ mod tests {
             for (r, sum) in want.chunks_exact_mut(len).enumerate() {
                 for (j, row) in rows.iter().enumerate() {
                     if reads[r] >> j & 1 == 1 {
-                        add_weighted_with(Isa::Scalar, sum, [weights[r * span + j]], [row]);
+                        let w = [weights[r * span + j]];
+                        add_weighted_with::<1, true>(Isa::Scalar, sum, w, [row]);
                     }
                 }
             }
@@ -1625,8 +1718,9 @@ mod tests {
         }
     }
 
-    /// [`Queries::dots`] on every instruction set against [`dots`] of each vector alone:
-    /// counts odd and even, lengths with and without a tail, and empty vectors.
+    /// [`Queries::dots`] on every instruction set against [`dots`] (built with
+    /// [`Queries::fused`], [`fused_dots`]) of each vector alone: counts odd and even, lengths
+    /// with and without a tail, and empty vectors.
     #[test]
     fn queries_give_the_bits_of_each_vector_alone() {
         let noise = |len: usize, seed: u32| -> Vec<f32> {
@@ -1649,12 +1743,24 @@ mod tests {
             let vectors = noise(count * len, 1);
             let keys = [noise(len, 2), noise(len, 3), noise(len, 4)];
             let keys = [&keys[0][..], &keys[1][..], &keys[2][..]];
-            for isa in Isa::available() {
+            for (isa, fused) in Isa::available()
+                .into_iter()
+                .flat_map(|isa| [(isa, false), (isa, true)])
+            {
                 let mut got = vec![[0f32; 3]; count];
-                Queries::with(isa, &vectors, count).dots(keys, &mut got);
+                Queries::with(isa, &vectors, count, fused).dots(keys, &mut got);
                 for (i, got) in got.iter().enumerate() {
-                    let want = dots_with(Isa::Scalar, &vectors[i * len..][..len], keys);
-                    assert_eq!(got.map(f32::to_bits), want.map(f32::to_bits), "{isa:?}");
+                    let vector = &vectors[i * len..][..len];
+                    let want = if fused {
+                        dots_with::<3, true>(Isa::Scalar, vector, keys)
+                    } else {
+                        dots_with::<3, false>(Isa::Scalar, vector, keys)
+                    };
+                    assert_eq!(
+                        got.map(f32::to_bits),
+                        want.map(f32::to_bits),
+                        "{isa:?} {fused}"
+                    );
                 }
             }
         }

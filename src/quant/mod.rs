@@ -41,8 +41,8 @@ pub use codec::{
 };
 pub use format::{Format, DEFAULT_INT4_GROUP};
 pub use kernels::{
-    add_weighted, add_weighted_tile, dots, select as select_simd, selected as selected_simd, Isa,
-    Queries,
+    add_weighted, dots, fused_add_weighted, fused_add_weighted_tile, fused_dots,
+    select as select_simd, selected as selected_simd, Isa, Queries,
 };
 
 use crate::backend::{self, Residency};

@@ -54,22 +54,25 @@ impl Lanes for Neon {
 /// [`super::kernels::dots`] in Advanced SIMD registers.
 /// # Safety
 /// As [`super::kernels::dots_on`].
-pub(super) unsafe fn dots<const N: usize>(a: &[f32], others: [&[f32]; N]) -> [f32; N] {
-    super::kernels::dots_on::<Neon, N>(a, others)
+pub(super) unsafe fn dots<const N: usize, const FUSED: bool>(
+    a: &[f32],
+    others: [&[f32]; N],
+) -> [f32; N] {
+    super::kernels::dots_on::<Neon, N, FUSED>(a, others)
 }
 
 /// [`super::kernels::add_weighted`] in Advanced SIMD registers.
 /// # Safety
 /// As [`super::kernels::add_weighted_on`].
-pub(super) unsafe fn add_weighted<const N: usize>(
+pub(super) unsafe fn add_weighted<const N: usize, const FUSED: bool>(
     acc: &mut [f32],
     weights: [f32; N],
     rows: [&[f32]; N],
 ) {
-    super::kernels::add_weighted_on::<Neon, N>(acc, weights, rows)
+    super::kernels::add_weighted_on::<Neon, N, FUSED>(acc, weights, rows)
 }
 
-/// [`super::kernels::add_weighted_tile`] in Advanced SIMD registers.
+/// [`super::kernels::fused_add_weighted_tile`] in Advanced SIMD registers.
 /// # Safety
 /// As [`super::kernels::add_weighted_tile_on`].
 pub(super) unsafe fn add_weighted_tile(

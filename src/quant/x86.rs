@@ -153,23 +153,26 @@ impl Decode<Avx2> for E2m1Codes {
 /// # Safety
 /// As [`super::kernels::dots_on`], with AVX2.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn dots<const N: usize>(a: &[f32], others: [&[f32]; N]) -> [f32; N] {
-    super::kernels::dots_on::<Avx2, N>(a, others)
+pub(super) unsafe fn dots<const N: usize, const FUSED: bool>(
+    a: &[f32],
+    others: [&[f32]; N],
+) -> [f32; N] {
+    super::kernels::dots_on::<Avx2, N, FUSED>(a, others)
 }
 
 /// [`super::kernels::add_weighted`] in 256-bit registers.
 /// # Safety
 /// As [`super::kernels::add_weighted_on`], with AVX2.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn add_weighted<const N: usize>(
+pub(super) unsafe fn add_weighted<const N: usize, const FUSED: bool>(
     acc: &mut [f32],
     weights: [f32; N],
     rows: [&[f32]; N],
 ) {
-    super::kernels::add_weighted_on::<Avx2, N>(acc, weights, rows)
+    super::kernels::add_weighted_on::<Avx2, N, FUSED>(acc, weights, rows)
 }
 
-/// [`super::kernels::add_weighted_tile`] in 256-bit registers.
+/// [`super::kernels::fused_add_weighted_tile`] in 256-bit registers.
 /// # Safety
 /// As [`super::kernels::add_weighted_tile_on`], with AVX2.
 #[target_feature(enable = "avx2,fma,f16c")]
