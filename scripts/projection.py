@@ -36,10 +36,11 @@ DECODE_OF_BW = 0.89
 # Prefill of 512 tokens, int4-g64 experts: 26% of the f32 FMA peak with f32 activations,
 # 42% with ACT_BITS=8 (same section).
 PREFILL_OF_PEAK = {"f32": 0.26, "ACT_BITS=8": 0.42}
-# Attention's products over the context (scores and weighted sums) in a 4,096-token prefill
-# of GLM-5.2: 6.2e11 multiply-adds in about 36 s of the 64 s of attention (the rest its
-# projections, about 28 s), 17 G/s, 7.5% of the FMA peak ("Against llama.cpp on the same
-# weights, and 4,096-token prompts").
+# Attention's products over the context (scores and weighted sums) in a prefill of GLM-5.2:
+# 10-11% of the FMA peak at 4,096 tokens, where most rows read much of what precedes them,
+# and 6% at 16,384, where most read an eighth to a quarter ("Against llama.cpp on the same
+# weights, and 4,096-token prompts" and "16,384-token prompts"). A 10,000-token prompt's rows
+# lie between the two: taken at 7.5%.
 CONTEXT_OF_PEAK = 0.075
 # The expert store reads at about 85% of the disk's bandwidth ("Out of core").
 DISK_OF_BW = 0.85

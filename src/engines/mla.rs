@@ -23,7 +23,8 @@ use super::layers::{rms_norm, rms_norm_in_place, softmax};
 use super::state_io::{self, expect};
 use super::weights::Weights;
 use crate::quant::{
-    add_weighted, fused_add_weighted, fused_add_weighted_tile, fused_dots, Matrix, Queries,
+    add_weighted, fused_add_weighted, fused_add_weighted_tile, fused_dots,
+    loads_shared_across_vectors, Matrix, Queries,
 };
 
 /// Sizes of one MLA layer. A query head is `[nope | rope]` wide; `kv_b` maps a latent to
@@ -236,8 +237,8 @@ impl LatentCache {
 pub enum Keys<'a> {
     /// Every position up to and including the row's own.
     Causal,
-    /// One ascending list per query row (a sparse selection; each list ends at or before
-    /// the row's own position).
+    /// One strictly ascending list per query row (a sparse selection; each list ends at or
+    /// before the row's own position).
     Selected(&'a [Vec<usize>]),
 }
 
@@ -274,17 +275,17 @@ fn quad_of<'a>(quad: &[usize], vector: impl Fn(usize) -> &'a [f32]) -> [&'a [f32
 /// Query rows of one head that [`attend_plain`] attends together, so that each block of
 /// keys and values is read once for all of them.
 const QUERY_BLOCK: usize = 32;
-/// Positions whose expanded keys and values [`attend_plain`] reads as one block: 64 of
-/// GLM-5.2's (192 + 256 floats) take 115 KB, which stays in the second-level cache while
-/// every row of a query block reads it.
+/// Positions whose keys and values [`attend_plain`] reads as one block: 64 of GLM-5.2's
+/// (192 + 64 + 256 floats) take 128 KiB, which stays in the second-level cache while every
+/// row of a query block reads it.
 const KEY_BLOCK: usize = 64;
 
-/// A key block's span is scored and summed for every row of a query block at once (two rows
-/// a register against each key, four rows against each value, every key and value loaded
-/// once for all of them) when the rows read at least one in `DENSE_SHARE` of its
-/// row-by-position pairs; otherwise each row scores and sums only the positions it reads.
-/// Every score and sum has the same bits either way, so this only trades wasted products
-/// against loads.
+/// Where the kernels load a key or value once for several rows
+/// ([`loads_shared_across_vectors`]: two rows a register against each key, four rows
+/// against each value), a key block's span is scored and summed for every row of a query
+/// block at once when the rows read at least one in `DENSE_SHARE` of its row-by-position
+/// pairs; otherwise each row scores and sums only the positions it reads. Every score and
+/// sum has the same bits either way, so this only trades wasted products against loads.
 const DENSE_SHARE: usize = 4;
 
 /// Attention of `n` query rows (`n x heads*(nope+rope)`, rope part already rotated) against
@@ -294,7 +295,8 @@ const DENSE_SHARE: usize = 4;
 /// One task per head: it gathers the head's keys and values into one slab (in the expansion
 /// consecutive positions are `heads x (nope + v)` floats apart, a page or more), then takes
 /// its query rows [`QUERY_BLOCK`] at a time and walks the positions [`KEY_BLOCK`] at a time,
-/// every row of the block scoring (then summing) the positions it reads in that key block.
+/// every row of the block scoring (then summing) the positions it reads in that key block,
+/// or all the rows together over the span they read ([`DENSE_SHARE`]).
 /// Each row still scores and sums its positions in ascending order with the same
 /// operations, so the result does not depend on the blocking. Scores and weighted sums fuse
 /// each product into its add ([`fused_dots`], [`fused_add_weighted`]): half the arithmetic
@@ -441,8 +443,10 @@ impl ExpandedHeads<'_> {
                     for (i, list) in these.iter().enumerate() {
                         let mut bits = 0u64;
                         for (&pos, &p) in list.iter().zip(&scores[i][next[i]..]) {
+                            let bit = 1 << (pos - span.start);
+                            debug_assert_eq!(bits & bit, 0, "a row's positions are distinct");
                             weights[i * width + pos - span.start] = p;
-                            bits |= 1 << (pos - span.start);
+                            bits |= bit;
                         }
                         reads.push(bits);
                     }
@@ -480,16 +484,14 @@ impl ExpandedHeads<'_> {
 }
 
 /// The positions from the first to the last that any of a query block's rows read in one
-/// key block, and whether the rows read enough of them (one in [`DENSE_SHARE`] of the
-/// row-by-position pairs) to be run together over all of them; `None` if no row reads any.
+/// key block, and whether to run the rows together over all of them ([`DENSE_SHARE`]);
+/// `None` if no row reads any.
 fn span_read(these: &[&[usize]]) -> Option<(Range<usize>, bool)> {
     let lo = these.iter().filter_map(|list| list.first()).min()?;
     let hi = these.iter().filter_map(|list| list.last()).max()?;
     let read: usize = these.iter().map(|list| list.len()).sum();
-    Some((
-        *lo..hi + 1,
-        read * DENSE_SHARE >= these.len() * (hi + 1 - lo),
-    ))
+    let dense = read * DENSE_SHARE >= these.len() * (hi + 1 - lo);
+    Some((*lo..hi + 1, dense && loads_shared_across_vectors()))
 }
 
 /// One head's query rows of a query block, kept for scoring against keys they share.
@@ -849,9 +851,9 @@ mod tests {
     fn blocks_of_queries_and_keys_give_the_bits_of_one_row_at_a_time() {
         // More query rows than a query block and positions over several key blocks, with a
         // partial block of each; causal, and a selection that reads a third of the first key
-        // block, skips the second, reads one in eleven of the third (scored row by row) and
-        // all of the last (scored for the whole query block). Widths with eight-lane chunks
-        // and tails.
+        // block, skips the second, reads one in eleven of the third (row by row) and all of
+        // the last (the second query block's rows together; with AVX-512 kernels). Widths
+        // with eight-lane chunks and tails.
         let shape = MlaShape::new(3, 19, 9, 21, 6);
         let kv_b = Matrix::from_f32(
             shape.heads * shape.kv_rows(),

@@ -609,7 +609,8 @@ unsafe fn dot_pairs<D: Pair, const P: usize, const T: usize>(
 }
 
 /// [`kernels::Queries::dots`]: every pair of vectors (`paired`, interleaved chunk by chunk)
-/// against each key, four pairs at a time; an odd last vector on AVX2.
+/// against each key, four pairs at a time; an odd last vector on AVX2. `FUSED` rounds each
+/// product with its add ([`kernels::fused_dots`]).
 /// # Safety
 /// The CPU must have AVX-512; `paired` holds `vectors`' pairs, `out` one entry per vector,
 /// every key `len` long.
@@ -676,8 +677,9 @@ unsafe fn pairs_against<const P: usize, const K: usize, const FUSED: bool>(
     }
 }
 
-/// [`kernels::add_weighted`] sixteen elements to a register (each element's sum is its
-/// own, so the width changes no bit), the last fewer than sixteen on AVX2.
+/// [`kernels::add_weighted`] (with `FUSED`, [`kernels::fused_add_weighted`]) sixteen
+/// elements to a register (each element's sum is its own, so the width changes no bit), the
+/// last fewer than sixteen on AVX2.
 /// # Safety
 /// As [`kernels::add_weighted_on`], with AVX-512.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
@@ -710,8 +712,9 @@ pub(super) unsafe fn add_weighted<const N: usize, const FUSED: bool>(
 
 /// [`kernels::fused_add_weighted_tile`] four sums at a time, sixty-four elements of each (four
 /// registers) in registers while every row goes by: a row's chunk is loaded once for the
-/// four, and a sum that does not read the row keeps its value (a masked fused multiply-add). Tails are
-/// masked loads and stores, and each element's sum is its own, so no width changes a bit.
+/// four, and a sum that does not read the row keeps its value (a masked fused
+/// multiply-add). Tails are masked loads and stores, and each element's sum is its own, so
+/// no width changes a bit.
 /// # Safety
 /// As [`kernels::add_weighted_tile_on`], with AVX-512.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
@@ -779,10 +782,7 @@ unsafe fn sums_of_tile<const S: usize>(
         }
         for (s, acc) in acc.iter().enumerate() {
             for (c, acc) in acc.iter().enumerate() {
-                let out = sums
-                    .as_mut_ptr()
-                    .wrapping_add((first + s) * len + at + 16 * c);
-                _mm512_mask_storeu_ps(out, lanes[c], *acc);
+                _mm512_mask_storeu_ps(sum_at(s, at + 16 * c), lanes[c], *acc);
             }
         }
     }

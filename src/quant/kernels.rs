@@ -1097,6 +1097,13 @@ pub(super) fn tail_dot<const FUSED: bool>(a: &[f32], b: &[f32]) -> f32 {
     }
 }
 
+/// Whether [`Queries`] and [`fused_add_weighted_tile`] load each key or row once for several
+/// vectors or sums (the AVX-512 kernels); elsewhere they take them one at a time, and a
+/// caller that would make them compute products it does not need gains nothing.
+pub fn loads_shared_across_vectors() -> bool {
+    selected() == Isa::Avx512
+}
+
 /// [`dots`] (or [`fused_dots`]) with `isa`.
 pub(super) fn dots_with<const N: usize, const FUSED: bool>(
     isa: Isa,
@@ -1119,7 +1126,7 @@ pub(super) fn dots_with<const N: usize, const FUSED: bool>(
     }
 }
 
-/// [`dots`] on lanes `L`.
+/// [`dots`] on lanes `L` (with `FUSED`, [`fused_dots`]).
 /// # Safety
 /// The CPU must have `L`'s instruction set; every `others` as long as `a`.
 #[inline(always)]
@@ -1285,7 +1292,8 @@ pub(super) fn add_weighted_with<const N: usize, const FUSED: bool>(
 /// `reads[r]` is set, `sum_r = fma(weights[r * rows.len() + j], rows[j], sum_r)`. Each sum
 /// gets the bits [`fused_add_weighted`] gives it over the rows it reads; a row it does not
 /// read is not touched, whatever it holds. Where the kernels run AVX-512 each row's chunk is
-/// loaded once for four sums.
+/// loaded once for four sums ([`loads_shared_across_vectors`]). Panics if the shapes differ
+/// or a mask names a row past the last.
 pub fn fused_add_weighted_tile(sums: &mut [f32], weights: &[f32], reads: &[u64], rows: &[&[f32]]) {
     add_weighted_tile_with(selected(), sums, weights, reads, rows)
 }
@@ -1367,7 +1375,7 @@ pub(super) unsafe fn add_weighted_tile_on<L: Lanes>(
     }
 }
 
-/// [`add_weighted`] on lanes `L`.
+/// [`add_weighted`] on lanes `L` (with `FUSED`, [`fused_add_weighted`]).
 /// # Safety
 /// The CPU must have `L`'s instruction set; every row as long as `acc`.
 #[inline(always)]
@@ -1741,26 +1749,28 @@ mod tests {
             (4, 0),
         ] {
             let vectors = noise(count * len, 1);
-            let keys = [noise(len, 2), noise(len, 3), noise(len, 4)];
-            let keys = [&keys[0][..], &keys[1][..], &keys[2][..]];
+            let keys: Vec<Vec<f32>> = (0..9u32).map(|j| noise(len, 2 + j)).collect();
+            // Three keys (no group of four), and nine (two groups of four and one more).
+            let three: [&[f32]; 3] = std::array::from_fn(|j| &keys[j][..]);
+            let nine: [&[f32]; 9] = std::array::from_fn(|j| &keys[j][..]);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             for (isa, fused) in Isa::available()
                 .into_iter()
                 .flat_map(|isa| [(isa, false), (isa, true)])
             {
-                let mut got = vec![[0f32; 3]; count];
-                Queries::with(isa, &vectors, count, fused).dots(keys, &mut got);
-                for (i, got) in got.iter().enumerate() {
+                let queries = Queries::with(isa, &vectors, count, fused);
+                let (mut got3, mut got9) = (vec![[0f32; 3]; count], vec![[0f32; 9]; count]);
+                queries.dots(three, &mut got3);
+                queries.dots(nine, &mut got9);
+                for i in 0..count {
                     let vector = &vectors[i * len..][..len];
                     let want = if fused {
-                        dots_with::<3, true>(Isa::Scalar, vector, keys)
+                        dots_with::<9, true>(Isa::Scalar, vector, nine)
                     } else {
-                        dots_with::<3, false>(Isa::Scalar, vector, keys)
+                        dots_with::<9, false>(Isa::Scalar, vector, nine)
                     };
-                    assert_eq!(
-                        got.map(f32::to_bits),
-                        want.map(f32::to_bits),
-                        "{isa:?} {fused}"
-                    );
+                    assert_eq!(bits(&got9[i]), bits(&want), "{isa:?} {fused}");
+                    assert_eq!(bits(&got3[i]), bits(&want[..3]), "{isa:?} {fused}");
                 }
             }
         }
