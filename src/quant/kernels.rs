@@ -1679,20 +1679,22 @@ mod tests {
         }
     }
 
+    /// Values in [-1, 1) that differ from seed to seed.
+    fn noise(len: usize, seed: u32) -> Vec<f32> {
+        (0..len as u32)
+            .map(|i| {
+                let x = i.wrapping_mul(2_654_435_761).wrapping_add(seed * 40_503);
+                (x % 2000) as f32 / 997.0 - 1.0
+            })
+            .collect()
+    }
+
     /// [`fused_add_weighted_tile`] on every instruction set against [`fused_add_weighted`]
-    /// of the rows each sum reads: sums as long as a register's chunk, longer, and with tails; counts
-    /// with and without a last group of fewer than four; masks empty, full and sparse; rows
-    /// that nobody reads holding NaN and infinity.
+    /// of the rows each sum reads: sums as long as a register's chunk, longer, and with
+    /// tails; counts with and without a last group of fewer than four; masks empty, full and
+    /// sparse; rows that nobody reads holding NaN and infinity.
     #[test]
     fn tile_sums_give_the_bits_of_each_sum_over_the_rows_it_reads() {
-        let noise = |len: usize, seed: u32| -> Vec<f32> {
-            (0..len as u32)
-                .map(|i| {
-                    let x = i.wrapping_mul(2_654_435_761).wrapping_add(seed * 40_503);
-                    (x % 2000) as f32 / 997.0 - 1.0
-                })
-                .collect()
-        };
         for (count, span, len) in [(1, 1, 8), (4, 64, 256), (6, 37, 21), (9, 64, 70), (3, 5, 3)] {
             let mut values: Vec<Vec<f32>> = (0..span).map(|j| noise(len, 10 + j as u32)).collect();
             values[span / 2].fill(f32::NAN);
@@ -1731,14 +1733,6 @@ mod tests {
     /// with and without a tail, and empty vectors.
     #[test]
     fn queries_give_the_bits_of_each_vector_alone() {
-        let noise = |len: usize, seed: u32| -> Vec<f32> {
-            (0..len as u32)
-                .map(|i| {
-                    let x = i.wrapping_mul(2_654_435_761).wrapping_add(seed * 40_503);
-                    (x % 2000) as f32 / 997.0 - 1.0
-                })
-                .collect()
-        };
         for (count, len) in [
             (1, 8),
             (2, 16),
