@@ -300,7 +300,7 @@ const DENSE_SHARE: usize = 4;
 /// Each row still scores and sums its positions in ascending order with the same
 /// operations, so the result does not depend on the blocking. Scores and weighted sums fuse
 /// each product into its add ([`fused_dots`], [`fused_add_weighted`]): half the arithmetic
-/// instructions of plain `f32` products, which a long prompt's attention is bound by.
+/// instructions of plain `f32` products.
 pub fn attend_plain(
     shape: MlaShape,
     kv_b: &Matrix,
