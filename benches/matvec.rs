@@ -147,10 +147,17 @@ fn matvec_in_cache(c: &mut Criterion) {
 
 /// A batch of rows against one matrix, the weights read once for all rows: 32 (a prompt
 /// through a dense projection) and 4 (the rows one expert of 64 at top-8 gets from it),
-/// and 64 rows through an expert's 2048-column gate (its share of a 512-token prompt),
-/// where the inputs no longer fit the first-level cache beside the weights.
+/// 64 rows through an expert's 2048-column gate (its share of a 512-token prompt), where
+/// the inputs no longer fit the first-level cache beside the weights, and 16,384 rows of
+/// 6,144 columns (a long prompt into GLM-5.2's projections: 100 MB of inputs even as int8,
+/// past the last-level cache) against a slice of 256 weight rows.
 fn batched(c: &mut Criterion) {
-    for (rows, cols, n) in [(2048, 1024, 32), (2048, 1024, 4), (1024, 2048, 64)] {
+    for (rows, cols, n) in [
+        (2048, 1024, 32),
+        (2048, 1024, 4),
+        (1024, 2048, 64),
+        (256, 6144, 16384),
+    ] {
         let x: Vec<f32> = (0..n * cols).map(|i| (i % 7) as f32 * 0.1 - 0.3).collect();
         let mut y = vec![0f32; n * rows];
         let mut group = c.benchmark_group(format!("matmul {rows}x{cols} x{n} rows"));
