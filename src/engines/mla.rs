@@ -746,20 +746,33 @@ mod tests {
             kv_lora: 6,
             scale: 0.4,
         };
-        let kv_b = Matrix::from_f32(
-            shape.heads * shape.kv_rows(),
-            shape.kv_lora,
-            noise(shape.heads * shape.kv_rows() * shape.kv_lora, 1),
-            Width::F32,
-        );
-        let mut cache = LatentCache::new(shape.kv_lora, shape.rope);
-        let positions = 7;
-        cache.push(
-            &noise(positions * shape.kv_lora, 2),
-            &noise(positions * shape.rope, 3),
-        );
+        let (kv_b, cache) = random_layer(shape, 7, Width::F32, 1, 2);
         let queries = noise(2 * shape.heads * shape.qk(), 4);
         (shape, kv_b, cache, queries)
+    }
+
+    /// A `kv_b` of `width` from noise seeded `kv_seed`, and a cache of `positions` latents
+    /// and rotary keys from the seeds `cache_seed` and `cache_seed + 1`.
+    fn random_layer(
+        shape: MlaShape,
+        positions: usize,
+        width: Width,
+        kv_seed: u32,
+        cache_seed: u32,
+    ) -> (Matrix, LatentCache) {
+        let rows = shape.heads * shape.kv_rows();
+        let kv_b = Matrix::from_f32(
+            rows,
+            shape.kv_lora,
+            noise(rows * shape.kv_lora, kv_seed),
+            width,
+        );
+        let mut cache = LatentCache::new(shape.kv_lora, shape.rope);
+        cache.push(
+            &noise(positions * shape.kv_lora, cache_seed),
+            &noise(positions * shape.rope, cache_seed + 1),
+        );
+        (kv_b, cache)
     }
 
     #[test]
@@ -855,18 +868,8 @@ mod tests {
         // the last (the second query block's rows together; with AVX-512 kernels). Widths
         // with eight-lane chunks and tails.
         let shape = MlaShape::new(3, 19, 9, 21, 6);
-        let kv_b = Matrix::from_f32(
-            shape.heads * shape.kv_rows(),
-            shape.kv_lora,
-            noise(shape.heads * shape.kv_rows() * shape.kv_lora, 1),
-            Width::F32,
-        );
         let (n, total) = (QUERY_BLOCK + 5, 3 * KEY_BLOCK + 9);
-        let mut cache = LatentCache::new(shape.kv_lora, shape.rope);
-        cache.push(
-            &noise(total * shape.kv_lora, 5),
-            &noise(total * shape.rope, 6),
-        );
+        let (kv_b, cache) = random_layer(shape, total, Width::F32, 1, 5);
         let queries = noise(n * shape.heads * shape.qk(), 7);
         let first = total - n;
         let selected: Vec<Vec<usize>> = (0..n)
@@ -946,18 +949,8 @@ mod tests {
         // Heads not a multiple of the head block, a latent width with a tail past its
         // chunks of eight, and positions over several blocks with a partial last quad.
         let shape = MlaShape::new(11, 12, 4, 6, 21);
-        let kv_b = Matrix::from_f32(
-            shape.heads * shape.kv_rows(),
-            shape.kv_lora,
-            noise(shape.heads * shape.kv_rows() * shape.kv_lora, 5),
-            Width::Int8Row,
-        );
         let total = 2 * LATENT_BLOCK + 23;
-        let mut cache = LatentCache::new(shape.kv_lora, shape.rope);
-        cache.push(
-            &noise(total * shape.kv_lora, 6),
-            &noise(total * shape.rope, 7),
-        );
+        let (kv_b, cache) = random_layer(shape, total, Width::Int8Row, 5, 6);
         let n = 2;
         let queries = noise(n * shape.heads * shape.qk(), 8);
         let picked: Vec<Vec<usize>> = (0..n)
