@@ -944,55 +944,59 @@ unsafe fn pair_tile<const R: usize, const T: usize>(
     out
 }
 
-/// Rows `first..first + count` of `view` decoded into `scratch` (`width` floats each,
-/// zero-padded past the last column, `padded(width)` apart): two rows per register, a last
-/// odd one alone.
+/// Chunks `span` of rows `first..first + count` of `view` decoded into `scratch`, row `k`
+/// at `k * apart` (`span.len() * 8` floats each, zero-padded past the last column): two
+/// chunks of a row per register (the pair decoder given the row and the row one chunk on),
+/// a last odd chunk alone.
 #[inline(always)]
 unsafe fn decode_rows<D: Pair>(
     view: &View<'_, D::Elem>,
-    first: usize,
-    count: usize,
-    width: usize,
+    (first, count): (usize, usize),
+    span: Range<usize>,
+    apart: usize,
     scratch: &mut [f32],
 ) {
     let (data, cols) = (view.data, view.cols);
     let full = cols / 8;
-    let mut k = 0;
-    while k < count {
-        let paired = k + 1 < count;
-        let low = row_of::<D>(data, cols, first + k);
-        let high = row_of::<D>(data, cols, first + k + usize::from(paired));
-        let (top, bottom) = scratch[k * padded(width)..].split_at_mut(padded(width));
-        for c in 0..full {
-            if paired {
-                let two = D::pair(low, high, c).0;
-                _mm256_storeu_ps(top.as_mut_ptr().add(c * 8), _mm512_castps512_ps256(two));
-                _mm256_storeu_ps(
-                    bottom.as_mut_ptr().add(c * 8),
-                    _mm512_extractf32x8_ps::<1>(two),
-                );
-            } else {
-                D::chunk(low, c).store(top.as_mut_ptr().add(c * 8));
+    let whole = span.end.min(full);
+    for k in 0..count {
+        let row = row_of::<D>(data, cols, first + k);
+        let decoded = scratch[k * apart..][..span.len() * 8].as_mut_ptr();
+        let next = &row[D::stride(8).min(row.len())..];
+        let mut c = span.start;
+        while c + 2 <= whole {
+            _mm512_storeu_ps(decoded.add((c - span.start) * 8), D::pair(row, next, c).0);
+            c += 2;
+        }
+        if c < whole {
+            D::chunk(row, c).store(decoded.add((c - span.start) * 8));
+            c += 1;
+        }
+        if c < span.end {
+            // The chunk the row ends inside.
+            for j in 0..8 {
+                let column = c * 8 + j;
+                let value = if column < cols {
+                    D::value(row, column)
+                } else {
+                    0.0
+                };
+                *decoded.add((c - span.start) * 8 + j) = value;
             }
         }
-        for (row, decoded) in [(low, &mut top[..width]), (high, &mut bottom[..width])]
-            .into_iter()
-            .take(1 + usize::from(paired))
-        {
-            for (j, value) in decoded.iter_mut().enumerate().skip(full * 8) {
-                *value = if j < cols { D::value(row, j) } else { 0.0 };
-            }
-        }
-        k += 2;
     }
 }
 
-/// Chunks per column block of [`eight_rows`]: eight decoded rows of 512 columns (16 KiB)
+/// Chunks per column block of [`eight_rows`]: eight rows of 512 columns, decoded (16 KiB),
 /// stay in the first-level cache while every input pair's share streams past them.
 const COLUMN_BLOCK: usize = 64;
 
-/// Chunks `from..to` of eight decoded rows against input pairs `p..p + T`, continuing the
-/// accumulators `acc[(p + t) * 8 + r]` (from zero in the first block, `from == 0`).
+/// Floats between the rows of [`eight_rows`]'s decoded block.
+const BLOCK_APART: usize = COLUMN_BLOCK * 8 + 16;
+
+/// Chunks `from..to` of eight decoded rows (`decoded[r]` starts at chunk `from`) against
+/// input pairs `p..p + T`, continuing the accumulators `acc[(p + t) * 8 + r]` (from zero in
+/// the first block, `from == 0`).
 #[inline(always)]
 unsafe fn eight_rows_step<const T: usize>(
     decoded: [&[f32]; 8],
@@ -1005,14 +1009,14 @@ unsafe fn eight_rows_step<const T: usize>(
     let mut tile = [[Two::zero(); T]; 8];
     let mut xs = [&pairs[..0]; T];
     for t in 0..T {
-        xs[t] = &pairs[(p + t) * pair_stride(chunks)..][..chunks * 16];
+        xs[t] = &pairs[(p + t) * pair_stride(chunks) + from * 16..][..(to - from) * 16];
         if from > 0 {
             for r in 0..8 {
                 tile[r][t] = acc[(p + t) * 8 + r];
             }
         }
     }
-    for c in from..to {
+    for c in 0..to - from {
         pair_step(decoded, xs, c, &mut tile);
     }
     for t in 0..T {
@@ -1022,19 +1026,22 @@ unsafe fn eight_rows_step<const T: usize>(
     }
 }
 
-/// Eight decoded rows against every input pair, for formats without group scales: tiles
-/// of eight rows by three pairs (24 accumulators), the columns in blocks of
-/// [`COLUMN_BLOCK`] chunks with each accumulator carried from block to block, so every
-/// lane is fed its chunks in order and the bits are [`pair_tile`]'s. Leaves row `r`
+/// Rows `first..first + 8` of `view` against every input pair, for formats without group
+/// scales: each column block of [`COLUMN_BLOCK`] chunks decoded into `scratch` (where it
+/// stays in the first-level cache: decoding whole rows wrote them out to the second-level
+/// cache, and those writes cost a quarter of the kernel's time), then run in tiles of eight
+/// rows by three pairs (24 accumulators), each accumulator carried from block to block, so
+/// every lane is fed its chunks in order and the bits are [`pair_tile`]'s. Leaves row `r`
 /// against pair `p` in `acc[p * 8 + r]` (`pair_count * 8` accumulators).
 #[inline(always)]
-unsafe fn eight_rows(
-    decoded: [&[f32]; 8],
-    pairs: &[f32],
-    pair_count: usize,
-    chunks: usize,
+unsafe fn eight_rows<D: Pair>(
+    view: &View<'_, D::Elem>,
+    first: usize,
+    (pairs, pair_count): (&[f32], usize),
+    scratch: &mut [f32],
     acc: &mut [Two],
 ) {
+    let chunks = view.cols.div_ceil(8);
     if chunks == 0 {
         // No column block starts them from zero.
         acc.fill(Two::zero());
@@ -1042,6 +1049,9 @@ unsafe fn eight_rows(
     let mut from = 0;
     while from < chunks {
         let span = (from, (from + COLUMN_BLOCK).min(chunks));
+        decode_rows::<D>(view, (first, 8), from..span.1, BLOCK_APART, scratch);
+        let decoded: [&[f32]; 8] =
+            std::array::from_fn(|k| &scratch[k * BLOCK_APART..][..(span.1 - from) * 8]);
         let mut p = 0;
         while p < pair_count {
             let take = (pair_count - p).min(3);
@@ -1219,9 +1229,10 @@ impl<E> PairTile<'_, '_, E> {
     }
 }
 
-/// Bytes of interleaved inputs [`batched`] runs against all of its rows at a time: with
-/// the eight decoded rows within a second-level cache of 1 MiB, and enough for the 64
-/// inputs of 2048 columns an expert gets from a 512-token prompt in one group.
+/// Bytes of interleaved inputs [`batched`] runs against all of its rows at a time: within
+/// a second-level cache of 1 MiB beside the rows a block decodes (whole rows where there
+/// are group scales), and enough for the 64 inputs of 2048 columns an expert gets from a
+/// 512-token prompt in one group.
 const GROUP_BYTES: usize = 640 << 10;
 
 /// [`batched`] for the input pairs `group`.
@@ -1242,7 +1253,7 @@ unsafe fn pair_group<D: Pair>(
     let pair_count = group.len();
     // Eight rows need three input pairs to beat four rows by three pairs.
     let eights = scaling.group_size().is_none() && pair_count >= 3;
-    let mut scratch = vec![0f32; 8 * padded(width)];
+    let mut scratch = vec![0f32; 8 * padded(width).max(BLOCK_APART)];
     let mut acc = vec![Two::zero(); if eights { pair_count * 8 } else { 0 }];
     let mut i = 0;
     while i < count {
@@ -1251,8 +1262,6 @@ unsafe fn pair_group<D: Pair>(
         } else {
             (count - i).min(4)
         };
-        decode_rows::<D>(view, first + i, block, width, &mut scratch);
-        let decoded = |k: usize| &scratch[k * padded(width)..][..width];
         let r = first + i;
         let mut put = |k: usize, p: usize, sums: [f32; 2]| {
             for (h, s) in sums.into_iter().enumerate() {
@@ -1262,9 +1271,8 @@ unsafe fn pair_group<D: Pair>(
             }
         };
         if block == 8 {
-            let rows = [0, 1, 2, 3, 4, 5, 6, 7].map(decoded);
             let group_pairs = &pairs[group.start * pair_stride(chunks)..];
-            eight_rows(rows, group_pairs, pair_count, chunks, &mut acc);
+            eight_rows::<D>(view, r, (group_pairs, pair_count), &mut scratch, &mut acc);
             for p in 0..pair_count {
                 for k in 0..8 {
                     let mut sums = acc[p * 8 + k].sums();
@@ -1277,6 +1285,8 @@ unsafe fn pair_group<D: Pair>(
             i += block;
             continue;
         }
+        decode_rows::<D>(view, (r, block), 0..chunks, padded(width), &mut scratch);
+        let decoded = |k: usize| &scratch[k * padded(width)..][..width];
         let mut p = group.start;
         while p < group.end {
             let take = (group.end - p).min(3);
