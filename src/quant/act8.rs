@@ -662,8 +662,78 @@ mod avx2 {
         sums
     }
 
-    /// Int4 rows `rows` against every input on the 512-bit path, three inputs at a time,
-    /// into `out[t * count + i + k]` (`count = out.len() / n`), times each input's scale.
+    /// [`int4_tile_wide`] for groups of one block (int4-g64, as published), each block
+    /// whole in registers: its four rows' nibbles unpacked once for the `T` inputs, and
+    /// for each input the sums start from minus the nibbles' offset (`-8 * sum x` over
+    /// each lane's columns) and go straight into the lanes at the group's scale. The
+    /// integers are [`int4_tile_wide`]'s, so the bits are too; what it saves is the
+    /// per-group loop, the offset's loop over the group's blocks, and accumulators that
+    /// went through memory.
+    #[inline(always)]
+    unsafe fn int4_g64_tile_wide<const T: usize>(
+        w: [&[u8]; 4],
+        scales: [&[f32]; 4],
+        xs: [&Quantised; T],
+        cols: usize,
+    ) -> [[f32; 4]; T] {
+        let nibbles = _mm512_set1_epi8(15);
+        let mut lanes = [[_mm512_setzero_ps(); 2]; T];
+        let ahead = 4 * cols / 2;
+        let group_scale = |r: usize, b: usize| scales[r][b];
+        for b in 0..cols / BLOCK {
+            let mut low = [_mm512_setzero_si512(); 2];
+            let mut high = [_mm512_setzero_si512(); 2];
+            let mut scale = [_mm512_setzero_ps(); 2];
+            for p in 0..2 {
+                let (first, second) = (
+                    w[2 * p].as_ptr().add(b * BLOCK / 2),
+                    w[2 * p + 1].as_ptr().add(b * BLOCK / 2),
+                );
+                prefetch(first, ahead);
+                prefetch(second, ahead);
+                let bytes = _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(_mm256_loadu_si256(first as *const __m256i)),
+                    _mm256_loadu_si256(second as *const __m256i),
+                );
+                low[p] = _mm512_and_si512(bytes, nibbles);
+                high[p] = _mm512_and_si512(_mm512_srli_epi16::<4>(bytes), nibbles);
+                scale[p] = _mm512_insertf32x8::<1>(
+                    _mm512_set1_ps(group_scale(2 * p, b)),
+                    _mm256_set1_ps(group_scale(2 * p + 1, b)),
+                );
+            }
+            for t in 0..T {
+                let xp = xs[t].q.as_ptr().add(b * BLOCK);
+                let even = _mm512_broadcast_i64x4(_mm256_loadu_si256(xp as *const __m256i));
+                let odd =
+                    _mm512_broadcast_i64x4(_mm256_loadu_si256(xp.add(BLOCK / 2) as *const __m256i));
+                let lane_sums = xs[t].lane_sums.as_ptr().add(b * 8) as *const __m256i;
+                let start = _mm512_sub_epi32(
+                    _mm512_setzero_si512(),
+                    _mm512_slli_epi32::<3>(_mm512_broadcast_i64x4(_mm256_loadu_si256(lane_sums))),
+                );
+                for p in 0..2 {
+                    let sums =
+                        _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, low[p], even), high[p], odd);
+                    lanes[t][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale[p], lanes[t][p]);
+                }
+            }
+        }
+        // A loop, not a closure, so that the lane sums inherit the caller's features.
+        let mut sums = [[0f32; 4]; T];
+        for t in 0..T {
+            for p in 0..2 {
+                sums[t][2 * p] = Avx2(_mm512_castps512_ps256(lanes[t][p])).sum();
+                sums[t][2 * p + 1] = Avx2(_mm512_extractf32x8_ps::<1>(lanes[t][p])).sum();
+            }
+        }
+        sums
+    }
+
+    /// Int4 rows `rows` against every input on the 512-bit path, into `out[t * count + i +
+    /// k]` (`count = out.len() / n`), times each input's scale: groups of one block four
+    /// inputs a tile ([`int4_g64_tile_wide`]; four and eight measured alike, six slower),
+    /// other groups three.
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     unsafe fn int4_rows_wide_into(
@@ -678,24 +748,49 @@ mod avx2 {
     ) {
         let n = xs.len();
         let count = out.len() / n;
+        let mut put = |t: usize, sums: &[[f32; 4]]| {
+            for (j, row) in sums.iter().enumerate() {
+                for k in 0..take {
+                    out[(t + j) * count + i + k] = row[k] * xs[t + j].scale;
+                }
+            }
+        };
         let mut t = 0;
         while t < n {
-            if n - t >= 3 {
-                let tile = [&xs[t], &xs[t + 1], &xs[t + 2]];
-                let sums = int4_tile_wide::<3>(w, scales, tile, cols, group);
-                for j in 0..3 {
-                    for k in 0..take {
-                        out[(t + j) * count + i + k] = sums[j][k] * tile[j].scale;
-                    }
+            let tile = |u: usize| -> &Quantised { &xs[t + u] };
+            let took = match (group == BLOCK, n - t) {
+                (true, 1) => {
+                    put(t, &int4_g64_tile_wide::<1>(w, scales, [tile(0)], cols));
+                    1
                 }
-                t += 3;
-            } else {
-                let sums = int4_tile_wide::<1>(w, scales, [&xs[t]], cols, group);
-                for k in 0..take {
-                    out[t * count + i + k] = sums[0][k] * xs[t].scale;
+                (true, 2) => {
+                    put(
+                        t,
+                        &int4_g64_tile_wide::<2>(w, scales, [tile(0), tile(1)], cols),
+                    );
+                    2
                 }
-                t += 1;
-            }
+                (true, 3) => {
+                    let three = [tile(0), tile(1), tile(2)];
+                    put(t, &int4_g64_tile_wide::<3>(w, scales, three, cols));
+                    3
+                }
+                (true, _) => {
+                    let four = [tile(0), tile(1), tile(2), tile(3)];
+                    put(t, &int4_g64_tile_wide::<4>(w, scales, four, cols));
+                    4
+                }
+                (false, 1 | 2) => {
+                    put(t, &int4_tile_wide::<1>(w, scales, [tile(0)], cols, group));
+                    1
+                }
+                (false, _) => {
+                    let three = [tile(0), tile(1), tile(2)];
+                    put(t, &int4_tile_wide::<3>(w, scales, three, cols, group));
+                    3
+                }
+            };
+            t += took;
         }
     }
 
@@ -918,8 +1013,12 @@ mod tests {
                     packed: &mx_packed,
                     scales: &mx_scales,
                 };
-                for weights in [int8, int4, mxfp4] {
-                    let n = 3;
+                // Tiles of four inputs and of one to three (int4 in groups of 64), and of
+                // three and one (other groups).
+                for (weights, n) in [int8, int4, mxfp4]
+                    .into_iter()
+                    .flat_map(|weights| [1, 3, 4, 7, 9].map(|n| (weights, n)))
+                {
                     let x = values(n * cols, 7);
                     let mut reference = vec![0f32; n * rows];
                     matmul(Isa::Scalar, weights, rows, cols, &x, n, &mut reference);
