@@ -987,54 +987,88 @@ unsafe fn decode_rows<D: Pair>(
     }
 }
 
-/// Chunks per column block of [`eight_rows`]: eight rows of 512 columns, decoded (16 KiB),
-/// stay in the first-level cache while every input pair's share streams past them.
+/// Chunks per column block of [`blocked_rows`]: eight rows of 512 columns, decoded (16
+/// KiB), stay in the first-level cache while every input pair's share streams past them.
 const COLUMN_BLOCK: usize = 64;
 
-/// Floats between the rows of [`eight_rows`]'s decoded block.
-const BLOCK_APART: usize = COLUMN_BLOCK * 8 + 16;
+/// Chunks per column block of [`blocked_rows`] for groups of `per_group` chunks: a whole
+/// number of groups, so that no group straddles two blocks.
+fn column_block(per_group: Option<usize>) -> usize {
+    per_group.map_or(COLUMN_BLOCK, |g| (COLUMN_BLOCK / g).max(1) * g)
+}
 
-/// Chunks `from..to` of eight decoded rows (`decoded[r]` starts at chunk `from`) against
-/// input pairs `p..p + T`, continuing the accumulators `acc[(p + t) * 8 + r]` (from zero in
-/// the first block, `from == 0`).
+/// Floats between the rows of [`blocked_rows`]'s decoded block of `block` chunks.
+fn block_apart(block: usize) -> usize {
+    padded(block * 8)
+}
+
+/// Chunks `from..to` of `R` decoded rows (`decoded[r]` starts at chunk `from`) against
+/// input pairs `p..p + T`, continuing the accumulators `acc[(p + t) * stride + row + r]`
+/// (from zero in the first block, `from == 0`). With `groups` (chunks per group, each row's scales),
+/// each group's products go into a partial sum of their own, folded in at its scale as
+/// [`pair_tile`] folds them.
 #[inline(always)]
-unsafe fn eight_rows_step<const T: usize>(
-    decoded: [&[f32]; 8],
-    pairs: &[f32],
-    chunks: usize,
-    p: usize,
+unsafe fn block_step<const R: usize, const T: usize>(
+    decoded: [&[f32]; R],
+    (pairs, chunks, p): (&[f32], usize, usize),
     (from, to): (usize, usize),
-    acc: &mut [Two],
+    groups: Option<(usize, [RowScales; R])>,
+    (acc, stride, row): (&mut [Two], usize, usize),
 ) {
-    let mut tile = [[Two::zero(); T]; 8];
+    let mut tile = [[Two::zero(); T]; R];
     let mut xs = [&pairs[..0]; T];
     for t in 0..T {
         xs[t] = &pairs[(p + t) * pair_stride(chunks) + from * 16..][..(to - from) * 16];
         if from > 0 {
-            for r in 0..8 {
-                tile[r][t] = acc[(p + t) * 8 + r];
+            for r in 0..R {
+                tile[r][t] = acc[(p + t) * stride + row + r];
             }
         }
     }
-    for c in 0..to - from {
-        pair_step(decoded, xs, c, &mut tile);
+    match groups {
+        None => {
+            for c in 0..to - from {
+                pair_step(decoded, xs, c, &mut tile);
+            }
+        }
+        Some((per_group, row_scales)) => {
+            let mut c = 0;
+            while c < to - from {
+                let group = (from + c) / per_group;
+                let end = (c + per_group).min(to - from);
+                let mut partial = [[Two::zero(); T]; R];
+                while c < end {
+                    pair_step(decoded, xs, c, &mut partial);
+                    c += 1;
+                }
+                for r in 0..R {
+                    let scale = Two(_mm512_set1_ps(row_scales[r].at(group)));
+                    for t in 0..T {
+                        tile[r][t] = Two::fma(partial[r][t], scale, tile[r][t]);
+                    }
+                }
+            }
+        }
     }
     for t in 0..T {
-        for r in 0..8 {
-            acc[(p + t) * 8 + r] = tile[r][t];
+        for r in 0..R {
+            acc[(p + t) * stride + row + r] = tile[r][t];
         }
     }
 }
 
-/// Rows `first..first + 8` of `view` against every input pair, for formats without group
-/// scales: each column block of [`COLUMN_BLOCK`] chunks decoded into `scratch` (where it
-/// stays in the first-level cache: decoding whole rows wrote them out to the second-level
-/// cache, and those writes cost a quarter of the kernel's time), then run in tiles of eight
-/// rows by three pairs (24 accumulators), each accumulator carried from block to block, so
-/// every lane is fed its chunks in order and the bits are [`pair_tile`]'s. Leaves row `r`
+/// Rows `first..first + 8` of `view` against every input pair: each column block
+/// ([`column_block`]) decoded into `scratch`, where it stays in the first-level cache
+/// (decoding whole rows wrote them out to the second-level cache, and those writes cost a
+/// quarter of the kernel's time), then run in tiles against three pairs, each accumulator
+/// carried from block to block, so every lane is fed its chunks in order and the bits are
+/// [`pair_tile`]'s. Without group scales a tile is all eight rows (24 accumulators); with
+/// them, a partial sum beside each accumulator, four rows and then the other four against
+/// the same pairs, which the first four brought into the first-level cache (four rows
+/// alone read the pairs from the second-level cache twice as often). Leaves row `r`
 /// against pair `p` in `acc[p * 8 + r]` (`pair_count * 8` accumulators).
 #[inline(always)]
-unsafe fn eight_rows<D: Pair>(
+unsafe fn blocked_rows<D: Pair>(
     view: &View<'_, D::Elem>,
     first: usize,
     (pairs, pair_count): (&[f32], usize),
@@ -1046,19 +1080,38 @@ unsafe fn eight_rows<D: Pair>(
         // No column block starts them from zero.
         acc.fill(Two::zero());
     }
+    let per_group = view.scaling.group_size().map(|size| size / 8);
+    let scales_from = |row: usize| std::array::from_fn(|r| view.scaling.row_scales(row + r));
+    let halves = per_group.map(|g| [(g, scales_from(first)), (g, scales_from(first + 4))]);
+    let (block, apart) = (
+        column_block(per_group),
+        block_apart(column_block(per_group)),
+    );
     let mut from = 0;
     while from < chunks {
-        let span = (from, (from + COLUMN_BLOCK).min(chunks));
-        decode_rows::<D>(view, (first, 8), from..span.1, BLOCK_APART, scratch);
+        let span = (from, (from + block).min(chunks));
+        decode_rows::<D>(view, (first, 8), from..span.1, apart, scratch);
         let decoded: [&[f32]; 8] =
-            std::array::from_fn(|k| &scratch[k * BLOCK_APART..][..(span.1 - from) * 8]);
+            std::array::from_fn(|k| &scratch[k * apart..][..(span.1 - from) * 8]);
+        let half = |h: usize| -> [&[f32]; 4] { std::array::from_fn(|r| decoded[4 * h + r]) };
         let mut p = 0;
         while p < pair_count {
             let take = (pair_count - p).min(3);
-            match take {
-                3 => eight_rows_step::<3>(decoded, pairs, chunks, p, span, acc),
-                2 => eight_rows_step::<2>(decoded, pairs, chunks, p, span, acc),
-                _ => eight_rows_step::<1>(decoded, pairs, chunks, p, span, acc),
+            let at = (pairs, chunks, p);
+            match (halves, take) {
+                (None, 3) => block_step::<8, 3>(decoded, at, span, None, (acc, 8, 0)),
+                (None, 2) => block_step::<8, 2>(decoded, at, span, None, (acc, 8, 0)),
+                (None, _) => block_step::<8, 1>(decoded, at, span, None, (acc, 8, 0)),
+                (Some(groups), take) => {
+                    for (h, groups) in groups.into_iter().enumerate() {
+                        let into = (&mut *acc, 8, 4 * h);
+                        match take {
+                            3 => block_step::<4, 3>(half(h), at, span, Some(groups), into),
+                            2 => block_step::<4, 2>(half(h), at, span, Some(groups), into),
+                            _ => block_step::<4, 1>(half(h), at, span, Some(groups), into),
+                        }
+                    }
+                }
             }
             p += take;
         }
@@ -1068,10 +1121,9 @@ unsafe fn eight_rows<D: Pair>(
 
 /// Rows `first..first + count` against every one of the `n` inputs (`pairs`, as
 /// [`interleave_pairs`] lays them out), written as `out[t * count + row - first]`: each block
-/// of rows decoded to f32 once (two rows per register, exact), then run against the inputs
-/// two per register. Formats without group scales take eight rows at a time
-/// ([`eight_rows`]); group scales need a partial sum beside each accumulator, so they take
-/// four.
+/// of rows decoded to f32 (exact), then run against the inputs two per register: eight
+/// rows at a time ([`blocked_rows`]); the rows left over, and formats without group scales
+/// against fewer than three pairs, four rows or one, decoded whole ([`pair_tile`]).
 ///
 /// The input pairs go in groups of about [`GROUP_BYTES`], each group against all the rows
 /// before the next: a long prompt's inputs (4 MiB for 512 rows of 2048 columns) would
@@ -1252,13 +1304,18 @@ unsafe fn pair_group<D: Pair>(
     let pair = |p: usize| &pairs[p * pair_stride(chunks)..][..chunks * 16];
     let pair_count = group.len();
     // Eight rows need three input pairs to beat four rows by three pairs.
-    let eights = scaling.group_size().is_none() && pair_count >= 3;
-    let mut scratch = vec![0f32; 8 * padded(width).max(BLOCK_APART)];
-    let mut acc = vec![Two::zero(); if eights { pair_count * 8 } else { 0 }];
+    let blocked = match scaling.group_size() {
+        None if pair_count < 3 => 0,
+        _ => 8,
+    };
+    let per_group = scaling.group_size().map(|size| size / 8);
+    let apart = block_apart(column_block(per_group));
+    let mut scratch = vec![0f32; (8 * apart).max(4 * padded(width))];
+    let mut acc = vec![Two::zero(); pair_count * blocked];
     let mut i = 0;
     while i < count {
-        let block = if eights && count - i >= 8 {
-            8
+        let block = if blocked > 0 && count - i >= blocked {
+            blocked
         } else {
             (count - i).min(4)
         };
@@ -1270,12 +1327,12 @@ unsafe fn pair_group<D: Pair>(
                 }
             }
         };
-        if block == 8 {
-            let group_pairs = &pairs[group.start * pair_stride(chunks)..];
-            eight_rows::<D>(view, r, (group_pairs, pair_count), &mut scratch, &mut acc);
+        if block == blocked {
+            let group_pairs = (&pairs[group.start * pair_stride(chunks)..], pair_count);
+            blocked_rows::<D>(view, r, group_pairs, &mut scratch, &mut acc);
             for p in 0..pair_count {
-                for k in 0..8 {
-                    let mut sums = acc[p * 8 + k].sums();
+                for k in 0..blocked {
+                    let mut sums = acc[p * blocked + k].sums();
                     if let Scaling::Row(scales) = scaling {
                         sums = sums.map(|s| s * scales[r + k]);
                     }
