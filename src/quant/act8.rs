@@ -120,8 +120,9 @@ impl Quantised {
         }
     }
 
-    /// For int4 and MXFP4 weights: each whole block of 64 columns as its 32 even columns then its 32
-    /// odd ones (the order a block's low and high nibbles come in), the rest as they are.
+    /// For int4 and MXFP4 weights: each whole block of 64 columns as its 32 even columns then
+    /// its 32 odd ones (the order a block's low and high nibbles come in), the rest as they
+    /// are.
     fn deinterleaved(isa: Isa, x: &[f32]) -> Quantised {
         let (natural, scale) = quantise_on(isa, x);
         let mut q = natural.clone();
@@ -592,6 +593,21 @@ mod avx2 {
         sums
     }
 
+    /// Each input's four rows from their lanes (rows `2p` and `2p + 1` in the halves of
+    /// `lanes[t][p]`), each half summed in the kernels' order.
+    #[inline(always)]
+    unsafe fn tile_sums<const T: usize>(lanes: [[__m512; 2]; T]) -> [[f32; 4]; T] {
+        // A loop, not a closure, so that the lane sums inherit the caller's features.
+        let mut sums = [[0f32; 4]; T];
+        for t in 0..T {
+            for p in 0..2 {
+                sums[t][2 * p] = Avx2(_mm512_castps512_ps256(lanes[t][p])).sum();
+                sums[t][2 * p + 1] = Avx2(_mm512_extractf32x8_ps::<1>(lanes[t][p])).sum();
+            }
+        }
+        sums
+    }
+
     /// [`int4_rows`] two rows to a 512-bit register, against `T` inputs at once: rows `2p`
     /// and `2p + 1` in its low and high halves against an input in both, so each half is
     /// one row's eight lanes, summed as [`int4_rows`] sums them (the same bits, half the
@@ -651,15 +667,7 @@ mod avx2 {
                 }
             }
         }
-        // A loop, not a closure, so that the lane sums inherit the caller's features.
-        let mut sums = [[0f32; 4]; T];
-        for t in 0..T {
-            for p in 0..2 {
-                sums[t][2 * p] = Avx2(_mm512_castps512_ps256(lanes[t][p])).sum();
-                sums[t][2 * p + 1] = Avx2(_mm512_extractf32x8_ps::<1>(lanes[t][p])).sum();
-            }
-        }
-        sums
+        tile_sums(lanes)
     }
 
     /// [`int4_tile_wide`] for groups of one block (int4-g64, as published), each block
@@ -719,15 +727,7 @@ mod avx2 {
                 }
             }
         }
-        // A loop, not a closure, so that the lane sums inherit the caller's features.
-        let mut sums = [[0f32; 4]; T];
-        for t in 0..T {
-            for p in 0..2 {
-                sums[t][2 * p] = Avx2(_mm512_castps512_ps256(lanes[t][p])).sum();
-                sums[t][2 * p + 1] = Avx2(_mm512_extractf32x8_ps::<1>(lanes[t][p])).sum();
-            }
-        }
-        sums
+        tile_sums(lanes)
     }
 
     /// Int4 rows `rows` against every input on the 512-bit path, into `out[t * count + i +
@@ -1017,7 +1017,7 @@ mod tests {
                 // three and one (other groups).
                 for (weights, n) in [int8, int4, mxfp4]
                     .into_iter()
-                    .flat_map(|weights| [1, 3, 4, 7, 9].map(|n| (weights, n)))
+                    .flat_map(|weights| [1, 2, 3, 4, 6, 7, 9].map(|n| (weights, n)))
                 {
                     let x = values(n * cols, 7);
                     let mut reference = vec![0f32; n * rows];

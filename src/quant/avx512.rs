@@ -10,7 +10,8 @@
 //!   permute ([`Pair::row_chunk`]): fewer steps than a pair's, which must first bring two
 //!   rows' words into one register.
 //! - A batch (prefill): the halves are two input rows against the same decoded weight row;
-//!   a tile of four weight rows by three input pairs keeps twelve accumulators in flight.
+//!   blocks of eight weight rows, decoded a column block at a time, run against three input
+//!   pairs a tile ([`blocked_rows`]).
 //!   A few inputs (an expert's share of a prompt) have each chunk decoded in registers for
 //!   a tile of inputs instead: on the row kernel's decoding ([`kernels::rows_few_inputs`]),
 //!   or for the formats decoded in pairs, two pairs of rows decoded once for up to four
@@ -991,29 +992,28 @@ unsafe fn decode_rows<D: Pair>(
 /// KiB), stay in the first-level cache while every input pair's share streams past them.
 const COLUMN_BLOCK: usize = 64;
 
-/// Chunks per column block of [`blocked_rows`] for groups of `per_group` chunks: a whole
-/// number of groups, so that no group straddles two blocks.
-fn column_block(per_group: Option<usize>) -> usize {
-    per_group.map_or(COLUMN_BLOCK, |g| (COLUMN_BLOCK / g).max(1) * g)
-}
-
-/// Floats between the rows of [`blocked_rows`]'s decoded block of `block` chunks.
-fn block_apart(block: usize) -> usize {
-    padded(block * 8)
+/// The column blocks of [`blocked_rows`] under `scaling`: chunks per block (about
+/// [`COLUMN_BLOCK`], a whole number of groups where there are group scales, so that no
+/// group straddles two blocks) and the floats between the rows of a decoded block.
+fn column_block(scaling: Scaling) -> (usize, usize) {
+    let block = scaling.group_size().map_or(COLUMN_BLOCK, |size| {
+        (COLUMN_BLOCK / (size / 8)).max(1) * (size / 8)
+    });
+    (block, padded(block * 8))
 }
 
 /// Chunks `from..to` of `R` decoded rows (`decoded[r]` starts at chunk `from`) against
-/// input pairs `p..p + T`, continuing the accumulators `acc[(p + t) * stride + row + r]`
-/// (from zero in the first block, `from == 0`). With `groups` (chunks per group, each row's scales),
-/// each group's products go into a partial sum of their own, folded in at its scale as
-/// [`pair_tile`] folds them.
+/// input pairs `p..p + T`, continuing the accumulators `acc[(p + t) * 8 + row + r]` (from
+/// zero in the first block, `from == 0`). With `groups` (chunks per group, each row's
+/// scales), each group's products go into a partial sum of their own, folded in at its
+/// scale as [`pair_tile`] folds them.
 #[inline(always)]
 unsafe fn block_step<const R: usize, const T: usize>(
     decoded: [&[f32]; R],
     (pairs, chunks, p): (&[f32], usize, usize),
     (from, to): (usize, usize),
     groups: Option<(usize, [RowScales; R])>,
-    (acc, stride, row): (&mut [Two], usize, usize),
+    (acc, row): (&mut [Two], usize),
 ) {
     let mut tile = [[Two::zero(); T]; R];
     let mut xs = [&pairs[..0]; T];
@@ -1021,7 +1021,7 @@ unsafe fn block_step<const R: usize, const T: usize>(
         xs[t] = &pairs[(p + t) * pair_stride(chunks) + from * 16..][..(to - from) * 16];
         if from > 0 {
             for r in 0..R {
-                tile[r][t] = acc[(p + t) * stride + row + r];
+                tile[r][t] = acc[(p + t) * 8 + row + r];
             }
         }
     }
@@ -1052,7 +1052,7 @@ unsafe fn block_step<const R: usize, const T: usize>(
     }
     for t in 0..T {
         for r in 0..R {
-            acc[(p + t) * stride + row + r] = tile[r][t];
+            acc[(p + t) * 8 + row + r] = tile[r][t];
         }
     }
 }
@@ -1083,10 +1083,7 @@ unsafe fn blocked_rows<D: Pair>(
     let per_group = view.scaling.group_size().map(|size| size / 8);
     let scales_from = |row: usize| std::array::from_fn(|r| view.scaling.row_scales(row + r));
     let halves = per_group.map(|g| [(g, scales_from(first)), (g, scales_from(first + 4))]);
-    let (block, apart) = (
-        column_block(per_group),
-        block_apart(column_block(per_group)),
-    );
+    let (block, apart) = column_block(view.scaling);
     let mut from = 0;
     while from < chunks {
         let span = (from, (from + block).min(chunks));
@@ -1099,12 +1096,12 @@ unsafe fn blocked_rows<D: Pair>(
             let take = (pair_count - p).min(3);
             let at = (pairs, chunks, p);
             match (halves, take) {
-                (None, 3) => block_step::<8, 3>(decoded, at, span, None, (acc, 8, 0)),
-                (None, 2) => block_step::<8, 2>(decoded, at, span, None, (acc, 8, 0)),
-                (None, _) => block_step::<8, 1>(decoded, at, span, None, (acc, 8, 0)),
+                (None, 3) => block_step::<8, 3>(decoded, at, span, None, (acc, 0)),
+                (None, 2) => block_step::<8, 2>(decoded, at, span, None, (acc, 0)),
+                (None, _) => block_step::<8, 1>(decoded, at, span, None, (acc, 0)),
                 (Some(groups), take) => {
                     for (h, groups) in groups.into_iter().enumerate() {
-                        let into = (&mut *acc, 8, 4 * h);
+                        let into = (&mut *acc, 4 * h);
                         match take {
                             3 => block_step::<4, 3>(half(h), at, span, Some(groups), into),
                             2 => block_step::<4, 2>(half(h), at, span, Some(groups), into),
@@ -1282,9 +1279,8 @@ impl<E> PairTile<'_, '_, E> {
 }
 
 /// Bytes of interleaved inputs [`batched`] runs against all of its rows at a time: within
-/// a second-level cache of 1 MiB beside the rows a block decodes (whole rows where there
-/// are group scales), and enough for the 64 inputs of 2048 columns an expert gets from a
-/// 512-token prompt in one group.
+/// a second-level cache of 1 MiB, and enough for the 64 inputs of 2048 columns an expert
+/// gets from a 512-token prompt in one group.
 const GROUP_BYTES: usize = 640 << 10;
 
 /// [`batched`] for the input pairs `group`.
@@ -1303,13 +1299,13 @@ unsafe fn pair_group<D: Pair>(
     let width = chunks * 8;
     let pair = |p: usize| &pairs[p * pair_stride(chunks)..][..chunks * 16];
     let pair_count = group.len();
-    // Eight rows need three input pairs to beat four rows by three pairs.
+    // Without group scales, eight rows need three input pairs to beat four rows by three
+    // pairs; with them, blocks of eight rows run as two halves of four at any count.
     let blocked = match scaling.group_size() {
         None if pair_count < 3 => 0,
         _ => 8,
     };
-    let per_group = scaling.group_size().map(|size| size / 8);
-    let apart = block_apart(column_block(per_group));
+    let (_, apart) = column_block(scaling);
     let mut scratch = vec![0f32; (8 * apart).max(4 * padded(width))];
     let mut acc = vec![Two::zero(); pair_count * blocked];
     let mut i = 0;

@@ -219,8 +219,8 @@ fn a_batch_computes_what_single_rows_compute() {
 #[test]
 fn a_long_batch_in_groups_of_inputs_computes_what_single_rows_compute() {
     // 4000 columns make an input pair 32 KB, so the AVX-512 kernels run 18 pairs at a
-    // time: 45 inputs are groups of 18 and 5 pairs, 39 inputs 18 and 2 (the last group
-    // too small for eight-row blocks).
+    // time: 45 inputs are groups of 18 and 5 pairs, 39 inputs 18 and 2 (the last group,
+    // for f32 and int8-row, too small for eight-row blocks).
     let (rows, cols) = (20, 4000);
     for format in [
         Format::F32,
