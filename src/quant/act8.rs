@@ -593,6 +593,28 @@ mod avx2 {
         sums
     }
 
+    /// Block `b` of int4 rows `2p` and `2p + 1` in the low and high halves of a register,
+    /// unpacked: the even columns' codes and the odd columns'. Asks for the lines `ahead`
+    /// bytes on, as [`prefetch`] does.
+    #[inline(always)]
+    unsafe fn nibble_pair(w: [&[u8]; 4], p: usize, b: usize, ahead: usize) -> (__m512i, __m512i) {
+        let (first, second) = (
+            w[2 * p].as_ptr().add(b * BLOCK / 2),
+            w[2 * p + 1].as_ptr().add(b * BLOCK / 2),
+        );
+        prefetch(first, ahead);
+        prefetch(second, ahead);
+        let bytes = _mm512_inserti64x4::<1>(
+            _mm512_castsi256_si512(_mm256_loadu_si256(first as *const __m256i)),
+            _mm256_loadu_si256(second as *const __m256i),
+        );
+        let nibbles = _mm512_set1_epi8(15);
+        (
+            _mm512_and_si512(bytes, nibbles),
+            _mm512_and_si512(_mm512_srli_epi16::<4>(bytes), nibbles),
+        )
+    }
+
     /// Each input's four rows from their lanes (rows `2p` and `2p + 1` in the halves of
     /// `lanes[t][p]`), each half summed in the kernels' order.
     #[inline(always)]
@@ -620,7 +642,6 @@ mod avx2 {
         cols: usize,
         group: usize,
     ) -> [[f32; 4]; T] {
-        let nibbles = _mm512_set1_epi8(15);
         let mut lanes = [[_mm512_setzero_ps(); 2]; T];
         let ahead = 4 * cols / 2;
         let blocks_per_group = group / BLOCK;
@@ -628,19 +649,8 @@ mod avx2 {
             let mut acc = [[_mm512_setzero_si512(); 2]; T];
             let blocks = first_block..first_block + blocks_per_group;
             for b in blocks.clone() {
-                for p in 0..2 {
-                    let (first, second) = (
-                        w[2 * p].as_ptr().add(b * BLOCK / 2),
-                        w[2 * p + 1].as_ptr().add(b * BLOCK / 2),
-                    );
-                    prefetch(first, ahead);
-                    prefetch(second, ahead);
-                    let bytes = _mm512_inserti64x4::<1>(
-                        _mm512_castsi256_si512(_mm256_loadu_si256(first as *const __m256i)),
-                        _mm256_loadu_si256(second as *const __m256i),
-                    );
-                    let low = _mm512_and_si512(bytes, nibbles);
-                    let high = _mm512_and_si512(_mm512_srli_epi16::<4>(bytes), nibbles);
+                for p in [0, 1] {
+                    let (low, high) = nibble_pair(w, p, b, ahead);
                     for t in 0..T {
                         let xp = xs[t].q.as_ptr().add(b * BLOCK);
                         let even = _mm512_broadcast_i64x4(_mm256_loadu_si256(xp as *const __m256i));
@@ -684,7 +694,6 @@ mod avx2 {
         xs: [&Quantised; T],
         cols: usize,
     ) -> [[f32; 4]; T] {
-        let nibbles = _mm512_set1_epi8(15);
         let mut lanes = [[_mm512_setzero_ps(); 2]; T];
         let ahead = 4 * cols / 2;
         let group_scale = |r: usize, b: usize| scales[r][b];
@@ -692,19 +701,8 @@ mod avx2 {
             let mut low = [_mm512_setzero_si512(); 2];
             let mut high = [_mm512_setzero_si512(); 2];
             let mut scale = [_mm512_setzero_ps(); 2];
-            for p in 0..2 {
-                let (first, second) = (
-                    w[2 * p].as_ptr().add(b * BLOCK / 2),
-                    w[2 * p + 1].as_ptr().add(b * BLOCK / 2),
-                );
-                prefetch(first, ahead);
-                prefetch(second, ahead);
-                let bytes = _mm512_inserti64x4::<1>(
-                    _mm512_castsi256_si512(_mm256_loadu_si256(first as *const __m256i)),
-                    _mm256_loadu_si256(second as *const __m256i),
-                );
-                low[p] = _mm512_and_si512(bytes, nibbles);
-                high[p] = _mm512_and_si512(_mm512_srli_epi16::<4>(bytes), nibbles);
+            for p in [0, 1] {
+                (low[p], high[p]) = nibble_pair(w, p, b, ahead);
                 scale[p] = _mm512_insertf32x8::<1>(
                     _mm512_set1_ps(group_scale(2 * p, b)),
                     _mm256_set1_ps(group_scale(2 * p + 1, b)),
