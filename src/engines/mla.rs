@@ -24,7 +24,7 @@ use super::state_io::{self, expect};
 use super::weights::Weights;
 use crate::quant::{
     add_weighted, fused_add_weighted, fused_add_weighted_tile, fused_dots,
-    loads_shared_across_vectors, Matrix, Queries,
+    loads_shared_across_vectors, Lines, Matrix, Queries,
 };
 
 /// Sizes of one MLA layer. A query head is `[nope | rope]` wide; `kv_b` maps a latent to
@@ -366,7 +366,8 @@ impl ExpandedHeads<'_> {
         // Per position: the head's whole key (its part of the expansion, then the shared
         // rotary key), then its value.
         let stride = qk + v;
-        let mut slab = vec![0f32; total * stride];
+        let mut lines = Lines::zeroed(total * stride);
+        let slab = &mut lines.floats_mut()[..total * stride];
         for (pos, key_value) in slab.chunks_exact_mut(stride).enumerate() {
             let expanded = &self.expanded[pos * width + head * rows..][..rows];
             key_value[..nope].copy_from_slice(&expanded[..nope]);

@@ -29,6 +29,7 @@ use super::kernels::{
     self, Bf16Codes, Block, Codes, Decode, E2m1Codes, E4m3Codes, F16Codes, F32Codes, I8Codes,
     Int4Codes, Lanes, RowScales, Scaling, View,
 };
+use super::lines::Lines;
 use super::x86::Avx2;
 use rayon::prelude::*;
 
@@ -847,10 +848,11 @@ fn pair_stride(chunks: usize) -> usize {
 /// `c` is 16 floats, input `2p`'s chunk `c` then input `2p + 1`'s (zeros past the last
 /// column and for a missing last input). The pairs are laid out on the thread pool: the
 /// product's blocks all wait for them.
-fn interleave_pairs(input: &[f32], n: usize, cols: usize) -> Vec<f32> {
+fn interleave_pairs(input: &[f32], n: usize, cols: usize) -> Lines {
     let chunks = cols.div_ceil(8);
     let stride = pair_stride(chunks);
-    let mut pairs = vec![0f32; n.div_ceil(2) * stride];
+    let mut lines = Lines::zeroed(n.div_ceil(2) * stride);
+    let pairs = &mut lines.floats_mut()[..n.div_ceil(2) * stride];
     let lay_out = |(p, pair): (usize, &mut [f32])| {
         let inputs = input.chunks_exact(cols.max(1)).take(n);
         for (half, x) in inputs.skip(2 * p).take(2).enumerate() {
@@ -864,7 +866,7 @@ fn interleave_pairs(input: &[f32], n: usize, cols: usize) -> Vec<f32> {
     } else {
         pairs.chunks_mut(stride).enumerate().for_each(lay_out);
     }
-    pairs
+    lines
 }
 
 /// Chunk `c` of `R` decoded rows against `T` input pairs, `into[r][t] += w[r] * x[t]`. A
@@ -1306,7 +1308,8 @@ unsafe fn pair_group<D: Pair>(
         _ => 8,
     };
     let (_, apart) = column_block(scaling);
-    let mut scratch = vec![0f32; (8 * apart).max(4 * padded(width))];
+    let mut lines = Lines::zeroed((8 * apart).max(4 * padded(width)));
+    let scratch = lines.floats_mut();
     let mut acc = vec![Two::zero(); pair_count * blocked];
     let mut i = 0;
     while i < count {
@@ -1325,7 +1328,7 @@ unsafe fn pair_group<D: Pair>(
         };
         if block == blocked {
             let group_pairs = (&pairs[group.start * pair_stride(chunks)..], pair_count);
-            blocked_rows::<D>(view, r, group_pairs, &mut scratch, &mut acc);
+            blocked_rows::<D>(view, r, group_pairs, scratch, &mut acc);
             for p in 0..pair_count {
                 for k in 0..blocked {
                     let mut sums = acc[p * blocked + k].sums();
@@ -1338,7 +1341,7 @@ unsafe fn pair_group<D: Pair>(
             i += block;
             continue;
         }
-        decode_rows::<D>(view, (r, block), 0..chunks, padded(width), &mut scratch);
+        decode_rows::<D>(view, (r, block), 0..chunks, padded(width), scratch);
         let decoded = |k: usize| &scratch[k * padded(width)..][..width];
         let mut p = group.start;
         while p < group.end {
@@ -1386,7 +1389,7 @@ unsafe fn pair_group<D: Pair>(
 /// before the blocks, and shared by them all.
 pub(super) struct Avx512Block<'a, D: Pair> {
     view: View<'a, D::Elem>,
-    pairs: Vec<f32>,
+    pairs: Lines,
 }
 
 impl<'a, D: Pair> Avx512Block<'a, D> {
@@ -1394,7 +1397,7 @@ impl<'a, D: Pair> Avx512Block<'a, D> {
     pub(super) fn new(view: View<'a, D::Elem>) -> Self {
         Avx512Block {
             view,
-            pairs: Vec::new(),
+            pairs: Lines::zeroed(0),
         }
     }
 
@@ -1403,7 +1406,7 @@ impl<'a, D: Pair> Avx512Block<'a, D> {
         let pairs = if !few_inputs::<D>(n, view.scaling) {
             interleave_pairs(input, n, view.cols)
         } else {
-            Vec::new()
+            Lines::zeroed(0)
         };
         Avx512Block { view, pairs }
     }
@@ -1435,12 +1438,12 @@ impl<D: Pair> Block for Avx512Block<'_, D> {
             };
         }
         assert_eq!(
-            self.pairs.len(),
+            self.pairs.floats().len(),
             n.div_ceil(2) * pair_stride(chunks),
             "the pairs Avx512Block::batch laid out for these inputs"
         );
         // SAFETY: as above.
-        unsafe { batched::<D>(&self.view, first, count, &self.pairs, n, out) }
+        unsafe { batched::<D>(&self.view, first, count, self.pairs.floats(), n, out) }
     }
 }
 

@@ -32,6 +32,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::codec;
+use super::lines::Lines;
 
 /// An 8-lane f32 vector.
 pub trait Lanes: Copy {
@@ -1159,8 +1160,9 @@ pub struct Queries<'a> {
     len: usize,
     isa: Isa,
     fused: bool,
-    /// Pairs of vectors interleaved chunk by chunk; empty unless the kernels run AVX-512.
-    paired: Vec<f32>,
+    /// Pairs of vectors interleaved chunk by chunk, each chunk of a pair on a cache line of
+    /// its own; empty unless the kernels run AVX-512.
+    paired: Lines,
 }
 
 impl<'a> Queries<'a> {
@@ -1184,20 +1186,19 @@ impl<'a> Queries<'a> {
         let isa = if isa.supported() { isa } else { Isa::Scalar };
         let chunks = len / 8;
         let paired = if isa == Isa::Avx512 && len > 0 {
-            vectors
-                .chunks_exact(2 * len)
-                .flat_map(|pair| {
-                    let (low, high) = pair.split_at(len);
-                    (0..chunks).flat_map(move |c| {
-                        low[8 * c..8 * c + 8]
-                            .iter()
-                            .chain(&high[8 * c..8 * c + 8])
-                            .copied()
-                    })
-                })
-                .collect()
+            let mut paired = Lines::zeroed(count / 2 * chunks * 16);
+            let chunks_of_pairs = paired.floats_mut().chunks_exact_mut(16);
+            let pair_chunks = vectors.chunks_exact(2 * len).flat_map(|pair| {
+                let (low, high) = pair.split_at(len);
+                (0..chunks).map(move |c| (&low[8 * c..][..8], &high[8 * c..][..8]))
+            });
+            for (into, (low, high)) in chunks_of_pairs.zip(pair_chunks) {
+                into[..8].copy_from_slice(low);
+                into[8..].copy_from_slice(high);
+            }
+            paired
         } else {
-            Vec::new()
+            Lines::zeroed(0)
         };
         Queries {
             vectors,
@@ -1224,7 +1225,7 @@ impl<'a> Queries<'a> {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `isa` is supported, `paired` holds every pair, and the lengths match.
             Isa::Avx512 => unsafe {
-                let (paired, vectors, len) = (&self.paired, self.vectors, self.len);
+                let (paired, vectors, len) = (self.paired.floats(), self.vectors, self.len);
                 if self.fused {
                     super::avx512::paired_dots::<K, true>(paired, vectors, len, keys, out)
                 } else {

@@ -23,6 +23,7 @@ mod avx512;
 mod codec;
 pub mod format;
 mod kernels;
+mod lines;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 #[cfg(target_arch = "x86_64")]
@@ -44,6 +45,7 @@ pub use kernels::{
     add_weighted, dots, fused_add_weighted, fused_add_weighted_tile, fused_dots,
     loads_shared_across_vectors, select as select_simd, selected as selected_simd, Isa, Queries,
 };
+pub use lines::Lines;
 
 use crate::backend::{self, Residency};
 use crate::layout::{RawMatrix, RawScales};
