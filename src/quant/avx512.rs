@@ -1124,9 +1124,9 @@ unsafe fn blocked_rows<D: Pair>(
 /// rows at a time ([`blocked_rows`]); the rows left over, and formats without group scales
 /// against fewer than three pairs, four rows or one, decoded whole ([`pair_tile`]).
 ///
-/// The input pairs go in groups of about [`GROUP_BYTES`], each group against all the rows
-/// before the next: a long prompt's inputs (4 MiB for 512 rows of 2048 columns) would
-/// otherwise stream from memory again for every block of eight rows. Every accumulator
+/// The input pairs go in groups of about [`GROUP_BYTES`] (at least [`GROUP_PAIRS`]), each
+/// group against all the rows before the next: a long prompt's inputs (4 MiB for 512 rows
+/// of 2048 columns) would otherwise stream from memory again for every block of eight rows. Every accumulator
 /// belongs to one pair, so the grouping leaves the bits as they are.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
 unsafe fn batched<D: Pair>(
@@ -1138,7 +1138,7 @@ unsafe fn batched<D: Pair>(
     out: &mut [f32],
 ) {
     let chunks = view.cols.div_ceil(8);
-    let per_group = (GROUP_BYTES / (4 * pair_stride(chunks))).max(3) / 3 * 3;
+    let per_group = (GROUP_BYTES / (4 * pair_stride(chunks))).max(GROUP_PAIRS) / 3 * 3;
     let pair_count = n.div_ceil(2);
     let mut from = 0;
     while from < pair_count {
@@ -1281,9 +1281,18 @@ impl<E> PairTile<'_, '_, E> {
 }
 
 /// Bytes of interleaved inputs [`batched`] runs against all of its rows at a time: within
-/// a second-level cache of 1 MiB, and enough for the 64 inputs of 2048 columns an expert
+/// half a second-level cache of 2 MiB, and enough for the 64 inputs of 2048 columns an expert
 /// gets from a 512-token prompt in one group.
 const GROUP_BYTES: usize = 640 << 10;
+
+/// Input pairs in a group of [`batched`] however wide the rows. Every group reads and
+/// decodes the whole matrix again, so in groups of three pairs (what [`GROUP_BYTES`] gives
+/// GLM-5.2's attention output, 16,384 columns) a wide matrix streams from memory and is
+/// decoded once for every six inputs: its int8 form ran 64-76 G multiply-adds/s on two
+/// threads against 1,024 inputs, 101-107 in groups of nine (int4 in groups: 62-70, 82-87).
+/// Nine pairs of 16,384 columns take 1.1 MiB, within this machine's 2 MiB second-level
+/// cache.
+const GROUP_PAIRS: usize = 9;
 
 /// [`batched`] for the input pairs `group`.
 #[inline(always)]
