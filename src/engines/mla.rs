@@ -367,7 +367,7 @@ impl ExpandedHeads<'_> {
         // rotary key), then its value.
         let stride = qk + v;
         let mut lines = Lines::zeroed(total * stride);
-        let slab = &mut lines.floats_mut()[..total * stride];
+        let slab = lines.floats_mut();
         for (pos, key_value) in slab.chunks_exact_mut(stride).enumerate() {
             let expanded = &self.expanded[pos * width + head * rows..][..rows];
             key_value[..nope].copy_from_slice(&expanded[..nope]);

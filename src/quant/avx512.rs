@@ -852,7 +852,7 @@ fn interleave_pairs(input: &[f32], n: usize, cols: usize) -> Lines {
     let chunks = cols.div_ceil(8);
     let stride = pair_stride(chunks);
     let mut lines = Lines::zeroed(n.div_ceil(2) * stride);
-    let pairs = &mut lines.floats_mut()[..n.div_ceil(2) * stride];
+    let pairs = lines.floats_mut();
     let lay_out = |(p, pair): (usize, &mut [f32])| {
         let inputs = input.chunks_exact(cols.max(1)).take(n);
         for (half, x) in inputs.skip(2 * p).take(2).enumerate() {
@@ -1126,8 +1126,10 @@ unsafe fn blocked_rows<D: Pair>(
 ///
 /// The input pairs go in groups of about [`GROUP_BYTES`] (at least [`GROUP_PAIRS`]), each
 /// group against all the rows before the next: a long prompt's inputs (4 MiB for 512 rows
-/// of 2048 columns) would otherwise stream from memory again for every block of eight rows. Every accumulator
-/// belongs to one pair, so the grouping leaves the bits as they are.
+/// of 2048 columns) would otherwise stream from memory again for every block of eight
+/// rows. Every accumulator belongs to one pair, and [`blocked_rows`] and [`pair_tile`] (a
+/// last group of fewer than three pairs) give the same bits, so the grouping leaves the
+/// bits as they are.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
 unsafe fn batched<D: Pair>(
     view: &View<'_, D::Elem>,
@@ -1281,18 +1283,20 @@ impl<E> PairTile<'_, '_, E> {
 }
 
 /// Bytes of interleaved inputs [`batched`] runs against all of its rows at a time: within
-/// half a second-level cache of 2 MiB, and enough for the 64 inputs of 2048 columns an expert
+/// a second-level cache of 1 MiB, and enough for the 64 inputs of 2048 columns an expert
 /// gets from a 512-token prompt in one group.
 const GROUP_BYTES: usize = 640 << 10;
 
 /// Input pairs in a group of [`batched`] however wide the rows. Every group reads and
 /// decodes the whole matrix again, so in groups of three pairs (what [`GROUP_BYTES`] gives
 /// GLM-5.2's attention output, 16,384 columns) a wide matrix streams from memory and is
-/// decoded once for every six inputs: its int8 form ran 64-76 G multiply-adds/s on two
+/// decoded once for every six inputs: its int8 form ran 66-76 G multiply-adds/s on two
 /// threads against 1,024 inputs, 101-107 in groups of nine (int4 in groups: 62-70, 82-87).
-/// Nine pairs of 16,384 columns take 1.1 MiB, within this machine's 2 MiB second-level
-/// cache.
+/// Nine pairs of 16,384 columns take 1.1 MiB, within the 2 MiB second-level cache a core of
+/// the Xeon this was measured on (a 1 MiB one holds them up to about 14,500 columns).
+/// A multiple of three: [`pair_group`] runs the pairs three at a time.
 const GROUP_PAIRS: usize = 9;
+const _: () = assert!(GROUP_PAIRS.is_multiple_of(3));
 
 /// [`batched`] for the input pairs `group`.
 #[inline(always)]

@@ -12,22 +12,28 @@ use bytemuck::{Pod, Zeroable};
 struct Line([f32; 16]);
 
 /// Zeroed floats starting on a cache line.
-pub struct Lines(Vec<Line>);
+pub struct Lines {
+    lines: Vec<Line>,
+    floats: usize,
+}
 
 impl Lines {
-    /// At least `floats` zeros (a whole number of lines).
+    /// `floats` zeros (held in whole lines, from memory the allocator hands over zeroed).
     pub fn zeroed(floats: usize) -> Lines {
-        Lines(vec![Line([0.0; 16]); floats.div_ceil(16)])
+        Lines {
+            lines: bytemuck::allocation::zeroed_vec(floats.div_ceil(16)),
+            floats,
+        }
     }
 
     /// The buffer as floats.
     pub fn floats(&self) -> &[f32] {
-        bytemuck::cast_slice(&self.0)
+        &bytemuck::cast_slice(&self.lines)[..self.floats]
     }
 
     /// The buffer as floats, to fill.
     pub fn floats_mut(&mut self) -> &mut [f32] {
-        bytemuck::cast_slice_mut(&mut self.0)
+        &mut bytemuck::cast_slice_mut(&mut self.lines)[..self.floats]
     }
 }
 
@@ -40,7 +46,7 @@ mod tests {
         for floats in [0, 1, 15, 16, 17, 1000] {
             let mut lines = Lines::zeroed(floats);
             assert_eq!(lines.floats().as_ptr() as usize % 64, 0, "{floats} floats");
-            assert_eq!(lines.floats().len(), floats.div_ceil(16) * 16);
+            assert_eq!(lines.floats().len(), floats);
             assert!(lines.floats().iter().all(|&x| x == 0.0));
             lines.floats_mut().iter_mut().for_each(|x| *x = 1.0);
             assert_eq!(

@@ -220,22 +220,25 @@ fn a_batch_computes_what_single_rows_compute() {
 fn a_long_batch_in_groups_of_inputs_computes_what_single_rows_compute() {
     // 4000 columns make an input pair 32 KB, so the AVX-512 kernels run 18 pairs at a
     // time: 45 inputs are groups of 18 and 5 pairs, 39 inputs 18 and 2 (the last group,
-    // for f32 and int8-row, too small for eight-row blocks).
-    let (rows, cols) = (20, 4000);
-    for format in [
+    // for f32 and int8-row, too small for eight-row blocks). 16,000 columns make a pair
+    // 128 KB, and a group its least, nine pairs: 21 inputs are 9 and 2 pairs, 23 inputs 9
+    // and 3.
+    let rows = 20;
+    let formats = [
         Format::F32,
         Format::Int8Row,
         Format::Int4Grouped { group: 64 },
-    ] {
-        let matrix = Matrix::from_f32_as(rows, cols, &values(rows * cols, 5), format).unwrap();
-        for n in [45, 39] {
+    ];
+    for format in formats {
+        for (cols, n) in [(4000, 45), (4000, 39), (16000, 21), (16000, 23)] {
+            let matrix = Matrix::from_f32_as(rows, cols, &values(rows * cols, 5), format).unwrap();
             let (batch, singles) = batch_and_rows(&matrix, &values(n * cols, 13), n);
             for (t, single) in singles.iter().enumerate() {
                 let bits = |v: &[f32]| v.iter().map(|y| y.to_bits()).collect::<Vec<_>>();
                 assert_eq!(
                     bits(single),
                     bits(&batch[t * rows..(t + 1) * rows]),
-                    "{} n {n} row {t}",
+                    "{} {cols} columns, n {n} row {t}",
                     label(format)
                 );
             }
