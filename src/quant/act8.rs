@@ -521,36 +521,101 @@ mod avx2 {
         _mm256_mullo_epi32(sums, _mm256_set1_epi32(offset))
     }
 
-    /// [`int8_rows`] 64 columns to a 512-bit register: each weight taken as the unsigned
-    /// `w + 128` (a sign-bit flip) against the signed input, the `128 * sum x` that adds
-    /// taken back at the end (no `vpsignb` in AVX-512, and one instruction fewer). The
-    /// products reach `255 * 127`, which `vpdpbusd` adds without saturating. The same
-    /// integers as [`int8_rows`].
+    /// [`int8_rows`] 64 columns to a 512-bit register, against `T` inputs at once: each
+    /// weight taken as the unsigned `w + 128` (a sign-bit flip) against the signed input,
+    /// the `128 * sum x` that adds taken back at the end (no `vpsignb` in AVX-512, and one
+    /// instruction fewer). The products reach `255 * 127`, which `vpdpbusd` adds without
+    /// saturating. Each 64-column block of the four rows is loaded once for the `T` inputs,
+    /// so a row's bytes come from the cache once a tile rather than once an input. The
+    /// same integers as [`int8_rows`].
     #[inline(always)]
-    unsafe fn int8_rows_wide(w: [&[i8]; 4], x: &Quantised, cols: usize) -> [i32; 4] {
+    unsafe fn int8_tile_wide<const T: usize>(
+        w: [&[i8]; 4],
+        xs: [&Quantised; T],
+        cols: usize,
+    ) -> [[i32; 4]; T] {
         let flip = _mm512_set1_epi8(-128);
-        let mut acc = [_mm512_setzero_si512(); 4];
+        let mut acc = [[_mm512_setzero_si512(); 4]; T];
         let ahead = 4 * cols;
         let whole = cols / BLOCK * BLOCK;
         let mut c = 0;
         while c < whole {
-            let xv = _mm512_loadu_si512(x.q.as_ptr().add(c) as *const _);
+            let mut wv = [_mm512_setzero_si512(); 4];
             for r in 0..4 {
                 let p = w[r].as_ptr().add(c);
                 prefetch(p as *const u8, ahead);
-                let wv = _mm512_xor_si512(_mm512_loadu_si512(p as *const _), flip);
-                acc[r] = _mm512_dpbusd_epi32(acc[r], wv, xv);
+                wv[r] = _mm512_xor_si512(_mm512_loadu_si512(p as *const _), flip);
+            }
+            for t in 0..T {
+                let xv = _mm512_loadu_si512(xs[t].q.as_ptr().add(c) as *const _);
+                for r in 0..4 {
+                    acc[t][r] = _mm512_dpbusd_epi32(acc[t][r], wv[r], xv);
+                }
             }
             c += BLOCK;
         }
-        let mut sums = [0i32; 4];
-        for r in 0..4 {
-            // Wrapping, as the lanes wrap: the true sum fits, so the wrapped one is it.
-            sums[r] = _mm512_reduce_add_epi32(acc[r])
-                .wrapping_sub(x.block_sum.wrapping_mul(128))
-                .wrapping_add(super::dot_i8_scalar(&w[r][whole..cols], &x.q[whole..cols]));
+        let mut sums = [[0i32; 4]; T];
+        for t in 0..T {
+            for r in 0..4 {
+                // Wrapping, as the lanes wrap: the true sum fits, so the wrapped one is it.
+                sums[t][r] = _mm512_reduce_add_epi32(acc[t][r])
+                    .wrapping_sub(xs[t].block_sum.wrapping_mul(128))
+                    .wrapping_add(super::dot_i8_scalar(
+                        &w[r][whole..cols],
+                        &xs[t].q[whole..cols],
+                    ));
+            }
         }
         sums
+    }
+
+    /// Int8 rows `rows` against every input on the 512-bit path, four inputs a tile
+    /// ([`int8_tile_wide`]), into `out[t * count + i + k]` (`count = out.len() / n`), each
+    /// integer sum times its row's and its input's scales as the one-input path scales it.
+    #[inline(always)]
+    unsafe fn int8_rows_wide_into(
+        w: [&[i8]; 4],
+        row_scales: [f32; 4],
+        xs: &[Quantised],
+        cols: usize,
+        (i, take): (usize, usize),
+        out: &mut [f32],
+    ) {
+        let n = xs.len();
+        let count = out.len() / n;
+        let mut put = |t: usize, sums: &[[i32; 4]]| {
+            for (j, row) in sums.iter().enumerate() {
+                let x = &xs[t + j];
+                for k in 0..take {
+                    out[(t + j) * count + i + k] = row[k] as f32 * row_scales[k] * x.scale;
+                }
+            }
+        };
+        let mut t = 0;
+        while t < n {
+            let tile = |u: usize| -> &Quantised { &xs[t + u] };
+            let took = match n - t {
+                1 => {
+                    put(t, &int8_tile_wide::<1>(w, [tile(0)], cols));
+                    1
+                }
+                2 => {
+                    put(t, &int8_tile_wide::<2>(w, [tile(0), tile(1)], cols));
+                    2
+                }
+                3 => {
+                    let three = [tile(0), tile(1), tile(2)];
+                    put(t, &int8_tile_wide::<3>(w, three, cols));
+                    3
+                }
+                _ => {
+                    let four = [tile(0), tile(1), tile(2), tile(3)];
+                    put(t, &int8_tile_wide::<4>(w, four, cols));
+                    4
+                }
+            };
+            t += took;
+        }
     }
 
     /// Four int4 rows against one input, before the activation scale: per scale group
@@ -893,17 +958,19 @@ mod avx2 {
                 i += take;
                 continue;
             }
+            // One input streams its rows at memory speed either way, and measured faster at
+            // 256 bits; a batch gains from the wider products and from the tiles.
+            if let (true, true, Weights::Int8Row { values, scales }) = (WIDE, n > 1, weights) {
+                let w = rows.map(|r| &values[r * cols..(r + 1) * cols]);
+                int8_rows_wide_into(w, rows.map(|r| scales[r]), xs, cols, (i, take), out);
+                i += take;
+                continue;
+            }
             for (t, x) in xs.iter().enumerate() {
                 let sums: [f32; 4] = match weights {
                     Weights::Int8Row { values, scales } => {
                         let w = rows.map(|r| &values[r * cols..(r + 1) * cols]);
-                        // One input streams at memory speed either way, and measured
-                        // faster at 256 bits; a batch gains from the wider products.
-                        let isums = if WIDE && n > 1 {
-                            int8_rows_wide(w, x, cols)
-                        } else {
-                            int8_rows::<VNNI>(w, &x.q, cols)
-                        };
+                        let isums = int8_rows::<VNNI>(w, &x.q, cols);
                         std::array::from_fn(|k| isums[k] as f32 * scales[rows[k]] * x.scale)
                     }
                     Weights::Int4 {
@@ -1011,7 +1078,7 @@ mod tests {
                     packed: &mx_packed,
                     scales: &mx_scales,
                 };
-                // Tiles of four inputs and of one to three (int4 in groups of 64), and of
+                // Tiles of four inputs and of one to three (int8, int4 in groups of 64), and of
                 // three and one (other groups).
                 for (weights, n) in [int8, int4, mxfp4]
                     .into_iter()
