@@ -569,9 +569,10 @@ mod avx2 {
         sums
     }
 
-    /// Int8 rows `rows` against every input on the 512-bit path, four inputs a tile
-    /// ([`int8_tile_wide`]), into `out[t * count + i + k]` (`count = out.len() / n`), each
-    /// integer sum times its row's and its input's scales as the one-input path scales it.
+    /// The four int8 rows `w` (block rows `i..i + take`, scaled by `row_scales`) against
+    /// every input on the 512-bit path, four inputs a tile ([`int8_tile_wide`]), into
+    /// `out[t * count + i + k]` (`count = out.len() / n`), each integer sum times its row's
+    /// and its input's scales as the one-input path scales it.
     #[inline(always)]
     unsafe fn int8_rows_wide_into(
         w: [&[i8]; 4],
