@@ -24,7 +24,7 @@ use super::state_io::{self, expect};
 use super::weights::Weights;
 use crate::quant::{
     add_weighted, fused_add_weighted, fused_add_weighted_tile, fused_dots,
-    loads_shared_across_vectors, Lines, Matrix, Queries,
+    loads_shared_across_vectors, tile_pays_for_skipped_rows, Lines, Matrix, Queries,
 };
 
 /// Sizes of one MLA layer. A query head is `[nope | rope]` wide; `kv_b` maps a latent to
@@ -280,12 +280,17 @@ const QUERY_BLOCK: usize = 32;
 /// row of a query block reads it.
 const KEY_BLOCK: usize = 64;
 
-/// Where the kernels load a key or value once for several rows
-/// ([`loads_shared_across_vectors`]: two rows a register against each key, four rows
-/// against each value), a key block's span is scored and summed for every row of a query
-/// block at once when the rows read at least one in `DENSE_SHARE` of its row-by-position
-/// pairs; otherwise each row scores and sums only the positions it reads. Every score and
-/// sum has the same bits either way, so this only trades wasted products against loads.
+/// Floats after each position of [`attend_plain`]'s slab: one cache line.
+const SLAB_PADDING: usize = 16;
+
+/// Where the kernels load a key once for several rows ([`loads_shared_across_vectors`]:
+/// two rows against each key), a key block's span is scored for every row of a query block
+/// at once when the rows read at least one in `DENSE_SHARE` of its row-by-position pairs;
+/// otherwise each row scores only the positions it reads. The sums follow the scores where
+/// the tile of sums pays for the rows a sum skips ([`tile_pays_for_skipped_rows`]: four
+/// sums against each value); elsewhere the tile always sums, each sum over only what it
+/// reads. Every score and sum has the same bits either way, so this only trades wasted
+/// products against loads.
 const DENSE_SHARE: usize = 4;
 
 /// Attention of `n` query rows (`n x heads*(nope+rope)`, rope part already rotated) against
@@ -364,15 +369,18 @@ impl ExpandedHeads<'_> {
         let total = self.cache.len();
         let width = heads * rows;
         // Per position: the head's whole key (its part of the expansion, then the shared
-        // rotary key), then its value.
-        let stride = qk + v;
+        // rotary key), then its value, then one unused cache line. Without it GLM-5.2's
+        // positions lie 2 KiB apart, so the same part of every position's value falls in
+        // the same two sets of the first-level cache and a block's values cannot stay there
+        // while the query rows sum them.
+        let stride = qk + v + SLAB_PADDING;
         let mut lines = Lines::zeroed(total * stride);
         let slab = lines.floats_mut();
         for (pos, key_value) in slab.chunks_exact_mut(stride).enumerate() {
             let expanded = &self.expanded[pos * width + head * rows..][..rows];
             key_value[..nope].copy_from_slice(&expanded[..nope]);
             key_value[nope..qk].copy_from_slice(self.cache.rope_key(pos));
-            key_value[qk..].copy_from_slice(&expanded[nope..]);
+            key_value[qk..qk + v].copy_from_slice(&expanded[nope..]);
         }
         for (block, block_out) in head_out.chunks_mut(QUERY_BLOCK * v).enumerate() {
             let block_rows = block * QUERY_BLOCK..block * QUERY_BLOCK + block_out.len() / v;
@@ -434,9 +442,9 @@ impl ExpandedHeads<'_> {
                 let Some((span, shared)) = span_read(&these) else {
                     continue;
                 };
-                if shared {
-                    // Every row's sum over the span at once, each value read once for
-                    // them; a row skips the positions it does not read.
+                if shared || !tile_pays_for_skipped_rows() {
+                    // Every row's sum over the span at once; a row skips the positions it
+                    // does not read.
                     let width = span.len();
                     weights.clear();
                     weights.resize(count * width, 0.0);

@@ -1069,7 +1069,7 @@ pub fn fused_dots<const N: usize>(a: &[f32], others: [&[f32]; N]) -> [f32; N] {
 
 /// `c + a * b`: rounded once where `FUSED`, else the product rounded before the add.
 #[inline(always)]
-unsafe fn step<L: Lanes, const FUSED: bool>(a: L, b: L, c: L) -> L {
+pub(super) unsafe fn step<L: Lanes, const FUSED: bool>(a: L, b: L, c: L) -> L {
     if FUSED {
         L::fma(a, b, c)
     } else {
@@ -1098,10 +1098,18 @@ pub(super) fn tail_dot<const FUSED: bool>(a: &[f32], b: &[f32]) -> f32 {
     }
 }
 
-/// Whether [`Queries`] and [`fused_add_weighted_tile`] load each key or row once for several
-/// vectors or sums (the AVX-512 kernels); elsewhere they take them one at a time, and a
-/// caller that would make them compute products it does not need gains nothing.
+/// Whether [`Queries`] loads each chunk of a key once for several vectors (the AVX2 and
+/// AVX-512 kernels); elsewhere it takes the vectors one at a time, and a caller that would
+/// make it compute products it does not need gains nothing.
 pub fn loads_shared_across_vectors() -> bool {
+    matches!(selected(), Isa::Avx2 | Isa::Avx512)
+}
+
+/// Whether [`fused_add_weighted_tile`] loads each row once for several sums and pays for
+/// the lanes of the sums that skip it (the AVX-512 kernel): worth it only where the sums
+/// read most of the rows. Elsewhere each sum goes through only the rows it reads, a part of
+/// every row at a time, which costs no more than the sums one by one whatever they read.
+pub fn tile_pays_for_skipped_rows() -> bool {
     selected() == Isa::Avx512
 }
 
@@ -1232,6 +1240,15 @@ impl<'a> Queries<'a> {
                     super::avx512::paired_dots::<K, false>(paired, vectors, len, keys, out)
                 }
             },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `isa` is supported, and the lengths match.
+            Isa::Avx2 => unsafe {
+                if self.fused {
+                    super::x86::queries_dots::<K, true>(self.vectors, self.len, keys, out)
+                } else {
+                    super::x86::queries_dots::<K, false>(self.vectors, self.len, keys, out)
+                }
+            },
             isa => {
                 for (i, out) in out.iter_mut().enumerate() {
                     let vector = &self.vectors[i * self.len..][..self.len];
@@ -1344,8 +1361,14 @@ pub(super) fn add_weighted_tile_with(
     }
 }
 
-/// [`fused_add_weighted_tile`] on lanes `L`: each sum on its own, the rows it reads eight at
-/// a time through [`add_weighted_on`].
+/// Eight-lane chunks of every sum that [`add_weighted_tile_on`] keeps in registers while it
+/// goes through the rows the sum reads: 64 elements, so the part of a 64-row span it reads
+/// (16 KB) stays in the first-level cache while every sum of the tile reads it again.
+const TILE_CHUNKS: usize = 8;
+
+/// [`fused_add_weighted_tile`] on lanes `L`, each sum on its own: [`TILE_CHUNKS`] chunks of
+/// every sum at a time, each through the rows it reads, then the elements past the last
+/// full chunk one at a time.
 /// # Safety
 /// The CPU must have `L`'s instruction set; the shapes as [`add_weighted_tile_with`] checks.
 #[inline(always)]
@@ -1357,22 +1380,58 @@ pub(super) unsafe fn add_weighted_tile_on<L: Lanes>(
     rows: &[&[f32]],
 ) {
     let span = rows.len();
-    for (r, sum) in sums.chunks_exact_mut(len).enumerate() {
-        let (mut picked, mut weight, mut count) = ([&[][..]; 8], [0f32; 8], 0);
-        let mut bits = reads[r];
-        while bits != 0 {
-            let j = bits.trailing_zeros() as usize;
-            bits &= bits - 1;
-            (picked[count], weight[count]) = (rows[j], weights[r * span + j]);
-            count += 1;
-            if count == 8 {
-                add_weighted_on::<L, 8, true>(sum, weight, picked);
-                count = 0;
+    let chunks = len / 8;
+    let mut first = 0;
+    while first < chunks {
+        let group = (chunks - first).min(TILE_CHUNKS);
+        for (r, sum) in sums.chunks_exact_mut(len).enumerate() {
+            let weights = &weights[r * span..][..span];
+            if group == TILE_CHUNKS {
+                sum_chunks::<L, TILE_CHUNKS>(sum, 8 * first, weights, reads[r], rows);
+            } else {
+                for c in first..first + group {
+                    sum_chunks::<L, 1>(sum, 8 * c, weights, reads[r], rows);
+                }
             }
         }
-        for (row, w) in picked.iter().zip(weight).take(count) {
-            add_weighted_on::<L, 1, true>(sum, [w], [row]);
+        first += group;
+    }
+    for (r, sum) in sums.chunks_exact_mut(len).enumerate() {
+        for i in chunks * 8..len {
+            let mut bits = reads[r];
+            while bits != 0 {
+                let j = bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                sum[i] = scalar_step::<true>(weights[r * span + j], rows[j][i], sum[i]);
+            }
         }
+    }
+}
+
+/// `G` chunks of one sum of [`add_weighted_tile_on`] from element `at`, held in registers
+/// through every row whose bit is set in `reads`, in order.
+#[inline(always)]
+unsafe fn sum_chunks<L: Lanes, const G: usize>(
+    sum: &mut [f32],
+    at: usize,
+    weights: &[f32],
+    reads: u64,
+    rows: &[&[f32]],
+) {
+    let base = sum[at..][..8 * G].as_mut_ptr();
+    let mut acc: [L; G] = std::array::from_fn(|c| L::load(base.add(8 * c)));
+    let mut bits = reads;
+    while bits != 0 {
+        let j = bits.trailing_zeros() as usize;
+        bits &= bits - 1;
+        let weight = L::splat(weights[j]);
+        let row = rows[j][at..][..8 * G].as_ptr();
+        for (c, acc) in acc.iter_mut().enumerate() {
+            *acc = L::fma(weight, L::load(row.add(8 * c)), *acc);
+        }
+    }
+    for (c, acc) in acc.iter().enumerate() {
+        acc.store(base.add(8 * c));
     }
 }
 

@@ -43,7 +43,8 @@ pub use codec::{
 pub use format::{Format, DEFAULT_INT4_GROUP};
 pub use kernels::{
     add_weighted, dots, fused_add_weighted, fused_add_weighted_tile, fused_dots,
-    loads_shared_across_vectors, select as select_simd, selected as selected_simd, Isa, Queries,
+    loads_shared_across_vectors, select as select_simd, selected as selected_simd,
+    tile_pays_for_skipped_rows, Isa, Queries,
 };
 pub use lines::Lines;
 

@@ -6,8 +6,8 @@ use std::arch::x86_64::*;
 
 use super::codec::E2M1_DOUBLED;
 use super::kernels::{
-    Bf16Codes, Block, Decode, E2m1Codes, E4m3Codes, F16Codes, F32Codes, I8Codes, Int4Codes, Lanes,
-    View,
+    step, tail_dot, Bf16Codes, Block, Decode, E2m1Codes, E4m3Codes, F16Codes, F32Codes, I8Codes,
+    Int4Codes, Lanes, View,
 };
 
 #[derive(Clone, Copy)]
@@ -158,6 +158,49 @@ pub(super) unsafe fn dots<const N: usize, const FUSED: bool>(
     others: [&[f32]; N],
 ) -> [f32; N] {
     super::kernels::dots_on::<Avx2, N, FUSED>(a, others)
+}
+
+/// [`super::kernels::Queries::dots`] in 256-bit registers: two vectors at a time against
+/// every key, each chunk of a key loaded once for both (one vector alone loads every key
+/// for itself), each sum the one [`super::kernels::dots_on`] keeps.
+/// # Safety
+/// The CPU must have AVX2 and FMA; `vectors` holds `out.len()` vectors of `len`, and every
+/// key is `len` long.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn queries_dots<const K: usize, const FUSED: bool>(
+    vectors: &[f32],
+    len: usize,
+    keys: [&[f32]; K],
+    out: &mut [[f32; K]],
+) {
+    if len == 0 {
+        out.fill(super::kernels::dots_on::<Avx2, K, FUSED>(&[], keys));
+        return;
+    }
+    let chunks = len / 8;
+    let body = chunks * 8;
+    for (pair, out) in vectors.chunks_exact(2 * len).zip(out.chunks_exact_mut(2)) {
+        let (a, b) = pair.split_at(len);
+        let mut sums = [[Avx2::zero(); K]; 2];
+        for c in 0..chunks {
+            let key: [Avx2; K] = std::array::from_fn(|j| Avx2::load(keys[j].as_ptr().add(8 * c)));
+            for (sums, vector) in sums.iter_mut().zip([a, b]) {
+                let x = Avx2::load(vector.as_ptr().add(8 * c));
+                for (sum, key) in sums.iter_mut().zip(&key) {
+                    *sum = step::<Avx2, FUSED>(x, *key, *sum);
+                }
+            }
+        }
+        for ((out, sums), vector) in out.iter_mut().zip(&sums).zip([a, b]) {
+            *out = std::array::from_fn(|j| {
+                sums[j].sum() + tail_dot::<FUSED>(&vector[body..], &keys[j][body..])
+            });
+        }
+    }
+    if out.len() % 2 == 1 {
+        let last = &vectors[(out.len() - 1) * len..][..len];
+        out[out.len() - 1] = super::kernels::dots_on::<Avx2, K, FUSED>(last, keys);
+    }
 }
 
 /// [`super::kernels::add_weighted`] in 256-bit registers.
