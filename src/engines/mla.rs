@@ -276,8 +276,8 @@ fn quad_of<'a>(quad: &[usize], vector: impl Fn(usize) -> &'a [f32]) -> [&'a [f32
 /// keys and values is read once for all of them.
 const QUERY_BLOCK: usize = 32;
 /// Positions whose keys and values [`attend_plain`] reads as one block: 64 of GLM-5.2's
-/// (192 + 64 + 256 floats) take 128 KiB, which stays in the second-level cache while every
-/// row of a query block reads it.
+/// (192 + 64 + 256 floats and a padding line) take 132 KiB, which stays in the
+/// second-level cache while every row of a query block reads it.
 const KEY_BLOCK: usize = 64;
 
 /// Floats after each position of [`attend_plain`]'s slab: one cache line.

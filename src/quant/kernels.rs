@@ -1160,8 +1160,9 @@ pub(super) unsafe fn dots_on<L: Lanes, const N: usize, const FUSED: bool>(
 /// run AVX-512 the vectors are also kept in pairs, chunk by chunk (eight elements of one,
 /// then the same eight of the next), so that one 512-bit load brings a chunk of two of them
 /// and a key's chunk, loaded into both halves, serves both: each lane's sum is the one an
-/// 8-lane vector keeps, twice as many at a time. Built with [`Queries::fused`], it gives
-/// the bits of [`fused_dots`].
+/// 8-lane vector keeps, twice as many at a time. With AVX2 two vectors at a time share
+/// each load of a key's chunk. Built with [`Queries::fused`], it gives the bits of
+/// [`fused_dots`].
 pub struct Queries<'a> {
     vectors: &'a [f32],
     count: usize,
