@@ -391,7 +391,8 @@ impl ExpandedHeads<'_> {
                 .collect();
             let query =
                 |i: usize| &self.queries[((block_rows.start + i) * heads + head) * qk..][..qk];
-            let block_queries: Vec<f32> = (0..count).flat_map(query).copied().collect();
+            let mut block_queries = Vec::with_capacity(count * qk);
+            (0..count).for_each(|i| block_queries.extend_from_slice(query(i)));
             let mut together = Tile::new(&block_queries, count, scale);
             let key = |pos: usize| &slab[pos * stride..][..qk];
             let mut scores: Vec<Vec<f32>> = seen
@@ -412,7 +413,12 @@ impl ExpandedHeads<'_> {
                     together.score(span, key, &mut tile);
                     for (i, list) in these.iter().enumerate() {
                         let row = &tile[i * KEY_BLOCK..][..KEY_BLOCK];
-                        scores[i].extend(list.iter().map(|&pos| row[pos - lo]));
+                        match run_of(list) {
+                            Some(run) => {
+                                scores[i].extend_from_slice(&row[run.start - lo..run.end - lo])
+                            }
+                            None => scores[i].extend(list.iter().map(|&pos| row[pos - lo])),
+                        }
                     }
                 } else {
                     for (i, list) in these.iter().enumerate() {
@@ -450,14 +456,22 @@ impl ExpandedHeads<'_> {
                     weights.resize(count * width, 0.0);
                     reads.clear();
                     for (i, list) in these.iter().enumerate() {
-                        let mut bits = 0u64;
-                        for (&pos, &p) in list.iter().zip(&scores[i][next[i]..]) {
-                            let bit = 1 << (pos - span.start);
-                            debug_assert_eq!(bits & bit, 0, "a row's positions are distinct");
-                            weights[i * width + pos - span.start] = p;
-                            bits |= bit;
-                        }
-                        reads.push(bits);
+                        let p = &scores[i][next[i]..][..list.len()];
+                        let row = &mut weights[i * width..][..width];
+                        let Some(run) = run_of(list) else {
+                            let mut bits = 0u64;
+                            for (&pos, &p) in list.iter().zip(p) {
+                                let bit = 1 << (pos - span.start);
+                                debug_assert_eq!(bits & bit, 0, "a row's positions are distinct");
+                                row[pos - span.start] = p;
+                                bits |= bit;
+                            }
+                            reads.push(bits);
+                            continue;
+                        };
+                        let run = run.start - span.start..run.end - span.start;
+                        row[run.clone()].copy_from_slice(p);
+                        reads.push((u64::MAX >> (64 - run.len())) << run.start);
                     }
                     values.clear();
                     values.extend(span.map(value));
@@ -490,6 +504,13 @@ impl ExpandedHeads<'_> {
             }
         }
     }
+}
+
+/// The positions of an ascending `list` as one range, where they follow each other (every
+/// causal row's, and none of a sparse one's but by chance); `None` for an empty list.
+fn run_of(list: &[usize]) -> Option<Range<usize>> {
+    let (&first, &last) = (list.first()?, list.last()?);
+    (last - first + 1 == list.len()).then_some(first..last + 1)
 }
 
 /// The positions from the first to the last that any of a query block's rows read in one

@@ -668,15 +668,60 @@ unsafe fn pairs_against<const P: usize, const K: usize, const FUSED: bool>(
         }
     }
     let body = chunks * 8;
-    for (p, sums) in sums.iter().enumerate() {
-        for (j, sum) in sums.iter().enumerate() {
-            for (half, total) in sum.sums().into_iter().enumerate() {
+    let totals: [[[f32; 2]; K]; P] = if P == 4 && K == 4 {
+        let sixteen: [Two; 16] = std::array::from_fn(|t| sums[t / K][t % K]);
+        let all = sums_of_sixteen(sixteen);
+        std::array::from_fn(|p| std::array::from_fn(|j| all[p * 4 + j]))
+    } else {
+        sums.map(|sums| sums.map(|sum| sum.sums()))
+    };
+    for (p, totals) in totals.iter().enumerate() {
+        for (j, halves) in totals.iter().enumerate() {
+            for (half, total) in halves.iter().enumerate() {
                 let vector = 2 * (first + p) + half;
                 let tail = &vectors[vector * len + body..(vector + 1) * len];
                 out[vector][j] = total + kernels::tail_dot::<FUSED>(tail, &keys[j][body..]);
             }
         }
     }
+}
+
+/// [`Two::sums`] of sixteen registers at once: the same three levels of adds (lanes four
+/// apart, then two apart, then the last two), each level adding the parts of several
+/// registers in one instruction after shuffles have lined them up. A fifth of the
+/// instructions of sixteen [`Two::sums`], which cost [`pairs_against`] as much as its
+/// multiply-adds at the 256-wide keys of an attention head.
+#[inline(always)]
+unsafe fn sums_of_sixteen(twos: [Two; 16]) -> [[f32; 2]; 16] {
+    // Each 128-bit quarter of a result holds the four lanes of one half after the first
+    // level: quarters (0, 1) are register 2m's halves and (2, 3) register 2m + 1's.
+    let level1: [__m512; 8] = std::array::from_fn(|m| {
+        let (a, b) = (twos[2 * m].0, twos[2 * m + 1].0);
+        let low = _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b);
+        let high = _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b);
+        _mm512_add_ps(low, high)
+    });
+    // Per quarter: (l0+l4) + (l2+l6), (l1+l5) + (l3+l7) of results 2k and 2k + 1.
+    let level2: [__m512; 4] = std::array::from_fn(|k| {
+        let (c, d) = (level1[2 * k], level1[2 * k + 1]);
+        let first = _mm512_shuffle_ps::<0b01_00_01_00>(c, d);
+        let second = _mm512_shuffle_ps::<0b11_10_11_10>(c, d);
+        _mm512_add_ps(first, second)
+    });
+    // Per quarter q, lane i: the whole sum of level 1's result 4r + i, quarter q.
+    let mut lanes = [0f32; 32];
+    for r in 0..2 {
+        let (e, f) = (level2[2 * r], level2[2 * r + 1]);
+        let first = _mm512_shuffle_ps::<0b10_00_10_00>(e, f);
+        let second = _mm512_shuffle_ps::<0b11_01_11_01>(e, f);
+        _mm512_storeu_ps(lanes.as_mut_ptr().add(16 * r), _mm512_add_ps(first, second));
+    }
+    let mut out = [[0f32; 2]; 16];
+    for (at, &total) in lanes.iter().enumerate() {
+        let (r, q, i) = (at / 16, at % 16 / 4, at % 4);
+        out[2 * (4 * r + i) + q / 2][q % 2] = total;
+    }
+    out
 }
 
 /// [`kernels::add_weighted`] (with `FUSED`, [`kernels::fused_add_weighted`]) sixteen
@@ -715,8 +760,10 @@ pub(super) unsafe fn add_weighted<const N: usize, const FUSED: bool>(
 /// [`kernels::fused_add_weighted_tile`] four sums at a time, sixty-four elements of each (four
 /// registers) in registers while every row goes by: a row's chunk is loaded once for the
 /// four, and a sum that does not read the row keeps its value (a masked fused
-/// multiply-add). Tails are masked loads and stores, and each element's sum is its own, so
-/// no width changes a bit.
+/// multiply-add). Sixty-four elements of every sum of a group of up to [`TILE_GROUP`] are
+/// summed before the next sixty-four, so the part of the rows they read (16 KiB for 64
+/// rows) stays in the first-level cache for all of them. Tails are masked loads and
+/// stores, and each element's sum is its own, so no width changes a bit.
 /// # Safety
 /// As [`kernels::add_weighted_tile_on`], with AVX-512.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
@@ -727,65 +774,130 @@ pub(super) unsafe fn add_weighted_tile(
     reads: &[u64],
     rows: &[&[f32]],
 ) {
-    let mut first = 0;
-    while first + 4 <= reads.len() {
-        sums_of_tile::<4>(sums, len, weights, reads, rows, first);
-        first += 4;
-    }
-    while first < reads.len() {
-        sums_of_tile::<1>(sums, len, weights, reads, rows, first);
-        first += 1;
+    for group in (0..reads.len()).step_by(TILE_GROUP) {
+        let end = (group + TILE_GROUP).min(reads.len());
+        let fours = (end - group) / 4;
+        let tiles: [Packed<4>; TILE_GROUP / 4] = std::array::from_fn(|q| {
+            let first = group + 4 * q;
+            if q < fours {
+                Packed::new(weights, reads, rows.len(), first)
+            } else {
+                Packed::EMPTY
+            }
+        });
+        let ones: [Packed<1>; 3] = std::array::from_fn(|o| {
+            let first = group + 4 * fours + o;
+            if first < end {
+                Packed::new(weights, reads, rows.len(), first)
+            } else {
+                Packed::EMPTY
+            }
+        });
+        for at in (0..len).step_by(64) {
+            for (q, tile) in tiles.iter().enumerate().take(fours) {
+                sums_of_block(sums, len, rows, group + 4 * q, tile, at);
+            }
+            for (o, one) in ones.iter().enumerate() {
+                sums_of_block(sums, len, rows, group + 4 * fours + o, one, at);
+            }
+        }
     }
 }
 
-/// Sums `first..first + S` of [`add_weighted_tile`].
-#[inline(always)]
-unsafe fn sums_of_tile<const S: usize>(
-    sums: &mut [f32],
-    len: usize,
-    weights: &[f32],
-    reads: &[u64],
-    rows: &[&[f32]],
-    first: usize,
-) {
-    let span = rows.len();
-    let any = reads[first..first + S]
-        .iter()
-        .fold(0, |any, bits| any | bits);
-    let base = sums.as_mut_ptr();
-    let sum_at = |s: usize, at: usize| base.wrapping_add((first + s) * len + at);
-    for at in (0..len).step_by(64) {
-        // Lanes of each of the four registers that lie inside the sums.
-        let lanes: [__mmask16; 4] = std::array::from_fn(|c| {
-            let inside = len.saturating_sub(at + 16 * c).min(16);
-            ((1u32 << inside) - 1) as __mmask16
-        });
-        let mut acc = [[_mm512_setzero_ps(); 4]; S];
-        for (s, acc) in acc.iter_mut().enumerate() {
-            for (c, acc) in acc.iter_mut().enumerate() {
-                *acc = _mm512_maskz_loadu_ps(lanes[c], sum_at(s, at + 16 * c));
+/// Sums [`add_weighted_tile`] takes together, sixty-four elements at a time.
+const TILE_GROUP: usize = 32;
+
+/// The weights of `S` sums of [`add_weighted_tile`] packed row by row, with which of the
+/// sums read each row: in the loop over rows the general-purpose registers then hold a
+/// handful of pointers, not every sum's mask and weights (which spilled to the stack).
+struct Packed<const S: usize> {
+    weights: [[f32; S]; 64],
+    /// Bit `s` of row `j`'s: sum `s` reads it.
+    readers: [u8; 64],
+    /// The rows any of the sums reads.
+    any: u64,
+}
+
+impl<const S: usize> Packed<S> {
+    const EMPTY: Packed<S> = Packed {
+        weights: [[0.0; S]; 64],
+        readers: [0; 64],
+        any: 0,
+    };
+
+    fn new(weights: &[f32], reads: &[u64], span: usize, first: usize) -> Packed<S> {
+        let mut packed = Packed::EMPTY;
+        let reads = &reads[first..first + S];
+        for (j, (row, readers)) in packed
+            .weights
+            .iter_mut()
+            .zip(&mut packed.readers)
+            .enumerate()
+            .take(span)
+        {
+            for (s, bits) in reads.iter().enumerate() {
+                row[s] = weights[(first + s) * span + j];
+                *readers |= ((bits >> j) as u8 & 1) << s;
             }
         }
-        let mut bits = any;
-        while bits != 0 {
-            let j = bits.trailing_zeros() as usize;
-            bits &= bits - 1;
-            let row = rows[j].as_ptr();
-            let chunk: [__m512; 4] = std::array::from_fn(|c| {
-                _mm512_maskz_loadu_ps(lanes[c], row.wrapping_add(at + 16 * c))
-            });
-            for (s, acc) in acc.iter_mut().enumerate() {
-                let reads_row = ((reads[first + s] >> j) as u16 & 1).wrapping_neg();
-                let weight = _mm512_set1_ps(weights[(first + s) * span + j]);
+        packed.any = reads.iter().fold(0, |any, bits| any | bits);
+        packed
+    }
+}
+
+/// Elements `at..at + 64` of sums `first..first + S` of [`add_weighted_tile`]. A row every
+/// sum reads takes plain multiply-adds.
+#[inline(always)]
+unsafe fn sums_of_block<const S: usize>(
+    sums: &mut [f32],
+    len: usize,
+    rows: &[&[f32]],
+    first: usize,
+    tile: &Packed<S>,
+    at: usize,
+) {
+    let every = (1u8 << S) - 1;
+    let base = sums.as_mut_ptr();
+    let sum_at = |s: usize, at: usize| base.wrapping_add((first + s) * len + at);
+    // Lanes of each of the four registers that lie inside the sums.
+    let lanes: [__mmask16; 4] = std::array::from_fn(|c| {
+        let inside = len.saturating_sub(at + 16 * c).min(16);
+        ((1u32 << inside) - 1) as __mmask16
+    });
+    let mut acc = [[_mm512_setzero_ps(); 4]; S];
+    for (s, acc) in acc.iter_mut().enumerate() {
+        for (c, acc) in acc.iter_mut().enumerate() {
+            *acc = _mm512_maskz_loadu_ps(lanes[c], sum_at(s, at + 16 * c));
+        }
+    }
+    let mut bits = tile.any;
+    while bits != 0 {
+        let j = bits.trailing_zeros() as usize;
+        bits &= bits - 1;
+        let row = rows[j].as_ptr();
+        let chunk: [__m512; 4] =
+            std::array::from_fn(|c| _mm512_maskz_loadu_ps(lanes[c], row.wrapping_add(at + 16 * c)));
+        let (weights, readers) = (&tile.weights[j], tile.readers[j]);
+        if readers == every {
+            for (acc, &weight) in acc.iter_mut().zip(weights) {
+                let weight = _mm512_set1_ps(weight);
+                for (acc, chunk) in acc.iter_mut().zip(&chunk) {
+                    *acc = _mm512_fmadd_ps(weight, *chunk, *acc);
+                }
+            }
+        } else {
+            for (s, (acc, &weight)) in acc.iter_mut().zip(weights).enumerate() {
+                let reads_row = ((readers >> s) as u16 & 1).wrapping_neg();
+                let weight = _mm512_set1_ps(weight);
                 for (acc, chunk) in acc.iter_mut().zip(&chunk) {
                     *acc = _mm512_mask3_fmadd_ps(weight, *chunk, *acc, reads_row);
                 }
             }
         }
-        for (s, acc) in acc.iter().enumerate() {
-            for (c, acc) in acc.iter().enumerate() {
-                _mm512_mask_storeu_ps(sum_at(s, at + 16 * c), lanes[c], *acc);
-            }
+    }
+    for (s, acc) in acc.iter().enumerate() {
+        for (c, acc) in acc.iter().enumerate() {
+            _mm512_mask_storeu_ps(sum_at(s, at + 16 * c), lanes[c], *acc);
         }
     }
 }

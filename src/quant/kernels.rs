@@ -1756,7 +1756,14 @@ mod tests {
     /// sparse; rows that nobody reads holding NaN and infinity.
     #[test]
     fn tile_sums_give_the_bits_of_each_sum_over_the_rows_it_reads() {
-        for (count, span, len) in [(1, 1, 8), (4, 64, 256), (6, 37, 21), (9, 64, 70), (3, 5, 3)] {
+        for (count, span, len) in [
+            (1, 1, 8),
+            (4, 64, 256),
+            (6, 37, 21),
+            (9, 64, 70),
+            (3, 5, 3),
+            (39, 64, 80),
+        ] {
             let mut values: Vec<Vec<f32>> = (0..span).map(|j| noise(len, 10 + j as u32)).collect();
             values[span / 2].fill(f32::NAN);
             values[span - 1][0] = f32::INFINITY;
@@ -1800,13 +1807,16 @@ mod tests {
             (3, 21),
             (9, 128),
             (32, 128),
+            (17, 43),
             (11, 64),
             (4, 0),
         ] {
             let vectors = noise(count * len, 1);
             let keys: Vec<Vec<f32>> = (0..9u32).map(|j| noise(len, 2 + j)).collect();
-            // Three keys (no group of four), and nine (two groups of four and one more).
+            // Three keys (no group of four), four (AVX-512 sums eight vectors' in one go),
+            // and nine (two groups of four and one more).
             let three: [&[f32]; 3] = std::array::from_fn(|j| &keys[j][..]);
+            let four: [&[f32]; 4] = std::array::from_fn(|j| &keys[j][..]);
             let nine: [&[f32]; 9] = std::array::from_fn(|j| &keys[j][..]);
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             for (isa, fused) in Isa::available()
@@ -1815,7 +1825,9 @@ mod tests {
             {
                 let queries = Queries::with(isa, &vectors, count, fused);
                 let (mut got3, mut got9) = (vec![[0f32; 3]; count], vec![[0f32; 9]; count]);
+                let mut got4 = vec![[0f32; 4]; count];
                 queries.dots(three, &mut got3);
+                queries.dots(four, &mut got4);
                 queries.dots(nine, &mut got9);
                 for i in 0..count {
                     let vector = &vectors[i * len..][..len];
@@ -1826,6 +1838,7 @@ mod tests {
                     };
                     assert_eq!(bits(&got9[i]), bits(&want), "{isa:?} {fused}");
                     assert_eq!(bits(&got3[i]), bits(&want[..3]), "{isa:?} {fused}");
+                    assert_eq!(bits(&got4[i]), bits(&want[..4]), "{isa:?} {fused}");
                 }
             }
         }
