@@ -20,7 +20,7 @@ use crate::experts::tier::ExpertTier;
 use crate::experts::Policy;
 use crate::route_trace::guard::{PlacementGuard, Verdict};
 use crate::route_trace::placement::rank;
-use crate::route_trace::repin::{plan_repin, RepinSchedule, REPIN_PASS_LIMIT};
+use crate::route_trace::repin::{plan_repin, plan_vram_repin, RepinSchedule, REPIN_PASS_LIMIT};
 use crate::route_trace::{Elsewhere, PinPlan, PinRequest, PinSetting, PinSource, SaveOptions};
 use crate::settings::Settings;
 
@@ -312,10 +312,14 @@ impl Session {
     }
 
     /// After each generated token: the abstain rule's changes of pins, and a `REPIN` pass
-    /// when one is due.
+    /// when one is due. Either may leave a RAM pin hotter than an expert of the VRAM tier,
+    /// so each is followed by the tier's half of a pass ([`trade_vram`]).
     pub fn after_tokens(&mut self, engine: &dyn Engine, emitted: u64) -> Result<()> {
         let mut routed = engine.routed();
-        for verdict in routed.telemetry.pin_verdicts() {
+        let routed = &mut *routed;
+        let verdicts = routed.telemetry.pin_verdicts();
+        let moved = !verdicts.is_empty();
+        for verdict in verdicts {
             let layer = verdict.layer;
             let unpin: Vec<_> = verdict.unpin.iter().map(|&e| (layer, e)).collect();
             routed.unpin(&unpin)?;
@@ -335,10 +339,14 @@ impl Session {
             }
             eprintln!("{}", verdict_line(&verdict));
         }
-        let Some(schedule) = self.repin.as_mut() else {
-            return Ok(());
-        };
-        if !schedule.tokens(emitted) {
+        let due = self
+            .repin
+            .as_mut()
+            .is_some_and(|schedule| schedule.tokens(emitted));
+        if !due {
+            if moved {
+                trade_vram(routed)?;
+            }
             return Ok(());
         }
         let started = Instant::now();
@@ -348,11 +356,12 @@ impl Session {
             routed.unpin(&[(swap.layer, swap.evict)])?;
             routed.pin(&[(swap.layer, swap.admit)])?;
         }
-        routed.telemetry.cool_session_heat();
         let millis = started.elapsed().as_secs_f64() * 1e3;
         for swap in &swaps {
             eprintln!("{}", swap.line("RAM", millis));
         }
+        trade_vram(routed)?;
+        routed.telemetry.cool_session_heat();
         Ok(())
     }
 
@@ -451,6 +460,33 @@ fn fill_expert_tier(
         started.elapsed().as_secs_f64()
     );
     Ok(tier)
+}
+
+/// The VRAM tier's half of a pass ([`plan_vram_repin`]): each trade puts a hot RAM pin on
+/// the device and pins the expert it replaces in RAM in its stead, then prints its
+/// `[REPIN] VRAM` line. Nothing without a tier.
+fn trade_vram(routed: &mut RoutedExperts) -> Result<()> {
+    let Some(device) = backend::active().filter(|_| !routed.tier.is_empty()) else {
+        return Ok(());
+    };
+    let resident = routed.tier.by_layer(routed.store.layers());
+    let heat = routed.telemetry.session_heat();
+    let swaps = plan_vram_repin(heat, &resident, &routed.pinned(), REPIN_PASS_LIMIT);
+    for swap in swaps {
+        let started = Instant::now();
+        let (layer, evict, admit) = (swap.layer, swap.evict, swap.admit);
+        if !routed
+            .tier
+            .swap(device, &routed.store, layer, evict, admit)?
+        {
+            continue;
+        }
+        routed.unpin(&[(layer, admit)])?;
+        routed.pin(&[(layer, evict)])?;
+        let millis = started.elapsed().as_secs_f64() * 1e3;
+        eprintln!("{}", swap.line("VRAM", millis));
+    }
+    Ok(())
 }
 
 fn layer_has_experts(sizes: &[u64], layer: usize) -> bool {

@@ -3,14 +3,15 @@
 //! again; each MoE layer sends its resident experts to the device as one group while the
 //! CPU computes the rest (see [`RoutedExperts::run`](crate::engines::moe::RoutedExperts::run)).
 //!
-//! The tier is fixed for the run: it does not follow `REPIN`, which moves RAM pins only.
+//! A `REPIN` pass may then trade a resident expert for a hotter one pinned in RAM
+//! ([`ExpertTier::swap`]; the rule is [`plan_vram_repin`](crate::route_trace::repin::plan_vram_repin)).
 //! This module chooses and holds the uploads; it does not compute.
 
 use std::collections::HashMap;
 
 use anyhow::{bail, Result};
 
-use super::ExpertStore;
+use super::{Expert, ExpertStore};
 use crate::backend::{Device, DeviceError, DeviceWeight, WeightId};
 use crate::quant::Matrix;
 
@@ -32,6 +33,8 @@ impl ResidentExpert {
 pub struct ExpertTier {
     resident: HashMap<(usize, usize), ResidentExpert>,
     bytes: u64,
+    /// `GPU_EXPERT_GB` in bytes: what a swap may not exceed.
+    budget: u64,
 }
 
 impl ExpertTier {
@@ -58,7 +61,10 @@ impl ExpertTier {
                 memory.total as f64 / 1e9
             );
         }
-        let mut tier = ExpertTier::default();
+        let mut tier = ExpertTier {
+            budget,
+            ..ExpertTier::default()
+        };
         for (layer, expert) in order {
             if tier.resident.contains_key(&(layer, expert)) || !store.has_expert(layer, expert) {
                 continue;
@@ -68,28 +74,57 @@ impl ExpertTier {
             if tier.bytes + bytes > budget {
                 break;
             }
-            let upload = |matrix: &Matrix| {
-                DeviceWeight::upload(device, &matrix.raw()).map_err(|error| match error {
-                    DeviceError::Unsupported(why) => anyhow::anyhow!(
-                        "the experts are {} ({why}); {} cannot hold them: \
-                         set GPU_EXPERT_GB=0, or convert them to a format it computes",
-                        matrix.format(),
-                        device.description()
-                    ),
-                    DeviceError::Failed(error) => {
-                        error.context(format!("uploading expert {expert} of MoE layer {layer}"))
-                    }
-                })
-            };
-            let resident = ResidentExpert {
-                gate: upload(&weights.gate)?,
-                up: upload(&weights.up)?,
-                down: upload(&weights.down)?,
-            };
+            let resident = upload_expert(device, &weights, layer, expert)?;
             tier.bytes += bytes;
             tier.resident.insert((layer, expert), resident);
         }
         Ok(tier)
+    }
+
+    /// Put expert `admit` of MoE layer `layer` on the device in place of `evict`, which
+    /// leaves it. `Ok(false)`, with nothing changed, when `evict` is not resident, `admit`
+    /// already is or does not exist, or the trade would exceed the budget. The new expert
+    /// is uploaded before the old one is released, so a failed upload leaves the tier as
+    /// it was.
+    pub fn swap(
+        &mut self,
+        device: &dyn Device,
+        store: &ExpertStore,
+        layer: usize,
+        evict: usize,
+        admit: usize,
+    ) -> Result<bool> {
+        if !self.contains(layer, evict)
+            || self.contains(layer, admit)
+            || !store.has_expert(layer, admit)
+        {
+            return Ok(false);
+        }
+        let weights = store.load_expert(layer, admit)?;
+        let evicted = store.load_expert(layer, evict)?.size_bytes() as u64;
+        let bytes = self.bytes - evicted + weights.size_bytes() as u64;
+        if bytes > self.budget {
+            return Ok(false);
+        }
+        let resident = upload_expert(device, &weights, layer, admit)?;
+        self.resident.remove(&(layer, evict));
+        self.resident.insert((layer, admit), resident);
+        self.bytes = bytes;
+        Ok(true)
+    }
+
+    /// The resident experts of each of `layers` MoE layers, in ascending order.
+    pub fn by_layer(&self, layers: usize) -> Vec<Vec<usize>> {
+        let mut by_layer = vec![Vec::new(); layers];
+        for &(layer, expert) in self.resident.keys() {
+            if let Some(experts) = by_layer.get_mut(layer) {
+                experts.push(expert);
+            }
+        }
+        by_layer
+            .iter_mut()
+            .for_each(|experts| experts.sort_unstable());
+        by_layer
     }
 
     pub fn get(&self, layer: usize, expert: usize) -> Option<&ResidentExpert> {
@@ -112,4 +147,31 @@ impl ExpertTier {
     pub fn bytes(&self) -> u64 {
         self.bytes
     }
+}
+
+/// Upload one expert's three projections.
+fn upload_expert(
+    device: &dyn Device,
+    weights: &Expert,
+    layer: usize,
+    expert: usize,
+) -> Result<ResidentExpert> {
+    let upload = |matrix: &Matrix| {
+        DeviceWeight::upload(device, &matrix.raw()).map_err(|error| match error {
+            DeviceError::Unsupported(why) => anyhow::anyhow!(
+                "the experts are {} ({why}); {} cannot hold them: \
+                 set GPU_EXPERT_GB=0, or convert them to a format it computes",
+                matrix.format(),
+                device.description()
+            ),
+            DeviceError::Failed(error) => {
+                error.context(format!("uploading expert {expert} of MoE layer {layer}"))
+            }
+        })
+    };
+    Ok(ResidentExpert {
+        gate: upload(&weights.gate)?,
+        up: upload(&weights.up)?,
+        down: upload(&weights.down)?,
+    })
 }

@@ -148,6 +148,51 @@ pub fn plan_repin(heat: &SessionHeat, pinned: &[Vec<usize>], limit: usize) -> Ve
     swaps
 }
 
+/// Plans the VRAM half of a REPIN pass, where a GPU holds an expert tier: for every layer,
+/// the coldest resident expert (lowest heat, first in `resident[layer]` on a tie) is traded
+/// for the hottest expert pinned in RAM (highest heat, first in `pinned[layer]` on a tie)
+/// when the RAM pin's heat exceeds the resident one's by more than one, colibri's rule for
+/// its CUDA tier. The RAM pins are the candidates because the RAM half of the pass has just
+/// pinned the session's hottest experts. At most `limit` trades, largest gain first (lower
+/// layer first on equal gain); `gain` is the difference in heat.
+pub fn plan_vram_repin(
+    heat: &SessionHeat,
+    resident: &[Vec<usize>],
+    pinned: &[Vec<usize>],
+    limit: usize,
+) -> Vec<Swap> {
+    let mut swaps = Vec::new();
+    for (layer, (resident, pinned)) in resident.iter().zip(pinned).enumerate() {
+        let Some(&cold) = resident.iter().min_by_key(|&&e| heat.heat(layer, e)) else {
+            continue;
+        };
+        let hot = pinned.iter().copied().reduce(|best, e| {
+            if heat.heat(layer, e) > heat.heat(layer, best) {
+                e
+            } else {
+                best
+            }
+        });
+        let Some(hot) = hot else {
+            continue;
+        };
+        let (cold_heat, hot_heat) = (heat.heat(layer, cold), heat.heat(layer, hot));
+        if hot_heat > cold_heat + 1 {
+            swaps.push(Swap {
+                layer,
+                evict: cold,
+                evict_heat: cold_heat,
+                admit: hot,
+                admit_heat: hot_heat,
+                gain: u64::from(hot_heat - cold_heat),
+            });
+        }
+    }
+    swaps.sort_by(|a, b| b.gain.cmp(&a.gain).then(a.layer.cmp(&b.layer)));
+    swaps.truncate(limit);
+    swaps
+}
+
 /// When passes run: `REPIN=N` runs one after every N emitted tokens (0 = never).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RepinSchedule {
@@ -211,6 +256,47 @@ mod tests {
         assert_eq!((s[0].layer, s[0].evict, s[0].admit), (0, 1, 3));
         assert_eq!((s[1].layer, s[1].evict, s[1].admit), (1, 0, 2));
         assert_eq!(plan_repin(&h, &pinned, 1).len(), 1);
+    }
+
+    #[test]
+    fn vram_trades_its_coldest_for_the_hottest_ram_pin_past_one_selection() {
+        // Layer 0: resident 0 (heat 5) and 1 (heat 2); RAM pins 2 (heat 3) and 3 (heat 9).
+        // Layer 1: resident 0 (heat 4), RAM pin 1 (heat 5): a gain of one is no trade.
+        let h = heat_with(
+            4,
+            &[
+                (0, 0, 5),
+                (0, 1, 2),
+                (0, 2, 3),
+                (0, 3, 9),
+                (1, 0, 4),
+                (1, 1, 5),
+            ],
+        );
+        let resident = vec![vec![0, 1], vec![0]];
+        let pinned = vec![vec![2, 3], vec![1]];
+        let s = plan_vram_repin(&h, &resident, &pinned, 16);
+        assert_eq!(s.len(), 1);
+        assert_eq!(
+            (s[0].layer, s[0].evict, s[0].admit, s[0].gain),
+            (0, 1, 3, 7)
+        );
+        assert_eq!((s[0].evict_heat, s[0].admit_heat), (2, 9));
+        // A layer without RAM pins or without residents trades nothing; ties go to the
+        // first listed on both sides; the limit keeps the largest gains.
+        let h = heat_with(4, &[(0, 2, 3), (0, 3, 3), (1, 1, 8)]);
+        let s = plan_vram_repin(&h, &[vec![0, 1], vec![0]], &[vec![3, 2], vec![1]], 16);
+        assert_eq!(
+            s.iter()
+                .map(|s| (s.layer, s.evict, s.admit))
+                .collect::<Vec<_>>(),
+            [(1, 0, 1), (0, 0, 3)]
+        );
+        assert_eq!(
+            plan_vram_repin(&h, &[vec![0, 1], vec![0]], &[vec![3, 2], vec![1]], 1).len(),
+            1
+        );
+        assert!(plan_vram_repin(&h, &[vec![], vec![0]], &[vec![3], vec![]], 16).is_empty());
     }
 
     #[test]

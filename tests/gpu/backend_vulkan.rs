@@ -132,6 +132,61 @@ fn the_tier_is_filled_from_the_pin_plan_first() {
 }
 
 #[test]
+fn a_repin_pass_trades_a_cold_vram_expert_for_a_hot_ram_pin() {
+    let dir = copy_fixture("olmoe_tiny");
+    let snap = format!("SNAP={}", dir.path().display());
+    // A history from one prompt; the run below routes another, so its session heat
+    // disagrees with the history the tier was filled from.
+    let out = coli(&[&snap, "IDS=3 11 29 7", "NGEN=8", "2", "16", "16"], &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let run = |backend: &str| {
+        let out = coli(
+            &[
+                &snap,
+                "IDS=5 40 2 17 9",
+                "NGEN=24",
+                "PIN=auto",
+                "PIN_GB=0.0002",
+                backend,
+                "GPU_EXPERT_GB=0.00005",
+                "REPIN=1",
+                "USAGE_SAVE=0",
+                "2",
+                "16",
+                "16",
+            ],
+            &[],
+        );
+        assert!(out.status.success(), "{backend}: {}", stderr(&out));
+        let ids = stdout(&out)
+            .lines()
+            .find(|line| {
+                let ids: Vec<&str> = line.split_whitespace().collect();
+                (1..=24).contains(&ids.len()) && ids.iter().all(|id| id.parse::<u32>().is_ok())
+            })
+            .map(str::to_string);
+        (ids, stderr(&out))
+    };
+    let (cpu, _) = run("BACKEND=cpu");
+    let (gpu, errors) = run("BACKEND=vulkan");
+    assert!(
+        errors.contains("[PIN] placement: 2 VRAM + 6 RAM expert"),
+        "{errors}"
+    );
+    let trade = errors
+        .lines()
+        .find(|line| line.starts_with("[REPIN] VRAM layer "))
+        .unwrap_or_else(|| panic!("no VRAM trade in {errors}"));
+    assert!(
+        trade.contains(": evict ") && trade.contains(" <- admit "),
+        "{trade}"
+    );
+    // The experts that moved between the device and the CPU compute the same tokens.
+    assert!(cpu.is_some(), "no generated ids");
+    assert_eq!(gpu, cpu);
+}
+
+#[test]
 fn a_backend_that_cannot_start_is_an_error() {
     let snap = format!("SNAP={}", fixture("olmoe_tiny").display());
     // COLI_VK_LOADER is a setting: from the environment or as an argument.
