@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use anyhow::{bail, Result};
 
 use super::{Expert, ExpertStore};
-use crate::backend::{Device, DeviceError, DeviceWeight, WeightId};
+use crate::backend::{self, Device, DeviceError, DeviceWeight, WeightId};
 use crate::quant::Matrix;
 
 /// One expert's three projections on the device.
@@ -74,7 +74,18 @@ impl ExpertTier {
             if tier.bytes + bytes > budget {
                 break;
             }
-            let resident = upload_expert(device, &weights, layer, expert)?;
+            let resident =
+                upload_expert(device, &weights).map_err(|(error, matrix)| match error {
+                    DeviceError::Unsupported(why) => anyhow::anyhow!(
+                        "the experts are {} ({why}); {} cannot hold them: \
+                     set GPU_EXPERT_GB=0, or convert them to a format it computes",
+                        matrix.format(),
+                        device.description()
+                    ),
+                    DeviceError::Failed(error) => {
+                        error.context(format!("uploading expert {expert} of MoE layer {layer}"))
+                    }
+                })?;
             tier.bytes += bytes;
             tier.resident.insert((layer, expert), resident);
         }
@@ -85,7 +96,8 @@ impl ExpertTier {
     /// leaves it. `Ok(false)`, with nothing changed, when `evict` is not resident, `admit`
     /// already is or does not exist, or the trade would exceed the budget. The new expert
     /// is uploaded before the old one is released, so a failed upload leaves the tier as
-    /// it was.
+    /// it was; the failure is the device's as anywhere after startup
+    /// ([`backend::fell_back`]: one warning, and the CPU computes from then on).
     pub fn swap(
         &mut self,
         device: &dyn Device,
@@ -106,7 +118,13 @@ impl ExpertTier {
         if bytes > self.budget {
             return Ok(false);
         }
-        let resident = upload_expert(device, &weights, layer, admit)?;
+        let resident = match upload_expert(device, &weights) {
+            Ok(resident) => resident,
+            Err((error, _)) => {
+                backend::fell_back(error);
+                return Ok(false);
+            }
+        };
         self.resident.remove(&(layer, evict));
         self.resident.insert((layer, admit), resident);
         self.bytes = bytes;
@@ -149,25 +167,13 @@ impl ExpertTier {
     }
 }
 
-/// Upload one expert's three projections.
-fn upload_expert(
+/// Upload one expert's three projections; an error names the matrix the device refused.
+fn upload_expert<'a>(
     device: &dyn Device,
-    weights: &Expert,
-    layer: usize,
-    expert: usize,
-) -> Result<ResidentExpert> {
-    let upload = |matrix: &Matrix| {
-        DeviceWeight::upload(device, &matrix.raw()).map_err(|error| match error {
-            DeviceError::Unsupported(why) => anyhow::anyhow!(
-                "the experts are {} ({why}); {} cannot hold them: \
-                 set GPU_EXPERT_GB=0, or convert them to a format it computes",
-                matrix.format(),
-                device.description()
-            ),
-            DeviceError::Failed(error) => {
-                error.context(format!("uploading expert {expert} of MoE layer {layer}"))
-            }
-        })
+    weights: &'a Expert,
+) -> Result<ResidentExpert, (DeviceError, &'a Matrix)> {
+    let upload = |matrix: &'a Matrix| {
+        DeviceWeight::upload(device, &matrix.raw()).map_err(|error| (error, matrix))
     };
     Ok(ResidentExpert {
         gate: upload(&weights.gate)?,
