@@ -668,60 +668,15 @@ unsafe fn pairs_against<const P: usize, const K: usize, const FUSED: bool>(
         }
     }
     let body = chunks * 8;
-    let totals: [[[f32; 2]; K]; P] = if P == 4 && K == 4 {
-        let sixteen: [Two; 16] = std::array::from_fn(|t| sums[t / K][t % K]);
-        let all = sums_of_sixteen(sixteen);
-        std::array::from_fn(|p| std::array::from_fn(|j| all[p * 4 + j]))
-    } else {
-        sums.map(|sums| sums.map(|sum| sum.sums()))
-    };
-    for (p, totals) in totals.iter().enumerate() {
-        for (j, halves) in totals.iter().enumerate() {
-            for (half, total) in halves.iter().enumerate() {
+    for (p, sums) in sums.iter().enumerate() {
+        for (j, sum) in sums.iter().enumerate() {
+            for (half, total) in sum.sums().into_iter().enumerate() {
                 let vector = 2 * (first + p) + half;
                 let tail = &vectors[vector * len + body..(vector + 1) * len];
                 out[vector][j] = total + kernels::tail_dot::<FUSED>(tail, &keys[j][body..]);
             }
         }
     }
-}
-
-/// [`Two::sums`] of sixteen registers at once: the same three levels of adds (lanes four
-/// apart, then two apart, then the last two), each level adding the parts of several
-/// registers in one instruction after shuffles have lined them up. A fifth of the
-/// instructions of sixteen [`Two::sums`], which cost [`pairs_against`] as much as its
-/// multiply-adds at the 256-wide keys of an attention head.
-#[inline(always)]
-unsafe fn sums_of_sixteen(twos: [Two; 16]) -> [[f32; 2]; 16] {
-    // Each 128-bit quarter of a result holds the four lanes of one half after the first
-    // level: quarters (0, 1) are register 2m's halves and (2, 3) register 2m + 1's.
-    let level1: [__m512; 8] = std::array::from_fn(|m| {
-        let (a, b) = (twos[2 * m].0, twos[2 * m + 1].0);
-        let low = _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b);
-        let high = _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b);
-        _mm512_add_ps(low, high)
-    });
-    // Per quarter: (l0+l4) + (l2+l6), (l1+l5) + (l3+l7) of results 2k and 2k + 1.
-    let level2: [__m512; 4] = std::array::from_fn(|k| {
-        let (c, d) = (level1[2 * k], level1[2 * k + 1]);
-        let first = _mm512_shuffle_ps::<0b01_00_01_00>(c, d);
-        let second = _mm512_shuffle_ps::<0b11_10_11_10>(c, d);
-        _mm512_add_ps(first, second)
-    });
-    // Per quarter q, lane i: the whole sum of level 1's result 4r + i, quarter q.
-    let mut lanes = [0f32; 32];
-    for r in 0..2 {
-        let (e, f) = (level2[2 * r], level2[2 * r + 1]);
-        let first = _mm512_shuffle_ps::<0b10_00_10_00>(e, f);
-        let second = _mm512_shuffle_ps::<0b11_01_11_01>(e, f);
-        _mm512_storeu_ps(lanes.as_mut_ptr().add(16 * r), _mm512_add_ps(first, second));
-    }
-    let mut out = [[0f32; 2]; 16];
-    for (at, &total) in lanes.iter().enumerate() {
-        let (r, q, i) = (at / 16, at % 16 / 4, at % 4);
-        out[2 * (4 * r + i) + q / 2][q % 2] = total;
-    }
-    out
 }
 
 /// [`kernels::add_weighted`] (with `FUSED`, [`kernels::fused_add_weighted`]) sixteen
