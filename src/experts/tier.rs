@@ -31,7 +31,8 @@ impl ResidentExpert {
 /// The experts resident on the device, by MoE layer and expert id.
 #[derive(Default)]
 pub struct ExpertTier {
-    resident: HashMap<(usize, usize), ResidentExpert>,
+    /// Each resident expert, with its bytes.
+    resident: HashMap<(usize, usize), (ResidentExpert, u64)>,
     bytes: u64,
     /// `GPU_EXPERT_GB` in bytes: what a swap may not exceed.
     budget: u64,
@@ -87,7 +88,7 @@ impl ExpertTier {
                     }
                 })?;
             tier.bytes += bytes;
-            tier.resident.insert((layer, expert), resident);
+            tier.resident.insert((layer, expert), (resident, bytes));
         }
         Ok(tier)
     }
@@ -113,8 +114,8 @@ impl ExpertTier {
             return Ok(false);
         }
         let weights = store.load_expert(layer, admit)?;
-        let evicted = store.load_expert(layer, evict)?.size_bytes() as u64;
-        let bytes = self.bytes - evicted + weights.size_bytes() as u64;
+        let admitted = weights.size_bytes() as u64;
+        let bytes = self.bytes - self.resident[&(layer, evict)].1 + admitted;
         if bytes > self.budget {
             return Ok(false);
         }
@@ -126,7 +127,7 @@ impl ExpertTier {
             }
         };
         self.resident.remove(&(layer, evict));
-        self.resident.insert((layer, admit), resident);
+        self.resident.insert((layer, admit), (resident, admitted));
         self.bytes = bytes;
         Ok(true)
     }
@@ -146,7 +147,9 @@ impl ExpertTier {
     }
 
     pub fn get(&self, layer: usize, expert: usize) -> Option<&ResidentExpert> {
-        self.resident.get(&(layer, expert))
+        self.resident
+            .get(&(layer, expert))
+            .map(|(resident, _)| resident)
     }
 
     pub fn contains(&self, layer: usize, expert: usize) -> bool {

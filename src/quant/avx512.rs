@@ -740,10 +740,10 @@ pub(super) unsafe fn add_weighted_tile(
                 Packed::EMPTY
             }
         });
+        let left = end - group - 4 * fours;
         let ones: [Packed<1>; 3] = std::array::from_fn(|o| {
-            let first = group + 4 * fours + o;
-            if first < end {
-                Packed::new(weights, reads, rows.len(), first)
+            if o < left {
+                Packed::new(weights, reads, rows.len(), group + 4 * fours + o)
             } else {
                 Packed::EMPTY
             }
@@ -752,7 +752,9 @@ pub(super) unsafe fn add_weighted_tile(
             for (q, tile) in tiles.iter().enumerate().take(fours) {
                 sums_of_block(sums, len, rows, group + 4 * q, tile, at);
             }
-            for (o, one) in ones.iter().enumerate() {
+            // Only the sums there are: an empty one would still load and store back its
+            // sixty-four elements, past the end of `sums` for the last group.
+            for (o, one) in ones.iter().enumerate().take(left) {
                 sums_of_block(sums, len, rows, group + 4 * fours + o, one, at);
             }
         }
@@ -811,6 +813,10 @@ unsafe fn sums_of_block<const S: usize>(
     tile: &Packed<S>,
     at: usize,
 ) {
+    debug_assert!(
+        (first + S) * len <= sums.len(),
+        "sums_of_block: sums past the end"
+    );
     let every = (1u8 << S) - 1;
     let base = sums.as_mut_ptr();
     let sum_at = |s: usize, at: usize| base.wrapping_add((first + s) * len + at);
