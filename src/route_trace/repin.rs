@@ -177,7 +177,7 @@ pub fn plan_vram_repin(
             continue;
         };
         let (cold_heat, hot_heat) = (heat.heat(layer, cold), heat.heat(layer, hot));
-        if hot_heat > cold_heat + 1 {
+        if hot_heat > cold_heat.saturating_add(1) {
             swaps.push(Swap {
                 layer,
                 evict: cold,
