@@ -908,7 +908,7 @@ unsafe fn rows_on<D: Pair>(view: &View<'_, D::Elem>, first: usize, x: &[f32], ou
 
 /// Floats between consecutive rows of the batched kernels' buffers: a row's floats and one
 /// cache line more, so that rows a power of two apart do not all fall in the same sets of
-/// the first-level cache (eight decoded rows and three input pairs are read side by side).
+/// the first-level cache (input pairs, and four whole decoded rows, are read side by side).
 fn padded(floats: usize) -> usize {
     floats + 16
 }
@@ -942,11 +942,12 @@ fn interleave_pairs(input: &[f32], n: usize, cols: usize) -> Lines {
     lines
 }
 
-/// Chunk `c` of `R` decoded rows against `T` input pairs, `into[r][t] += w[r] * x[t]`. A
-/// function, not a closure, so that it inherits the caller's instruction set when inlined.
+/// Chunk `c` of `R` decoded rows against `T` input pairs, `into[r][t] += w[r] * x[t]`,
+/// row `r`'s chunk read at `chunk(r, c)`. A function, not a closure, so that it inherits
+/// the caller's instruction set when inlined.
 #[inline(always)]
 unsafe fn pair_step<const R: usize, const T: usize>(
-    decoded: [&[f32]; R],
+    chunk: impl Fn(usize, usize) -> *const f32,
     pairs: [&[f32]; T],
     c: usize,
     into: &mut [[Two; T]; R],
@@ -955,10 +956,10 @@ unsafe fn pair_step<const R: usize, const T: usize>(
     for t in 0..T {
         xv[t] = Two(_mm512_loadu_ps(pairs[t].as_ptr().add(c * 16)));
     }
-    for r in 0..R {
-        let wv = Two::both(decoded[r].as_ptr().add(c * 8));
+    for (r, into) in into.iter_mut().enumerate() {
+        let wv = Two::both(chunk(r, c));
         for t in 0..T {
-            into[r][t] = Two::fma(wv, xv[t], into[r][t]);
+            into[t] = Two::fma(wv, xv[t], into[t]);
         }
     }
 }
@@ -975,6 +976,7 @@ unsafe fn pair_tile<const R: usize, const T: usize>(
 ) -> [[[f32; 2]; T]; R] {
     let mut acc = [[Two::zero(); T]; R];
     let mut out = [[[0f32; 2]; T]; R];
+    let decoded = |r: usize, c: usize| decoded[r].as_ptr().add(c * 8);
     match scaling {
         Scaling::None | Scaling::Row(_) => {
             for c in 0..chunks {
@@ -1020,8 +1022,25 @@ unsafe fn pair_tile<const R: usize, const T: usize>(
     out
 }
 
-/// Chunks `span` of rows `first..first + count` of `view` decoded into `scratch`, row `k`
-/// at `k * apart` (`span.len() * 8` floats each, zero-padded past the last column): two
+/// Where [`decode_rows`] puts chunk `c` of row `k` of its span: at `k * row + c * chunk`.
+#[derive(Clone, Copy)]
+struct Layout {
+    row: usize,
+    chunk: usize,
+}
+
+/// Eight rows a block of [`blocked_rows`] decodes, chunk by chunk: chunk `c` of row `k` at
+/// `c * 64 + k * 8`, so the tile reads every row's chunk at a constant offset from one
+/// pointer (eight rows at a stride the compiler kept on the stack took one more load from
+/// memory per multiply-add, and the loads, not the multiply-adds, bound the loop).
+const BLOCK_ROWS: usize = 8;
+const INTERLEAVED: Layout = Layout {
+    row: 8,
+    chunk: BLOCK_ROWS * 8,
+};
+
+/// Chunks `span` of rows `first..first + count` of `view` decoded into `scratch` as `at`
+/// lays them out (`span.len() * 8` floats a row, zero-padded past the last column): two
 /// chunks of a row per register (the pair decoder given the row and the row one chunk on),
 /// a last odd chunk alone.
 #[inline(always)]
@@ -1029,23 +1048,32 @@ unsafe fn decode_rows<D: Pair>(
     view: &View<'_, D::Elem>,
     (first, count): (usize, usize),
     span: Range<usize>,
-    apart: usize,
+    at: Layout,
     scratch: &mut [f32],
 ) {
     let (data, cols) = (view.data, view.cols);
     let full = cols / 8;
     let whole = span.end.min(full);
+    let last = (count - 1) * at.row + (span.len() - 1) * at.chunk + 8;
+    assert!(span.is_empty() || count == 0 || last <= scratch.len());
+    let base = scratch.as_mut_ptr();
     for k in 0..count {
         let row = row_of::<D>(data, cols, first + k);
-        let decoded = scratch[k * apart..][..span.len() * 8].as_mut_ptr();
+        let chunk = |c: usize| base.add(k * at.row + (c - span.start) * at.chunk);
         let next = &row[D::stride(8).min(row.len())..];
         let mut c = span.start;
         while c + 2 <= whole {
-            _mm512_storeu_ps(decoded.add((c - span.start) * 8), D::pair(row, next, c).0);
+            let two = D::pair(row, next, c).0;
+            if at.chunk == 8 {
+                _mm512_storeu_ps(chunk(c), two);
+            } else {
+                _mm256_storeu_ps(chunk(c), _mm512_castps512_ps256(two));
+                _mm256_storeu_ps(chunk(c + 1), _mm512_extractf32x8_ps::<1>(two));
+            }
             c += 2;
         }
         if c < whole {
-            D::chunk(row, c).store(decoded.add((c - span.start) * 8));
+            D::chunk(row, c).store(chunk(c));
             c += 1;
         }
         if c < span.end {
@@ -1057,8 +1085,24 @@ unsafe fn decode_rows<D: Pair>(
                 } else {
                     0.0
                 };
-                *decoded.add((c - span.start) * 8 + j) = value;
+                *chunk(c).add(j) = value;
             }
+        }
+    }
+}
+
+/// Asks for chunks `span` of the [`BLOCK_ROWS`] rows from `first` on to be brought into the
+/// second-level cache: the next column block, while the tiles run on this one. Eight rows
+/// read a block's 512 bytes each and then jump a whole row on, which the hardware's
+/// prefetchers do not follow in time: the decoding waited on memory for a fifth of the
+/// kernel's time.
+#[inline(always)]
+unsafe fn prefetch_rows<D: Pair>(view: &View<'_, D::Elem>, first: usize, span: Range<usize>) {
+    let (from, to) = (span.start * D::CHUNK_BYTES, span.end * D::CHUNK_BYTES);
+    for k in 0..BLOCK_ROWS {
+        let row = row_of::<D>(view.data, view.cols, first + k).as_ptr() as *const u8;
+        for line in (from..to).step_by(64) {
+            Avx2::prefetch(row.wrapping_add(line));
         }
     }
 }
@@ -1069,27 +1113,29 @@ const COLUMN_BLOCK: usize = 64;
 
 /// The column blocks of [`blocked_rows`] under `scaling`: chunks per block (about
 /// [`COLUMN_BLOCK`], a whole number of groups where there are group scales, so that no
-/// group straddles two blocks) and the floats between the rows of a decoded block.
-fn column_block(scaling: Scaling) -> (usize, usize) {
-    let block = scaling.group_size().map_or(COLUMN_BLOCK, |size| {
+/// group straddles two blocks).
+fn column_block(scaling: Scaling) -> usize {
+    scaling.group_size().map_or(COLUMN_BLOCK, |size| {
         (COLUMN_BLOCK / (size / 8)).max(1) * (size / 8)
-    });
-    (block, padded(block * 8))
+    })
 }
 
-/// Chunks `from..to` of `R` decoded rows (`decoded[r]` starts at chunk `from`) against
-/// input pairs `p..p + T`, continuing the accumulators `acc[(p + t) * 8 + row + r]` (from
+/// Chunks `from..to` of `R` rows of a decoded block (laid out [`INTERLEAVED`], from chunk
+/// `from`, the rows from `rows` on) against input pairs `p..p + T`, continuing the accumulators `acc[(p + t) * 8 + row + r]` (from
 /// zero in the first block, `from == 0`). With `groups` (chunks per group, each row's
 /// scales), each group's products go into a partial sum of their own, folded in at its
 /// scale as [`pair_tile`] folds them.
 #[inline(always)]
 unsafe fn block_step<const R: usize, const T: usize>(
-    decoded: [&[f32]; R],
+    (block, rows): (&[f32], usize),
     (pairs, chunks, p): (&[f32], usize, usize),
     (from, to): (usize, usize),
     groups: Option<(usize, [RowScales; R])>,
     (acc, row): (&mut [Two], usize),
 ) {
+    assert!(rows + R <= BLOCK_ROWS && (to - from) * INTERLEAVED.chunk <= block.len());
+    let first = block.as_ptr().add(rows * INTERLEAVED.row);
+    let decoded = |r: usize, c: usize| first.add(r * INTERLEAVED.row + c * INTERLEAVED.chunk);
     let mut tile = [[Two::zero(); T]; R];
     let mut xs = [&pairs[..0]; T];
     for t in 0..T {
@@ -1158,22 +1204,28 @@ unsafe fn blocked_rows<D: Pair>(
     let per_group = view.scaling.group_size().map(|size| size / 8);
     let scales_from = |row: usize| std::array::from_fn(|r| view.scaling.row_scales(row + r));
     let halves = per_group.map(|g| [(g, scales_from(first)), (g, scales_from(first + 4))]);
-    let (block, apart) = column_block(view.scaling);
+    let block = column_block(view.scaling);
     let mut from = 0;
     while from < chunks {
         let span = (from, (from + block).min(chunks));
-        decode_rows::<D>(view, (first, 8), from..span.1, apart, scratch);
-        let decoded: [&[f32]; 8] =
-            std::array::from_fn(|k| &scratch[k * apart..][..(span.1 - from) * 8]);
-        let half = |h: usize| -> [&[f32]; 4] { std::array::from_fn(|r| decoded[4 * h + r]) };
+        decode_rows::<D>(
+            view,
+            (first, BLOCK_ROWS),
+            from..span.1,
+            INTERLEAVED,
+            scratch,
+        );
+        prefetch_rows::<D>(view, first, span.1..(span.1 + block).min(chunks));
+        let decoded = &scratch[..(span.1 - from) * INTERLEAVED.chunk];
+        let half = |h: usize| (decoded, 4 * h);
         let mut p = 0;
         while p < pair_count {
             let take = (pair_count - p).min(3);
             let at = (pairs, chunks, p);
             match (halves, take) {
-                (None, 3) => block_step::<8, 3>(decoded, at, span, None, (acc, 0)),
-                (None, 2) => block_step::<8, 2>(decoded, at, span, None, (acc, 0)),
-                (None, _) => block_step::<8, 1>(decoded, at, span, None, (acc, 0)),
+                (None, 3) => block_step::<8, 3>((decoded, 0), at, span, None, (acc, 0)),
+                (None, 2) => block_step::<8, 2>((decoded, 0), at, span, None, (acc, 0)),
+                (None, _) => block_step::<8, 1>((decoded, 0), at, span, None, (acc, 0)),
                 (Some(groups), take) => {
                     for (h, groups) in groups.into_iter().enumerate() {
                         let into = (&mut *acc, 4 * h);
@@ -1393,8 +1445,8 @@ unsafe fn pair_group<D: Pair>(
         None if pair_count < 3 => 0,
         _ => 8,
     };
-    let (_, apart) = column_block(scaling);
-    let mut lines = Lines::zeroed((8 * apart).max(4 * padded(width)));
+    let decoded_block = column_block(scaling) * INTERLEAVED.chunk;
+    let mut lines = Lines::zeroed(decoded_block.max(4 * padded(width)));
     let scratch = lines.floats_mut();
     let mut acc = vec![Two::zero(); pair_count * blocked];
     let mut i = 0;
@@ -1427,7 +1479,11 @@ unsafe fn pair_group<D: Pair>(
             i += block;
             continue;
         }
-        decode_rows::<D>(view, (r, block), 0..chunks, padded(width), scratch);
+        let whole_rows = Layout {
+            row: padded(width),
+            chunk: 8,
+        };
+        decode_rows::<D>(view, (r, block), 0..chunks, whole_rows, scratch);
         let decoded = |k: usize| &scratch[k * padded(width)..][..width];
         let mut p = group.start;
         while p < group.end {
