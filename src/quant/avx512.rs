@@ -5,7 +5,8 @@
 //! - One input row (decode): the halves are two weight rows against the same input. FP8's
 //!   E4M3, whose decoding costs more than its multiply-add, decodes both rows' chunks with
 //!   one set of instructions ([`Pair`]), by byte table lookups where the CPU has AVX-512
-//!   VBMI ([`Pair::pair_vbmi`]). The nibble formats (int4, MXFP4's E2M1)
+//!   VBMI ([`Pair::pair_vbmi`]), four chunks of both rows from one register
+//!   ([`Pair::quad_vbmi`]). The nibble formats (int4, MXFP4's E2M1)
 //!   run one row per 256-bit register instead, each nibble looked up by one two-table
 //!   permute ([`Pair::row_chunk`]): fewer steps than a pair's, which must first bring two
 //!   rows' words into one register.
@@ -90,6 +91,20 @@ pub(super) trait Pair: Decode<Avx2> {
     unsafe fn pair_vbmi(low: &[Self::Elem], high: &[Self::Elem], c: usize) -> Two {
         Self::pair(low, high, c)
     }
+    /// Chunks `c..c + 4` of both rows, each as [`Pair::pair`] gives it.
+    /// # Safety
+    /// As [`Pair::pair`], for chunk `c + 3`.
+    #[inline(always)]
+    unsafe fn quad(low: &[Self::Elem], high: &[Self::Elem], c: usize) -> [Two; 4] {
+        std::array::from_fn(|k| Self::pair(low, high, c + k))
+    }
+    /// [`Pair::quad`] with AVX-512 VBMI's byte permutes, the same bits.
+    /// # Safety
+    /// As [`Pair::quad`], and the CPU must have AVX-512 VBMI.
+    #[inline(always)]
+    unsafe fn quad_vbmi(low: &[Self::Elem], high: &[Self::Elem], c: usize) -> [Two; 4] {
+        std::array::from_fn(|k| Self::pair_vbmi(low, high, c + k))
+    }
     /// Chunk `c` of one row for the row kernel, with AVX-512VL's 256-bit instructions
     /// where they decode it in fewer steps than AVX2's (the same bits).
     /// # Safety
@@ -150,6 +165,10 @@ impl<D: Pair> Pair for Vbmi<D> {
     #[inline(always)]
     unsafe fn pair(low: &[Self::Elem], high: &[Self::Elem], c: usize) -> Two {
         D::pair_vbmi(low, high, c)
+    }
+    #[inline(always)]
+    unsafe fn quad(low: &[Self::Elem], high: &[Self::Elem], c: usize) -> [Two; 4] {
+        D::quad_vbmi(low, high, c)
     }
     #[inline(always)]
     unsafe fn row_chunk(row: &[Self::Elem], c: usize) -> Avx2 {
@@ -331,34 +350,58 @@ impl Pair for E4m3Codes {
     const VBMI: bool = true;
     #[inline(always)]
     unsafe fn pair_vbmi(low: &[u8], high: &[u8], c: usize) -> Two {
-        // Every E4M3 value is an f32 whose low sixteen bits are zero: its bytes 2 and 3,
-        // each looked up by the code's seven magnitude bits in 128-byte tables, then the
-        // sign. Code `k` goes to bytes 4k + 2 and 4k + 3 (the rest zero, from the zeros
-        // above the sixteen codes), and each lookup rewrites its byte in place (the
-        // index's bit 7, the sign, is ignored). Three byte permutes, where `pair` takes
-        // a widening, a conversion, a product and the NaN code's mask.
+        // Code `k` goes to bytes 4k + 2 and 4k + 3 (the rest zero, from the zeros above the
+        // sixteen codes).
         let codes = _mm512_zextsi128_si512(sixteen_bytes(low, high, c));
-        let spread = _mm512_permutexvar_epi8(table64(&E4M3_SPREAD), codes);
-        let [byte2, byte3] = &E4M3_BYTES;
-        let low_bytes = _mm512_mask2_permutex2var_epi8(
-            table64(&byte2[0]),
-            spread,
-            0x4444_4444_4444_4444,
-            table64(&byte2[1]),
-        );
-        let magnitude = _mm512_mask2_permutex2var_epi8(
-            table64(&byte3[0]),
-            low_bytes,
-            0x8888_8888_8888_8888,
-            table64(&byte3[1]),
-        );
-        // magnitude | (spread & sign bit)
-        Two(_mm512_castsi512_ps(_mm512_ternarylogic_epi32::<0xF8>(
-            magnitude,
-            spread,
-            _mm512_set1_epi32(i32::MIN),
-        )))
+        e4m3_spread(_mm512_permutexvar_epi8(table64(&E4M3_SPREAD), codes))
     }
+    #[inline(always)]
+    unsafe fn quad_vbmi(low: &[u8], high: &[u8], c: usize) -> [Two; 4] {
+        // Four chunks of both rows in one register (the first row's 32 codes, then the
+        // second's), so one load and one byte permute a chunk spread them: a pair's two
+        // loads, the permute that joins them and the spread took four.
+        let codes = _mm512_inserti64x4::<1>(
+            _mm512_castsi256_si512(_mm256_loadu_si256(low[c * 8..][..32].as_ptr().cast())),
+            _mm256_loadu_si256(high[c * 8..][..32].as_ptr().cast()),
+        );
+        std::array::from_fn(|k| {
+            let spread = _mm512_maskz_permutexvar_epi8(
+                0xCCCC_CCCC_CCCC_CCCC,
+                table64(&E4M3_QUAD_SPREAD[k]),
+                codes,
+            );
+            e4m3_spread(spread)
+        })
+    }
+}
+
+/// The E4M3 values whose codes `spread` holds in bytes `4k + 2` and `4k + 3` (bytes `4k`
+/// and `4k + 1` zero). Every E4M3 value is an f32 whose low sixteen bits are zero: its
+/// bytes 2 and 3, each looked up by the code's seven magnitude bits in 128-byte tables,
+/// then the sign. Each lookup rewrites its byte in place (the index's bit 7, the sign, is
+/// ignored). Three byte permutes for sixteen values with the spread, where
+/// [`Pair::pair`] takes a widening, a conversion, a product and the NaN code's mask.
+#[inline(always)]
+unsafe fn e4m3_spread(spread: __m512i) -> Two {
+    let [byte2, byte3] = &E4M3_BYTES;
+    let low_bytes = _mm512_mask2_permutex2var_epi8(
+        table64(&byte2[0]),
+        spread,
+        0x4444_4444_4444_4444,
+        table64(&byte2[1]),
+    );
+    let magnitude = _mm512_mask2_permutex2var_epi8(
+        table64(&byte3[0]),
+        low_bytes,
+        0x8888_8888_8888_8888,
+        table64(&byte3[1]),
+    );
+    // magnitude | (spread & sign bit)
+    Two(_mm512_castsi512_ps(_mm512_ternarylogic_epi32::<0xF8>(
+        magnitude,
+        spread,
+        _mm512_set1_epi32(i32::MIN),
+    )))
 }
 
 /// A 64-byte table in a register.
@@ -379,6 +422,28 @@ const E4M3_SPREAD: [u8; 64] = {
         i += 1;
     }
     bytes
+};
+
+/// [`E4m3Codes::quad_vbmi`]'s spreads of chunk `k`: bytes `4i + 2` and `4i + 3` pick the
+/// first row's code `8k + i` (lanes `i` 0-7) or the second row's `8k + i - 8` (lanes 8-15,
+/// 32 bytes on); bytes `4i` and `4i + 1` are masked to zero.
+const E4M3_QUAD_SPREAD: [[u8; 64]; 4] = {
+    let mut tables = [[0u8; 64]; 4];
+    let mut k = 0;
+    while k < 4 {
+        let mut i = 0;
+        while i < 64 {
+            let lane = i / 4;
+            tables[k][i] = if lane < 8 {
+                8 * k + lane
+            } else {
+                32 + 8 * k + lane - 8
+            } as u8;
+            i += 1;
+        }
+        k += 1;
+    }
+    tables
 };
 
 /// Byte `byte` of the f32 that each magnitude code `64 * half .. 64 * half + 64` decodes
@@ -463,6 +528,36 @@ unsafe fn pairs_step<D: Pair, const P: usize, const T: usize>(
     }
 }
 
+/// [`pairs_step`] for chunks `c..c + 4`, each pair's four chunks decoded together
+/// ([`Pair::quad`]) and fed to its sums in order, so the bits are four steps'.
+#[inline(always)]
+unsafe fn pairs_quad_step<D: Pair, const P: usize, const T: usize>(
+    rows: &[[&[D::Elem]; 2]; P],
+    x: [*const f32; T],
+    c: usize,
+    ahead: usize,
+    into: &mut [[Two; T]; P],
+) {
+    let line = (64 / D::CHUNK_BYTES).max(1);
+    for k in 0..4 {
+        if (c + k).is_multiple_of(line) {
+            for row in rows.iter().flatten() {
+                let at = (row.as_ptr() as *const u8).wrapping_add((c + k) * D::CHUNK_BYTES);
+                Avx2::prefetch(at.wrapping_add(ahead));
+            }
+        }
+    }
+    for p in 0..P {
+        let w = D::quad(rows[p][0], rows[p][1], c);
+        for (k, w) in w.into_iter().enumerate() {
+            for t in 0..T {
+                let xv = Two::both(x[t].add((c + k) * 8));
+                into[p][t] = Two::fma(w, xv, into[p][t]);
+            }
+        }
+    }
+}
+
 /// The zero-padded last chunk of each pair of rows against each input's.
 #[inline(always)]
 unsafe fn tails_step<const P: usize, const T: usize>(
@@ -539,8 +634,14 @@ unsafe fn dot_pairs<D: Pair, const P: usize, const T: usize>(
     let mut out = [[[0f32; 2]; T]; P];
     match scaling {
         Scaling::None | Scaling::Row(_) => {
-            for c in 0..full {
+            let mut c = 0;
+            while c + 4 <= full {
+                pairs_quad_step::<D, P, T>(&rows, x, c, ahead, &mut acc);
+                c += 4;
+            }
+            while c < full {
                 pairs_step::<D, P, T>(&rows, x, c, ahead, &mut acc);
+                c += 1;
             }
             if full * 8 < cols {
                 tails_step(&tails, &x_tails, &mut acc);
@@ -571,6 +672,10 @@ unsafe fn dot_pairs<D: Pair, const P: usize, const T: usize>(
             while c < chunks {
                 let end = (c + per_group).min(chunks);
                 let mut partial = [[Two::zero(); T]; P];
+                while c + 4 <= end.min(full) {
+                    pairs_quad_step::<D, P, T>(&rows, x, c, ahead, &mut partial);
+                    c += 4;
+                }
                 while c < end.min(full) {
                     pairs_step::<D, P, T>(&rows, x, c, ahead, &mut partial);
                     c += 1;
@@ -1658,31 +1763,44 @@ mod tests {
         (bytes[..128].to_vec(), bytes[128..].to_vec())
     }
 
-    /// Each chunk of `D::pair`, of `D::row_chunk` and (where the CPU has VBMI) of
-    /// `D::pair_vbmi` over every byte, against `D::value` bit for bit (NaN for NaN).
+    /// Each chunk of `D::pair`, of `D::quad`, of `D::row_chunk` and (where the CPU has
+    /// VBMI) of `D::pair_vbmi` and `D::quad_vbmi` over every byte, against `D::value` bit
+    /// for bit (NaN for NaN).
     fn decodes_as_the_scalar_code<D: Pair<Elem = u8>>(elements_per_byte: usize) {
         if !Isa::Avx512.supported() {
             eprintln!("skipped: this CPU has no AVX-512");
             return;
         }
         let (low, high) = every_byte();
-        for c in 0..128 * elements_per_byte / 8 {
-            let (mut paired, mut vbmi) = ([0f32; 16], None);
-            // SAFETY: AVX-512 checked above, and VBMI by `with_vbmi`; chunk `c` lies within
-            // both rows.
+        let lanes_of = |two: Two| {
+            let mut lanes = [0f32; 16];
+            // SAFETY: AVX-512 checked above.
+            unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), two.0) };
+            lanes
+        };
+        let chunks = 128 * elements_per_byte / 8;
+        for c in 0..chunks {
+            let mut decoded = Vec::new();
+            let quad = c - c % 4;
+            // SAFETY: AVX-512 checked above, and VBMI by `with_vbmi`; chunk `c`, and the
+            // quad of chunks it is in, lie within both rows.
             let one_row = unsafe {
-                _mm512_storeu_ps(paired.as_mut_ptr(), D::pair(&low, &high, c).0);
+                decoded.push(("pair", lanes_of(D::pair(&low, &high, c))));
+                if quad + 4 <= chunks {
+                    let four = D::quad(&low, &high, quad);
+                    decoded.push(("quad", lanes_of(four[c % 4])));
+                }
                 if with_vbmi::<D>() {
-                    let mut lanes = [0f32; 16];
-                    _mm512_storeu_ps(lanes.as_mut_ptr(), D::pair_vbmi(&low, &high, c).0);
-                    vbmi = Some(("pair_vbmi", lanes));
+                    decoded.push(("pair_vbmi", lanes_of(D::pair_vbmi(&low, &high, c))));
+                    if quad + 4 <= chunks {
+                        let four = D::quad_vbmi(&low, &high, quad);
+                        decoded.push(("quad_vbmi", lanes_of(four[c % 4])));
+                    }
                 }
                 decode_as_rows::<D>(&low, &high, c)
             };
-            for (kernel, lanes) in [("pair", paired), ("row_chunk", one_row)]
-                .into_iter()
-                .chain(vbmi)
-            {
+            decoded.push(("row_chunk", one_row));
+            for (kernel, lanes) in decoded {
                 for (lane, got) in lanes.into_iter().enumerate() {
                     let row = if lane < 8 { &low } else { &high };
                     let want = D::value(row, 8 * c + lane % 8);
