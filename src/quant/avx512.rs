@@ -1134,11 +1134,12 @@ struct Layout {
     chunk: usize,
 }
 
-/// Eight rows a block of [`blocked_rows`] decodes, chunk by chunk: chunk `c` of row `k` at
-/// `c * 64 + k * 8`, so the tile reads every row's chunk at a constant offset from one
-/// pointer (eight rows at a stride the compiler kept on the stack took one more load from
-/// memory per multiply-add, and the loads, not the multiply-adds, bound the loop).
+/// Rows in a block of [`blocked_rows`].
 const BLOCK_ROWS: usize = 8;
+/// How [`blocked_rows`] lays out a decoded block, chunk by chunk: chunk `c` of row `k` at
+/// `c * 64 + k * 8`, so the tile reads every row's chunk at a constant offset from one
+/// pointer. Eight rows a padded row apart took one more load a multiply-add (the compiler
+/// kept the stride on the stack), and the loads, not the multiply-adds, bound the loop.
 const INTERLEAVED: Layout = Layout {
     row: 8,
     chunk: BLOCK_ROWS * 8,
@@ -1159,8 +1160,12 @@ unsafe fn decode_rows<D: Pair>(
     let (data, cols) = (view.data, view.cols);
     let full = cols / 8;
     let whole = span.end.min(full);
-    let last = (count - 1) * at.row + (span.len() - 1) * at.chunk + 8;
-    assert!(span.is_empty() || count == 0 || last <= scratch.len());
+    assert!(
+        span.is_empty()
+            || count == 0
+            || (count - 1) * at.row + (span.len() - 1) * at.chunk + 8 <= scratch.len(),
+        "the decoded chunks fit the scratch"
+    );
     let base = scratch.as_mut_ptr();
     for k in 0..count {
         let row = row_of::<D>(data, cols, first + k);
@@ -1199,8 +1204,8 @@ unsafe fn decode_rows<D: Pair>(
 /// Asks for chunks `span` of the [`BLOCK_ROWS`] rows from `first` on to be brought into the
 /// second-level cache: the next column block, while the tiles run on this one. Eight rows
 /// read a block's 512 bytes each and then jump a whole row on, which the hardware's
-/// prefetchers do not follow in time: the decoding waited on memory for a fifth of the
-/// kernel's time.
+/// prefetchers do not follow in time: without the requests, about a tenth of the kernel's
+/// samples fell on the decoding's loads.
 #[inline(always)]
 unsafe fn prefetch_rows<D: Pair>(view: &View<'_, D::Elem>, first: usize, span: Range<usize>) {
     let (from, to) = (span.start * D::CHUNK_BYTES, span.end * D::CHUNK_BYTES);
@@ -1225,9 +1230,9 @@ fn column_block(scaling: Scaling) -> usize {
     })
 }
 
-/// Chunks `from..to` of `R` rows of a decoded block (laid out [`INTERLEAVED`], from chunk
-/// `from`, the rows from `rows` on) against input pairs `p..p + T`, continuing the accumulators `acc[(p + t) * 8 + row + r]` (from
-/// zero in the first block, `from == 0`). With `groups` (chunks per group, each row's
+/// Chunks `from..to` of `R` rows of a decoded block (laid out [`INTERLEAVED`] from chunk
+/// `from`; the rows from `rows` on) against input pairs `p..p + T`, continuing the
+/// accumulators `acc[(p + t) * 8 + row + r]` (from zero in the first block, `from == 0`). With `groups` (chunks per group, each row's
 /// scales), each group's products go into a partial sum of their own, folded in at its
 /// scale as [`pair_tile`] folds them.
 #[inline(always)]
