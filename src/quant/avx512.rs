@@ -498,9 +498,24 @@ fn padded_tail<D: Codes>(row: &[D::Elem], start: usize, cols: usize) -> [f32; 8]
     lanes
 }
 
-/// Chunk `c` of each pair of rows against each input `x[t]`, into `into[p][t]`; where a
-/// cache line starts, first ask for the one `ahead` bytes on in each row (the next block's,
-/// see `dot_rows`). A function, not a closure, so that it inherits the caller's
+/// Where chunk `c` starts a cache line of the rows, asks for the line `ahead` bytes on in
+/// each row (the next block's, see `dot_rows`).
+#[inline(always)]
+unsafe fn prefetch_pairs<D: Pair, const P: usize>(
+    rows: &[[&[D::Elem]; 2]; P],
+    c: usize,
+    ahead: usize,
+) {
+    if c.is_multiple_of((64 / D::CHUNK_BYTES).max(1)) {
+        for row in rows.iter().flatten() {
+            let line = (row.as_ptr() as *const u8).wrapping_add(c * D::CHUNK_BYTES);
+            Avx2::prefetch(line.wrapping_add(ahead));
+        }
+    }
+}
+
+/// Chunk `c` of each pair of rows against each input `x[t]`, into `into[p][t]`, after
+/// [`prefetch_pairs`]. A function, not a closure, so that it inherits the caller's
 /// instruction set.
 #[inline(always)]
 unsafe fn pairs_step<D: Pair, const P: usize, const T: usize>(
@@ -510,12 +525,7 @@ unsafe fn pairs_step<D: Pair, const P: usize, const T: usize>(
     ahead: usize,
     into: &mut [[Two; T]; P],
 ) {
-    if c.is_multiple_of((64 / D::CHUNK_BYTES).max(1)) {
-        for row in rows.iter().flatten() {
-            let line = (row.as_ptr() as *const u8).wrapping_add(c * D::CHUNK_BYTES);
-            Avx2::prefetch(line.wrapping_add(ahead));
-        }
-    }
+    prefetch_pairs::<D, P>(rows, c, ahead);
     let mut xv = [Two::zero(); T];
     for t in 0..T {
         xv[t] = Two::both(x[t].add(c * 8));
@@ -538,14 +548,8 @@ unsafe fn pairs_quad_step<D: Pair, const P: usize, const T: usize>(
     ahead: usize,
     into: &mut [[Two; T]; P],
 ) {
-    let line = (64 / D::CHUNK_BYTES).max(1);
     for k in 0..4 {
-        if (c + k).is_multiple_of(line) {
-            for row in rows.iter().flatten() {
-                let at = (row.as_ptr() as *const u8).wrapping_add((c + k) * D::CHUNK_BYTES);
-                Avx2::prefetch(at.wrapping_add(ahead));
-            }
-        }
+        prefetch_pairs::<D, P>(rows, c + k, ahead);
     }
     for p in 0..P {
         let w = D::quad(rows[p][0], rows[p][1], c);
