@@ -102,13 +102,19 @@ fn int8_experts_on_the_tier_give_the_cpu_tokens() {
     }
 }
 
-#[test]
-fn the_tier_is_filled_from_the_pin_plan_first() {
+/// A copy of `olmoe_tiny` with a usage history from one prompt (IDS "3 11 29 7") to plan
+/// pins from, and its `SNAP=` setting.
+fn olmoe_with_history() -> (tempfile::TempDir, String) {
     let dir = copy_fixture("olmoe_tiny");
     let snap = format!("SNAP={}", dir.path().display());
-    // A history to plan from.
     let out = coli(&[&snap, "IDS=3 11 29 7", "NGEN=8", "2", "16", "16"], &[]);
     assert!(out.status.success(), "{}", stderr(&out));
+    (dir, snap)
+}
+
+#[test]
+fn the_tier_is_filled_from_the_pin_plan_first() {
+    let (_dir, snap) = olmoe_with_history();
     // The plan pins eight experts (PIN_GB) of 24,576 bytes each; the tier has room for two
     // of them, the hottest, and the other six are pinned in RAM.
     let out = coli(
@@ -138,12 +144,9 @@ fn the_tier_is_filled_from_the_pin_plan_first() {
 
 #[test]
 fn a_repin_pass_trades_a_cold_vram_expert_for_a_hot_ram_pin() {
-    let dir = copy_fixture("olmoe_tiny");
-    let snap = format!("SNAP={}", dir.path().display());
-    // A history from one prompt; the run below routes another, so its session heat
+    // The run below routes another prompt than the history's, so its session heat
     // disagrees with the history the tier was filled from.
-    let out = coli(&[&snap, "IDS=3 11 29 7", "NGEN=8", "2", "16", "16"], &[]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    let (_dir, snap) = olmoe_with_history();
     let run = |backend: &str| {
         let out = coli(
             &[
