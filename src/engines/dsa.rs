@@ -15,7 +15,7 @@ use std::ops::Range;
 use anyhow::Result;
 use rayon::prelude::*;
 
-use super::layers::{dot, layer_norm, top_k, Rope};
+use super::layers::{dot, layer_norm, top_k_positions, Rope};
 use super::state_io::{self, expect};
 use super::weights::Weights;
 use crate::profile::{self, Phase};
@@ -270,17 +270,21 @@ impl Indexer {
                         let mut products = vec![[0f32; 4]; heads];
                         for (quad, scores) in scores.chunks_mut(4).enumerate() {
                             let first = block * SCORE_BLOCK + 4 * quad;
-                            let score = |products: &[[f32; 4]], j: usize| -> f32 {
-                                products
-                                    .iter()
-                                    .zip(&w)
-                                    .map(|(p, &w)| w * (p[j] * softmax_scale).max(0.0))
-                                    .sum()
+                            // Each of the four positions' heads summed in order from
+                            // -0.0, as f32's `Sum` does, four positions side by side.
+                            let score = |products: &[[f32; 4]]| {
+                                let mut sums = [-0.0f32; 4];
+                                for (p, &w) in products.iter().zip(&w) {
+                                    for (sum, p) in sums.iter_mut().zip(p) {
+                                        *sum += w * (p * softmax_scale).max(0.0);
+                                    }
+                                }
+                                sums
                             };
                             if let [a, b, c, d] = scores {
                                 let keys = std::array::from_fn(|j| cache.key(first + j));
                                 queries.dots(keys, &mut products);
-                                [*a, *b, *c, *d] = std::array::from_fn(|j| score(&products, j));
+                                [*a, *b, *c, *d] = score(&products);
                             } else {
                                 for (j, s) in scores.iter_mut().enumerate() {
                                     let key = cache.key(first + j);
@@ -289,16 +293,13 @@ impl Indexer {
                                     {
                                         p[0] = dot(q, key);
                                     }
-                                    *s = score(&products, 0);
+                                    *s = score(&products)[0];
                                 }
                             }
                         }
                     });
                 let quota = if keep_all { visible } else { keep.min(visible) };
-                let mut kept: Vec<usize> =
-                    top_k(&scores, quota).into_iter().map(|(t, _)| t).collect();
-                kept.sort_unstable();
-                kept
+                top_k_positions(&scores, quota)
             })
             .collect();
         Some(selection)

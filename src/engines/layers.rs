@@ -240,6 +240,20 @@ pub fn top_k(scores: &[f32], k: usize) -> Vec<(usize, f32)> {
     order.into_iter().take(k).map(|i| (i, scores[i])).collect()
 }
 
+/// The indices of [`top_k`]'s `k` entries in ascending order (what a sparse attention
+/// reads), without ranking them among themselves: the selection alone finds the set.
+pub fn top_k_positions(scores: &[f32], k: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..scores.len()).collect();
+    if k < order.len() {
+        if k > 0 {
+            order.select_nth_unstable_by(k - 1, |&a, &b| ranked(scores, a, b));
+        }
+        order.truncate(k);
+    }
+    order.sort_unstable();
+    order
+}
+
 /// `down(silu(gate x) * up x)` for `n` rows of `input`.
 pub fn swiglu_ffn(gate: &Matrix, up: &Matrix, down: &Matrix, input: &[f32], n: usize) -> Vec<f32> {
     glu_ffn(gate, up, down, input, n, swiglu)
@@ -381,6 +395,9 @@ mod tests {
         for k in 0..=scores.len() + 1 {
             let picked: Vec<usize> = top_k(&scores, k).iter().map(|&(i, _)| i).collect();
             assert_eq!(picked, sorted[..k.min(scores.len())], "k = {k}");
+            let mut positions = picked;
+            positions.sort_unstable();
+            assert_eq!(top_k_positions(&scores, k), positions, "k = {k}");
         }
     }
 

@@ -404,7 +404,9 @@ impl<'a> QueryBlock<'a> {
                 let run = run_of(list);
                 bits.push(match &run {
                     Some(run) => (u64::MAX >> (64 - run.len())) << (run.start - span.start),
-                    None => list.iter().fold(0, |bits, pos| bits | 1 << (pos - span.start)),
+                    None => list
+                        .iter()
+                        .fold(0, |bits, pos| bits | 1 << (pos - span.start)),
                 });
                 reads.push(RowReads {
                     from: *next,
@@ -474,9 +476,8 @@ impl ExpandedHeads<'_> {
         for (index, block) in self.blocks.iter().enumerate() {
             let count = block.rows();
             let block_out = &mut head_out[index * QUERY_BLOCK * v..][..count * v];
-            let query = |i: usize| {
-                &self.queries[((index * QUERY_BLOCK + i) * heads + head) * qk..][..qk]
-            };
+            let query =
+                |i: usize| &self.queries[((index * QUERY_BLOCK + i) * heads + head) * qk..][..qk];
             block_queries.clear();
             (0..count).for_each(|i| block_queries.extend_from_slice(query(i)));
             let mut together = Tile::new(&block_queries, count, scale);
