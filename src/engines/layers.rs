@@ -228,29 +228,30 @@ fn ranked(scores: &[f32], a: usize, b: usize) -> std::cmp::Ordering {
 ///
 /// The order is total (no two indices compare equal), so the `k` are found by a selection
 /// and only they are sorted: the same entries in the same order as sorting all of them, in
-/// time linear in `scores` (the DSA indexer keeps 2,048 of a context's scores every step).
+/// time linear in `scores`.
 pub fn top_k(scores: &[f32], k: usize) -> Vec<(usize, f32)> {
-    let before = |&a: &usize, &b: &usize| ranked(scores, a, b);
-    let mut order: Vec<usize> = (0..scores.len()).collect();
-    if k > 0 && k < order.len() {
-        order.select_nth_unstable_by(k - 1, before);
-        order.truncate(k);
-    }
-    order.sort_by(before);
-    order.into_iter().take(k).map(|i| (i, scores[i])).collect()
+    let mut best = best_k(scores, k);
+    best.sort_by(|&a, &b| ranked(scores, a, b));
+    best.into_iter().map(|i| (i, scores[i])).collect()
 }
 
-/// The indices of [`top_k`]'s `k` entries in ascending order (what a sparse attention
-/// reads), without ranking them among themselves: the selection alone finds the set.
+/// The indices of [`top_k`]'s `k` entries in ascending order, without ranking them among
+/// themselves: what a sparse attention reads (the DSA indexer keeps 2,048 of a context's
+/// positions for every row).
 pub fn top_k_positions(scores: &[f32], k: usize) -> Vec<usize> {
+    let mut best = best_k(scores, k);
+    best.sort_unstable();
+    best
+}
+
+/// The indices of the `k` best-ranked entries (all of them if there are no more), in no
+/// particular order: found by a selection, in time linear in `scores`.
+fn best_k(scores: &[f32], k: usize) -> Vec<usize> {
     let mut order: Vec<usize> = (0..scores.len()).collect();
-    if k < order.len() {
-        if k > 0 {
-            order.select_nth_unstable_by(k - 1, |&a, &b| ranked(scores, a, b));
-        }
-        order.truncate(k);
+    if k > 0 && k < order.len() {
+        order.select_nth_unstable_by(k - 1, |&a, &b| ranked(scores, a, b));
     }
-    order.sort_unstable();
+    order.truncate(k);
     order
 }
 
