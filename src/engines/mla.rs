@@ -961,9 +961,10 @@ mod tests {
     fn blocks_of_queries_and_keys_give_the_bits_of_one_row_at_a_time() {
         // More query rows than a query block and positions over several key blocks, with a
         // partial block of each; causal, and a selection that reads a third of the first key
-        // block, skips the second, reads one in eleven of the third (row by row) and all of
-        // the last (the second query block's rows together; with AVX-512 kernels). Widths
-        // with eight-lane chunks and tails.
+        // block, skips the second, reads one in eleven of the third (row by row) and of the
+        // last a run from its `row % 4`-th position on (the second query block's rows
+        // together, most runs starting after the span; with AVX-512 kernels). Widths with
+        // eight-lane chunks and tails.
         let shape = MlaShape::new(3, 19, 9, 21, 6);
         let (n, total) = (QUERY_BLOCK + 5, 3 * KEY_BLOCK + 9);
         let (kv_b, cache) = random_layer(shape, total, Width::F32, 1, 5);
@@ -976,7 +977,7 @@ mod tests {
                         0 => pos % 3 == row % 3,
                         1 => false,
                         2 => pos % 11 == row % 11,
-                        _ => true,
+                        _ => pos % KEY_BLOCK >= row % 4,
                     })
                     .chain([first + row])
                     .collect::<std::collections::BTreeSet<_>>()
