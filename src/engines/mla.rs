@@ -297,13 +297,11 @@ const DENSE_SHARE: usize = 4;
 /// `cache`, whose last `n` positions are theirs, by expanding every cached latent with
 /// `kv_b`. Writes `n x heads*v` into `out`.
 ///
-/// The query rows are taken [`QUERY_BLOCK`] at a time and the positions [`KEY_BLOCK`] at a
-/// time, every row of a query block scoring (then summing) the positions it reads in that
-/// key block, or all the rows together over the span they read ([`DENSE_SHARE`]). Which
-/// positions each row reads in each key block is the same for every head, so it is worked
-/// out once ([`QueryBlock`]). Then one task per head: it gathers the head's keys and values
-/// into one slab (in the expansion consecutive positions are `heads x (nope + v)` floats
-/// apart, a page or more) and walks the query blocks.
+/// One task per head: it gathers the head's keys and values into one slab (in the expansion
+/// consecutive positions are `heads x (nope + v)` floats apart, a page or more), then takes
+/// its query rows [`QUERY_BLOCK`] at a time and walks the positions [`KEY_BLOCK`] at a time,
+/// every row of the block scoring (then summing) the positions it reads in that key block,
+/// or all the rows together over the span they read ([`DENSE_SHARE`]).
 /// Each row still scores and sums its positions in ascending order with the same
 /// operations, so the result does not depend on the blocking. Scores and weighted sums fuse
 /// each product into its add ([`fused_dots`], [`fused_add_weighted`]): half the arithmetic
@@ -323,20 +321,13 @@ pub fn attend_plain(
     let mut expanded = vec![0f32; total * heads * shape.kv_rows()];
     kv_b.matmul(&cache.latents, total, &mut expanded);
     let every = every_position(keys, total);
-    let blocks: Vec<QueryBlock> = (0..n)
-        .step_by(QUERY_BLOCK)
-        .collect::<Vec<_>>()
-        .into_par_iter()
-        .map(|start| {
-            let rows = start..(start + QUERY_BLOCK).min(n);
-            QueryBlock::new(rows.map(|row| positions(keys, &every, first, row)), total)
-        })
-        .collect();
     let heads_of = ExpandedHeads {
         shape,
         queries,
+        first,
         cache,
-        blocks: &blocks,
+        keys,
+        every: &every,
         expanded: &expanded,
     };
     let mut by_head = vec![0f32; n * heads * v];
@@ -350,94 +341,16 @@ pub fn attend_plain(
     }
 }
 
-/// What every head of [`attend_plain`] reads for one block of query rows: for each key
-/// block that any row reads, the span of positions they read and whether the rows run
-/// together over it ([`span_read`]), and for each row which of its positions lie in it.
-struct QueryBlock<'a> {
-    /// Each row's positions, ascending.
-    seen: Vec<&'a [usize]>,
-    /// Where each row's scores start in the block's scores, and (last) their count.
-    starts: Vec<usize>,
-    steps: Vec<KeyStep>,
-    /// `steps.len() x rows`: what row `i` reads in step `s`, at `s * rows + i`.
-    reads: Vec<RowReads>,
-    /// The same, as the bits of the span's positions each row reads.
-    bits: Vec<u64>,
-}
-
-/// One key block of a [`QueryBlock`].
-struct KeyStep {
-    span: Range<usize>,
-    /// Whether every row is scored over the whole span at once.
-    shared: bool,
-}
-
-/// A row's positions in one [`KeyStep`]: `seen[from..from + len]`.
-#[derive(Clone, Copy)]
-struct RowReads {
-    from: usize,
-    len: usize,
-    /// Whether they follow each other ([`run_of`]).
-    run: bool,
-}
-
-impl<'a> QueryBlock<'a> {
-    /// The plan of the rows whose positions `seen` lists, over a cache of `total`.
-    fn new(seen: impl Iterator<Item = &'a [usize]>, total: usize) -> QueryBlock<'a> {
-        let seen: Vec<&[usize]> = seen.collect();
-        let count = seen.len();
-        let mut starts = Vec::with_capacity(count + 1);
-        starts.push(0);
-        for list in &seen {
-            starts.push(starts[starts.len() - 1] + list.len());
-        }
-        let (mut steps, mut reads, mut bits) = (Vec::new(), Vec::new(), Vec::new());
-        let mut next = vec![0usize; count];
-        let mut these: Vec<&[usize]> = Vec::with_capacity(count);
-        for end in (KEY_BLOCK..total + KEY_BLOCK).step_by(KEY_BLOCK) {
-            these.clear();
-            these.extend((0..count).map(|i| in_block(seen[i], next[i], end)));
-            let Some((span, shared)) = span_read(&these) else {
-                continue;
-            };
-            for (next, list) in next.iter_mut().zip(&these) {
-                let run = run_of(list);
-                bits.push(match &run {
-                    Some(run) => (u64::MAX >> (64 - run.len())) << (run.start - span.start),
-                    None => list
-                        .iter()
-                        .fold(0, |bits, pos| bits | 1 << (pos - span.start)),
-                });
-                reads.push(RowReads {
-                    from: *next,
-                    len: list.len(),
-                    run: run.is_some(),
-                });
-                *next += list.len();
-            }
-            steps.push(KeyStep { span, shared });
-        }
-        QueryBlock {
-            seen,
-            starts,
-            steps,
-            reads,
-            bits,
-        }
-    }
-
-    fn rows(&self) -> usize {
-        self.seen.len()
-    }
-}
-
 /// What every head's task of [`attend_plain`] reads.
 struct ExpandedHeads<'a> {
     shape: MlaShape,
     queries: &'a [f32],
+    /// The position of the first query row.
+    first: usize,
     cache: &'a LatentCache,
-    /// The query rows, [`QUERY_BLOCK`] at a time.
-    blocks: &'a [QueryBlock<'a>],
+    keys: &'a Keys<'a>,
+    /// `0..cache.len()`, the causal rows' positions.
+    every: &'a [usize],
     /// `kv_b` times every cached latent: per position, every head's key then value.
     expanded: &'a [f32],
 }
@@ -469,86 +382,103 @@ impl ExpandedHeads<'_> {
             key_value[nope..qk].copy_from_slice(self.cache.rope_key(pos));
             key_value[qk..qk + v].copy_from_slice(&expanded[nope..]);
         }
-        let key = |pos: usize| &slab[pos * stride..][..qk];
-        let value = |pos: usize| &slab[pos * stride + qk..][..v];
-        let (mut scores, mut tile, mut block_queries) = (Vec::new(), Vec::new(), Vec::new());
-        let (mut weights, mut values) = (Vec::new(), Vec::new());
-        for (index, block) in self.blocks.iter().enumerate() {
-            let count = block.rows();
-            let block_out = &mut head_out[index * QUERY_BLOCK * v..][..count * v];
+        for (block, block_out) in head_out.chunks_mut(QUERY_BLOCK * v).enumerate() {
+            let block_rows = block * QUERY_BLOCK..block * QUERY_BLOCK + block_out.len() / v;
+            let count = block_rows.len();
+            let seen: Vec<&[usize]> = block_rows
+                .clone()
+                .map(|row| positions(self.keys, self.every, self.first, row))
+                .collect();
             let query =
-                |i: usize| &self.queries[((index * QUERY_BLOCK + i) * heads + head) * qk..][..qk];
-            block_queries.clear();
+                |i: usize| &self.queries[((block_rows.start + i) * heads + head) * qk..][..qk];
+            let mut block_queries = Vec::with_capacity(count * qk);
             (0..count).for_each(|i| block_queries.extend_from_slice(query(i)));
             let mut together = Tile::new(&block_queries, count, scale);
-            scores.clear();
-            scores.resize(block.starts[count], 0.0);
-            tile.resize(count * KEY_BLOCK, 0.0);
-            let steps = block.steps.iter().zip(block.reads.chunks_exact(count));
-            for (step, reads) in steps.clone() {
-                let list = |i: usize| &block.seen[i][reads[i].from..][..reads[i].len];
-                if step.shared {
-                    let lo = step.span.start;
-                    together.score(step.span.clone(), key, &mut tile);
-                    for (i, read) in reads.iter().enumerate() {
+            let key = |pos: usize| &slab[pos * stride..][..qk];
+            let mut scores: Vec<Vec<f32>> = seen
+                .iter()
+                .map(|list| Vec::with_capacity(list.len()))
+                .collect();
+            let mut next = vec![0usize; count];
+            let mut these: Vec<&[usize]> = Vec::with_capacity(count);
+            let mut tile = vec![0f32; count * KEY_BLOCK];
+            for end in (KEY_BLOCK..total + KEY_BLOCK).step_by(KEY_BLOCK) {
+                these.clear();
+                these.extend((0..count).map(|i| in_block(seen[i], next[i], end)));
+                let Some((span, shared)) = span_read(&these) else {
+                    continue;
+                };
+                if shared {
+                    let lo = span.start;
+                    together.score(span, key, &mut tile);
+                    for (i, list) in these.iter().enumerate() {
                         let row = &tile[i * KEY_BLOCK..][..KEY_BLOCK];
-                        let into = &mut scores[block.starts[i] + read.from..][..read.len];
-                        if read.run {
-                            into.copy_from_slice(&row[list(i)[0] - lo..][..read.len]);
-                        } else {
-                            for (score, &pos) in into.iter_mut().zip(list(i)) {
-                                *score = row[pos - lo];
+                        match run_of(list) {
+                            Some(run) => {
+                                scores[i].extend_from_slice(&row[run.start - lo..run.end - lo])
                             }
+                            None => scores[i].extend(list.iter().map(|&pos| row[pos - lo])),
                         }
                     }
                 } else {
-                    for (i, read) in reads.iter().enumerate() {
-                        let into = &mut scores[block.starts[i] + read.from..][..read.len];
+                    for (i, list) in these.iter().enumerate() {
                         // Four keys a pass, each query chunk read once for them.
-                        let (mut quads, mut out) = (list(i).chunks_exact(4), into.chunks_mut(4));
-                        for (quad, out) in (&mut quads).zip(&mut out) {
+                        let mut quads = list.chunks_exact(4);
+                        for quad in &mut quads {
                             let dots = fused_dots(query(i), quad_of(quad, key));
-                            for (score, dot) in out.iter_mut().zip(dots) {
-                                *score = dot * scale;
-                            }
+                            scores[i].extend(dots.map(|dot| dot * scale));
                         }
-                        if let Some(out) = out.next() {
-                            for (score, &pos) in out.iter_mut().zip(quads.remainder()) {
-                                *score = fused_dots(query(i), [key(pos)])[0] * scale;
-                            }
+                        for &pos in quads.remainder() {
+                            scores[i].push(fused_dots(query(i), [key(pos)])[0] * scale);
                         }
                     }
                 }
+                for (next, list) in next.iter_mut().zip(&these) {
+                    *next += list.len();
+                }
             }
-            for row in block.starts.windows(2) {
-                softmax(&mut scores[row[0]..row[1]]);
-            }
+            scores.iter_mut().for_each(|row| softmax(row));
             block_out.fill(0.0);
-            for ((step, reads), bits) in steps.zip(block.bits.chunks_exact(count)) {
-                let list = |i: usize| &block.seen[i][reads[i].from..][..reads[i].len];
-                let p = |i: usize| &scores[block.starts[i] + reads[i].from..][..reads[i].len];
-                if step.shared || !tile_pays_for_skipped_rows() {
+            next.fill(0);
+            let value = |pos: usize| &slab[pos * stride + qk..][..v];
+            let (mut weights, mut reads, mut values) = (Vec::new(), Vec::new(), Vec::new());
+            for end in (KEY_BLOCK..total + KEY_BLOCK).step_by(KEY_BLOCK) {
+                these.clear();
+                these.extend((0..count).map(|i| in_block(seen[i], next[i], end)));
+                let Some((span, shared)) = span_read(&these) else {
+                    continue;
+                };
+                if shared || !tile_pays_for_skipped_rows() {
                     // Every row's sum over the span at once; a row skips the positions it
                     // does not read.
-                    let (span, width) = (step.span.clone(), step.span.len());
+                    let width = span.len();
                     weights.clear();
                     weights.resize(count * width, 0.0);
-                    for (i, read) in reads.iter().enumerate() {
+                    reads.clear();
+                    for (i, list) in these.iter().enumerate() {
+                        let p = &scores[i][next[i]..][..list.len()];
                         let row = &mut weights[i * width..][..width];
-                        if read.run {
-                            row[list(i)[0] - span.start..][..read.len].copy_from_slice(p(i));
-                        } else {
-                            for (&pos, &p) in list(i).iter().zip(p(i)) {
+                        let Some(run) = run_of(list) else {
+                            let mut bits = 0u64;
+                            for (&pos, &p) in list.iter().zip(p) {
+                                let bit = 1 << (pos - span.start);
+                                debug_assert_eq!(bits & bit, 0, "a row's positions are distinct");
                                 row[pos - span.start] = p;
+                                bits |= bit;
                             }
-                        }
+                            reads.push(bits);
+                            continue;
+                        };
+                        let run = run.start - span.start..run.end - span.start;
+                        row[run.clone()].copy_from_slice(p);
+                        reads.push((u64::MAX >> (64 - run.len())) << run.start);
                     }
                     values.clear();
                     values.extend(span.map(value));
-                    fused_add_weighted_tile(block_out, &weights, bits, &values);
+                    fused_add_weighted_tile(block_out, &weights, &reads, &values);
                 } else {
                     for (i, row_out) in block_out.chunks_exact_mut(v).enumerate() {
-                        let (list, p) = (list(i), p(i));
+                        let (list, p) = (these[i], &scores[i][next[i]..]);
                         // Eight values a pass (the sum read and written once for them),
                         // then four, then one at a time: the same adds in the same order.
                         let mut at = 0;
@@ -567,6 +497,9 @@ impl ExpandedHeads<'_> {
                             fused_add_weighted(row_out, [p], [value(pos)]);
                         }
                     }
+                }
+                for (next, list) in next.iter_mut().zip(&these) {
+                    *next += list.len();
                 }
             }
         }
