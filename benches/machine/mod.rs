@@ -4,6 +4,7 @@
 // Each benchmark uses a different subset of these.
 #![allow(dead_code)]
 
+use std::sync::Barrier;
 use std::time::Instant;
 
 use coli::snapshot::Snapshot;
@@ -39,7 +40,7 @@ pub fn sum(buffer: &[u64]) -> u64 {
 }
 
 /// Multiply-adds one call of an [`FmaKernel`] makes per lane and chain.
-pub const FMA_STEPS: usize = 1 << 20;
+pub const FMA_STEPS: usize = 1 << 22;
 /// Independent chains per call: enough to hide the FMA latency.
 pub const FMA_CHAINS: usize = 12;
 
@@ -58,13 +59,29 @@ impl FmaKernel {
         threads * FMA_STEPS * FMA_CHAINS * self.lanes
     }
 
-    /// One call on each of `threads` threads.
+    /// One call on each of `threads` threads of their own, started together. Not on the
+    /// thread pool: there a worker that is still asleep when the first one starts leaves
+    /// both calls to the first, and the probe reads half the machine (seen here in about
+    /// half of the runs).
     pub fn run_on(&self, threads: usize) -> f32 {
-        (0..threads)
-            .into_par_iter()
-            // SAFETY: `fma_kernels` only returns kernels whose instruction set it detected.
-            .map(|t| unsafe { (self.run)(t as f32 * 1e-3) })
-            .sum()
+        let start = Barrier::new(threads);
+        std::thread::scope(|scope| {
+            let calls: Vec<_> = (0..threads)
+                .map(|t| {
+                    let start = &start;
+                    scope.spawn(move || {
+                        start.wait();
+                        // SAFETY: `fma_kernels` only returns kernels whose instruction set
+                        // it detected.
+                        unsafe { (self.run)(t as f32 * 1e-3) }
+                    })
+                })
+                .collect();
+            calls
+                .into_iter()
+                .map(|call| call.join().expect("FMA probe thread"))
+                .sum()
+        })
     }
 }
 
@@ -125,12 +142,12 @@ pub fn fma_kernels() -> Vec<FmaKernel> {
 }
 
 /// The f32 FMA peak in multiply-adds per second on every thread: the widest kernel's best
-/// of three; `None` where the CPU has no FMA kernel here.
+/// of five; `None` where the CPU has no FMA kernel here.
 pub fn fma_peak() -> Option<f64> {
     let kernel = fma_kernels().pop()?;
     let threads = rayon::current_num_threads();
     let mut best = 0f64;
-    for _ in 0..3 {
+    for _ in 0..5 {
         let started = Instant::now();
         std::hint::black_box(kernel.run_on(threads));
         best = best.max(kernel.multiply_adds(threads) as f64 / started.elapsed().as_secs_f64());
