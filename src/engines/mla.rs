@@ -273,8 +273,11 @@ fn quad_of<'a>(quad: &[usize], vector: impl Fn(usize) -> &'a [f32]) -> [&'a [f32
 }
 
 /// Query rows of one head that [`attend_plain`] attends together, so that each block of
-/// keys and values is read once for all of them.
-const QUERY_BLOCK: usize = 32;
+/// keys and values is read once for all of them. Past the DSA's top-k a row reads fewer of
+/// each block's positions the longer the prompt (an eighth at 16,384 tokens), and every
+/// query block walks the head's whole slab (33 MB at 16,384 positions): 128 rows walk it a
+/// quarter as often as 32 did, with the same time at 1,024 and 4,096 positions.
+const QUERY_BLOCK: usize = 128;
 /// Positions whose keys and values [`attend_plain`] reads as one block: 64 of GLM-5.2's
 /// (192 + 64 + 256 floats and a padding line) take 132 KiB, which stays in the
 /// second-level cache while every row of a query block reads it.
