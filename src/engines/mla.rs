@@ -600,50 +600,118 @@ pub fn attend_absorbed(
     let (qk, rows) = (shape.qk(), shape.kv_rows());
     let first = cache.len() - n;
     let every = every_position(keys, cache.len());
-    for (row, out) in out.chunks_exact_mut(heads * v).enumerate() {
-        let queries = &queries[row * heads * qk..][..heads * qk];
-        // Every head's query in latent space, `W_k^T q_nope`: four rows of `W_k` at a
-        // time, added in order.
-        let mut q_latents = vec![0f32; heads * kv_lora];
-        q_latents.par_chunks_mut(kv_lora).enumerate().for_each_init(
+    let windows = queries
+        .chunks(ABSORB_ROWS * heads * qk)
+        .zip(out.chunks_mut(ABSORB_ROWS * heads * v));
+    // Kept from window to window: fresh pages for every window cost more than the
+    // decoding they save.
+    let (mut by_head, mut by_row) = (Vec::new(), Vec::new());
+    let (mut contexts, mut head_outs) = (Vec::new(), Vec::new());
+    for (window, (queries, out)) in windows.enumerate() {
+        let count = out.len() / (heads * v);
+        latent_queries(shape, kv_b, queries, &mut by_head, &mut by_row);
+        let q_latents = if by_row.is_empty() { &by_head } else { &by_row };
+        contexts.clear();
+        for i in 0..count {
+            let q_ropes: Vec<f32> = queries[i * heads * qk..][..heads * qk]
+                .chunks_exact(qk)
+                .flat_map(|query| query[nope..].iter().copied())
+                .collect();
+            let row = LatentRow {
+                shape,
+                q_latents: Queries::new(
+                    &q_latents[i * heads * kv_lora..][..heads * kv_lora],
+                    heads,
+                ),
+                q_ropes: Queries::new(&q_ropes, heads),
+                cache,
+                seen: positions(keys, &every, first, window * ABSORB_ROWS + i),
+            };
+            contexts.extend_from_slice(&row.context());
+        }
+        // Each head's value rows against all the window's contexts at once: the bits of one
+        // context at a time, each row decoded once for all of them.
+        head_outs.clear();
+        head_outs.resize(heads * count * v, 0.0);
+        head_outs
+            .par_chunks_mut(count * v)
+            .enumerate()
+            .for_each_init(Vec::new, |of_head, (head, head_out)| {
+                of_head.clear();
+                for context in contexts.chunks_exact(heads * kv_lora) {
+                    of_head.extend_from_slice(&context[head * kv_lora..][..kv_lora]);
+                }
+                kv_b.rows_product(head * rows + nope, of_head, count, head_out);
+            });
+        for (index, out) in out.chunks_exact_mut(v).enumerate() {
+            let (i, head) = (index / heads, index % heads);
+            out.copy_from_slice(&head_outs[(head * count + i) * v..][..v]);
+        }
+    }
+}
+
+/// Query rows whose latent-space queries [`attend_absorbed`] works out together, each
+/// head's rows of `W_k` decoded once for all of them: a decode step has one, a chunk of a
+/// long prompt after the first (`coli serve` fills prompts 512 rows at a time) hundreds,
+/// and decoding the rows again for each of them was a tenth of such a chunk's attention.
+const ABSORB_ROWS: usize = 64;
+
+/// Every head's query in latent space, `W_k^T q_nope`, for each row of `queries` (`rows x
+/// heads*(nope+rope)`): per head, four rows of `W_k` decoded at a time and added in order
+/// into every row's, in `by_head` (`heads x rows x kv_lora`); with more than one row, also
+/// row by row in `by_row` (`rows x heads x kv_lora`), which is otherwise left empty.
+fn latent_queries(
+    shape: MlaShape,
+    kv_b: &Matrix,
+    queries: &[f32],
+    by_head: &mut Vec<f32>,
+    by_row: &mut Vec<f32>,
+) {
+    let MlaShape {
+        heads,
+        nope,
+        kv_lora,
+        ..
+    } = shape;
+    let (qk, rows) = (shape.qk(), shape.kv_rows());
+    let count = queries.len() / (heads * qk);
+    by_head.clear();
+    by_head.resize(heads * count * kv_lora, 0.0);
+    by_row.clear();
+    by_head
+        .par_chunks_mut(count * kv_lora)
+        .enumerate()
+        .for_each_init(
             || vec![0f32; 4 * kv_lora],
-            |w_rows, (head, q_latent)| {
-                let q_nope = &queries[head * qk..][..nope];
-                for (quad, q) in q_nope.chunks(4).enumerate() {
-                    let w_rows = &mut w_rows[..q.len() * kv_lora];
+            |w_rows, (head, q_latents)| {
+                for from in (0..nope).step_by(4) {
+                    let take = (nope - from).min(4);
+                    let w_rows = &mut w_rows[..take * kv_lora];
                     for (j, w_row) in w_rows.chunks_exact_mut(kv_lora).enumerate() {
-                        kv_b.row_into(head * rows + 4 * quad + j, w_row);
+                        kv_b.row_into(head * rows + from + j, w_row);
                     }
-                    match *q {
-                        [q0, q1, q2, q3] => {
-                            let w = std::array::from_fn(|j| &w_rows[j * kv_lora..][..kv_lora]);
-                            add_weighted(q_latent, [q0, q1, q2, q3], w);
-                        }
-                        _ => {
-                            for (&q, w_row) in q.iter().zip(w_rows.chunks_exact(kv_lora)) {
-                                add_weighted(q_latent, [q], [w_row]);
+                    let w = |j: usize| &w_rows[j * kv_lora..][..kv_lora];
+                    for (i, q_latent) in q_latents.chunks_exact_mut(kv_lora).enumerate() {
+                        match queries[(i * heads + head) * qk + from..][..take] {
+                            [q0, q1, q2, q3] => {
+                                add_weighted(q_latent, [q0, q1, q2, q3], std::array::from_fn(w))
+                            }
+                            ref q => {
+                                for (j, &q) in q.iter().enumerate() {
+                                    add_weighted(q_latent, [q], [w(j)]);
+                                }
                             }
                         }
                     }
                 }
             },
         );
-        let q_ropes: Vec<f32> = queries
-            .chunks_exact(qk)
-            .flat_map(|query| query[nope..].iter().copied())
-            .collect();
-        let context = LatentRow {
-            shape,
-            q_latents: Queries::new(&q_latents, heads),
-            q_ropes: Queries::new(&q_ropes, heads),
-            cache,
-            seen: positions(keys, &every, first, row),
+    if count > 1 {
+        by_row.resize(count * heads * kv_lora, 0.0);
+        for (index, q_latent) in by_row.chunks_exact_mut(kv_lora).enumerate() {
+            let (row, head) = (index / heads, index % heads);
+            q_latent.copy_from_slice(&by_head[(head * count + row) * kv_lora..][..kv_lora]);
         }
-        .context();
-        out.par_chunks_mut(v).enumerate().for_each(|(head, out)| {
-            let context = &context[head * kv_lora..][..kv_lora];
-            kv_b.rows_dot(head * rows + nope, context, out);
-        });
     }
 }
 
@@ -973,7 +1041,7 @@ mod tests {
                     *c += p * l;
                 }
             }
-            kv_b.rows_dot(head * rows + shape.nope, &context, out);
+            kv_b.rows_product(head * rows + shape.nope, &context, 1, out);
         }
         out
     }
@@ -1010,6 +1078,31 @@ mod tests {
     }
 
     #[test]
+    fn absorbed_rows_in_windows_give_the_bits_of_one_head_at_a_time() {
+        // More rows than a window of latent queries, with a partial last window; a query
+        // width with a remainder past its fours.
+        let shape = MlaShape::new(3, 7, 4, 5, 10);
+        let n = ABSORB_ROWS + 9;
+        let total = n + 20;
+        let (kv_b, cache) = random_layer(shape, total, Width::Int8Row, 9, 10);
+        let queries = noise(n * shape.heads * shape.qk(), 11);
+        let picked: Vec<Vec<usize>> = (0..n)
+            .map(|row| {
+                (0..total - n + row + 1)
+                    .filter(|pos| pos % 5 != row % 5)
+                    .collect()
+            })
+            .collect();
+        for keys in [Keys::Causal, Keys::Selected(&picked)] {
+            let mut out = vec![0f32; n * shape.heads * shape.v];
+            attend_absorbed(shape, &kv_b, &queries, n, &cache, &keys, &mut out);
+            let want = absorbed_head_by_head(shape, &kv_b, &queries, n, &cache, &keys);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&out), bits(&want));
+        }
+    }
+
+    #[test]
     fn one_key_reads_its_value() {
         // With a single visible position the softmax is 1 and the output is that position's
         // value: kv_b's value rows times the latent.
@@ -1027,9 +1120,10 @@ mod tests {
         );
         for head in 0..shape.heads {
             let mut want = vec![0f32; shape.v];
-            kv_b.rows_dot(
+            kv_b.rows_product(
                 head * shape.kv_rows() + shape.nope,
                 cache.latent(3),
+                1,
                 &mut want,
             );
             for (got, want) in out[head * shape.v..][..shape.v].iter().zip(&want) {

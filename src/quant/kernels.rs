@@ -1027,27 +1027,49 @@ where
     }
 }
 
-/// Rows `first..first + out.len()` each dotted with `x`, with `isa`.
-pub fn rows_dot<D>(isa: Isa, view: View<'_, D::Elem>, first: usize, x: &[f32], out: &mut [f32])
-where
+/// Rows `first..first + count` against each of the `n` rows of `input`, with `isa`, as
+/// `out[t * count + row - first]` (`count = out.len() / n`): the elements [`matmul`] gives
+/// them.
+pub fn rows_product<D>(
+    isa: Isa,
+    view: View<'_, D::Elem>,
+    first: usize,
+    input: &[f32],
+    n: usize,
+    out: &mut [f32],
+) where
     D: Decode<Scalar> + SimdDecode,
 {
-    assert_eq!(x.len(), view.cols, "rows_dot input width");
     assert!(
-        first + out.len() <= view.rows,
+        n > 0 && out.len().is_multiple_of(n),
+        "rows_product output shape"
+    );
+    let count = out.len() / n;
+    assert_eq!(input.len(), n * view.cols, "rows_product input width");
+    assert!(
+        first + count <= view.rows,
         "rows {first}..{} of {}",
-        first + out.len(),
+        first + count,
         view.rows
     );
     let isa = if isa.supported() { isa } else { Isa::Scalar };
+    let mut run = |block: &dyn Block| {
+        if n == 1 {
+            block.rows(first, input, out)
+        } else {
+            block.batched(first, count, input, n, out)
+        }
+    };
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => super::x86::Avx2Block::<D>(view).rows(first, x, out),
+        Isa::Avx2 => run(&super::x86::Avx2Block::<D>(view)),
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => super::avx512::Avx512Block::<D>::new(view).rows(first, x, out),
+        Isa::Avx512 if n == 1 => run(&super::avx512::Avx512Block::<D>::new(view)),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => run(&super::avx512::Avx512Block::<D>::batch(view, input, n)),
         #[cfg(target_arch = "aarch64")]
-        Isa::Neon => super::neon::NeonBlock::<D>(view).rows(first, x, out),
-        _ => ScalarBlock::<D>(view).rows(first, x, out),
+        Isa::Neon => run(&super::neon::NeonBlock::<D>(view)),
+        _ => run(&ScalarBlock::<D>(view)),
     }
 }
 

@@ -560,19 +560,21 @@ impl Matrix {
         with_view!(self, |view, C| run::<C>(isa, view, row, out))
     }
 
-    /// Rows `first..first + out.len()` of the matrix each dotted with `x` (`cols` wide):
-    /// those output elements of [`Matrix::matmul`], for callers that need only some rows
+    /// Rows `first..first + count` of the matrix against each of the `n` rows of `input`,
+    /// as `out[t * count + row - first]` (`count = out.len() / n`): those output elements
+    /// of [`Matrix::matmul`] with f32 activations, for callers that need only some rows
     /// (e.g. one head's slice).
-    pub fn rows_dot(&self, first: usize, x: &[f32], out: &mut [f32]) {
+    pub fn rows_product(&self, first: usize, input: &[f32], n: usize, out: &mut [f32]) {
         fn run<D: Decode<kernels::Scalar> + SimdDecode>(
             view: View<'_, D::Elem>,
             first: usize,
-            x: &[f32],
+            input: &[f32],
+            n: usize,
             out: &mut [f32],
         ) {
-            kernels::rows_dot::<D>(kernels::selected(), view, first, x, out)
+            kernels::rows_product::<D>(kernels::selected(), view, first, input, n, out)
         }
-        with_view!(self, |view, C| run::<C>(view, first, x, out))
+        with_view!(self, |view, C| run::<C>(view, first, input, n, out))
     }
 
     /// Every element as f32 (scales applied), row-major.

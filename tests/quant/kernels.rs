@@ -204,12 +204,20 @@ fn a_batch_computes_what_single_rows_compute() {
                     let input = &x[t * cols..(t + 1) * cols];
                     for r in [0, rows - 1] {
                         let mut one = [0f32];
-                        matrix.rows_dot(r, input, &mut one);
+                        matrix.rows_product(r, input, 1, &mut one);
                         assert_eq!(one[0].to_bits(), single[r].to_bits());
                     }
                     let mut later = vec![0f32; rows - 1];
-                    matrix.rows_dot(1, input, &mut later);
+                    matrix.rows_product(1, input, 1, &mut later);
                     assert_eq!(later[..], single[1..]);
+                }
+                // Every row but the first against the whole batch.
+                let mut later = vec![0f32; n * (rows - 1)];
+                matrix.rows_product(1, &x, n, &mut later);
+                for (t, single) in singles.iter().enumerate() {
+                    let got = &later[t * (rows - 1)..][..rows - 1];
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(got), bits(&single[1..]), "{} row {t}", label(format));
                 }
             }
         }
