@@ -607,12 +607,13 @@ pub fn attend_absorbed(
     // decoding they save.
     let (mut by_head, mut by_row) = (Vec::new(), Vec::new());
     let (mut contexts, mut head_outs) = (Vec::new(), Vec::new());
+    let (mut scores, mut weights) = (Vec::new(), Vec::new());
     for (window, (queries, out)) in windows.enumerate() {
         let count = out.len() / (heads * v);
         latent_queries(shape, kv_b, queries, &mut by_head, &mut by_row);
         let q_latents = if by_row.is_empty() { &by_head } else { &by_row };
-        contexts.clear();
-        for i in 0..count {
+        contexts.resize(count * heads * kv_lora, 0.0);
+        for (i, context) in contexts.chunks_exact_mut(heads * kv_lora).enumerate() {
             let q_ropes: Vec<f32> = queries[i * heads * qk..][..heads * qk]
                 .chunks_exact(qk)
                 .flat_map(|query| query[nope..].iter().copied())
@@ -627,7 +628,7 @@ pub fn attend_absorbed(
                 cache,
                 seen: positions(keys, &every, first, window * ABSORB_ROWS + i),
             };
-            contexts.extend_from_slice(&row.context());
+            row.context(&mut scores, &mut weights, context);
         }
         // Each head's value rows against all the window's contexts at once: the bits of one
         // context at a time, each row decoded once for all of them.
@@ -728,22 +729,25 @@ struct LatentRow<'a> {
 }
 
 impl LatentRow<'_> {
-    /// Every head's `Σ_t a_t latent_t` (`heads x kv_lora`): the scores of
+    /// Every head's `Σ_t a_t latent_t` into `context` (`heads x kv_lora`): the scores of
     /// [`LATENT_BLOCK`] positions a task, every head's softmax, then the sums of
-    /// [`HEAD_BLOCK`] heads a task.
-    fn context(&self) -> Vec<f32> {
-        let MlaShape { heads, kv_lora, .. } = self.shape;
+    /// [`HEAD_BLOCK`] heads a task. `scores` and `weights` are the caller's, kept from row
+    /// to row (a row's are a megabyte at 2,048 positions, fresh pages every row).
+    fn context(&self, scores: &mut Vec<f32>, weights: &mut Vec<f32>, context: &mut [f32]) {
+        let heads = self.shape.heads;
         let count = self.seen.len();
+        // With no position to attend to, softmax over nothing sums nothing.
+        context.fill(0.0);
         if count == 0 {
-            // Nothing to attend to: softmax over no positions sums nothing.
-            return vec![0f32; heads * kv_lora];
+            return;
         }
-        let mut by_position = vec![0f32; count * heads];
+        let by_position = scores;
+        by_position.resize(count * heads, 0.0);
         by_position
             .par_chunks_mut(LATENT_BLOCK * heads)
             .enumerate()
             .for_each(|(block, scores)| self.score(block, scores));
-        let mut weights = vec![0f32; heads * count];
+        weights.resize(heads * count, 0.0);
         weights
             .par_chunks_mut(count)
             .enumerate()
@@ -753,12 +757,10 @@ impl LatentRow<'_> {
                 }
                 softmax(weights);
             });
-        let mut context = vec![0f32; heads * kv_lora];
         context
-            .par_chunks_mut(HEAD_BLOCK * kv_lora)
+            .par_chunks_mut(HEAD_BLOCK * self.shape.kv_lora)
             .enumerate()
-            .for_each(|(block, context)| self.sum(block, &weights, context));
-        context
+            .for_each(|(block, context)| self.sum(block, weights, context));
     }
 
     /// Every head's score of the positions of block `block` into `scores` (position-major):
