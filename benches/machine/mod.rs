@@ -4,8 +4,8 @@
 // Each benchmark uses a different subset of these.
 #![allow(dead_code)]
 
-use std::sync::Barrier;
-use std::time::Instant;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use coli::snapshot::Snapshot;
 use rayon::prelude::*;
@@ -59,29 +59,48 @@ impl FmaKernel {
         threads * FMA_STEPS * FMA_CHAINS * self.lanes
     }
 
-    /// One call on each of `threads` threads of their own, started together. Not on the
-    /// thread pool: there a worker that is still asleep when the first one starts leaves
-    /// both calls to the first, and the probe reads half the machine (seen here in about
-    /// half of the runs).
-    pub fn run_on(&self, threads: usize) -> f32 {
-        let start = Barrier::new(threads);
+    /// One call on each of `threads` threads of their own, started together once all of
+    /// them exist, and the time from that start to the last call's end (the threads'
+    /// creation left out: on a many-core host it takes milliseconds). Not on the thread
+    /// pool: there a worker that is still asleep when the first one starts leaves both
+    /// calls to the first, and the probe reads half the machine (seen here in about half
+    /// of the runs).
+    pub fn run_on(&self, threads: usize) -> (f32, Duration) {
+        let go = AtomicBool::new(false);
         std::thread::scope(|scope| {
+            // Also released if a thread cannot be created, so the others finish and the
+            // failure surfaces instead of a hang.
+            let release = Release(&go);
             let calls: Vec<_> = (0..threads)
                 .map(|t| {
-                    let start = &start;
+                    let go = &go;
                     scope.spawn(move || {
-                        start.wait();
+                        while !go.load(Ordering::Acquire) {
+                            std::hint::spin_loop();
+                        }
                         // SAFETY: `fma_kernels` only returns kernels whose instruction set
                         // it detected.
                         unsafe { (self.run)(t as f32 * 1e-3) }
                     })
                 })
                 .collect();
-            calls
+            let started = Instant::now();
+            drop(release);
+            let sum = calls
                 .into_iter()
                 .map(|call| call.join().expect("FMA probe thread"))
-                .sum()
+                .sum();
+            (sum, started.elapsed())
         })
+    }
+}
+
+/// Sets its flag when dropped: [`FmaKernel::run_on`]'s start.
+struct Release<'a>(&'a AtomicBool);
+
+impl Drop for Release<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
     }
 }
 
@@ -148,9 +167,9 @@ pub fn fma_peak() -> Option<f64> {
     let threads = rayon::current_num_threads();
     let mut best = 0f64;
     for _ in 0..5 {
-        let started = Instant::now();
-        std::hint::black_box(kernel.run_on(threads));
-        best = best.max(kernel.multiply_adds(threads) as f64 / started.elapsed().as_secs_f64());
+        let (sum, took) = kernel.run_on(threads);
+        std::hint::black_box(sum);
+        best = best.max(kernel.multiply_adds(threads) as f64 / took.as_secs_f64());
     }
     Some(best)
 }

@@ -598,6 +598,12 @@ pub fn attend_absorbed(
         ..
     } = shape;
     let (qk, rows) = (shape.qk(), shape.kv_rows());
+    assert_eq!(
+        queries.len(),
+        n * heads * qk,
+        "absorbed attention's queries"
+    );
+    assert_eq!(out.len(), n * heads * v, "absorbed attention's output");
     let first = cache.len() - n;
     let every = every_position(keys, cache.len());
     let windows = queries
