@@ -613,17 +613,17 @@ pub fn attend_absorbed(
     // decoding they save.
     let (mut by_head, mut by_row) = (Vec::new(), Vec::new());
     let (mut contexts, mut head_outs) = (Vec::new(), Vec::new());
-    let (mut scores, mut weights) = (Vec::new(), Vec::new());
+    let (mut scores, mut weights, mut q_ropes) = (Vec::new(), Vec::new(), Vec::new());
     for (window, (queries, out)) in windows.enumerate() {
         let count = out.len() / (heads * v);
         latent_queries(shape, kv_b, queries, &mut by_head, &mut by_row);
         let q_latents = if by_row.is_empty() { &by_head } else { &by_row };
         contexts.resize(count * heads * kv_lora, 0.0);
         for (i, context) in contexts.chunks_exact_mut(heads * kv_lora).enumerate() {
-            let q_ropes: Vec<f32> = queries[i * heads * qk..][..heads * qk]
-                .chunks_exact(qk)
-                .flat_map(|query| query[nope..].iter().copied())
-                .collect();
+            q_ropes.clear();
+            for query in queries[i * heads * qk..][..heads * qk].chunks_exact(qk) {
+                q_ropes.extend_from_slice(&query[nope..]);
+            }
             let row = LatentRow {
                 shape,
                 q_latents: Queries::new(
